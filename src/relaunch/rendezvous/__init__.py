@@ -1,0 +1,5 @@
+"""Rendezvous: the agents of a job agree on who takes part in each round."""
+
+from relaunch.rendezvous.api import RendezvousHandler, RendezvousInfo
+
+__all__ = ["RendezvousHandler", "RendezvousInfo"]

@@ -1,0 +1,65 @@
+"""What the agent sees of a rendezvous: the handler protocol and its result."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from relaunch.store import Store
+
+__all__ = ["RendezvousHandler", "RendezvousInfo"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class RendezvousInfo:
+    """The outcome of one completed rendezvous round, from this node's point of view."""
+
+    store: Store
+    """The round's store, with a key prefix of its own (agents use it for barriers)."""
+    rank: int
+    """This node's rank in the round (``GROUP_RANK`` of its workers), 0-based."""
+    world_size: int
+    """Number of nodes taking part in the round (``GROUP_WORLD_SIZE``)."""
+    round: int
+    """The round number; unique per job and increasing, the same on every node."""
+    master_addr: str
+    """Host of the workers' own store (``MASTER_ADDR``); hosted by the rank-0 node's agent."""
+    master_port: int
+    """Port of the workers' own store (``MASTER_PORT``)."""
+
+
+class RendezvousHandler(Protocol):
+    """The interface the agent drives. Every backend (static, c10d, etcd) implements it."""
+
+    def get_backend(self) -> str:
+        """The backend name: ``"static"``, ``"c10d"`` or ``"etcd"``."""
+        ...
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        """Join the next round and block until it is complete.
+
+        Raises RendezvousClosedError when the job is over, RendezvousTimeoutError
+        past the join timeout, RendezvousGracefulExitError for a spare that is
+        not needed, RendezvousStateError on a corrupt state.
+        """
+        ...
+
+    def is_closed(self) -> bool:
+        """Whether the rendezvous has been closed for good."""
+        ...
+
+    def set_closed(self) -> None:
+        """Close the rendezvous: no further round will complete."""
+        ...
+
+    def num_nodes_waiting(self) -> int:
+        """Nodes waiting to join the next round (the agent restarts to admit them)."""
+        ...
+
+    def get_run_id(self) -> str:
+        """The job's run id (``--rdzv-id``)."""
+        ...
+
+    def shutdown(self) -> bool:
+        """Leave the rendezvous and release resources (threads, connections). Idempotent."""
+        ...

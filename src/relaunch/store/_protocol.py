@@ -1,0 +1,52 @@
+"""The narrow seam every key-value store of relaunch sits behind."""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+__all__ = ["Store"]
+
+
+@runtime_checkable
+class Store(Protocol):
+    """A key-value store shared by the agents (and, for TCP, by the workers).
+
+    Keys are ``str``; values are ``bytes``. Every method may raise
+    :class:`relaunch.errors.StoreConnectionError` when the server cannot be
+    reached, and :class:`relaunch.errors.StoreClosedError` after :meth:`close`.
+    """
+
+    def get(self, key: str) -> bytes | None:
+        """Return the value of ``key`` now, or ``None`` when it is not set. Never waits."""
+        ...
+
+    def set(self, key: str, value: bytes) -> None:
+        """Set ``key`` to ``value``."""
+        ...
+
+    def compare_set(self, key: str, expected: bytes | None, desired: bytes) -> tuple[bytes, bool]:
+        """Set ``key`` to ``desired`` only if it currently holds ``expected``.
+
+        ``expected=None`` means "only if the key is not set". Returns the value the
+        key holds afterwards and whether this call wrote it.
+        """
+        ...
+
+    def add(self, key: str, amount: int) -> int:
+        """Atomically add ``amount`` to the integer at ``key`` (0 if unset); return the sum."""
+        ...
+
+    def delete(self, key: str) -> bool:
+        """Delete ``key``; return whether it existed."""
+        ...
+
+    def wait(self, keys: list[str], timeout: float) -> None:
+        """Block until every key in ``keys`` is set.
+
+        Raises :class:`relaunch.errors.StoreTimeoutError` after ``timeout`` seconds.
+        """
+        ...
+
+    def close(self) -> None:
+        """Release the connection. Idempotent."""
+        ...
