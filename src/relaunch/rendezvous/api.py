@@ -2,12 +2,33 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from relaunch.store import Store
 
-__all__ = ["RendezvousHandler", "RendezvousInfo"]
+__all__ = ["RendezvousHandler", "RendezvousInfo", "RendezvousParameters"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class RendezvousParameters:
+    """What the command line says about the rendezvous (validated by the CLI)."""
+
+    backend: str
+    """``"static"``, ``"c10d"`` or ``"etcd"``."""
+    endpoint: str
+    """``host:port`` (c10d, static), or comma-separated ``host:port`` list (etcd)."""
+    run_id: str
+    """The job id; nodes of another run id are refused."""
+    min_nodes: int
+    max_nodes: int
+    local_addr: str | None = None
+    """This node's address as others should reach it; avoids a DNS lookup."""
+    node_rank: int | None = None
+    """Only for ``static``: this node's fixed rank."""
+    conf: Mapping[str, str] = field(default_factory=dict)
+    """``--rdzv-conf key=value,...`` as given; each backend validates its keys."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -21,11 +42,11 @@ class RendezvousInfo:
     world_size: int
     """Number of nodes taking part in the round (``GROUP_WORLD_SIZE``)."""
     round: int
-    """The round number; unique per job and increasing, the same on every node."""
-    master_addr: str
-    """Host of the workers' own store (``MASTER_ADDR``); hosted by the rank-0 node's agent."""
-    master_port: int
-    """Port of the workers' own store (``MASTER_PORT``)."""
+    """The round number; unique per job and increasing, the same on every node.
+
+    The agent of rank 0 hosts a fresh store for the workers of each round and
+    publishes its address in ``store``; so no round sees another's keys.
+    """
 
 
 class RendezvousHandler(Protocol):
