@@ -8,7 +8,7 @@ import socket
 import time
 from dataclasses import dataclass, field, fields
 from datetime import datetime
-from typing import Any
+from typing import Any, cast
 
 from relaunch.errors._exceptions import WorkerError
 from relaunch.errors._file import (
@@ -174,5 +174,7 @@ class ProcessFailure:
                 raise FailureFormatError(
                     f"failure record field {name!r} must be {expected}, got {value!r:.80}"
                 )
-            object.__setattr__(obj, name, float(value) if name == "time" else value)
+            if name == "time":
+                value = float(cast(float, value))
+            object.__setattr__(obj, name, value)
         return obj
