@@ -1,0 +1,388 @@
+"""The launch configuration: what the command line (or a Python caller) asks the agent to do.
+
+:class:`LaunchConfig` is frozen, keyword-only and validated on construction: a bad value
+raises :class:`relaunch.errors.ConfigError` naming the field and what was expected.
+The value parsers (:meth:`Std.parse`, :func:`parse_nnodes`, :func:`parse_rdzv_conf`,
+:func:`parse_signals`, :func:`parse_endpoint`) are shared with the CLI; each takes the
+``name`` to put in its error message (a flag such as ``--nnodes`` or a field name).
+
+This module never reads the environment and never imports torch.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import re
+import signal
+from collections.abc import Mapping
+from dataclasses import dataclass
+from string import Template
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any
+
+from relaunch.errors import ConfigError
+
+if TYPE_CHECKING:
+    from relaunch.rendezvous import RendezvousParameters
+
+__all__ = [
+    "BACKENDS",
+    "DEFAULT_SIGNALS",
+    "START_METHODS",
+    "LaunchConfig",
+    "Std",
+    "parse_endpoint",
+    "parse_nnodes",
+    "parse_rdzv_conf",
+    "parse_signals",
+]
+
+BACKENDS = ("static", "c10d", "etcd")
+"""The rendezvous backends relaunch implements."""
+START_METHODS = ("spawn", "fork", "forkserver")
+"""The multiprocessing start methods torchrun accepts."""
+DEFAULT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
+"""torchrun's default ``--signals-to-handle``."""
+
+_UNHANDLEABLE = frozenset({signal.SIGKILL, signal.SIGSTOP})
+_HOST_RE = re.compile(r"^[\w.:-]+$")
+_PREFIX_KEYS = {"role_name": "role", "rank": 0, "local_rank": 0}
+
+
+def _bad(name: str, expected: str, got: object) -> ConfigError:
+    return ConfigError(f"{name}: expected {expected}, got {got!r}")
+
+
+class Std(enum.IntFlag):
+    """Which standard streams of a worker go to its log files (redirect) or to both (tee)."""
+
+    NONE = 0
+    OUT = 1
+    ERR = 2
+    ALL = 3
+
+    @classmethod
+    def parse(cls, text: str, name: str = "std") -> Std | dict[int, Std]:
+        """Parse ``"3"`` (every local rank) or ``"0:1,1:2"`` (local rank -> value), like torch.
+
+        Raises ConfigError naming ``name`` when ``text`` is neither.
+        """
+        expected = "0-3 or LOCAL_RANK:0-3,... (e.g. 0:1,1:2)"
+        text = text.strip()
+        if re.fullmatch(r"[0-3]", text):
+            return cls(int(text))
+        if not re.fullmatch(r"\d+:[0-3](,\d+:[0-3])*", text):
+            raise _bad(name, expected, text)
+        result: dict[int, Std] = {}
+        for item in text.split(","):
+            rank, value = item.split(":")
+            if int(rank) in result:
+                raise _bad(name, f"{expected} with each local rank once", text)
+            result[int(rank)] = cls(int(value))
+        return result
+
+    @classmethod
+    def to_map(cls, value: Std | Mapping[int, Std], nproc_per_node: int) -> dict[int, Std]:
+        """One entry per local rank ``0..nproc_per_node-1``; ranks not in a mapping get NONE."""
+        if isinstance(value, Std):
+            return dict.fromkeys(range(nproc_per_node), value)
+        return {rank: cls(value.get(rank, cls.NONE)) for rank in range(nproc_per_node)}
+
+
+def parse_nnodes(text: str, name: str = "--nnodes") -> tuple[int, int]:
+    """``"N"`` -> ``(N, N)``; ``"MIN:MAX"`` -> ``(MIN, MAX)``, with ``1 <= MIN <= MAX``."""
+    expected = "N or MIN:MAX with 1 <= MIN <= MAX"
+    match = re.fullmatch(r"\s*(\d+)\s*(?::\s*(\d+)\s*)?", text)
+    if match is None:
+        raise _bad(name, expected, text)
+    low = int(match.group(1))
+    high = int(match.group(2)) if match.group(2) is not None else low
+    if not 1 <= low <= high:
+        raise _bad(name, expected, text)
+    return low, high
+
+
+def parse_rdzv_conf(text: str, name: str = "--rdzv-conf") -> dict[str, str]:
+    """``"k1=v1,k2=v2"`` -> ``{"k1": "v1", "k2": "v2"}``; empty text -> ``{}``.
+
+    Every key needs a non-empty value (as in torch); keys and values are stripped.
+    """
+    result: dict[str, str] = {}
+    if not text.strip():
+        return result
+    for item in text.split(","):
+        key, sep, value = item.partition("=")
+        if not key.strip() or not sep or not value.strip():
+            raise _bad(name, "KEY=VALUE,... with a non-empty key and value in each item", text)
+        result[key.strip()] = value.strip()
+    return result
+
+
+def _signal_number(item: str) -> int | None:
+    item = item.strip().upper()
+    if item.isdigit():
+        number = int(item)
+    elif item.startswith("SIG") and item in signal.Signals.__members__:
+        number = int(signal.Signals[item])
+    else:
+        return None
+    if number not in signal.valid_signals() or number in _UNHANDLEABLE:
+        return None
+    return number
+
+
+def parse_signals(text: str, name: str = "--signals-to-handle") -> tuple[int, ...]:
+    """``"SIGTERM,SIGINT"`` (names or numbers) -> signal numbers, duplicates dropped.
+
+    SIGKILL and SIGSTOP cannot be handled and are refused.
+    """
+    result: list[int] = []
+    for item in text.split(","):
+        number = _signal_number(item)
+        if number is None:
+            raise _bad(
+                name,
+                "a comma-separated list of signal names that can be handled "
+                "(e.g. SIGTERM,SIGINT,SIGUSR1)",
+                text,
+            )
+        if number not in result:
+            result.append(number)
+    return tuple(result)
+
+
+def parse_endpoint(text: str, default_port: int | None, name: str = "--rdzv-endpoint") -> str:
+    """Validate ``host[:port]`` and return ``host:port`` (IPv6 hosts stay in brackets).
+
+    ``default_port=None`` makes the port mandatory.
+    """
+    expected = "HOST:PORT" if default_port is None else "HOST[:PORT]"
+    expected += " with a port in 0..65535 (IPv6 in brackets: [::1]:PORT)"
+    text = text.strip()
+    if text.startswith("["):
+        close = text.find("]")
+        host, rest = text[: close + 1], text[close + 1 :]
+        if close < 0 or (rest and not rest.startswith(":")):
+            raise _bad(name, expected, text)
+        port_text = rest[1:] if rest else None
+    elif ":" in text:
+        host, _, port_text = text.rpartition(":")
+    else:
+        host, port_text = text, None
+    if port_text is None and default_port is not None:
+        port = default_port
+    elif port_text and port_text.isdigit() and int(port_text) <= 65535:
+        port = int(port_text)
+    else:
+        raise _bad(name, expected, text)
+    if not _HOST_RE.match(host.removeprefix("[").removesuffix("]")):
+        raise _bad(name, expected, text)
+    return f"{host}:{port}"
+
+
+def _check_int(name: str, value: object, low: int, high: int | None = None) -> None:
+    ok = isinstance(value, int) and not isinstance(value, bool) and value >= low
+    if not ok or (high is not None and value > high):  # type: ignore[operator]
+        limit = f"{low} <= n" + (f" <= {high}" if high is not None else "")
+        raise _bad(name, f"an integer with {limit}", value)
+
+
+def _check_float(name: str, value: object, *, positive: bool) -> float:
+    number = float(value) if isinstance(value, int | float) and not isinstance(value, bool) else -1
+    if not math.isfinite(number) or number < 0 or (positive and number == 0):
+        raise _bad(name, "a finite number " + ("> 0" if positive else ">= 0"), value)
+    return number
+
+
+def _check_text(name: str, value: object, *, optional: bool = False) -> None:
+    if optional and value is None:
+        return
+    if not isinstance(value, str) or not value.strip():
+        raise _bad(name, "a non-empty string" + (" or None" if optional else ""), value)
+
+
+def _check_bool(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise _bad(name, "True or False", value)
+
+
+def _std_map(name: str, value: object, nproc: int) -> Mapping[int, Std]:
+    expected = f"a mapping of local ranks 0..{nproc - 1} to Std"
+    if not isinstance(value, Mapping):
+        raise _bad(name, expected, value)
+    result: dict[int, Std] = {}
+    for rank, std in value.items():
+        if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < nproc:
+            raise _bad(name, expected, dict(value))
+        if not isinstance(std, int) or isinstance(std, bool) or not 0 <= std <= 3:
+            raise _bad(name, expected, dict(value))
+        result[rank] = Std(std)
+    return MappingProxyType(Std.to_map(result, nproc))
+
+
+@dataclass(frozen=True, kw_only=True)
+class LaunchConfig:
+    """Everything the agent needs to run one job on this node. Validated on construction.
+
+    Raises ConfigError naming the first bad field and what was expected.
+    """
+
+    min_nodes: int
+    """Fewest nodes a round may start with (``--nnodes MIN:MAX``), >= 1."""
+    max_nodes: int
+    """Most nodes a round may have, >= ``min_nodes``; equal to it for ``static``."""
+    nproc_per_node: int
+    """Workers per node (``LOCAL_WORLD_SIZE``), already resolved from auto/cpu/gpu, >= 1."""
+    node_rank: int = 0
+    """This node's fixed rank for ``static`` (0 <= node_rank < max_nodes); ignored otherwise."""
+    rdzv_backend: str
+    """``"static"``, ``"c10d"`` or ``"etcd"``."""
+    rdzv_endpoint: str
+    """``host:port`` (static, c10d; port 0 = pick a free one) or a comma-separated etcd list."""
+    rdzv_id: str
+    """The job id shared by all nodes (``TORCHELASTIC_RUN_ID``)."""
+    rdzv_conf: Mapping[str, str]
+    """``--rdzv-conf`` key/value pairs as given; the backend validates its keys."""
+    standalone: bool
+    """``--standalone`` was asked for (single node, c10d on 127.0.0.1:0, fresh run id)."""
+    max_restarts: int
+    """Worker group restarts allowed before the job fails, >= 0."""
+    monitor_interval: float
+    """Seconds between two checks of the workers, > 0."""
+    start_method: str
+    """``"spawn"``, ``"fork"`` or ``"forkserver"`` (for function entrypoints)."""
+    role: str
+    """The workers' role (``ROLE_NAME``)."""
+    entrypoint: str
+    """The script path, the module name (``module``) or the binary (``no_python``)."""
+    args: tuple[str, ...]
+    """Arguments for the entrypoint; ``${local_rank}`` is substituted by the agent."""
+    module: bool
+    """Run ``entrypoint`` as ``python -m entrypoint``."""
+    no_python: bool
+    """Execute ``entrypoint`` directly, not through Python."""
+    run_path: bool
+    """Run the script with ``runpy.run_path`` in an interpreter (never with module/no_python)."""
+    log_dir: str | None
+    """Base directory for per-attempt logs; None = a temporary directory."""
+    redirects: Mapping[int, Std]
+    """Per local rank (0..nproc_per_node-1): streams written to log files only."""
+    tee: Mapping[int, Std]
+    """Per local rank (0..nproc_per_node-1): streams written to log files and the console."""
+    local_ranks_filter: frozenset[int] | None
+    """Local ranks whose output is shown on the console; None = all of them."""
+    master_addr: str | None
+    """``--master-addr`` when given (static uses it in ``rdzv_endpoint``), else None."""
+    master_port: int | None
+    """``--master-port`` when given (0..65535), else None."""
+    local_addr: str | None
+    """This node's address as the others should reach it; None = let the backend decide."""
+    exit_barrier_timeout: float
+    """Seconds a finished node waits at the exit barrier for the others, >= 0."""
+    warm_standby: bool
+    """Keep a warm interpreter (torch imported) per local rank for fast restarts.
+
+    Meaningless for ``no_python`` entrypoints, where the agent ignores it."""
+    log_line_prefix_template: str | None
+    """Console prefix template using ``${role_name}``, ``${rank}``, ``${local_rank}``."""
+    signals_to_handle: tuple[int, ...]
+    """Signal numbers the agent catches and forwards to the workers."""
+
+    def __post_init__(self) -> None:
+        _check_int("min_nodes", self.min_nodes, 1)
+        _check_int("max_nodes", self.max_nodes, self.min_nodes)
+        _check_int("nproc_per_node", self.nproc_per_node, 1)
+        if self.rdzv_backend not in BACKENDS:
+            raise _bad("rdzv_backend", " or ".join(map(repr, BACKENDS)), self.rdzv_backend)
+        static = self.rdzv_backend == "static"
+        if static and self.min_nodes != self.max_nodes:
+            raise _bad("max_nodes", "max_nodes == min_nodes for the static backend", self.max_nodes)
+        _check_int("node_rank", self.node_rank, 0, self.max_nodes - 1 if static else None)
+        _check_text("rdzv_endpoint", self.rdzv_endpoint)
+        for item in self.rdzv_endpoint.split(","):
+            parse_endpoint(item, None, "rdzv_endpoint")
+        _check_text("rdzv_id", self.rdzv_id)
+        conf = self.rdzv_conf
+        if not isinstance(conf, Mapping) or not all(
+            isinstance(k, str) and isinstance(v, str) and k.strip() and v.strip()
+            for k, v in conf.items()
+        ):
+            raise _bad("rdzv_conf", "a mapping of non-empty str to non-empty str", conf)
+        self._set("rdzv_conf", MappingProxyType(dict(conf)))
+        _check_bool("standalone", self.standalone)
+        _check_int("max_restarts", self.max_restarts, 0)
+        self._set(
+            "monitor_interval",
+            _check_float("monitor_interval", self.monitor_interval, positive=True),
+        )
+        if self.start_method not in START_METHODS:
+            raise _bad("start_method", " or ".join(map(repr, START_METHODS)), self.start_method)
+        _check_text("role", self.role)
+        _check_text("entrypoint", self.entrypoint)
+        if not isinstance(self.args, tuple | list) or not all(
+            isinstance(a, str) for a in self.args
+        ):
+            raise _bad("args", "a tuple of str", self.args)
+        self._set("args", tuple(self.args))
+        for name in ("module", "no_python", "run_path", "warm_standby"):
+            _check_bool(name, getattr(self, name))
+        if self.module and self.no_python:
+            raise _bad("no_python", "False when module is True", self.no_python)
+        if self.run_path and (self.module or self.no_python):
+            raise _bad("run_path", "False when module or no_python is True", self.run_path)
+        _check_text("log_dir", self.log_dir, optional=True)
+        self._set("redirects", _std_map("redirects", self.redirects, self.nproc_per_node))
+        self._set("tee", _std_map("tee", self.tee, self.nproc_per_node))
+        ranks = self.local_ranks_filter
+        if ranks is not None:
+            if not isinstance(ranks, frozenset | set) or not ranks:
+                raise _bad("local_ranks_filter", "None or a non-empty frozenset of ranks", ranks)
+            for rank in ranks:
+                _check_int("local_ranks_filter", rank, 0)
+            self._set("local_ranks_filter", frozenset(ranks))
+        _check_text("master_addr", self.master_addr, optional=True)
+        if self.master_port is not None:
+            _check_int("master_port", self.master_port, 0, 65535)
+        _check_text("local_addr", self.local_addr, optional=True)
+        timeout = _check_float("exit_barrier_timeout", self.exit_barrier_timeout, positive=False)
+        self._set("exit_barrier_timeout", timeout)
+        self._check_template()
+        signals = self.signals_to_handle
+        expected = "a tuple of distinct signal numbers that can be handled"
+        if not isinstance(signals, tuple | list) or len(set(signals)) != len(signals):
+            raise _bad("signals_to_handle", expected, signals)
+        for number in signals:
+            if type(number) is not int or _signal_number(str(number)) is None:
+                raise _bad("signals_to_handle", expected, signals)
+        self._set("signals_to_handle", tuple(int(number) for number in signals))
+
+    def _set(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, value)
+
+    def _check_template(self) -> None:
+        template = self.log_line_prefix_template
+        if template is None:
+            return
+        expected = "a template using only ${role_name}, ${rank}, ${local_rank}"
+        if not isinstance(template, str):
+            raise _bad("log_line_prefix_template", expected, template)
+        try:
+            Template(template).substitute(_PREFIX_KEYS)
+        except (KeyError, ValueError):
+            raise _bad("log_line_prefix_template", expected, template) from None
+
+    def rendezvous_parameters(self) -> RendezvousParameters:
+        """The rendezvous part of this configuration, for the backend's handler."""
+        from relaunch.rendezvous import RendezvousParameters
+
+        return RendezvousParameters(
+            backend=self.rdzv_backend,
+            endpoint=self.rdzv_endpoint,
+            run_id=self.rdzv_id,
+            min_nodes=self.min_nodes,
+            max_nodes=self.max_nodes,
+            local_addr=self.local_addr,
+            node_rank=self.node_rank if self.rdzv_backend == "static" else None,
+            conf=self.rdzv_conf,
+        )
