@@ -162,7 +162,8 @@ def read_error_file(path: str) -> ErrorRecord | ErrorFileProblem:
         data = json.loads(stripped)
     except (json.JSONDecodeError, RecursionError) as exc:
         kind = ProblemKind.NOT_JSON
-        if stripped.startswith("{") and not stripped.endswith("}"):
+        extra = isinstance(exc, json.JSONDecodeError) and exc.msg == "Extra data"
+        if stripped.startswith("{") and not stripped.endswith("}") and not extra:
             kind = ProblemKind.TRUNCATED
         return ErrorFileProblem(path=path, kind=kind, detail=f"{exc} ({len(raw)} bytes)")
     try:
