@@ -28,6 +28,7 @@ from relaunch.config import (
     START_METHODS,
     LaunchConfig,
     Std,
+    check_template,
     parse_endpoint,
     parse_nnodes,
     parse_rdzv_conf,
@@ -141,9 +142,16 @@ class _Store(argparse.Action):
 
 
 class _Parser(argparse.ArgumentParser):
+    argv: Sequence[str] = ()
+
     def error(self, message: str) -> NoReturn:
-        match = re.match(r"argument ([^:/ ]+)[^:]*: (.*)", message)
-        raise ConfigError(f"{match[1]}: {match[2]}" if match else message)
+        """One line naming the flag as the user spelled it, instead of usage + error + exit."""
+        match = re.match(r"argument ([^: ]+): (.*)", message)
+        if match is None:
+            raise ConfigError(message)
+        flags = match[1].split("/")
+        used = [f for f in flags if any(a == f or a.startswith(f + "=") for a in self.argv)]
+        raise ConfigError(f"{(used or flags)[0]}: {match[2]}")
 
 
 def _parser() -> _Parser:
@@ -334,7 +342,13 @@ def _rendezvous(values: _Values, nnodes: tuple[int, int]) -> tuple[str, str, str
                 )
         return "c10d", "127.0.0.1:0", str(uuid.uuid4()), (1, 1)
     if backend == "static" and not endpoint and not values.given("master_port") and nnodes[1] == 1:
-        return "c10d", "127.0.0.1:0", str(uuid.uuid4()), nnodes  # torchrun: single node
+        # torchrun's single-node default; an explicit --rdzv-id is kept (torchrun drops it).
+        return (
+            "c10d",
+            "127.0.0.1:0",
+            run_id if values.given("rdzv_id") else str(uuid.uuid4()),
+            nnodes,
+        )
     if backend == "static":
         if nnodes[0] != nnodes[1]:
             values.fail("nnodes", "N (the static backend has a fixed number of nodes)")
@@ -358,7 +372,9 @@ def parse_args(argv: Sequence[str] | None = None) -> LaunchConfig:
     Raises ConfigError with a one-line message naming the flag, the value and what was
     expected. Imports torch only to resolve ``--nproc-per-node auto|gpu|xpu``.
     """
-    ns = _parser().parse_args(argv, namespace=argparse.Namespace(spelling={}))
+    parser = _parser()
+    parser.argv = sys.argv[1:] if argv is None else argv
+    ns = parser.parse_args(parser.argv, namespace=argparse.Namespace(spelling={}))
     values = _Values(ns, os.environ)
     for dest, expected in _REFUSED.items():
         if _OPTS[dest].switch and values.switch(dest):
@@ -407,6 +423,11 @@ def parse_args(argv: Sequence[str] | None = None) -> LaunchConfig:
     template = values.text("log_line_prefix_template")
     if template is None:
         template = os.environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE") or None
+    if template is not None:
+        label = values.label("log_line_prefix_template")
+        if values.text("log_line_prefix_template") is None:
+            label = "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"
+        check_template(template, label)
     python_exec = os.environ.get("PYTHON_EXEC")
     if (
         python_exec

@@ -32,6 +32,7 @@ __all__ = [
     "START_METHODS",
     "LaunchConfig",
     "Std",
+    "check_template",
     "parse_endpoint",
     "parse_nnodes",
     "parse_rdzv_conf",
@@ -179,6 +180,16 @@ def parse_endpoint(text: str, default_port: int | None, name: str = "--rdzv-endp
     if not _HOST_RE.match(host.removeprefix("[").removesuffix("]")):
         raise _bad(name, expected, text)
     return f"{host}:{port}"
+
+
+def check_template(template: str, name: str = "--log-line-prefix-template") -> str:
+    """Check a console prefix template: only ``${role_name}``, ``${rank}``, ``${local_rank}``."""
+    expected = "a template using only ${role_name}, ${rank}, ${local_rank}"
+    try:
+        Template(template).substitute(_PREFIX_KEYS)
+    except (KeyError, ValueError, TypeError, AttributeError):
+        raise _bad(name, expected, template) from None
+    return template
 
 
 def _check_int(name: str, value: object, low: int, high: int | None = None) -> None:
@@ -347,7 +358,8 @@ class LaunchConfig:
         _check_text("local_addr", self.local_addr, optional=True)
         timeout = _check_float("exit_barrier_timeout", self.exit_barrier_timeout, positive=False)
         self._set("exit_barrier_timeout", timeout)
-        self._check_template()
+        if self.log_line_prefix_template is not None:
+            check_template(self.log_line_prefix_template, "log_line_prefix_template")
         signals = self.signals_to_handle
         expected = "a tuple of distinct signal numbers that can be handled"
         if not isinstance(signals, tuple | list) or len(set(signals)) != len(signals):
@@ -359,18 +371,6 @@ class LaunchConfig:
 
     def _set(self, name: str, value: Any) -> None:
         object.__setattr__(self, name, value)
-
-    def _check_template(self) -> None:
-        template = self.log_line_prefix_template
-        if template is None:
-            return
-        expected = "a template using only ${role_name}, ${rank}, ${local_rank}"
-        if not isinstance(template, str):
-            raise _bad("log_line_prefix_template", expected, template)
-        try:
-            Template(template).substitute(_PREFIX_KEYS)
-        except (KeyError, ValueError):
-            raise _bad("log_line_prefix_template", expected, template) from None
 
     def rendezvous_parameters(self) -> RendezvousParameters:
         """The rendezvous part of this configuration, for the backend's handler."""
