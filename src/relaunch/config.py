@@ -365,7 +365,9 @@ class LaunchConfig:
         if not isinstance(signals, tuple | list) or len(set(signals)) != len(signals):
             raise _bad("signals_to_handle", expected, signals)
         for number in signals:
-            if type(number) is not int or _signal_number(str(number)) is None:
+            if not isinstance(number, int) or isinstance(number, bool):
+                raise _bad("signals_to_handle", expected, signals)
+            if _signal_number(str(int(number))) is None:
                 raise _bad("signals_to_handle", expected, signals)
         self._set("signals_to_handle", tuple(int(number) for number in signals))
 
