@@ -1,0 +1,19 @@
+"""The per-node agent: WorkerSpec, WorkerGroup, Worker, WorkerState, RunResult, the loop."""
+
+from relaunch.agent._agent import LocalAgent
+from relaunch.agent._env import worker_env
+from relaunch.agent._launch import build_spec, create_rendezvous_handler, launch
+from relaunch.agent._spec import RunResult, Worker, WorkerGroup, WorkerSpec, WorkerState
+
+__all__ = [
+    "LocalAgent",
+    "RunResult",
+    "Worker",
+    "WorkerGroup",
+    "WorkerSpec",
+    "WorkerState",
+    "build_spec",
+    "create_rendezvous_handler",
+    "launch",
+    "worker_env",
+]

@@ -1,0 +1,392 @@
+"""The per-node agent: rendezvous, start workers, monitor, restart, exit barrier."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+from string import Template
+
+from relaunch.agent._env import substitute_local_rank, worker_env
+from relaunch.agent._spec import RunResult, Worker, WorkerGroup, WorkerSpec, WorkerState
+from relaunch.config import Std
+from relaunch.errors import ProcessFailure, RendezvousError, StoreError
+from relaunch.events import Event, EventSink
+from relaunch.procs import (
+    DEFAULT_PRELOAD,
+    ProcessSpec,
+    RunLogDir,
+    Standby,
+    TeeTarget,
+    WorkerProcesses,
+    set_child_subreaper,
+)
+from relaunch.rendezvous import RendezvousInfo
+from relaunch.store._tcp_server import TCPStoreServer
+from relaunch.timer import TimerExpiry, TimerServer
+
+__all__ = ["LocalAgent"]
+
+log = logging.getLogger(__name__)
+
+_WORKER_STORE_KEY = "relaunch/worker_store"
+_EXIT_COUNT_KEY = "relaunch/exit_barrier/count"
+_EXIT_DONE_KEY = "relaunch/exit_barrier/done"
+
+
+class LocalAgent:
+    """Runs one role's workers on this node until they succeed, fail for good, or a signal.
+
+    Owns: the worker processes, the warm standbys, the workers' store (on the
+    rank-0 node), the timer server, the run log directory. :meth:`run` releases
+    all of them before it returns.
+    """
+
+    def __init__(self, spec: WorkerSpec) -> None:
+        self._spec = spec
+        self._handler = spec.rdzv_handler
+        self._run_id = self._handler.get_run_id()
+        self._host = socket.gethostname()
+        self._remaining_restarts = spec.max_restarts
+        self._restart_count = 0
+        self._attempt = -1
+        self._group = WorkerGroup(
+            spec=spec, workers=[Worker(local_rank=i) for i in range(spec.local_world_size)]
+        )
+        self._procs: WorkerProcesses | None = None
+        self._standbys: dict[int, Standby] = {}
+        self._envs: dict[int, dict[str, str]] = {}
+        self._error_files: dict[int, str] = {}
+        self._started_at = 0.0
+        self._worker_store: TCPStoreServer | None = None
+        self._info: RendezvousInfo | None = None
+        self._wake = threading.Event()
+        self._stop_signal: int | None = None
+        self._logdir: RunLogDir | None = None
+        self._events = EventSink(None)
+        self._timer: TimerServer | None = None
+
+    # -- public -------------------------------------------------------------------
+    @property
+    def stop_signal(self) -> int | None:
+        """The signal that stopped the run, if one did."""
+        return self._stop_signal
+
+    @property
+    def run_log_dir(self) -> str | None:
+        return self._logdir.path if self._logdir else None
+
+    def request_stop(self, signum: int) -> None:
+        """Ask the run to stop (safe to call from a signal handler: it only sets flags)."""
+        self._stop_signal = signum
+        self._wake.set()
+
+    def run(self) -> RunResult:
+        """Run to the end. Raises RendezvousError or StoreError when the job cannot continue."""
+        self._setup()
+        try:
+            return self._loop()
+        finally:
+            self._teardown()
+
+    # -- lifecycle ----------------------------------------------------------------
+    def _setup(self) -> None:
+        set_child_subreaper()
+        self._logdir = RunLogDir(self._spec.log_dir, self._run_id)
+        self._events = EventSink(os.path.join(self._logdir.path, "events.jsonl"))
+        if self._spec.watchdog:
+            timer = TimerServer(path=self._spec.watchdog_file, on_expiry=self._on_timer_expiry)
+            timer.start()
+            self._timer = timer
+
+    def _teardown(self) -> None:
+        sig = self._stop_signal or signal.SIGTERM
+        self._stop_workers(sig)
+        for standby in self._standbys.values():
+            standby.discard()
+        self._standbys.clear()
+        if self._worker_store is not None:
+            self._worker_store.close()
+            self._worker_store = None
+        if self._timer is not None:
+            self._timer.close()
+            self._timer = None
+        try:
+            self._handler.shutdown()
+        except (RendezvousError, StoreError) as exc:
+            log.warning("rendezvous shutdown failed: %s", exc)
+        if self._logdir is not None:
+            self._logdir.close()
+
+    def _emit(self, name: str, **metadata: object) -> None:
+        self._events.emit(
+            Event(
+                name=name,
+                run_id=self._run_id,
+                role=self._spec.role,
+                host=self._host,
+                group_rank=self._group.group_rank,
+                restart_count=self._restart_count,
+                metadata=metadata,
+            )
+        )
+
+    # -- the loop -----------------------------------------------------------------
+    def _loop(self) -> RunResult:
+        self._rendezvous_and_start()
+        spec = self._spec
+        while True:
+            if self._wake.wait(spec.monitor_interval) or self._stop_signal is not None:
+                return self._stopped()
+            state, failures = self._poll()
+            self._group.state = state
+            if state == WorkerState.SUCCEEDED:
+                self._emit("workers_succeeded", attempt=self._attempt)
+                self._exit_barrier()
+                return RunResult(state=state)
+            if state == WorkerState.FAILED:
+                self._emit(
+                    "workers_failed",
+                    attempt=self._attempt,
+                    failures={r: f.exitcode for r, f in failures.items()},
+                )
+                if self._remaining_restarts <= 0:
+                    self._stop_workers(signal.SIGTERM)
+                    self._emit("run_failed", attempt=self._attempt)
+                    return RunResult(state=state, failures=failures)
+                self._remaining_restarts -= 1
+                self._restart_count += 1
+                self._emit("restart", remaining_restarts=self._remaining_restarts)
+                self._restart()
+            elif self._handler.num_nodes_waiting() > 0:
+                self._emit("scale", waiting=True)
+                self._restart()
+            else:
+                self._maybe_start_standbys()
+
+    def _stopped(self) -> RunResult:
+        sig = self._stop_signal or signal.SIGTERM
+        self._emit("stopped", signal=sig)
+        self._stop_workers(sig)
+        return RunResult(state=WorkerState.STOPPED)
+
+    def _restart(self) -> None:
+        self._stop_workers(signal.SIGTERM)
+        self._rendezvous_and_start()
+
+    def _poll(self) -> tuple[WorkerState, dict[int, ProcessFailure]]:
+        assert self._procs is not None
+        codes = self._procs.poll()
+        pids = self._procs.pids()
+        failures: dict[int, ProcessFailure] = {}
+        for worker in self._group.workers:
+            code = codes.get(worker.local_rank)
+            if code is not None and code != 0:
+                failures[worker.global_rank] = ProcessFailure(
+                    local_rank=worker.local_rank,
+                    pid=pids[worker.local_rank],
+                    exitcode=code,
+                    error_file=self._error_files[worker.local_rank],
+                )
+            if code is not None and self._timer is not None:
+                self._timer.clear_pid(pids[worker.local_rank])
+        if failures:
+            return WorkerState.FAILED, failures
+        if all(code == 0 for code in codes.values()):
+            return WorkerState.SUCCEEDED, failures
+        return WorkerState.HEALTHY, failures
+
+    # -- rendezvous and start -------------------------------------------------------
+    def _rendezvous_and_start(self) -> None:
+        t0 = time.monotonic()
+        info = self._handler.next_rendezvous()
+        self._info = info
+        group = self._group
+        group.group_rank, group.group_world_size, group.store = (
+            info.rank,
+            info.world_size,
+            info.store,
+        )
+        group.master_addr, group.master_port = self._publish_worker_store(info)
+        self._emit(
+            "rendezvous_complete",
+            round=info.round,
+            world_size=info.world_size,
+            seconds=round(time.monotonic() - t0, 4),
+        )
+        n = self._spec.local_world_size
+        world = n * info.world_size
+        for worker in group.workers:
+            worker.global_rank = worker.role_rank = info.rank * n + worker.local_rank
+            worker.world_size = worker.role_world_size = world
+        self._start_workers()
+
+    def _advertised_addr(self, world_size: int) -> str:
+        if self._spec.master_addr:
+            return self._spec.master_addr
+        if self._spec.local_addr:
+            return self._spec.local_addr
+        return "127.0.0.1" if world_size == 1 else self._host
+
+    def _publish_worker_store(self, info: RendezvousInfo) -> tuple[str, int]:
+        """Rank 0 hosts a fresh store for this round's workers; the others read its address."""
+        if self._worker_store is not None:
+            self._worker_store.close()
+            self._worker_store = None
+        if info.rank == 0:
+            addr = self._advertised_addr(info.world_size)
+            bind = "127.0.0.1" if addr.startswith("127.") else "0.0.0.0"
+            port = self._spec.master_port if info.world_size == 1 and self._spec.master_port else 0
+            server = TCPStoreServer(host=bind, port=port)
+            server.start()
+            self._worker_store = server
+            if info.world_size > 1:
+                info.store.set(
+                    _WORKER_STORE_KEY, json.dumps({"addr": addr, "port": server.port}).encode()
+                )
+            return addr, server.port
+        info.store.wait([_WORKER_STORE_KEY], timeout=max(60.0, self._spec.exit_barrier_timeout))
+        raw = info.store.get(_WORKER_STORE_KEY)
+        try:
+            data = json.loads(raw or b"")
+            return str(data["addr"]), int(data["port"])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise RendezvousError(f"bad worker store address in the round store: {raw!r}") from exc
+
+    def _streams(
+        self, local_rank: int, attempt_dir: str
+    ) -> tuple[str | None, str | None, list[TeeTarget]]:
+        spec = self._spec
+        tee = spec.tee.get(local_rank, Std.NONE)
+        redirect = spec.redirects.get(local_rank, Std.NONE) | tee
+        stdout = os.path.join(attempt_dir, "stdout.log") if redirect & Std.OUT else None
+        stderr = os.path.join(attempt_dir, "stderr.log") if redirect & Std.ERR else None
+        worker = self._group.workers[local_rank]
+        if spec.log_line_prefix_template:
+            prefix = Template(spec.log_line_prefix_template).safe_substitute(
+                role_name=spec.role, rank=worker.global_rank, local_rank=local_rank
+            )
+        else:
+            prefix = f"[{spec.role}{local_rank}]:"
+        targets: list[TeeTarget] = []
+        if tee & Std.OUT and stdout:
+            targets.append(TeeTarget(stdout, prefix, 1))
+        if tee & Std.ERR and stderr:
+            targets.append(TeeTarget(stderr, prefix, 2))
+        shown = spec.local_ranks_filter is None or local_rank in spec.local_ranks_filter
+        if not shown:
+            targets = []
+            stdout = stdout or os.devnull
+            stderr = stderr or os.devnull
+        return stdout, stderr, targets
+
+    def _start_workers(self) -> None:
+        spec, group = self._spec, self._group
+        assert self._logdir is not None and group.master_addr is not None
+        assert group.master_port is not None and group.group_rank is not None
+        assert group.group_world_size is not None
+        self._attempt += 1
+        extra: dict[str, str] = {}
+        if self._timer is not None:
+            extra["TORCHELASTIC_ENABLE_FILE_TIMER"] = "1"
+            extra["TORCHELASTIC_TIMER_FILE"] = self._timer.path
+        specs: list[ProcessSpec] = []
+        for worker in group.workers:
+            lr = worker.local_rank
+            attempt_dir = self._logdir.attempt_dir(self._attempt, lr)
+            error_file = os.path.join(attempt_dir, "error.json")
+            env = worker_env(
+                base=spec.base_env,
+                local_rank=lr,
+                global_rank=worker.global_rank,
+                role_rank=worker.role_rank,
+                role=spec.role,
+                local_world_size=spec.local_world_size,
+                world_size=worker.world_size,
+                role_world_size=worker.role_world_size,
+                group_rank=group.group_rank,
+                group_world_size=group.group_world_size,
+                master_addr=group.master_addr,
+                master_port=group.master_port,
+                restart_count=self._restart_count,
+                max_restarts=spec.max_restarts,
+                run_id=self._run_id,
+                error_file=error_file,
+                extra=extra,
+            )
+            self._envs[lr] = env
+            self._error_files[lr] = error_file
+            stdout, stderr, tee = self._streams(lr, attempt_dir)
+            specs.append(
+                ProcessSpec(
+                    local_rank=lr,
+                    env=env,
+                    args=substitute_local_rank(spec.args, lr),
+                    stdout=stdout,
+                    stderr=stderr,
+                    tee=tee,
+                )
+            )
+        standbys, self._standbys = self._standbys, {}
+        procs = WorkerProcesses(spec.entrypoint, specs, standbys=standbys, name=spec.role)
+        self._procs = procs
+        procs.start()
+        self._started_at = time.monotonic()
+        pids = procs.pids()
+        for worker in group.workers:
+            worker.id = pids[worker.local_rank]
+        if self._timer is not None:
+            self._timer.watch_pids(set(pids.values()))
+        group.state = WorkerState.HEALTHY
+        self._emit(
+            "workers_started",
+            attempt=self._attempt,
+            pids=pids,
+            warm=sorted(standbys),
+            master_addr=group.master_addr,
+            master_port=group.master_port,
+        )
+
+    def _maybe_start_standbys(self) -> None:
+        spec = self._spec
+        if (
+            not spec.warm_standby
+            or not spec.entrypoint.is_python
+            or self._remaining_restarts <= 0
+            or self._standbys
+            or time.monotonic() - self._started_at < spec.standby_delay
+        ):
+            return
+        for lr, env in self._envs.items():
+            self._standbys[lr] = Standby(env=env, cwd=os.getcwd(), preload=DEFAULT_PRELOAD)
+        self._emit("standbys_started", pids={lr: s.pid for lr, s in self._standbys.items()})
+
+    def _stop_workers(self, sig: int) -> None:
+        procs, self._procs = self._procs, None
+        if procs is None:
+            return
+        codes = procs.close(sig, grace=self._spec.stop_grace)
+        self._group.state = WorkerState.STOPPED
+        if self._timer is not None:
+            for pid in procs.pids().values():
+                self._timer.clear_pid(pid)
+        self._emit("workers_stopped", attempt=self._attempt, exitcodes=codes)
+
+    def _exit_barrier(self) -> None:
+        info = self._info
+        if info is None or info.world_size <= 1:
+            return
+        try:
+            if info.store.add(_EXIT_COUNT_KEY, 1) >= info.world_size:
+                info.store.set(_EXIT_DONE_KEY, b"1")
+            else:
+                info.store.wait([_EXIT_DONE_KEY], timeout=self._spec.exit_barrier_timeout)
+        except StoreError as exc:
+            log.warning("exit barrier: %s (other nodes may still be running)", exc)
+
+    def _on_timer_expiry(self, expiry: TimerExpiry) -> None:
+        self._emit("watchdog_expired", pid=expiry.pid, scope=expiry.scope_id, signal=expiry.signal)

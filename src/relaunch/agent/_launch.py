@@ -1,0 +1,138 @@
+"""``launch(config)``: what the ``relaunch`` command does after parsing its flags."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+from collections.abc import Mapping
+from types import FrameType
+
+from relaunch.agent._agent import LocalAgent
+from relaunch.agent._spec import WorkerSpec, WorkerState
+from relaunch.config import LaunchConfig
+from relaunch.errors import ChildFailedError, ConfigError, RelaunchError
+from relaunch.procs import Entrypoint
+from relaunch.rendezvous import RendezvousHandler
+
+__all__ = ["build_spec", "create_rendezvous_handler", "launch"]
+
+log = logging.getLogger(__name__)
+
+
+def create_rendezvous_handler(config: LaunchConfig) -> RendezvousHandler:
+    """The rendezvous handler the config asks for. Raises ConfigError on bad parameters."""
+    from relaunch.rendezvous.static import StandaloneRendezvousHandler
+
+    if config.standalone or (config.rdzv_backend == "static" and config.max_nodes == 1):
+        return StandaloneRendezvousHandler(config.rdzv_id)
+    params = config.rendezvous_parameters()
+    if config.rdzv_backend == "static":
+        from relaunch.rendezvous.static import create_static_handler
+
+        return create_static_handler(params)
+    from relaunch.rendezvous.registry import create_handler
+
+    return create_handler(params)
+
+
+def _entrypoint(config: LaunchConfig) -> Entrypoint:
+    if config.no_python and not config.run_path:
+        return Entrypoint(kind="binary", target=config.entrypoint)
+    if config.module:
+        return Entrypoint(kind="module", target=config.entrypoint)
+    return Entrypoint(kind="script", target=config.entrypoint, run_path=config.run_path)
+
+
+def _worker_base_env(config: LaunchConfig, environ: Mapping[str, str]) -> dict[str, str]:
+    env = dict(environ)
+    if "OMP_NUM_THREADS" not in env and config.nproc_per_node > 1:
+        log.warning(
+            "Setting OMP_NUM_THREADS environment variable for each process to be 1 by default, "
+            "to avoid your system being overloaded; tune it for optimal performance."
+        )
+        env["OMP_NUM_THREADS"] = "1"
+    # torchrun exports the signals it handles; scripts may read it.
+    env["TORCHELASTIC_SIGNALS_TO_HANDLE"] = ",".join(
+        signal.Signals(s).name for s in config.signals_to_handle
+    )
+    return env
+
+
+def build_spec(
+    config: LaunchConfig, handler: RendezvousHandler, environ: Mapping[str, str]
+) -> WorkerSpec:
+    """The agent's WorkerSpec for a parsed command line."""
+    return WorkerSpec(
+        role=config.role,
+        local_world_size=config.nproc_per_node,
+        entrypoint=_entrypoint(config),
+        args=config.args,
+        rdzv_handler=handler,
+        max_restarts=config.max_restarts,
+        monitor_interval=config.monitor_interval,
+        master_addr=config.master_addr if config.rdzv_backend == "static" else None,
+        master_port=config.master_port if config.rdzv_backend == "static" else None,
+        local_addr=config.local_addr,
+        redirects=config.redirects,
+        tee=config.tee,
+        local_ranks_filter=config.local_ranks_filter,
+        log_line_prefix_template=config.log_line_prefix_template,
+        log_dir=config.log_dir,
+        exit_barrier_timeout=config.exit_barrier_timeout,
+        warm_standby=config.warm_standby,
+        watchdog=environ.get("TORCHELASTIC_ENABLE_FILE_TIMER") == "1",
+        watchdog_file=environ.get("TORCHELASTIC_TIMER_FILE") or None,
+        base_env=_worker_base_env(config, environ),
+    )
+
+
+def _error(message: str) -> None:
+    print(f"relaunch: error: {message}", file=sys.stderr, flush=True)
+
+
+def launch(config: LaunchConfig, environ: Mapping[str, str] | None = None) -> int:
+    """Run the job on this node; return the exit code for the process.
+
+    0 when every worker succeeded; 1 when workers failed for good (the root-cause
+    report is printed to stderr); 128+N when stopped by signal N; 2 for a
+    configuration the rendezvous backend refuses.
+    """
+    environ = os.environ if environ is None else environ
+    try:
+        handler = create_rendezvous_handler(config)
+        spec = build_spec(config, handler, environ)
+    except ConfigError as exc:
+        _error(str(exc))
+        return 2
+    except RelaunchError as exc:
+        _error(str(exc))
+        return 1
+    agent = LocalAgent(spec)
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        agent.request_stop(signum)
+
+    previous = {}
+    for sig in config.signals_to_handle:
+        try:
+            previous[sig] = signal.signal(sig, on_signal)
+        except (OSError, ValueError):
+            log.warning("cannot handle signal %s", sig)
+    try:
+        result = agent.run()
+    except RelaunchError as exc:
+        _error(f"{type(exc).__name__}: {exc}")
+        return 1
+    finally:
+        for sig, handler_ in previous.items():
+            signal.signal(sig, handler_)
+    if result.state == WorkerState.SUCCEEDED:
+        return 0
+    if result.state == WorkerState.STOPPED and agent.stop_signal is not None:
+        _error(f"stopped by signal {signal.Signals(agent.stop_signal).name}")
+        return 128 + agent.stop_signal
+    failure = ChildFailedError(name=config.entrypoint, failures=dict(result.failures))
+    print(failure.format_msg(), file=sys.stderr, flush=True)
+    return 1

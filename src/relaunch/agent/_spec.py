@@ -1,0 +1,133 @@
+"""The agent's data model: what to run (WorkerSpec), what runs (Worker, WorkerGroup), outcomes."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from relaunch.config import Std
+from relaunch.errors import ConfigError
+from relaunch.procs import Entrypoint
+from relaunch.rendezvous import RendezvousHandler
+from relaunch.store import Store
+
+if TYPE_CHECKING:
+    from relaunch.errors import ProcessFailure
+
+__all__ = ["RunResult", "Worker", "WorkerGroup", "WorkerSpec", "WorkerState"]
+
+
+class WorkerState(str, enum.Enum):
+    """State of a worker group, as torchelastic defines it."""
+
+    UNKNOWN = "UNKNOWN"
+    INIT = "INIT"
+    HEALTHY = "HEALTHY"
+    UNHEALTHY = "UNHEALTHY"
+    STOPPED = "STOPPED"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+
+    @staticmethod
+    def is_running(state: WorkerState) -> bool:
+        return state in (WorkerState.HEALTHY, WorkerState.UNHEALTHY)
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerSpec:
+    """Everything the agent needs to run one role's workers on this node."""
+
+    role: str = "default"
+    """Role name (``ROLE_NAME``); prefixes tee'd output as ``[<role><rank>]:``."""
+    local_world_size: int
+    """Workers on this node (``--nproc-per-node``)."""
+    entrypoint: Entrypoint
+    args: tuple[str, ...] = ()
+    """Arguments for every worker; ``${local_rank}`` is substituted."""
+    rdzv_handler: RendezvousHandler
+    max_restarts: int = 0
+    """Restarts of the worker group allowed after a failure (for the whole job)."""
+    monitor_interval: float = 0.1
+    """Seconds between two polls of the workers."""
+    master_addr: str | None = None
+    """Address workers reach the store at; default: this node's local_addr or host."""
+    master_port: int | None = None
+    """Port of the workers' store; default: a free port, new for every attempt."""
+    local_addr: str | None = None
+    redirects: Mapping[int, Std] = field(default_factory=dict)
+    tee: Mapping[int, Std] = field(default_factory=dict)
+    local_ranks_filter: frozenset[int] | None = None
+    log_line_prefix_template: str | None = None
+    log_dir: str | None = None
+    exit_barrier_timeout: float = 300.0
+    warm_standby: bool = True
+    """Keep an interpreter per local rank with torch imported, to replace a failed worker fast."""
+    standby_delay: float = 2.0
+    """Seconds after workers start before the standbys are started (not to slow the start)."""
+    stop_grace: float = 30.0
+    """Seconds between SIGTERM and SIGKILL when stopping workers."""
+    watchdog: bool = False
+    """Run the named-pipe timer server (``TORCHELASTIC_ENABLE_FILE_TIMER=1``)."""
+    watchdog_file: str | None = None
+    """Named pipe path for the timer server (``TORCHELASTIC_TIMER_FILE``); created if None."""
+    base_env: Mapping[str, str] = field(default_factory=dict)
+    """The environment workers inherit (the agent's, read by the CLI)."""
+
+    def __post_init__(self) -> None:
+        if self.local_world_size < 1:
+            raise ConfigError(f"local_world_size: expected >= 1, got {self.local_world_size}")
+        if self.max_restarts < 0:
+            raise ConfigError(f"max_restarts: expected >= 0, got {self.max_restarts}")
+        if not self.monitor_interval > 0:
+            raise ConfigError(f"monitor_interval: expected > 0, got {self.monitor_interval}")
+        if self.exit_barrier_timeout < 0:
+            raise ConfigError(
+                f"exit_barrier_timeout: expected >= 0, got {self.exit_barrier_timeout}"
+            )
+        if self.stop_grace < 0:
+            raise ConfigError(f"stop_grace: expected >= 0, got {self.stop_grace}")
+        if self.standby_delay < 0:
+            raise ConfigError(f"standby_delay: expected >= 0, got {self.standby_delay}")
+        if self.master_port is not None and not 0 <= self.master_port <= 65535:
+            raise ConfigError(f"master_port: expected 0..65535, got {self.master_port}")
+
+
+@dataclass(kw_only=True)
+class Worker:
+    """One worker process slot on this node."""
+
+    local_rank: int
+    global_rank: int = -1
+    role_rank: int = -1
+    world_size: int = -1
+    role_world_size: int = -1
+    id: int | None = None
+    """The pid of the running process, None before it starts."""
+
+
+@dataclass(kw_only=True)
+class WorkerGroup:
+    """This node's workers of one role, for the current attempt."""
+
+    spec: WorkerSpec
+    workers: list[Worker]
+    store: Store | None = None
+    group_rank: int | None = None
+    group_world_size: int | None = None
+    state: WorkerState = WorkerState.INIT
+    master_addr: str | None = None
+    master_port: int | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunResult:
+    """How the run ended: state, return values (function entrypoints), failures by global rank."""
+
+    state: WorkerState
+    return_values: Mapping[int, object] = field(default_factory=dict)
+    failures: Mapping[int, ProcessFailure] = field(default_factory=dict)
+
+    def is_failed(self) -> bool:
+        return self.state == WorkerState.FAILED

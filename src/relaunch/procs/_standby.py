@@ -1,0 +1,112 @@
+"""Warm standby interpreters: a replacement worker that does not pay ``import torch`` again."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+
+from relaunch.procs._sys import set_parent_death_signal
+
+__all__ = ["DEFAULT_PRELOAD", "Standby"]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PRELOAD: tuple[str, ...] = ("torch", "torch.distributed", "torch.nn.parallel")
+_MAX_REQUEST = 60 * 1024  # below the pipe's capacity: writing never blocks
+
+
+class Standby:
+    """One idle interpreter, started with ``env``, that becomes a worker on :meth:`activate`.
+
+    The agent owns it: either :meth:`activate` hands the process over as a
+    worker (the caller then owns the returned Popen), or :meth:`discard` ends it.
+    """
+
+    def __init__(self, *, env: Mapping[str, str], cwd: str, preload: Sequence[str]) -> None:
+        self._env = dict(env)
+        self._cwd = cwd
+        read_fd, self._write_fd = os.pipe()
+        try:
+            self._proc: subprocess.Popen[bytes] | None = subprocess.Popen(
+                [sys.executable, "-u", "-m", "relaunch.procs._warm", str(read_fd), *preload],
+                env=self._env,
+                cwd=cwd,
+                pass_fds=(read_fd,),
+                start_new_session=True,
+                preexec_fn=set_parent_death_signal,
+            )
+        except BaseException:
+            os.close(self._write_fd)
+            raise
+        finally:
+            os.close(read_fd)
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    def alive(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def activate(
+        self,
+        *,
+        env: Mapping[str, str],
+        kind: str,
+        target: str,
+        args: Sequence[str],
+        stdout: str | None,
+        stderr: str | None,
+    ) -> subprocess.Popen[bytes] | None:
+        """Turn the standby into a worker; ``None`` if it cannot (the caller spawns afresh)."""
+        proc = self._proc
+        if proc is None or proc.poll() is not None or kind not in ("script", "module"):
+            self.discard()
+            return None
+        request = {
+            "version": 1,
+            "cwd": os.getcwd(),
+            "env_set": {k: v for k, v in env.items() if self._env.get(k) != v},
+            "env_unset": [k for k in self._env if k not in env],
+            "kind": kind,
+            "target": target,
+            "args": list(args),
+            "stdout": stdout,
+            "stderr": stderr,
+        }
+        data = json.dumps(request).encode()
+        if len(data) > _MAX_REQUEST:
+            log.info("standby request too large (%d bytes); starting a fresh worker", len(data))
+            self.discard()
+            return None
+        try:
+            os.write(self._write_fd, data)
+        except OSError:
+            self.discard()
+            return None
+        os.close(self._write_fd)
+        self._write_fd = -1
+        self._proc = None
+        return proc
+
+    def discard(self, timeout: float = 5.0) -> None:
+        """End the standby (end of file tells it to exit; killed if it lingers). Idempotent."""
+        if self._write_fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self._write_fd)
+            self._write_fd = -1
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        # It may still be importing torch: do not wait for that, kill it.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, 9)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL did not work
+            log.warning("standby %s did not exit after SIGKILL", proc.pid)

@@ -1,0 +1,136 @@
+"""Linux process primitives: parent-death signal, subreaper, descendants, group kill."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import logging
+import os
+import signal
+
+__all__ = [
+    "descendants",
+    "kill_group",
+    "members",
+    "reap_orphans",
+    "set_child_subreaper",
+    "set_parent_death_signal",
+    "signal_name",
+]
+
+log = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+_PR_SET_CHILD_SUBREAPER = 36
+_libc: ctypes.CDLL | None = None
+
+
+def _prctl(option: int, arg: int) -> bool:
+    global _libc
+    if _libc is None:
+        try:
+            _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        except OSError:
+            return False
+    return bool(_libc.prctl(option, arg, 0, 0, 0) == 0)
+
+
+def set_parent_death_signal(sig: int = signal.SIGKILL) -> None:
+    """Ask the kernel to send ``sig`` to this process when its parent thread dies.
+
+    Runs in the child between fork and exec. If the parent is already gone
+    (we were reparented before the call took effect), exit at once.
+    """
+    parent = os.getppid()
+    _prctl(_PR_SET_PDEATHSIG, int(sig))
+    if os.getppid() != parent:
+        os._exit(1)
+
+
+def set_child_subreaper() -> bool:
+    """Make orphaned descendants of this process reparent to it (so they can be found and reaped)."""
+    return _prctl(_PR_SET_CHILD_SUBREAPER, 1)
+
+
+def kill_group(pgid: int, sig: int) -> bool:
+    """Send ``sig`` to the process group ``pgid``; return whether any process received it."""
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        log.warning("not allowed to signal process group %s", pgid)
+        return False
+    return True
+
+
+def _proc_table() -> list[tuple[int, int, int, int, bool]]:
+    """(pid, ppid, pgid, sid, is_zombie) of every process, read from /proc."""
+    table: list[tuple[int, int, int, int, bool]] = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        # pid (comm) state ppid pgrp session ...; comm may hold spaces and parentheses.
+        rest = stat[stat.rfind(b")") + 2 :].split()
+        if len(rest) < 4:
+            continue
+        with contextlib.suppress(ValueError):
+            zombie = rest[0] in (b"Z", b"X")
+            table.append((int(entry), int(rest[1]), int(rest[2]), int(rest[3]), zombie))
+    return table
+
+
+def _children_map(*, zombies: bool = False) -> dict[int, list[int]]:
+    children: dict[int, list[int]] = {}
+    for pid, ppid, _, _, zombie in _proc_table():
+        if zombies or not zombie:
+            children.setdefault(ppid, []).append(pid)
+    return children
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live descendant of ``pid`` (children first), read from /proc."""
+    children = _children_map()
+    found: list[int] = []
+    todo = list(children.get(pid, []))
+    while todo:
+        child = todo.pop()
+        found.append(child)
+        todo.extend(children.get(child, []))
+    return found
+
+
+def members(sessions: set[int]) -> list[int]:
+    """Live processes whose session or process group is one of ``sessions``."""
+    return [
+        pid
+        for pid, _, pgid, sid, zombie in _proc_table()
+        if not zombie and (sid in sessions or pgid in sessions)
+    ]
+
+
+def reap_orphans(owned: set[int]) -> None:
+    """Reap exited direct children that no Popen owns (grandchildren reparented to us).
+
+    Never waits on ``owned`` pids: their Popen must see their real exit status.
+    """
+    me = os.getpid()
+    for pid in _children_map(zombies=True).get(me, []):
+        if pid in owned:
+            continue
+        with contextlib.suppress(ChildProcessError, OSError):
+            os.waitpid(pid, os.WNOHANG)
+
+
+def signal_name(signum: int) -> str:
+    """``SIGKILL`` for 9; ``signal 99`` for numbers without a name."""
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"

@@ -1,0 +1,171 @@
+"""Fixed-membership rendezvous: ``--rdzv-backend=static`` and ``--standalone``.
+
+Static: every node knows its rank (``--node-rank``) and the node count; node 0
+hosts a TCP store at ``--master-addr:--master-port`` (or the endpoint). Each
+round is a barrier of all nodes on that store, so a node that restarts its
+workers makes the others restart too (they see it waiting). Standalone: one
+node, no network at all.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+
+from relaunch.errors import (
+    ConfigError,
+    RendezvousClosedError,
+    RendezvousTimeoutError,
+    StoreTimeoutError,
+)
+from relaunch.rendezvous.api import RendezvousHandler, RendezvousInfo, RendezvousParameters
+from relaunch.store import Store
+from relaunch.store.memory import MemoryStore
+from relaunch.store.prefix import PrefixStore
+
+__all__ = ["StandaloneRendezvousHandler", "StaticRendezvousHandler", "create_static_handler"]
+
+log = logging.getLogger(__name__)
+
+_CLOSED_KEY = "closed"
+
+
+class StandaloneRendezvousHandler:
+    """One node, one process: every round completes at once with rank 0 of 1."""
+
+    def __init__(self, run_id: str | None = None) -> None:
+        self._run_id = run_id or uuid.uuid4().hex
+        self._round = 0
+        self._closed = False
+        self._store = MemoryStore()
+
+    def get_backend(self) -> str:
+        return "standalone"
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        if self._closed:
+            raise RendezvousClosedError(f"rendezvous {self._run_id!r} is closed")
+        info = RendezvousInfo(
+            store=PrefixStore(self._store, f"round/{self._round}"),
+            rank=0,
+            world_size=1,
+            round=self._round,
+        )
+        self._round += 1
+        return info
+
+    def is_closed(self) -> bool:
+        return self._closed
+
+    def set_closed(self) -> None:
+        self._closed = True
+
+    def num_nodes_waiting(self) -> int:
+        return 0
+
+    def get_run_id(self) -> str:
+        return self._run_id
+
+    def shutdown(self) -> bool:
+        self._store.close()
+        return True
+
+
+class StaticRendezvousHandler:
+    """``nnodes`` fixed nodes; node 0 hosts the store; a round is a barrier of all of them."""
+
+    def __init__(
+        self,
+        *,
+        run_id: str,
+        host: str,
+        port: int,
+        node_rank: int,
+        num_nodes: int,
+        timeout: float = 600.0,
+        bind_host: str = "0.0.0.0",
+    ) -> None:
+        from relaunch.store.tcp import TCPStoreClient, TCPStoreServer
+
+        if not 0 <= node_rank < num_nodes:
+            raise ConfigError(f"--node-rank: expected 0..{num_nodes - 1}, got {node_rank}")
+        self._run_id = run_id
+        self._rank = node_rank
+        self._size = num_nodes
+        self._timeout = timeout
+        self._round = 0
+        self._server: TCPStoreServer | None = None
+        if node_rank == 0:
+            self._server = TCPStoreServer(host=bind_host, port=port)
+            self._server.start()
+        self._client: Store = TCPStoreClient(host, port, timeout=timeout, prefix=f"static/{run_id}")
+
+    def get_backend(self) -> str:
+        return "static"
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        if self.is_closed():
+            raise RendezvousClosedError(f"rendezvous {self._run_id!r} is closed")
+        rnd = self._round
+        self._round += 1
+        store = PrefixStore(self._client, f"round/{rnd}")
+        if store.add("joined", 1) >= self._size:
+            store.set("complete", b"1")
+        try:
+            store.wait(["complete"], timeout=self._timeout)
+        except StoreTimeoutError as exc:
+            raise RendezvousTimeoutError(
+                f"static rendezvous round {rnd}: not all {self._size} nodes joined within "
+                f"{self._timeout:.0f}s"
+            ) from exc
+        return RendezvousInfo(store=store, rank=self._rank, world_size=self._size, round=rnd)
+
+    def is_closed(self) -> bool:
+        return self._client.get(_CLOSED_KEY) is not None
+
+    def set_closed(self) -> None:
+        self._client.set(_CLOSED_KEY, b"1")
+
+    def num_nodes_waiting(self) -> int:
+        raw = self._client.get(f"round/{self._round}/joined")
+        try:
+            return int(raw) if raw else 0
+        except ValueError:
+            return 0
+
+    def get_run_id(self) -> str:
+        return self._run_id
+
+    def shutdown(self) -> bool:
+        self._client.close()
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        return True
+
+
+def create_static_handler(params: RendezvousParameters) -> RendezvousHandler:
+    """Build the static handler from the command line's rendezvous parameters."""
+    if params.node_rank is None:
+        raise ConfigError("--node-rank: required with --rdzv-backend=static")
+    if params.min_nodes != params.max_nodes:
+        raise ConfigError(
+            f"--nnodes: the static backend needs a fixed node count, got "
+            f"{params.min_nodes}:{params.max_nodes}"
+        )
+    host, _, port_text = params.endpoint.rpartition(":")
+    try:
+        port = int(port_text)
+    except ValueError:
+        raise ConfigError(f"--rdzv-endpoint: expected host:port, got {params.endpoint!r}") from None
+    timeout = float(params.conf.get("join_timeout", "600"))
+    bind = params.local_addr if params.local_addr else "0.0.0.0"
+    return StaticRendezvousHandler(
+        run_id=params.run_id,
+        host=host.strip("[]") or "127.0.0.1",
+        port=port,
+        node_rank=params.node_rank,
+        num_nodes=params.max_nodes,
+        timeout=timeout,
+        bind_host=bind,
+    )

@@ -1,0 +1,56 @@
+"""Shared test fixtures: every test must leave no process and no thread behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from relaunch.procs._sys import descendants
+
+
+def _live(pids: set[int]) -> set[int]:
+    alive = set()
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        if stat[stat.rfind(b")") + 2 :][:1] not in (b"Z", b"X"):
+            alive.add(pid)
+    return alive
+
+
+@pytest.fixture(autouse=True)
+def no_leftovers(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Fail a test that leaves a child process or a new thread running."""
+    me = os.getpid()
+    before_procs = set(descendants(me))
+    before_threads = set(threading.enumerate())
+    yield
+    deadline = time.monotonic() + 10.0
+    left: set[int] = set()
+    while time.monotonic() < deadline:
+        left = _live(set(descendants(me)) - before_procs)
+        if not left:
+            break
+        time.sleep(0.1)
+    for pid in left:  # do not let one leak poison the next tests
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    threads: list[threading.Thread] = []
+    deadline = time.monotonic() + 5.0
+    while time.monotonic() < deadline:
+        threads = [t for t in threading.enumerate() if t not in before_threads and t.is_alive()]
+        if not threads:
+            break
+        time.sleep(0.05)
+    assert not left, f"test left processes behind: {sorted(left)}"
+    assert not threads, f"test left threads behind: {[t.name for t in threads]}"
