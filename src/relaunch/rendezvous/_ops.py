@@ -1,0 +1,337 @@
+"""The rendezvous state machine: pure functions over (state, node, now, settings).
+
+Each ``decide_*`` function returns the next :class:`Action` of one operation
+(join, exit, leave, close, keep-alive); :func:`apply` performs a write action on a
+copy of the state. Nothing here reads a clock or touches a store: ``now`` is the
+wall-clock time in seconds and deadlines are on the same clock, so tests inject
+any time they like.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+
+from relaunch.rendezvous._settings import RendezvousSettings
+from relaunch.rendezvous._state import RendezvousState, node_sort_key
+
+__all__ = [
+    "JOIN_REQUEST_ACTIONS",
+    "ROLLBACK_WINDOW",
+    "Action",
+    "apply",
+    "can_complete",
+    "decide_close",
+    "decide_exit",
+    "decide_join",
+    "decide_keep_alive",
+    "decide_leave",
+    "needs_wake",
+    "nodes_waiting",
+    "place",
+    "record_failure",
+    "remove_dead",
+]
+
+ROLLBACK_WINDOW = 5.0
+"""Seconds after its join deadline during which a node still removes itself."""
+
+
+class Action(enum.Enum):
+    """What a node does next."""
+
+    KEEP_ALIVE = "keep_alive"
+    ADD_TO_PARTICIPANTS = "add_to_participants"
+    ADD_TO_WAIT_LIST = "add_to_wait_list"
+    ADD_TO_REDUNDANCY_LIST = "add_to_redundancy_list"
+    REMOVE_FROM_PARTICIPANTS = "remove_from_participants"
+    REMOVE_FROM_WAIT_LIST = "remove_from_wait_list"
+    REMOVE_FROM_REDUNDANCY_LIST = "remove_from_redundancy_list"
+    LEAVE = "leave"
+    MARK_COMPLETE = "mark_complete"
+    MARK_CLOSED = "mark_closed"
+    SYNC = "sync"
+    ERROR_CLOSED = "error_closed"
+    ERROR_TIMEOUT = "error_timeout"
+    EXIT_GRACEFULLY = "exit_gracefully"
+    FINISH = "finish"
+
+
+JOIN_REQUEST_ACTIONS = frozenset(
+    {
+        Action.ADD_TO_PARTICIPANTS,
+        Action.ADD_TO_WAIT_LIST,
+        Action.ADD_TO_REDUNDANCY_LIST,
+        Action.REMOVE_FROM_REDUNDANCY_LIST,
+    }
+)
+"""Placements of a joining node; they go through the join queue, applied in batches."""
+
+
+def can_complete(state: RendezvousState, now: float, settings: RendezvousSettings) -> bool:
+    """Whether the open round may complete now.
+
+    With at least ``min_nodes``: at ``max_nodes``, when the last call expired, or
+    when every node the round expects (after a loss or a restart) is back.
+    """
+    if state.complete or state.closed:
+        return False
+    count = len(state.participants)
+    if count < settings.min_nodes:
+        return False
+    if count >= settings.max_nodes:
+        return True
+    if state.deadline is not None and now >= state.deadline:
+        return True
+    return bool(state.expected) and all(n in state.participants for n in state.expected)
+
+
+def _due(state: RendezvousState, node: str, now: float, settings: RendezvousSettings) -> bool:
+    last = state.last_heartbeats.get(node)
+    return last is not None and now - last >= settings.keep_alive_interval / 2
+
+
+def decide_join(
+    state: RendezvousState, node: str, now: float, settings: RendezvousSettings, deadline: float
+) -> Action:
+    """Next step of ``node`` joining the next complete round; ``deadline`` is its join deadline.
+
+    Heartbeats are not this operation's business: the keep-alive thread writes them
+    (:func:`decide_keep_alive`) for as long as the handler lives.
+    """
+    if state.closed:
+        if node in state.redundancy_list:
+            return Action.EXIT_GRACEFULLY
+        return Action.ERROR_CLOSED
+    if node in state.redundancy_list:
+        # A spare does not time out: it waits until a participant is lost.
+        if len(state.participants) >= settings.max_nodes:
+            return Action.SYNC
+        return Action.REMOVE_FROM_REDUNDANCY_LIST
+    is_participant = node in state.participants
+    if state.complete and is_participant:
+        return Action.FINISH
+    if now > deadline:
+        if now <= deadline + ROLLBACK_WINDOW and (is_participant or node in state.wait_list):
+            return Action.LEAVE
+        return Action.ERROR_TIMEOUT
+    if state.complete:
+        if len(state.participants) < settings.max_nodes:
+            if node not in state.wait_list:
+                return Action.ADD_TO_WAIT_LIST
+        elif node not in state.wait_list:
+            return Action.ADD_TO_REDUNDANCY_LIST
+    elif is_participant:
+        if can_complete(state, now, settings):
+            return Action.MARK_COMPLETE
+    else:
+        return Action.ADD_TO_PARTICIPANTS
+    return Action.SYNC
+
+
+def decide_exit(state: RendezvousState, node: str, now: float, deadline: float) -> Action:
+    """Leave the current round's participants before joining the next one."""
+    if node in state.participants:
+        return Action.ERROR_TIMEOUT if now > deadline else Action.REMOVE_FROM_PARTICIPANTS
+    return Action.FINISH
+
+
+def decide_leave(state: RendezvousState, node: str, now: float, deadline: float) -> Action:
+    """Leave the rendezvous for good (shutdown): drop every trace of ``node``."""
+    if state.knows(node) or node in state.expected:
+        return Action.ERROR_TIMEOUT if now > deadline else Action.LEAVE
+    return Action.FINISH
+
+
+def decide_close(state: RendezvousState, now: float, deadline: float) -> Action:
+    """Close the rendezvous for good."""
+    if state.closed:
+        return Action.FINISH
+    return Action.ERROR_TIMEOUT if now > deadline else Action.MARK_CLOSED
+
+
+def decide_keep_alive(
+    state: RendezvousState, node: str, now: float, settings: RendezvousSettings, deadline: float
+) -> Action:
+    """Refresh ``node``'s heartbeat when it is due."""
+    if _due(state, node, now, settings):
+        return Action.ERROR_TIMEOUT if now > deadline else Action.KEEP_ALIVE
+    return Action.FINISH
+
+
+def _reopen(state: RendezvousState) -> None:
+    """Start the next round; it expects every node still known to be alive."""
+    state.expected = set(state.participants) | state.wait_list | state.redundancy_list
+    state.participants = {}
+    state.round += 1
+    state.complete = False
+    state.deadline = None
+
+
+def _complete(state: RendezvousState) -> None:
+    """Mark the round complete and assign ranks in the stable sorted order of the nodes."""
+    state.complete = True
+    state.deadline = None
+    state.expected = set()
+    for rank, member in enumerate(sorted(state.participants, key=node_sort_key)):
+        state.participants[member] = rank
+
+
+def _maybe_complete(state: RendezvousState, now: float, settings: RendezvousSettings) -> None:
+    if can_complete(state, now, settings):
+        _complete(state)
+
+
+def _after_removal(state: RendezvousState, settings: RendezvousSettings) -> None:
+    if not state.complete and len(state.participants) < settings.min_nodes:
+        state.deadline = None
+
+
+def apply(
+    action: Action,
+    state: RendezvousState,
+    node: str,
+    now: float,
+    settings: RendezvousSettings,
+) -> RendezvousState:
+    """Return a copy of ``state`` with the write ``action`` of ``node`` performed."""
+    new = state.copy()
+    if action is Action.KEEP_ALIVE:
+        new.last_heartbeats[node] = now
+    elif action is Action.ADD_TO_PARTICIPANTS:
+        new.wait_list.discard(node)
+        new.participants[node] = 0
+        new.last_heartbeats[node] = now
+        if len(new.participants) >= settings.min_nodes and new.deadline is None:
+            new.deadline = now + settings.last_call_timeout
+    elif action is Action.ADD_TO_WAIT_LIST:
+        new.redundancy_list.discard(node)
+        new.wait_list.add(node)
+        new.last_heartbeats[node] = now
+    elif action is Action.ADD_TO_REDUNDANCY_LIST:
+        new.redundancy_list.add(node)
+        new.last_heartbeats[node] = now
+    elif action is Action.REMOVE_FROM_PARTICIPANTS:
+        # The node rejoins at once: a complete round is reopened and expects it back.
+        if new.complete:
+            _reopen(new)
+        else:
+            new.participants.pop(node, None)
+            _after_removal(new, settings)
+    elif action is Action.REMOVE_FROM_WAIT_LIST:
+        new.wait_list.discard(node)
+        new.expected.discard(node)
+        new.last_heartbeats.pop(node, None)
+    elif action is Action.REMOVE_FROM_REDUNDANCY_LIST:
+        new.redundancy_list.discard(node)
+    elif action is Action.LEAVE:
+        _forget(new, [node], settings, dead=False)
+    elif action is Action.MARK_COMPLETE:
+        if not new.complete and new.participants:
+            _complete(new)
+    elif action is Action.MARK_CLOSED:
+        new.closed = True
+    else:
+        raise ValueError(f"{action} is not a write action")
+    _maybe_complete(new, now, settings)
+    return new
+
+
+def _forget(
+    state: RendezvousState, nodes: list[str], settings: RendezvousSettings, *, dead: bool
+) -> None:
+    """Remove ``nodes`` everywhere.
+
+    A complete round that lost a participant to death is reopened at once, so the
+    survivors restart. One that a participant left (shutdown, e.g. after success)
+    stays complete for the others until the last one leaves.
+    """
+    lost_participant = False
+    for node in nodes:
+        lost_participant |= state.participants.pop(node, None) is not None
+        state.wait_list.discard(node)
+        state.redundancy_list.discard(node)
+        state.expected.discard(node)
+        state.last_heartbeats.pop(node, None)
+    if lost_participant:
+        if state.complete and (dead or not state.participants):
+            _reopen(state)
+        elif not state.complete:
+            _after_removal(state, settings)
+
+
+def remove_dead(
+    state: RendezvousState, now: float, settings: RendezvousSettings
+) -> tuple[RendezvousState, list[str]]:
+    """Drop nodes whose heartbeat is older than ``settings.dead_after``.
+
+    Returns the (possibly unchanged, then identical) state and the dead nodes.
+    """
+    limit = now - settings.dead_after
+    dead = sorted(n for n, last in state.last_heartbeats.items() if last < limit)
+    if not dead:
+        return state, dead
+    new = state.copy()
+    _forget(new, dead, settings, dead=True)
+    _maybe_complete(new, now, settings)
+    return new, dead
+
+
+def place(
+    state: RendezvousState, node: str, now: float, settings: RendezvousSettings
+) -> RendezvousState:
+    """Perform the join request of ``node``: its placement actions, without a deadline."""
+    for _ in range(3):
+        action = decide_join(state, node, now, settings, math.inf)
+        if action not in JOIN_REQUEST_ACTIONS:
+            break
+        state = apply(action, state, node, now, settings)
+    return state
+
+
+def record_failure(state: RendezvousState, failed_round: int) -> RendezvousState:
+    """Count a failure restart for ``failed_round``, once however many nodes report it."""
+    if failed_round <= state.failed_round:
+        return state
+    new = state.copy()
+    new.failed_round = failed_round
+    new.restarts += 1
+    return new
+
+
+def needs_wake(old: RendezvousState, new: RendezvousState) -> bool:
+    """Whether the change from ``old`` to ``new`` matters to nodes waiting for a change."""
+    if (
+        old.round,
+        old.complete,
+        old.closed,
+        old.deadline,
+        old.wait_list,
+        old.redundancy_list,
+        old.expected,
+        old.restarts,
+    ) != (
+        new.round,
+        new.complete,
+        new.closed,
+        new.deadline,
+        new.wait_list,
+        new.redundancy_list,
+        new.expected,
+        new.restarts,
+    ):
+        return True
+    return any(n not in new.participants for n in old.participants)
+
+
+def nodes_waiting(state: RendezvousState, my_round: int | None) -> int:
+    """How many nodes wait for a new round, as the agent of a node in ``my_round`` sees it.
+
+    More than zero also when a new round has started without this node (a loss
+    or another node's restart): the agent must restart and call next_rendezvous.
+    """
+    if state.closed:
+        return 0
+    if my_round is not None and (state.round != my_round or not state.complete):
+        return max(1, len(state.participants) + len(state.wait_list))
+    return len(state.wait_list)

@@ -1,0 +1,126 @@
+"""Rendezvous settings and the parsing of ``--rdzv-conf`` into them."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from relaunch.errors import ConfigError
+
+__all__ = ["COMMON_CONF_KEYS", "RendezvousSettings", "check_conf_keys", "settings_from_conf"]
+
+COMMON_CONF_KEYS = (
+    "join_timeout",
+    "last_call_timeout",
+    "close_timeout",
+    "heartbeat_timeout",
+    "keep_alive_interval",
+    "keep_alive_max_attempt",
+)
+"""``--rdzv-conf`` keys every dynamic backend accepts."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RendezvousSettings:
+    """What every node of a run must agree on. All durations are in seconds.
+
+    The defaults are tuned for fast failure handling: a node whose heartbeat is
+    older than ``keep_alive_interval * keep_alive_max_attempt`` (2 s) is dead, and
+    every live node checks every ``keep_alive_interval`` (0.5 s), so a lost node
+    is noticed within 2.5 s while a node stalled for up to 1.5 s survives.
+    """
+
+    run_id: str
+    """The job id; the state of another run id is refused."""
+    min_nodes: int
+    """A round may complete with this many participants (after the last call)."""
+    max_nodes: int
+    """A round completes at once with this many participants; later nodes are spares."""
+    join_timeout: float = 600.0
+    """How long ``next_rendezvous`` may take before it raises a timeout."""
+    last_call_timeout: float = 30.0
+    """Extra wait for more nodes once ``min_nodes`` joined a fresh round. A round
+    reopened after a loss or a restart completes as soon as every node expected
+    (the previous participants still alive, the wait list and the spares) rejoined."""
+    close_timeout: float = 30.0
+    """How long closing (and a hosting node's shutdown) may take."""
+    heartbeat_timeout: float = 5.0
+    """How long one keep-alive write may take."""
+    keep_alive_interval: float = 0.5
+    """How often each node writes its heartbeat and looks for dead nodes."""
+    keep_alive_max_attempt: int = 4
+    """Missed heartbeats after which a node is dead."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.run_id, str) or not self.run_id:
+            raise ConfigError(f"run_id must be a non-empty string, got {self.run_id!r}")
+        if not isinstance(self.min_nodes, int) or self.min_nodes < 1:
+            raise ConfigError(f"min_nodes must be an integer >= 1, got {self.min_nodes!r}")
+        if not isinstance(self.max_nodes, int) or self.max_nodes < self.min_nodes:
+            raise ConfigError(
+                f"max_nodes must be an integer >= min_nodes ({self.min_nodes}), "
+                f"got {self.max_nodes!r}"
+            )
+        for name in COMMON_CONF_KEYS[:-1]:
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+                raise ConfigError(f"{name} must be a positive number of seconds, got {value!r}")
+        attempts = self.keep_alive_max_attempt
+        if not isinstance(attempts, int) or isinstance(attempts, bool) or attempts < 1:
+            raise ConfigError(f"keep_alive_max_attempt must be an integer >= 1, got {attempts!r}")
+
+    @property
+    def dead_after(self) -> float:
+        """A node whose last heartbeat is older than this many seconds is dead."""
+        return self.keep_alive_interval * self.keep_alive_max_attempt
+
+
+def check_conf_keys(conf: Mapping[str, str], valid: Iterable[str]) -> None:
+    """Raise ConfigError naming the first key of ``conf`` not in ``valid``."""
+    allowed = sorted(set(valid))
+    for key in conf:
+        if key not in allowed:
+            raise ConfigError(
+                f"unknown --rdzv-conf key {key!r}; valid keys are: {', '.join(allowed)}"
+            )
+
+
+def _number(conf: Mapping[str, str], key: str) -> float | None:
+    raw = conf.get(key)
+    if raw is None:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigError(
+            f"--rdzv-conf {key} must be a positive number of seconds, got {raw!r}"
+        ) from None
+    if not math.isfinite(value) or value <= 0:
+        raise ConfigError(f"--rdzv-conf {key} must be a positive number of seconds, got {raw!r}")
+    return value
+
+
+def settings_from_conf(
+    *, run_id: str, min_nodes: int, max_nodes: int, conf: Mapping[str, str]
+) -> RendezvousSettings:
+    """Build settings from ``--rdzv-conf`` values (only the common keys are read here)."""
+    values: dict[str, float | int] = {}
+    for key in COMMON_CONF_KEYS[:-1]:
+        number = _number(conf, key)
+        if number is not None:
+            values[key] = number
+    raw = conf.get("keep_alive_max_attempt")
+    if raw is not None:
+        try:
+            values["keep_alive_max_attempt"] = int(raw)
+        except ValueError:
+            raise ConfigError(
+                f"--rdzv-conf keep_alive_max_attempt must be an integer >= 1, got {raw!r}"
+            ) from None
+    return RendezvousSettings(
+        run_id=run_id,
+        min_nodes=min_nodes,
+        max_nodes=max_nodes,
+        **values,  # type: ignore[arg-type]
+    )

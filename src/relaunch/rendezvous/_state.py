@@ -1,0 +1,212 @@
+"""The shared rendezvous state and its versioned JSON codec (never pickle).
+
+A node is named by a string ``"<addr>_<pid>_<local_id>"``: the address given
+with ``--local-addr`` or the host name (never a DNS lookup), the agent's pid and
+a process-wide counter.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import socket
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from relaunch.errors import RendezvousStateError
+
+__all__ = [
+    "STATE_VERSION",
+    "RendezvousState",
+    "decode_state",
+    "encode_state",
+    "new_node_id",
+    "node_sort_key",
+]
+
+STATE_VERSION = 1
+"""Version of the JSON layout; a state of another version is refused."""
+
+_counter = itertools.count()
+_counter_lock = threading.Lock()
+
+
+def new_node_id(local_addr: str | None = None) -> str:
+    """A node id unique to this call: address (or host name), pid and a counter."""
+    with _counter_lock:
+        local_id = next(_counter)
+    addr = local_addr or socket.gethostname()
+    return f"{addr}_{os.getpid()}_{local_id}"
+
+
+def node_sort_key(node: str) -> tuple[str, int, int]:
+    """Sort nodes by address, then pid, then local id (the rank order)."""
+    addr, _, rest = node.rpartition("_")
+    addr2, _, pid = addr.rpartition("_")
+    try:
+        return (addr2, int(pid), int(rest))
+    except ValueError:
+        return (node, 0, 0)
+
+
+@dataclass(kw_only=True)
+class RendezvousState:
+    """The state every node shares. Pure functions copy it (:meth:`copy`) before a change."""
+
+    run_id: str
+    seq: int = 0
+    """Bumped by every write: with the bytes it is the fencing token of compare-and-set."""
+    epoch: int = 0
+    """Bumped by every write that waiting nodes must see (completion, a new round,
+    a removal, a closed rendezvous, a new waiting node). Waiters wait on its key."""
+    round: int = 0
+    complete: bool = False
+    closed: bool = False
+    deadline: float | None = None
+    """Wall-clock time at which a round with at least ``min_nodes`` completes."""
+    participants: dict[str, int] = field(default_factory=dict)
+    """Node -> rank (ranks are assigned when the round completes)."""
+    wait_list: set[str] = field(default_factory=set)
+    """Nodes waiting for the next round (a complete round had room)."""
+    redundancy_list: set[str] = field(default_factory=set)
+    """Spares: nodes beyond ``max_nodes``; they step in when a participant is lost."""
+    expected: set[str] = field(default_factory=set)
+    """Nodes the current round waits for before completing without a last call."""
+    last_heartbeats: dict[str, float] = field(default_factory=dict)
+    """Node -> wall-clock time of its last heartbeat."""
+    applied: int = 0
+    """Join requests (tickets) folded into this state so far."""
+    restarts: int = 0
+    """Failure restarts spent by the job (counted once per failed round)."""
+    failed_round: int = -1
+    """The last round for which a failure restart was counted."""
+
+    def copy(self) -> RendezvousState:
+        return RendezvousState(
+            run_id=self.run_id,
+            seq=self.seq,
+            epoch=self.epoch,
+            round=self.round,
+            complete=self.complete,
+            closed=self.closed,
+            deadline=self.deadline,
+            participants=dict(self.participants),
+            wait_list=set(self.wait_list),
+            redundancy_list=set(self.redundancy_list),
+            expected=set(self.expected),
+            last_heartbeats=dict(self.last_heartbeats),
+            applied=self.applied,
+            restarts=self.restarts,
+            failed_round=self.failed_round,
+        )
+
+    def knows(self, node: str) -> bool:
+        """Whether ``node`` appears anywhere in the state."""
+        return (
+            node in self.participants
+            or node in self.wait_list
+            or node in self.redundancy_list
+            or node in self.last_heartbeats
+        )
+
+
+def encode_state(state: RendezvousState) -> bytes:
+    """The JSON bytes of ``state`` (sorted lists, so equal states encode equally)."""
+    doc = {
+        "version": STATE_VERSION,
+        "run_id": state.run_id,
+        "seq": state.seq,
+        "epoch": state.epoch,
+        "round": state.round,
+        "complete": state.complete,
+        "closed": state.closed,
+        "deadline": state.deadline,
+        "participants": state.participants,
+        "wait_list": sorted(state.wait_list),
+        "redundancy_list": sorted(state.redundancy_list),
+        "expected": sorted(state.expected),
+        "last_heartbeats": state.last_heartbeats,
+        "applied": state.applied,
+        "restarts": state.restarts,
+        "failed_round": state.failed_round,
+    }
+    return json.dumps(doc, separators=(",", ":")).encode()
+
+
+class _Bad(Exception):
+    pass
+
+
+def _int(doc: dict[str, Any], name: str) -> int:
+    value = doc.get(name)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise _Bad(f"field {name!r} must be an integer, got {value!r}")
+    return value
+
+
+def _bool(doc: dict[str, Any], name: str) -> bool:
+    value = doc.get(name)
+    if not isinstance(value, bool):
+        raise _Bad(f"field {name!r} must be a boolean, got {value!r}")
+    return value
+
+
+def _nodes(doc: dict[str, Any], name: str) -> set[str]:
+    value = doc.get(name)
+    if not isinstance(value, list) or not all(isinstance(n, str) for n in value):
+        raise _Bad(f"field {name!r} must be a list of node ids")
+    return set(value)
+
+
+def _mapping(doc: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> dict[str, Any]:
+    value = doc.get(name)
+    if not isinstance(value, dict):
+        raise _Bad(f"field {name!r} must be an object")
+    for item in value.values():
+        if not isinstance(item, kind) or isinstance(item, bool):
+            raise _Bad(f"field {name!r} holds a value of the wrong type: {item!r}")
+    return dict(value)
+
+
+def decode_state(raw: bytes, *, key: str, run_id: str) -> RendezvousState:
+    """Decode a state read from ``key``; anything unexpected is a RendezvousStateError.
+
+    The error names the key, so an operator knows what to inspect or delete.
+    """
+    try:
+        doc = json.loads(raw)
+        if not isinstance(doc, dict):
+            raise _Bad("not a JSON object")
+        if doc.get("version") != STATE_VERSION:
+            raise _Bad(f"unknown version {doc.get('version')!r} (expected {STATE_VERSION})")
+        if doc.get("run_id") != run_id:
+            raise _Bad(f"it belongs to run {doc.get('run_id')!r}, not {run_id!r}")
+        deadline = doc.get("deadline")
+        if deadline is not None and (
+            not isinstance(deadline, int | float) or isinstance(deadline, bool)
+        ):
+            raise _Bad(f"field 'deadline' must be a number or null, got {deadline!r}")
+        heartbeats = _mapping(doc, "last_heartbeats", (int, float))
+        return RendezvousState(
+            run_id=run_id,
+            seq=_int(doc, "seq"),
+            epoch=_int(doc, "epoch"),
+            round=_int(doc, "round"),
+            complete=_bool(doc, "complete"),
+            closed=_bool(doc, "closed"),
+            deadline=None if deadline is None else float(deadline),
+            participants=_mapping(doc, "participants", int),
+            wait_list=_nodes(doc, "wait_list"),
+            redundancy_list=_nodes(doc, "redundancy_list"),
+            expected=_nodes(doc, "expected"),
+            last_heartbeats={k: float(v) for k, v in heartbeats.items()},
+            applied=_int(doc, "applied"),
+            restarts=_int(doc, "restarts"),
+            failed_round=_int(doc, "failed_round"),
+        )
+    except (_Bad, ValueError, RecursionError) as exc:
+        raise RendezvousStateError(
+            f"the rendezvous state at key {key!r} is corrupt or not ours: {exc}"
+        ) from exc

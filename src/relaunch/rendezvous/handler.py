@@ -1,0 +1,341 @@
+"""The dynamic rendezvous handler: the thin I/O loop around the pure state machine."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Protocol
+
+from relaunch.errors import (
+    RelaunchError,
+    RendezvousClosedError,
+    RendezvousError,
+    RendezvousGracefulExitError,
+    RendezvousTimeoutError,
+)
+from relaunch.rendezvous._backend import StateBackend
+from relaunch.rendezvous._ops import (
+    JOIN_REQUEST_ACTIONS,
+    Action,
+    apply,
+    decide_close,
+    decide_exit,
+    decide_join,
+    decide_keep_alive,
+    decide_leave,
+    nodes_waiting,
+    record_failure,
+    remove_dead,
+)
+from relaunch.rendezvous._settings import RendezvousSettings
+from relaunch.rendezvous._state import RendezvousState, new_node_id
+from relaunch.rendezvous.api import RendezvousInfo
+from relaunch.store import Store
+from relaunch.store.prefix import PrefixStore
+
+__all__ = ["DynamicRendezvousHandler"]
+
+logger = logging.getLogger(__name__)
+
+
+class _Closeable(Protocol):
+    def close(self) -> None: ...
+
+
+class DynamicRendezvousHandler:
+    """A :class:`~relaunch.rendezvous.RendezvousHandler` over any Store.
+
+    ``store`` serves the caller's thread; ``keep_alive_store`` (default: ``store``)
+    serves the keep-alive thread, for stores whose connection is not thread-safe.
+    ``server`` (e.g. the TCP store this node hosts) is closed by :meth:`shutdown`,
+    after every other node left or died, so no node restarting is stranded.
+    ``clock`` gives wall-clock seconds (inject one in tests).
+    """
+
+    def __init__(
+        self,
+        *,
+        backend: str,
+        store: Store,
+        settings: RendezvousSettings,
+        local_addr: str | None = None,
+        keep_alive_store: Store | None = None,
+        server: _Closeable | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._backend_name = backend
+        self._settings = settings
+        self._store = store
+        self._keep_alive_store = keep_alive_store
+        self._server = server
+        self._clock = clock
+        self._node = new_node_id(local_addr)
+        self._rdzv = StateBackend(store, settings, clock=clock)
+        self._ka_rdzv = StateBackend(keep_alive_store or store, settings, clock=clock)
+        self._round: int | None = None
+        self._cached: RendezvousState | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._shut = False
+
+    # -- small accessors ----------------------------------------------------------
+
+    @property
+    def node_id(self) -> str:
+        """This handler's node id (``<addr>_<pid>_<local_id>``)."""
+        return self._node
+
+    @property
+    def settings(self) -> RendezvousSettings:
+        return self._settings
+
+    def get_backend(self) -> str:
+        return self._backend_name
+
+    def get_run_id(self) -> str:
+        return self._settings.run_id
+
+    # -- the rendezvous -----------------------------------------------------------
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        """Leave the current round, join the next one and wait until it is complete.
+
+        Raises RendezvousClosedError, RendezvousTimeoutError (past ``join_timeout``),
+        RendezvousGracefulExitError (a spare no longer needed), RendezvousStateError,
+        StoreError (the store broke).
+        """
+        if self._shut:
+            raise RendezvousClosedError("this rendezvous handler was shut down")
+        settings = self._settings
+        deadline = self._clock() + settings.join_timeout
+        self._start_keep_alive()
+        state, raw = self._rdzv.load()
+        while True:
+            action = decide_exit(state, self._node, self._clock(), deadline)
+            if action is Action.FINISH:
+                break
+            if action is Action.ERROR_TIMEOUT:
+                raise RendezvousTimeoutError(f"node {self._node} could not leave its round")
+            new = apply(action, state, self._node, self._clock(), settings)
+            state, raw, _ = self._rdzv.commit(state, raw, new)
+        while True:
+            now = self._clock()
+            cleaned, dead = remove_dead(state, now, settings)
+            if dead:
+                logger.info("rendezvous %s: removing dead nodes %s", settings.run_id, dead)
+                state, raw, _ = self._rdzv.commit(state, raw, cleaned)
+                continue
+            action = decide_join(state, self._node, now, settings, deadline)
+            if action is Action.FINISH:
+                break
+            if action is Action.ERROR_CLOSED:
+                raise RendezvousClosedError(f"the rendezvous {settings.run_id!r} is closed")
+            if action is Action.EXIT_GRACEFULLY:
+                raise RendezvousGracefulExitError(
+                    f"the rendezvous {settings.run_id!r} is closed; spare {self._node} leaves"
+                )
+            if action is Action.ERROR_TIMEOUT:
+                raise RendezvousTimeoutError(
+                    f"node {self._node} did not join a complete round of {settings.run_id!r} "
+                    f"within join_timeout={settings.join_timeout} s"
+                )
+            if action in JOIN_REQUEST_ACTIONS:
+                if action is Action.REMOVE_FROM_REDUNDANCY_LIST:
+                    deadline = now + settings.join_timeout
+                state, raw = self._rdzv.request_join(self._node)
+            elif action is Action.SYNC:
+                self._rdzv.wait_change(state, self._sync_timeout(state, now, deadline))
+                state, raw = self._rdzv.load()
+            else:
+                new = apply(action, state, self._node, now, settings)
+                state, raw, _ = self._rdzv.commit(state, raw, new)
+        self._round = state.round
+        self._cached = state
+        rank = state.participants[self._node]
+        logger.info(
+            "rendezvous %s round %d complete: node %s has rank %d of %d",
+            settings.run_id,
+            state.round,
+            self._node,
+            rank,
+            len(state.participants),
+        )
+        prefix = f"{self._rdzv.prefix}round/{state.round}/"
+        return RendezvousInfo(
+            store=PrefixStore(self._store, prefix),
+            rank=rank,
+            world_size=len(state.participants),
+            round=state.round,
+        )
+
+    def _sync_timeout(self, state: RendezvousState, now: float, deadline: float) -> float:
+        timeout = self._settings.dead_after
+        if state.deadline is not None and self._node in state.participants:
+            timeout = min(timeout, state.deadline - now)
+        if self._node not in state.redundancy_list:
+            timeout = min(timeout, deadline - now + 0.01)
+        return max(timeout, 0.001)
+
+    def _fresh_state(self) -> RendezvousState:
+        cached = self._cached
+        if cached is not None and not self._rdzv.changed_since(cached):
+            return cached
+        self._cached, _ = self._rdzv.load()
+        return self._cached
+
+    def is_closed(self) -> bool:
+        """Whether the rendezvous is closed for good (one small store read when unchanged)."""
+        return self._fresh_state().closed
+
+    def num_nodes_waiting(self) -> int:
+        """Nodes waiting for the next round; > 0 also when a new round started without us.
+
+        The agent restarts its workers and calls :meth:`next_rendezvous` when it is > 0.
+        """
+        return nodes_waiting(self._fresh_state(), self._round)
+
+    def set_closed(self) -> None:
+        """Close the rendezvous for good: every node's next_rendezvous raises closed."""
+        deadline = self._clock() + self._settings.close_timeout
+        state, raw = self._rdzv.load()
+        while True:
+            action = decide_close(state, self._clock(), deadline)
+            if action is Action.FINISH:
+                return
+            if action is Action.ERROR_TIMEOUT:
+                raise RendezvousTimeoutError(f"could not close {self._settings.run_id!r} in time")
+            new = apply(action, state, self._node, self._clock(), self._settings)
+            state, raw, _ = self._rdzv.commit(state, raw, new)
+
+    # -- job-level restart accounting ----------------------------------------------
+
+    def record_failure(self, failed_round: int) -> int:
+        """Count a failure restart of the job for ``failed_round``; return the job's total.
+
+        Every agent that sees a worker failure in round ``r`` calls this with ``r``;
+        the restart is counted once per round, however many nodes report it.
+        """
+        state, raw = self._rdzv.load()
+        while True:
+            new = record_failure(state, failed_round)
+            if new is state:
+                return state.restarts
+            state, raw, written = self._rdzv.commit(state, raw, new)
+            if written:
+                return state.restarts
+
+    def restart_count(self) -> int:
+        """Failure restarts the job has spent so far (for ``TORCHELASTIC_RESTART_COUNT``)."""
+        return self._rdzv.load()[0].restarts
+
+    # -- keep-alive -----------------------------------------------------------------
+
+    def _start_keep_alive(self) -> None:
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(
+            target=self._keep_alive_loop,
+            name=f"relaunch-rdzv-keepalive-{self._node}",
+            daemon=True,
+        )
+        self._thread.start()
+
+    def _keep_alive_loop(self) -> None:
+        while not self._stop.wait(self._settings.keep_alive_interval):
+            try:
+                self._keep_alive_once()
+            except RelaunchError as exc:
+                logger.warning("rendezvous keep-alive of %s failed: %s", self._node, exc)
+
+    def _keep_alive_once(self) -> None:
+        """Write our heartbeat when due and remove dead nodes (one read, at most one CAS)."""
+        rdzv = self._ka_rdzv
+        deadline = self._clock() + self._settings.heartbeat_timeout
+        state, raw = rdzv.load()
+        while not self._stop.is_set():
+            now = self._clock()
+            new, dead = remove_dead(state, now, self._settings)
+            action = decide_keep_alive(new, self._node, now, self._settings, deadline)
+            if action is Action.ERROR_TIMEOUT:
+                raise RendezvousTimeoutError(f"heartbeat of {self._node} not written in time")
+            if action is Action.KEEP_ALIVE:
+                new = apply(action, new, self._node, now, self._settings)
+            if new is state:
+                return
+            state, raw, written = rdzv.commit(state, raw, new)
+            if written:
+                if dead:
+                    logger.info("rendezvous %s: removed dead nodes %s", state.run_id, dead)
+                return
+
+    def _stop_keep_alive(self) -> None:
+        self._stop.set()
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join(timeout=self._settings.heartbeat_timeout + 1.0)
+            if thread.is_alive():
+                logger.warning("keep-alive thread %s did not stop", thread.name)
+
+    # -- leaving ----------------------------------------------------------------------
+
+    def shutdown(self) -> bool:
+        """Leave the rendezvous for good, without closing it; release threads and connections.
+
+        A node hosting the store waits (up to ``close_timeout``) until every other
+        node left or died before it closes the server. Returns False when leaving
+        failed (the node's heartbeat then expires on its own). Idempotent.
+        """
+        if self._shut:
+            return True
+        self._shut = True
+        self._stop_keep_alive()
+        ok = True
+        try:
+            self._leave()
+            if self._server is not None:
+                self._wait_for_others()
+        except RelaunchError as exc:
+            logger.warning("node %s could not leave the rendezvous cleanly: %s", self._node, exc)
+            ok = False
+        finally:
+            for closeable in (self._keep_alive_store, self._store, self._server):
+                if closeable is not None:
+                    try:
+                        closeable.close()
+                    except RelaunchError as exc:
+                        logger.warning("closing %r failed: %s", closeable, exc)
+        return ok
+
+    def _leave(self) -> None:
+        deadline = self._clock() + self._settings.close_timeout
+        state, raw = self._rdzv.load()
+        while True:
+            action = decide_leave(state, self._node, self._clock(), deadline)
+            if action is Action.FINISH:
+                return
+            if action is Action.ERROR_TIMEOUT:
+                raise RendezvousTimeoutError(f"node {self._node} could not leave in time")
+            new = apply(action, state, self._node, self._clock(), self._settings)
+            state, raw, _ = self._rdzv.commit(state, raw, new)
+
+    def _wait_for_others(self) -> None:
+        deadline = self._clock() + self._settings.close_timeout
+        state, raw = self._rdzv.load()
+        while True:
+            now = self._clock()
+            new, dead = remove_dead(state, now, self._settings)
+            if dead:
+                state, raw, _ = self._rdzv.commit(state, raw, new)
+                continue
+            others = set(state.last_heartbeats) | set(state.participants) | state.wait_list
+            others.discard(self._node)
+            if not others:
+                return
+            if now >= deadline:
+                raise RendezvousError(
+                    f"nodes {sorted(others)} still use the store this node hosts; closing it"
+                )
+            self._rdzv.wait_change(state, min(self._settings.keep_alive_interval, deadline - now))
+            state, raw = self._rdzv.load()

@@ -1,0 +1,255 @@
+"""The pure rendezvous state machine, driven with an injected clock (no sleeps)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from relaunch.errors import ConfigError, RendezvousStateError
+from relaunch.rendezvous._ops import (
+    Action,
+    apply,
+    decide_close,
+    decide_exit,
+    decide_join,
+    decide_keep_alive,
+    decide_leave,
+    needs_wake,
+    nodes_waiting,
+    place,
+    record_failure,
+    remove_dead,
+)
+from relaunch.rendezvous._settings import RendezvousSettings, check_conf_keys, settings_from_conf
+from relaunch.rendezvous._state import (
+    RendezvousState,
+    decode_state,
+    encode_state,
+    new_node_id,
+    node_sort_key,
+)
+
+T0 = 1_000_000.0
+FAR = math.inf
+
+
+def settings(lo: int = 2, hi: int = 3, **kw: float) -> RendezvousSettings:
+    return RendezvousSettings(run_id="job", min_nodes=lo, max_nodes=hi, **kw)  # type: ignore[arg-type]
+
+
+def joined(nodes: list[str], s: RendezvousSettings, now: float = T0) -> RendezvousState:
+    state = RendezvousState(run_id="job")
+    for node in nodes:
+        state = place(state, node, now, s)
+    return state
+
+
+def test_first_node_joins_participants() -> None:
+    s = settings()
+    state = RendezvousState(run_id="job")
+    assert decide_join(state, "a_1_0", T0, s, FAR) is Action.ADD_TO_PARTICIPANTS
+    state = apply(Action.ADD_TO_PARTICIPANTS, state, "a_1_0", T0, s)
+    assert state.participants == {"a_1_0": 0}
+    assert state.deadline is None
+    assert decide_join(state, "a_1_0", T0, s, FAR) is Action.SYNC
+
+
+def test_last_call_starts_at_min_and_completes_when_it_expires() -> None:
+    s = settings(last_call_timeout=30.0)
+    state = joined(["a_1_0", "b_1_0"], s)
+    assert state.deadline == T0 + 30.0
+    assert not state.complete
+    assert decide_join(state, "a_1_0", T0 + 29.0, s, FAR) is Action.SYNC
+    assert decide_join(state, "a_1_0", T0 + 30.0, s, FAR) is Action.MARK_COMPLETE
+    state = apply(Action.MARK_COMPLETE, state, "a_1_0", T0 + 30.0, s)
+    assert state.complete and state.deadline is None
+    assert state.participants == {"a_1_0": 0, "b_1_0": 1}
+    assert decide_join(state, "b_1_0", T0 + 30.0, s, FAR) is Action.FINISH
+
+
+def test_max_nodes_completes_at_once_with_sorted_ranks() -> None:
+    s = settings(2, 3)
+    state = joined(["c_1_0", "a_9_0", "a_10_0"], s)
+    assert state.complete
+    # pid compared as a number: a_9 before a_10.
+    assert state.participants == {"a_9_0": 0, "a_10_0": 1, "c_1_0": 2}
+
+
+def test_late_node_goes_to_wait_list_then_spare_when_full() -> None:
+    s = settings(1, 2)
+    state = joined(["a_1_0"], s)
+    state = apply(Action.MARK_COMPLETE, state, "a_1_0", T0, s)
+    assert decide_join(state, "b_1_0", T0, s, FAR) is Action.ADD_TO_WAIT_LIST
+    state = place(state, "b_1_0", T0, s)
+    assert state.wait_list == {"b_1_0"}
+    assert nodes_waiting(state, my_round=0) == 1
+    full = joined(["a_1_0", "b_1_0"], s)
+    assert full.complete
+    assert decide_join(full, "c_1_0", T0, s, FAR) is Action.ADD_TO_REDUNDANCY_LIST
+    full = place(full, "c_1_0", T0, s)
+    assert full.redundancy_list == {"c_1_0"}
+    assert nodes_waiting(full, my_round=0) == 0
+    assert decide_join(full, "c_1_0", T0, s, FAR) is Action.SYNC
+
+
+def test_restart_reopens_round_and_completes_without_last_call() -> None:
+    s = settings(1, 4, last_call_timeout=30.0)
+    state = joined(["a_1_0", "b_1_0"], s)
+    state = apply(Action.MARK_COMPLETE, state, "a_1_0", T0, s)
+    assert decide_exit(state, "a_1_0", T0, FAR) is Action.REMOVE_FROM_PARTICIPANTS
+    state = apply(Action.REMOVE_FROM_PARTICIPANTS, state, "a_1_0", T0, s)
+    assert state.round == 1 and not state.complete
+    assert state.expected == {"a_1_0", "b_1_0"}
+    assert nodes_waiting(state, my_round=0) >= 1  # b must restart too
+    state = place(state, "a_1_0", T0 + 1, s)
+    assert not state.complete  # waiting for b, not for a 30 s last call
+    state = place(state, "b_1_0", T0 + 1, s)
+    assert state.complete and state.round == 1
+
+
+def test_dead_participant_reopens_round_for_survivors_and_spare() -> None:
+    s = settings(2, 2, keep_alive_interval=1.0, keep_alive_max_attempt=2)
+    state = joined(["a_1_0", "b_1_0", "c_1_0"], s)
+    assert state.complete and state.redundancy_list == {"c_1_0"}
+    state = apply(Action.KEEP_ALIVE, state, "a_1_0", T0 + 2.5, s)
+    state = apply(Action.KEEP_ALIVE, state, "c_1_0", T0 + 2.5, s)
+    same, dead = remove_dead(state, T0 + 2.0, s)
+    assert dead == [] and same is state
+    state, dead = remove_dead(state, T0 + 2.6, s)
+    assert dead == ["b_1_0"]
+    assert state.round == 1 and not state.complete
+    assert state.expected == {"a_1_0", "c_1_0"}
+    # the spare steps in: it leaves the redundancy list and joins
+    assert decide_join(state, "c_1_0", T0 + 2.6, s, FAR) is Action.REMOVE_FROM_REDUNDANCY_LIST
+    state = place(state, "c_1_0", T0 + 2.6, s)
+    state = place(state, "a_1_0", T0 + 2.6, s)
+    assert state.complete and set(state.participants) == {"a_1_0", "c_1_0"}
+
+
+def test_survivors_below_min_wait_and_dead_expected_node_is_dropped() -> None:
+    s = settings(1, 3, keep_alive_interval=1.0, keep_alive_max_attempt=2)
+    state = joined(["a_1_0", "b_1_0", "c_1_0"], s)
+    state = apply(Action.REMOVE_FROM_PARTICIPANTS, state, "a_1_0", T0, s)
+    state = place(state, "a_1_0", T0 + 1.0, s)
+    state = place(state, "b_1_0", T0 + 1.0, s)
+    assert not state.complete  # c is expected
+    state = apply(Action.KEEP_ALIVE, state, "a_1_0", T0 + 3.0, s)
+    state = apply(Action.KEEP_ALIVE, state, "b_1_0", T0 + 3.0, s)
+    state, dead = remove_dead(state, T0 + 3.0, s)
+    assert dead == ["c_1_0"]
+    assert state.complete and len(state.participants) == 2
+
+
+def test_closed_rendezvous_refuses_and_spare_exits_gracefully() -> None:
+    s = settings(1, 1)
+    state = joined(["a_1_0", "b_1_0"], s)
+    assert decide_close(state, T0, FAR) is Action.MARK_CLOSED
+    state = apply(Action.MARK_CLOSED, state, "a_1_0", T0, s)
+    assert decide_close(state, T0, FAR) is Action.FINISH
+    assert decide_join(state, "x_1_0", T0, s, FAR) is Action.ERROR_CLOSED
+    assert decide_join(state, "b_1_0", T0, s, FAR) is Action.EXIT_GRACEFULLY
+    assert nodes_waiting(state, my_round=0) == 0
+
+
+def test_join_timeout_rolls_back_then_errors() -> None:
+    s = settings(2, 3)
+    state = joined(["a_1_0"], s)
+    assert decide_join(state, "a_1_0", T0 + 11, s, T0 + 10) is Action.LEAVE
+    left = apply(Action.LEAVE, state, "a_1_0", T0 + 11, s)
+    assert not left.knows("a_1_0")
+    assert decide_join(left, "a_1_0", T0 + 11, s, T0 + 10) is Action.ERROR_TIMEOUT
+    assert decide_join(state, "a_1_0", T0 + 16, s, T0 + 10) is Action.ERROR_TIMEOUT
+
+
+def test_leave_keeps_complete_round_for_the_others() -> None:
+    s = settings(1, 2)
+    state = joined(["a_1_0", "b_1_0"], s)
+    assert decide_leave(state, "a_1_0", T0, FAR) is Action.LEAVE
+    state2 = apply(Action.LEAVE, state, "a_1_0", T0, s)
+    assert state2.complete and state2.round == 0 and state2.participants == {"b_1_0": 1}
+    assert needs_wake(state, state2)  # a removal wakes waiters
+    assert nodes_waiting(state2, my_round=0) == 0  # b keeps training
+    state3 = apply(Action.LEAVE, state2, "b_1_0", T0, s)
+    assert state3.round == 1 and not state3.complete
+    assert decide_leave(state3, "b_1_0", T0, FAR) is Action.FINISH
+    assert decide_exit(state3, "b_1_0", T0, FAR) is Action.FINISH
+
+
+def test_keep_alive_due_and_timeout() -> None:
+    s = settings(keep_alive_interval=1.0)
+    state = joined(["a_1_0"], s)
+    assert decide_keep_alive(state, "a_1_0", T0 + 0.1, s, FAR) is Action.FINISH
+    assert decide_keep_alive(state, "a_1_0", T0 + 0.6, s, FAR) is Action.KEEP_ALIVE
+    assert decide_keep_alive(state, "a_1_0", T0 + 0.6, s, T0) is Action.ERROR_TIMEOUT
+    assert decide_keep_alive(state, "zz_1_0", T0 + 5, s, FAR) is Action.FINISH
+
+
+def test_failure_restarts_are_counted_once_per_round() -> None:
+    state = RendezvousState(run_id="job")
+    state = record_failure(state, 3)
+    assert state.restarts == 1
+    assert record_failure(state, 3) is state
+    assert record_failure(state, 2) is state
+    assert record_failure(state, 4).restarts == 2
+
+
+def test_wake_only_on_changes_that_matter() -> None:
+    s = settings(2, 4)
+    one = joined(["a_1_0"], s)
+    two = place(one, "b_1_0", T0, s)
+    three = place(two, "c_1_0", T0, s)
+    assert needs_wake(one, two)  # the last call started
+    assert not needs_wake(two, three)  # one more participant: nobody needs to wake
+    beat = apply(Action.KEEP_ALIVE, three, "a_1_0", T0 + 1, s)
+    assert not needs_wake(three, beat)
+
+
+def test_codec_round_trip_and_strict_decoding() -> None:
+    s = settings(1, 2)
+    state = joined(["a_1_0", "b_1_0", "c_1_0"], s)
+    state.deadline = T0
+    data = encode_state(state)
+    back = decode_state(data, key="k", run_id="job")
+    assert encode_state(back) == data
+    for bad in (
+        b"\x80\x04pickle",
+        b"[]",
+        b'{"version": 99}',
+        data.replace(b'"complete":true', b'"complete":"yes"'),
+        data.replace(b'"round":0', b'"round":0.5'),
+    ):
+        with pytest.raises(RendezvousStateError, match="'relaunch/x/state'"):
+            decode_state(bad, key="relaunch/x/state", run_id="job")
+    with pytest.raises(RendezvousStateError, match=r"belongs to run 'job'"):
+        decode_state(data, key="k", run_id="other")
+
+
+def test_node_ids_sort_and_are_unique() -> None:
+    a, b = new_node_id("10.0.0.1"), new_node_id("10.0.0.1")
+    assert a != b and a.startswith("10.0.0.1_")
+    assert node_sort_key("h_x_y") == ("h_x_y", 0, 0)
+    assert sorted(["n_2_0", "n_10_0", "m_99_1"], key=node_sort_key) == [
+        "m_99_1",
+        "n_2_0",
+        "n_10_0",
+    ]
+
+
+def test_settings_validation_names_the_parameter() -> None:
+    with pytest.raises(ConfigError, match="max_nodes"):
+        settings(3, 2)
+    with pytest.raises(ConfigError, match="last_call_timeout"):
+        settings(last_call_timeout=0.0)
+    with pytest.raises(ConfigError, match="join_timeout"):
+        settings_from_conf(run_id="j", min_nodes=1, max_nodes=1, conf={"join_timeout": "-1"})
+    with pytest.raises(ConfigError, match="keep_alive_max_attempt"):
+        settings_from_conf(
+            run_id="j", min_nodes=1, max_nodes=1, conf={"keep_alive_max_attempt": "x"}
+        )
+    with pytest.raises(ConfigError, match=r"'bogus'.*join_timeout"):
+        check_conf_keys({"bogus": "1"}, ["join_timeout"])
+    got = settings_from_conf(
+        run_id="j", min_nodes=1, max_nodes=2, conf={"last_call_timeout": "1.5"}
+    )
+    assert got.last_call_timeout == 1.5 and got.dead_after == 2.0
