@@ -1,0 +1,156 @@
+"""The agent under real faults: signals, stubborn workers, grandchildren, the watchdog."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from relaunch.agent import LocalAgent, WorkerState, build_spec, create_rendezvous_handler
+from relaunch.cli import parse_args
+
+PY = sys.executable
+
+
+def script(tmp_path: Path, name: str, body: str) -> str:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(body))
+    return str(path)
+
+
+def wait_for(predicate, timeout: float = 30.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.05)
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    return stat[stat.rfind(b")") + 2 :][:1] not in (b"Z", b"X")
+
+
+@pytest.mark.timeout(60)
+def test_sigterm_to_agent_leaves_no_process_behind(tmp_path: Path) -> None:
+    # Each worker starts a grandchild in its group and one that escapes into its own session.
+    s = script(
+        tmp_path,
+        "family.py",
+        """
+        import os, subprocess, sys, time
+        out = sys.argv[1]
+        a = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        b = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+        with open(os.path.join(out, "pids_" + os.environ["LOCAL_RANK"]), "w") as f:
+            f.write(f"{os.getpid()} {a.pid} {b.pid}")
+        time.sleep(600)
+        """,
+    )
+    agent = subprocess.Popen([PY, "-m", "relaunch", "--standalone", "--nproc-per-node=2", s, str(tmp_path)], stderr=subprocess.PIPE, text=True)
+    files = [tmp_path / "pids_0", tmp_path / "pids_1"]
+    wait_for(lambda: all(f.exists() and f.read_text().count(" ") == 2 for f in files))
+    pids = [int(p) for f in files for p in f.read_text().split()]
+    assert all(alive(p) for p in pids)
+    agent.send_signal(signal.SIGTERM)
+    _, err = agent.communicate(timeout=30)
+    assert agent.returncode == 128 + signal.SIGTERM, err
+    wait_for(lambda: not any(alive(p) for p in pids), timeout=10)
+
+
+@pytest.mark.timeout(60)
+def test_worker_ignoring_sigterm_is_killed_after_grace(tmp_path: Path) -> None:
+    s = script(
+        tmp_path,
+        "stubborn.py",
+        """
+        import os, signal, sys, time
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        open(os.path.join(sys.argv[1], "up_" + os.environ["LOCAL_RANK"]), "w").close()
+        if os.environ["LOCAL_RANK"] == "1":
+            while not os.path.exists(os.path.join(sys.argv[1], "up_0")):
+                time.sleep(0.01)
+            sys.exit(3)
+        time.sleep(600)
+        """,
+    )
+    config = parse_args(["--standalone", "--nproc-per-node=2", s, str(tmp_path)])
+    spec = replace(build_spec(config, create_rendezvous_handler(config), dict(os.environ)), stop_grace=0.5)
+    result = LocalAgent(spec).run()
+    assert result.state == WorkerState.FAILED
+    assert [f.exitcode for f in result.failures.values()] == [3]
+
+
+@pytest.mark.timeout(60)
+def test_watchdog_kills_an_overdue_worker(tmp_path: Path) -> None:
+    s = script(
+        tmp_path,
+        "overdue.py",
+        """
+        import time
+        from relaunch.timer import expires
+        with expires(after=0.5, scope="step"):
+            time.sleep(600)
+        """,
+    )
+    logs = tmp_path / "logs"
+    r = subprocess.run(
+        [PY, "-m", "relaunch", "--standalone", "--nproc-per-node=1", "--log-dir", str(logs), s],
+        capture_output=True, text=True, timeout=45,
+        env={**os.environ, "TORCHELASTIC_ENABLE_FILE_TIMER": "1"},
+    )
+    assert r.returncode == 1
+    assert "SIGKILL" in r.stderr
+    ev = [json.loads(x) for x in next(logs.glob("*/events.jsonl")).read_text().splitlines()]
+    expired = [e for e in ev if e["name"] == "watchdog_expired"]
+    assert expired and expired[0]["metadata"]["scope"] == "step"
+
+
+@pytest.mark.timeout(90)
+def test_warm_standby_runs_the_script_like_a_fresh_interpreter(tmp_path: Path) -> None:
+    s = script(
+        tmp_path,
+        "probe.py",
+        """
+        import json, os, sys, time
+        out = sys.argv[1]
+        attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
+        state = {
+            "argv": sys.argv, "name": __name__, "file": __file__, "path0": sys.path[0],
+            "cwd": os.getcwd(), "rank": os.environ["RANK"], "port": os.environ["MASTER_PORT"],
+            "restart": attempt, "pid": os.getpid(), "main_file": sys.modules["__main__"].__file__,
+        }
+        with open(os.path.join(out, f"state_{attempt}_{os.environ['LOCAL_RANK']}.json"), "w") as f:
+            json.dump(state, f)
+        if attempt == "0":
+            time.sleep(5)  # the standbys start while we run
+            sys.exit(1)
+        """,
+    )
+    logs = tmp_path / "logs"
+    r = subprocess.run(
+        [PY, "-m", "relaunch", "--standalone", "--nproc-per-node=2", "--max-restarts=1", "--log-dir", str(logs), s, str(tmp_path), "x y"],
+        capture_output=True, text=True, timeout=80,
+    )
+    assert r.returncode == 0, r.stderr
+    ev = [json.loads(x) for x in next(logs.glob("*/events.jsonl")).read_text().splitlines()]
+    started = [e for e in ev if e["name"] == "workers_started"]
+    assert started[1]["metadata"]["warm"] == [0, 1]
+    for lr in (0, 1):
+        fresh = json.loads((tmp_path / f"state_0_{lr}.json").read_text())
+        warm = json.loads((tmp_path / f"state_1_{lr}.json").read_text())
+        for key in ("argv", "name", "file", "path0", "cwd", "rank", "main_file"):
+            assert fresh[key] == warm[key], key
+        assert warm["restart"] == "1"
+        assert warm["port"] != fresh["port"]  # a fresh store for the new attempt
