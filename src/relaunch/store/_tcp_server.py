@@ -1,0 +1,483 @@
+"""A pure-Python server of torch's TCPStore protocol: one thread, one selector.
+
+The relaunch agent hosts the store its workers connect to with
+``torch.distributed.TCPStore(MASTER_ADDR, MASTER_PORT, is_master=False)``
+without importing torch. The same server is the store of the ``c10d``
+rendezvous backend.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import logging
+import selectors
+import socket
+import threading
+from collections.abc import Callable
+from types import TracebackType
+
+from relaunch.errors import ConfigError, StoreClosedError, StoreConnectionError
+from relaunch.store import _tcp_wire as wire
+from relaunch.store._tcp_state import StoreState
+
+__all__ = ["TCPStoreServer"]
+
+log = logging.getLogger(__name__)
+
+_RECV_SIZE = 256 * 1024
+_HIGH_WATER = 16 * 1024 * 1024  # stop reading a client whose replies pile up past this
+_ACCEPTS_PER_EVENT = 512
+_BACKLOG = 4096
+_JOIN_TIMEOUT = 10.0
+
+_STOP = bytes([wire.WaitResponse.STOP_WAITING])
+_CANCELED = bytes([wire.WaitResponse.WAIT_CANCELED])
+_READY = bytes([wire.CheckResponse.READY])
+_NOT_READY = bytes([wire.CheckResponse.NOT_READY])
+
+
+def resolve_host(host: str, port: int) -> tuple[socket.AddressFamily, str]:
+    """Return (family, numeric address) of ``host``; a name is resolved here, once."""
+    try:
+        literal = ipaddress.ip_address(host)
+    except ValueError:
+        pass
+    else:
+        family = socket.AF_INET6 if literal.version == 6 else socket.AF_INET
+        return family, host
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as exc:
+        raise StoreConnectionError(f"cannot resolve store host {host!r}: {exc}") from exc
+    family, _, _, _, sockaddr = infos[0]
+    return socket.AddressFamily(family), str(sockaddr[0])
+
+
+class _Conn:
+    """One client connection of the server."""
+
+    __slots__ = ("addr", "closed", "events", "rbuf", "sock", "validated", "wbuf")
+
+    def __init__(self, sock: socket.socket, addr: str) -> None:
+        self.sock = sock
+        self.addr = addr
+        self.rbuf = bytearray()
+        self.wbuf = bytearray()
+        self.validated = False
+        self.closed = False
+        self.events = selectors.EVENT_READ
+
+
+_Handler = Callable[["TCPStoreServer", _Conn, wire.Reader], None]
+
+
+class TCPStoreServer:
+    """Serves torch's TCPStore protocol (torch 2.13 clients) from one daemon thread.
+
+    ``listen_socket``, when given, is a bound (possibly listening) socket the
+    server takes over; it is closed by :meth:`close`. Otherwise :meth:`start`
+    binds ``host:port`` (port 0 picks a free port; read it from :attr:`port`).
+    """
+
+    def __init__(
+        self,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        listen_socket: socket.socket | None = None,
+    ) -> None:
+        if not isinstance(host, str) or not host:
+            raise ConfigError(f"host: expected a non-empty address string, got {host!r}")
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+            raise ConfigError(f"port: expected an integer in [0, 65535], got {port!r}")
+        if listen_socket is not None and listen_socket.type != socket.SOCK_STREAM:
+            raise ConfigError("listen_socket: expected a bound SOCK_STREAM socket")
+        self._host = host
+        self._port = port
+        self._listen = listen_socket
+        self._family, self._addr = (
+            (socket.AddressFamily(listen_socket.family), host)
+            if listen_socket is not None
+            else resolve_host(host, port)
+        )
+        if listen_socket is not None:
+            self._port = int(listen_socket.getsockname()[1])
+        self._state: StoreState[_Conn] = StoreState()
+        self._conns: set[_Conn] = set()
+        self._dirty: set[_Conn] = set()
+        self._selector: selectors.BaseSelector | None = None
+        self._wake_r: socket.socket | None = None
+        self._wake_w: socket.socket | None = None
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._closed = False
+
+    # ------------------------------------------------------------------ public
+
+    @property
+    def host(self) -> str:
+        """The address the server listens on."""
+        return self._host
+
+    @property
+    def port(self) -> int:
+        """The port the server listens on (the chosen one after :meth:`start` with port 0)."""
+        return self._port
+
+    @property
+    def connection_count(self) -> int:
+        """Number of client connections open now (approximate: read without a lock)."""
+        return len(self._conns)
+
+    def start(self) -> TCPStoreServer:
+        """Bind (unless given a socket), listen and start serving. Idempotent.
+
+        Raises :class:`relaunch.errors.StoreConnectionError` when the address cannot
+        be bound, :class:`relaunch.errors.StoreClosedError` after :meth:`close`.
+        """
+        with self._lock:
+            if self._closed:
+                raise StoreClosedError("the TCP store server was closed")
+            if self._thread is not None:
+                return self
+            listen = self._listen if self._listen is not None else self._bind()
+            try:
+                listen.listen(_BACKLOG)
+                listen.setblocking(False)
+            except OSError as exc:
+                listen.close()
+                raise StoreConnectionError(
+                    f"cannot listen on {self._host}:{self._port}: {exc}"
+                ) from exc
+            self._listen = listen
+            self._port = int(listen.getsockname()[1])
+            self._wake_r, self._wake_w = socket.socketpair()
+            self._wake_r.setblocking(False)
+            self._wake_w.setblocking(False)
+            self._selector = selectors.DefaultSelector()
+            self._selector.register(listen, selectors.EVENT_READ, "listen")
+            self._selector.register(self._wake_r, selectors.EVENT_READ, "wake")
+            self._thread = threading.Thread(
+                target=self._run, name=f"relaunch-tcpstore-{self._port}", daemon=True
+            )
+            self._thread.start()
+            log.debug("TCP store server listening on %s:%s", self._host, self._port)
+        return self
+
+    def close(self) -> None:
+        """Stop serving, close every socket and join the thread. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            thread = self._thread
+        if thread is None:
+            if self._listen is not None:
+                self._listen.close()
+            return
+        assert self._wake_w is not None
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"x")
+        thread.join(_JOIN_TIMEOUT)
+        if thread.is_alive():
+            log.error("TCP store server thread did not stop within %ss", _JOIN_TIMEOUT)
+            return
+        self._wake_w.close()
+
+    def __enter__(self) -> TCPStoreServer:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"TCPStoreServer(host={self._host!r}, port={self._port})"
+
+    # ------------------------------------------------------------- event loop
+
+    def _bind(self) -> socket.socket:
+        sock = socket.socket(self._family, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if self._family == socket.AF_INET6:
+                with contextlib.suppress(OSError):
+                    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+            sock.bind((self._addr, self._port))
+        except OSError as exc:
+            sock.close()
+            raise StoreConnectionError(
+                f"cannot bind the TCP store server to {self._host}:{self._port}: {exc}"
+            ) from exc
+        return sock
+
+    def _run(self) -> None:
+        selector = self._selector
+        assert selector is not None
+        try:
+            while True:
+                for key, mask in selector.select():
+                    data = key.data
+                    if isinstance(data, _Conn):
+                        if data.closed:
+                            continue
+                        if mask & selectors.EVENT_READ:
+                            self._on_readable(data)
+                        if mask & selectors.EVENT_WRITE and not data.closed:
+                            self._flush(data)
+                    elif data == "listen":
+                        self._accept()
+                    else:
+                        return
+                while self._dirty:
+                    self._flush(self._dirty.pop())
+        except Exception:
+            log.exception("TCP store server loop failed; closing it")
+        finally:
+            self._shutdown()
+
+    def _shutdown(self) -> None:
+        assert self._selector is not None
+        for conn in list(self._conns):
+            self._drop(conn, None)
+        self._selector.close()
+        for sock in (self._listen, self._wake_r):
+            if sock is not None:
+                sock.close()
+
+    def _accept(self) -> None:
+        assert self._listen is not None and self._selector is not None
+        for _ in range(_ACCEPTS_PER_EVENT):
+            try:
+                sock, peer = self._listen.accept()
+            except BlockingIOError:
+                return
+            except OSError as exc:
+                log.warning("TCP store server cannot accept a connection: %s", exc)
+                return
+            sock.setblocking(False)
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn = _Conn(sock, f"{peer[0]}:{peer[1]}")
+            self._conns.add(conn)
+            self._selector.register(sock, selectors.EVENT_READ, conn)
+
+    def _drop(self, conn: _Conn, reason: str | None) -> None:
+        if conn.closed:
+            return
+        if reason is not None:
+            log.warning("TCP store server drops client %s: %s", conn.addr, reason)
+        conn.closed = True
+        self._state.cancel(conn)
+        self._conns.discard(conn)
+        self._dirty.discard(conn)
+        assert self._selector is not None
+        with contextlib.suppress(KeyError, ValueError):
+            self._selector.unregister(conn.sock)
+        conn.sock.close()
+
+    def _on_readable(self, conn: _Conn) -> None:
+        try:
+            data = conn.sock.recv(_RECV_SIZE)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            self._drop(conn, f"receive failed: {exc}")
+            return
+        if not data:
+            self._drop(conn, None)
+            return
+        conn.rbuf += data
+        self._process(conn)
+
+    def _process(self, conn: _Conn) -> None:
+        consumed = 0
+        reason: str | None = None
+        with memoryview(conn.rbuf) as view:
+            reader = wire.Reader(view)
+            while consumed < len(view) and len(conn.wbuf) < _HIGH_WATER:
+                reader.pos = consumed
+                try:
+                    self._handle_one(conn, reader)
+                except wire.Incomplete:
+                    break
+                except (wire.MalformedRequest, ValueError) as exc:
+                    reason = str(exc)
+                    break
+                consumed = reader.pos
+        if reason is not None:
+            self._drop(conn, reason)
+            return
+        if consumed:
+            del conn.rbuf[:consumed]
+        if conn.wbuf:
+            self._dirty.add(conn)
+        else:
+            self._update_interest(conn)
+
+    def _handle_one(self, conn: _Conn, reader: wire.Reader) -> None:
+        query = reader.u8()
+        if not conn.validated:
+            if query != wire.Query.VALIDATE:
+                raise wire.MalformedRequest(f"first request is {query}, expected VALIDATE")
+            magic = reader.u32()
+            if magic != wire.VALIDATION_MAGIC:
+                raise wire.MalformedRequest(f"bad validation magic {magic:#x}")
+            conn.validated = True
+            return
+        handler = _HANDLERS[query] if query < len(_HANDLERS) else None
+        if handler is None:
+            raise wire.MalformedRequest(f"unknown query type {query}")
+        handler(self, conn, reader)
+
+    def _flush(self, conn: _Conn) -> None:
+        if conn.closed:
+            return
+        if conn.wbuf:
+            try:
+                sent = conn.sock.send(conn.wbuf)
+            except (BlockingIOError, InterruptedError):
+                sent = 0
+            except OSError as exc:
+                self._drop(conn, f"send failed: {exc}")
+                return
+            del conn.wbuf[:sent]
+        if conn.rbuf and len(conn.wbuf) < _HIGH_WATER:
+            self._process(conn)  # requests left unprocessed while replies piled up
+            if conn.closed or conn.wbuf:
+                self._update_interest(conn)
+                return
+        self._update_interest(conn)
+
+    def _update_interest(self, conn: _Conn) -> None:
+        if conn.closed:
+            return
+        events = 0 if len(conn.wbuf) >= _HIGH_WATER else selectors.EVENT_READ
+        if conn.wbuf:
+            events |= selectors.EVENT_WRITE
+        if events != conn.events:
+            conn.events = events
+            assert self._selector is not None
+            self._selector.modify(conn.sock, events, conn)
+
+    def _wake(self, waiters: list[_Conn]) -> None:
+        for waiter in waiters:
+            waiter.wbuf += _STOP
+            self._dirty.add(waiter)
+
+    # ---------------------------------------------------------------- handlers
+
+    def _h_set(self, conn: _Conn, r: wire.Reader) -> None:
+        key, value = r.key(), r.value()
+        self._wake(self._state.set(key, value))
+
+    def _h_compare_set(self, conn: _Conn, r: wire.Reader) -> None:
+        key, expected, desired = r.key(), r.value(), r.value()
+        result, woken = self._state.compare_set(key, expected, desired)
+        conn.wbuf += wire.pack_bytes(result)
+        self._wake(woken)
+
+    def _h_get(self, conn: _Conn, r: wire.Reader) -> None:
+        conn.wbuf += wire.pack_bytes(self._state.get(r.key()))
+
+    def _h_add(self, conn: _Conn, r: wire.Reader) -> None:
+        key, delta = r.key(), r.i64()
+        total, woken = self._state.add(key, delta)
+        conn.wbuf += wire.pack_i64(total)
+        self._wake(woken)
+
+    def _h_check(self, conn: _Conn, r: wire.Reader) -> None:
+        keys = [r.key() for _ in range(r.count())]
+        conn.wbuf += _READY if self._state.check(keys) else _NOT_READY
+
+    def _h_wait(self, conn: _Conn, r: wire.Reader) -> None:
+        keys = [r.key() for _ in range(r.count())]
+        if self._state.wait(keys, conn):
+            conn.wbuf += _STOP
+
+    def _h_num_keys(self, conn: _Conn, r: wire.Reader) -> None:
+        conn.wbuf += wire.pack_i64(self._state.num_keys())
+
+    def _h_delete(self, conn: _Conn, r: wire.Reader) -> None:
+        conn.wbuf += wire.pack_i64(self._state.delete(r.key()))
+
+    def _h_append(self, conn: _Conn, r: wire.Reader) -> None:
+        key, value = r.key(), r.value()
+        self._wake(self._state.append(key, value))
+
+    def _h_multi_get(self, conn: _Conn, r: wire.Reader) -> None:
+        keys = [r.key() for _ in range(r.count())]
+        conn.wbuf += b"".join(wire.pack_bytes(self._state.get(key)) for key in keys)
+
+    def _h_multi_set(self, conn: _Conn, r: wire.Reader) -> None:
+        count = r.i64()
+        if not 0 <= count <= wire.MAX_KEY_COUNT:
+            raise wire.MalformedRequest(f"multi_set key count {count} out of range")
+        pairs = [(r.key(), r.value()) for _ in range(count)]
+        for key, value in pairs:
+            self._wake(self._state.set(key, value))
+
+    def _h_cancel_wait(self, conn: _Conn, r: wire.Reader) -> None:
+        self._state.cancel(conn)
+        conn.wbuf += _CANCELED
+
+    def _h_ping(self, conn: _Conn, r: wire.Reader) -> None:
+        conn.wbuf += wire.pack_u32(r.u32())
+
+    def _h_queue_push(self, conn: _Conn, r: wire.Reader) -> None:
+        key, value = r.key(), r.value()
+        self._wake(self._state.queue_push(key, value))
+
+    def _h_queue_pop(self, conn: _Conn, r: wire.Reader) -> None:
+        length, value = self._state.queue_pop(r.key())
+        conn.wbuf += wire.pack_i64(length)
+        if value is not None:
+            conn.wbuf += wire.pack_bytes(value)
+
+    def _h_queue_len(self, conn: _Conn, r: wire.Reader) -> None:
+        conn.wbuf += wire.pack_i64(self._state.queue_len(r.key()))
+
+    def _h_list_keys(self, conn: _Conn, r: wire.Reader) -> None:
+        keys = self._state.list_keys()
+        conn.wbuf += wire.pack_i64(len(keys)) + b"".join(wire.pack_bytes(k) for k in keys)
+
+    def _h_barrier(self, conn: _Conn, r: wire.Reader) -> None:
+        key, world_size = r.key(), r.i64()
+        ready, woken = self._state.barrier(key, world_size, conn)
+        if ready:
+            conn.wbuf += _STOP
+        self._wake(woken)
+
+    def _h_validate_again(self, conn: _Conn, r: wire.Reader) -> None:
+        if r.u32() != wire.VALIDATION_MAGIC:
+            raise wire.MalformedRequest("bad validation magic")
+
+
+_HANDLERS: list[_Handler | None] = [None] * len(wire.Query)
+for _query, _handler in (
+    (wire.Query.VALIDATE, TCPStoreServer._h_validate_again),
+    (wire.Query.SET, TCPStoreServer._h_set),
+    (wire.Query.COMPARE_SET, TCPStoreServer._h_compare_set),
+    (wire.Query.GET, TCPStoreServer._h_get),
+    (wire.Query.ADD, TCPStoreServer._h_add),
+    (wire.Query.CHECK, TCPStoreServer._h_check),
+    (wire.Query.WAIT, TCPStoreServer._h_wait),
+    (wire.Query.GETNUMKEYS, TCPStoreServer._h_num_keys),
+    (wire.Query.DELETE_KEY, TCPStoreServer._h_delete),
+    (wire.Query.APPEND, TCPStoreServer._h_append),
+    (wire.Query.MULTI_GET, TCPStoreServer._h_multi_get),
+    (wire.Query.MULTI_SET, TCPStoreServer._h_multi_set),
+    (wire.Query.CANCEL_WAIT, TCPStoreServer._h_cancel_wait),
+    (wire.Query.PING, TCPStoreServer._h_ping),
+    (wire.Query.QUEUE_PUSH, TCPStoreServer._h_queue_push),
+    (wire.Query.QUEUE_POP, TCPStoreServer._h_queue_pop),
+    (wire.Query.QUEUE_LEN, TCPStoreServer._h_queue_len),
+    (wire.Query.LIST_KEYS, TCPStoreServer._h_list_keys),
+    (wire.Query.BARRIER, TCPStoreServer._h_barrier),
+):
+    _HANDLERS[_query] = _handler
