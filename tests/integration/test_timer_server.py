@@ -317,3 +317,30 @@ def test_failed_release_does_not_hide_the_block_error(monkeypatch: pytest.Monkey
             server2.close()
     finally:
         server.close()
+
+
+def test_close_from_on_expiry_callback() -> None:
+    victim = _sleeper()
+    closed = threading.Event()
+    holder: list[TimerServer] = []
+
+    def on_expiry(expiry: TimerExpiry) -> None:
+        holder[0].close()
+        closed.set()
+
+    server = TimerServer(max_interval=0.05, on_expiry=on_expiry)
+    holder.append(server)
+    server.start()
+    path = server.path
+    try:
+        server.watch_pids({victim.pid})
+        _send(path, _request(victim.pid, "v", 0.0))
+        assert closed.wait(TIMEOUT)
+        assert victim.wait(timeout=TIMEOUT) == -signal.SIGKILL
+        for thread in threading.enumerate():
+            if thread.name == "relaunch-timer-server":
+                thread.join(TIMEOUT)
+        assert not Path(path).exists()
+    finally:
+        server.close()
+        _stop(victim)

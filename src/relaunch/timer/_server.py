@@ -80,6 +80,7 @@ class TimerServer:
         self._created_pipe = False
         self._started = False
         self._closed = False
+        self._release_on_exit = False
 
     @property
     def path(self) -> str:
@@ -141,6 +142,10 @@ class TimerServer:
         self._closed = True
         self._stop.set()
         self._wake()
+        if self._thread is threading.current_thread():
+            # Called from on_expiry: the loop sees the stop flag and releases on its way out.
+            self._release_on_exit = True
+            return
         if self._thread is not None:
             self._thread.join(timeout=max(5.0, 10 * self._max_interval))
             if self._thread.is_alive():
@@ -203,6 +208,9 @@ class TimerServer:
             self._serve_loop(reader, wake_r)
         except Exception:
             logger.exception("timer server thread failed; worker timers are no longer enforced")
+        finally:
+            if self._release_on_exit:
+                self._release_resources()
 
     def _serve_loop(self, reader: int, wake_r: int) -> None:
         poller = select.poll()
@@ -258,6 +266,8 @@ class TimerServer:
         with self._lock:
             decisions = self._table.expire(time.time())
         for decision in decisions:
+            if self._stop.is_set():
+                return
             self._act(decision)
 
     def _act(self, decision: Expired) -> None:
