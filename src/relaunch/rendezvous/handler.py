@@ -50,7 +50,8 @@ class DynamicRendezvousHandler:
     ``store`` serves the caller's thread; ``keep_alive_store`` (default: ``store``)
     serves the keep-alive thread, for stores whose connection is not thread-safe.
     ``server`` (e.g. the TCP store this node hosts) is closed by :meth:`shutdown`,
-    after every other node left or died, so no node restarting is stranded.
+    after every other node left or died, so no node restarting is stranded. The
+    stores are closed there too unless ``owns_store`` is False (a shared store).
     ``clock`` gives wall-clock seconds (inject one in tests).
     """
 
@@ -63,6 +64,7 @@ class DynamicRendezvousHandler:
         local_addr: str | None = None,
         keep_alive_store: Store | None = None,
         server: _Closeable | None = None,
+        owns_store: bool = True,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._backend_name = backend
@@ -70,6 +72,7 @@ class DynamicRendezvousHandler:
         self._store = store
         self._keep_alive_store = keep_alive_store
         self._server = server
+        self._owns_store = owns_store
         self._clock = clock
         self._node = new_node_id(local_addr)
         self._rdzv = StateBackend(store, settings, clock=clock)
@@ -300,7 +303,8 @@ class DynamicRendezvousHandler:
             logger.warning("node %s could not leave the rendezvous cleanly: %s", self._node, exc)
             ok = False
         finally:
-            for closeable in (self._keep_alive_store, self._store, self._server):
+            owned = (self._keep_alive_store, self._store) if self._owns_store else ()
+            for closeable in (*owned, self._server):
                 if closeable is not None:
                     try:
                         closeable.close()

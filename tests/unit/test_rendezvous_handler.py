@@ -1,0 +1,213 @@
+"""Several handlers in threads over the in-memory store: the real I/O loop, no sleeps."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
+import pytest
+
+from relaunch.errors import (
+    RendezvousClosedError,
+    RendezvousGracefulExitError,
+    RendezvousStateError,
+    RendezvousTimeoutError,
+)
+from relaunch.rendezvous._settings import RendezvousSettings
+from relaunch.rendezvous.api import RendezvousInfo
+from relaunch.rendezvous.handler import DynamicRendezvousHandler
+from relaunch.store.memory import MemoryStore
+
+T = TypeVar("T")
+
+
+@pytest.fixture
+def store() -> Iterator[MemoryStore]:
+    store = MemoryStore()
+    yield store
+    store.close()
+    leftover = [t.name for t in threading.enumerate() if t.name.startswith("relaunch-rdzv")]
+    assert leftover == []
+
+
+def make(store: MemoryStore, lo: int, hi: int, **kw: float) -> DynamicRendezvousHandler:
+    conf: dict[str, float] = {
+        "last_call_timeout": 0.2,
+        "keep_alive_interval": 0.1,
+        "keep_alive_max_attempt": 10,
+        "join_timeout": 30.0,
+    }
+    conf.update(kw)
+    settings = RendezvousSettings(run_id="job", min_nodes=lo, max_nodes=hi, **conf)  # type: ignore[arg-type]
+    return DynamicRendezvousHandler(
+        backend="memory", store=store, settings=settings, owns_store=False
+    )
+
+
+def together(*calls: Callable[[], T]) -> list[T]:
+    with ThreadPoolExecutor(len(calls), thread_name_prefix="test-rdzv") as pool:
+        futures = [pool.submit(call) for call in calls]
+        return [f.result(timeout=60) for f in futures]
+
+
+def until(check: Callable[[], bool], timeout: float = 30.0) -> None:
+    end = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < end, "condition not reached in time"
+        time.sleep(0.01)
+
+
+def shut(*handlers: DynamicRendezvousHandler) -> None:
+    for h in handlers:
+        assert h.shutdown()
+
+
+def test_full_round_completes_with_distinct_ranks(store: MemoryStore) -> None:
+    hs = [make(store, 3, 3, last_call_timeout=600.0) for _ in range(3)]
+    infos = together(*(h.next_rendezvous for h in hs))
+    assert sorted(i.rank for i in infos) == [0, 1, 2]
+    assert {(i.world_size, i.round) for i in infos} == {(3, 0)}
+    infos[0].store.set("x", b"1")
+    assert infos[2].store.get("x") == b"1"
+    assert store.get("relaunch/rdzv/job/round/0/x") == b"1"
+    assert all(h.num_nodes_waiting() == 0 for h in hs)
+    shut(*hs)
+
+
+def test_late_node_admitted_at_next_round(store: MemoryStore) -> None:
+    a, b = make(store, 1, 2), make(store, 1, 2)
+    first = a.next_rendezvous()
+    assert (first.rank, first.world_size) == (0, 1)
+    with ThreadPoolExecutor(1, thread_name_prefix="test-rdzv") as pool:
+        late = pool.submit(b.next_rendezvous)
+        until(lambda: a.num_nodes_waiting() == 1)
+        again = a.next_rendezvous()
+        info_b = late.result(timeout=30)
+    assert again.world_size == info_b.world_size == 2
+    assert again.round == info_b.round == 1
+    assert a.restart_count() == 0
+    shut(a, b)
+
+
+def test_dead_node_removed_survivors_continue(store: MemoryStore) -> None:
+    hs = [make(store, 2, 3, keep_alive_max_attempt=3) for _ in range(3)]
+    together(*(h.next_rendezvous for h in hs))
+    victim = hs.pop()
+    victim._stop_keep_alive()  # the node is gone: no heartbeat, no goodbye
+    until(lambda: all(h.num_nodes_waiting() > 0 for h in hs))
+    infos = together(*(h.next_rendezvous for h in hs))
+    assert sorted(i.rank for i in infos) == [0, 1]
+    assert {i.world_size for i in infos} == {2}
+    shut(*hs)
+    victim._shut = True  # its store is shared: do not leave on its behalf
+
+
+def test_spare_takes_lost_nodes_place(store: MemoryStore) -> None:
+    a, b, spare = (make(store, 2, 2, keep_alive_max_attempt=3) for _ in range(3))
+    together(a.next_rendezvous, b.next_rendezvous)
+    with ThreadPoolExecutor(1, thread_name_prefix="test-rdzv") as pool:
+        waiting = pool.submit(spare.next_rendezvous)
+        until(
+            lambda: (
+                spare.node_id
+                in json.loads(store.get("relaunch/rdzv/job/state") or b"{}").get(
+                    "redundancy_list", []
+                )
+            )
+        )
+        assert a.num_nodes_waiting() == 0  # a spare does not trigger a restart
+        b._stop_keep_alive()
+        until(lambda: a.num_nodes_waiting() > 0)
+        info_a = a.next_rendezvous()
+        info_s = waiting.result(timeout=30)
+    assert info_a.world_size == info_s.world_size == 2
+    assert {info_a.rank, info_s.rank} == {0, 1}
+    shut(a, spare)
+    b._shut = True
+
+
+def test_closed_rendezvous(store: MemoryStore) -> None:
+    a, spare, late = make(store, 1, 1), make(store, 1, 1), make(store, 1, 1)
+    a.next_rendezvous()
+    with ThreadPoolExecutor(1, thread_name_prefix="test-rdzv") as pool:
+        waiting = pool.submit(spare.next_rendezvous)
+        until(
+            lambda: 'redundancy_list":["' in (store.get("relaunch/rdzv/job/state") or b"").decode()
+        )
+        assert not a.is_closed()
+        a.set_closed()
+        assert a.is_closed()
+        with pytest.raises(RendezvousGracefulExitError):
+            waiting.result(timeout=30)
+    with pytest.raises(RendezvousClosedError):
+        late.next_rendezvous()
+    shut(a, spare, late)
+
+
+def test_corrupt_state_is_a_clear_error(store: MemoryStore) -> None:
+    store.set("relaunch/rdzv/job/state", b"\x80\x04\x95not json")
+    h = make(store, 1, 1)
+    with pytest.raises(RendezvousStateError, match="relaunch/rdzv/job/state"):
+        h.next_rendezvous()
+    h._shut = True
+    h._stop_keep_alive()
+
+
+def test_state_of_another_run_refused(store: MemoryStore) -> None:
+    other = make(store, 1, 1)
+    other.next_rendezvous()
+    raw = store.get("relaunch/rdzv/job/state") or b""
+    store.set("relaunch/rdzv/job/state", raw.replace(b'"run_id":"job"', b'"run_id":"evil"'))
+    h = make(store, 1, 1)
+    with pytest.raises(RendezvousStateError, match="evil"):
+        h.next_rendezvous()
+    for x in (h, other):
+        x._shut = True
+        x._stop_keep_alive()
+
+
+def test_join_request_of_another_run_is_ignored(store: MemoryStore) -> None:
+    ticket = store.add("relaunch/rdzv/job/req", 1)
+    request = {"version": 1, "run_id": "evil", "node": "evil_1_0"}
+    store.set(f"relaunch/rdzv/job/req/{ticket}", json.dumps(request).encode())
+    h = make(store, 1, 1, heartbeat_timeout=0.2)  # nobody holds ticket 1: take over soon
+    info = h.next_rendezvous()
+    assert info.world_size == 1
+    assert b"evil" not in (store.get("relaunch/rdzv/job/state") or b"")
+    shut(h)
+
+
+def test_join_timeout(store: MemoryStore) -> None:
+    h = make(store, 2, 2, join_timeout=0.3)
+    with pytest.raises(RendezvousTimeoutError, match="join_timeout"):
+        h.next_rendezvous()
+    assert b"_" not in (store.get("relaunch/rdzv/job/state") or b"").split(b"participants")[1][:5]
+    shut(h)
+
+
+def test_failure_restart_counted_once_per_round(store: MemoryStore) -> None:
+    a, b = make(store, 2, 2), make(store, 2, 2)
+    infos: list[RendezvousInfo] = together(a.next_rendezvous, b.next_rendezvous)
+    assert a.record_failure(infos[0].round) == 1
+    assert b.record_failure(infos[1].round) == 1
+    together(a.next_rendezvous, b.next_rendezvous)
+    assert b.record_failure(infos[0].round + 1) == 2
+    assert a.restart_count() == 2
+    shut(a, b)
+
+
+def test_shutdown_does_not_close_for_the_others(store: MemoryStore) -> None:
+    a, b = make(store, 1, 2), make(store, 1, 2)
+    together(a.next_rendezvous, b.next_rendezvous)
+    assert a.shutdown()
+    assert not b.is_closed()
+    assert b.num_nodes_waiting() == 0  # b keeps training
+    info = b.next_rendezvous()  # b restarts alone: not stranded
+    assert info.world_size == 1
+    with pytest.raises(RendezvousClosedError):
+        a.next_rendezvous()
+    shut(b)
