@@ -1,0 +1,427 @@
+"""A pure-Python client of torch's TCPStore protocol implementing the relaunch Store.
+
+Keys go on the wire as torch's own client writes them (``"/" + key``, or
+``"/" + prefix + "/" + key`` with a prefix, as ``PrefixStore``), so this client
+and ``torch.distributed.TCPStore`` clients see each other's keys. It works
+against our :class:`~relaunch.store.tcp.TCPStoreServer` and torch's server.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import math
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from types import TracebackType
+from typing import TypeVar
+
+from relaunch.errors import (
+    ConfigError,
+    StoreClosedError,
+    StoreConnectionError,
+    StoreError,
+    StoreTimeoutError,
+)
+from relaunch.store import _tcp_wire as wire
+from relaunch.store._tcp_server import resolve_host
+
+__all__ = ["TCPStoreClient"]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+_CONNECT_BACKOFF_START = 0.01
+_CONNECT_BACKOFF_MAX = 0.5
+_nonces = itertools.count(os.getpid() & 0xFFFF)
+
+
+class _ProtocolError(ConnectionError):
+    """The server replied something this protocol does not allow."""
+
+
+class _Connection:
+    """One blocking socket with a receive buffer."""
+
+    __slots__ = ("buf", "sock")
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.buf = bytearray()
+
+    def send(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def read(self, size: int, timeout: float | None) -> bytes:
+        """Read exactly ``size`` bytes; ``TimeoutError`` when none come in ``timeout``."""
+        self.sock.settimeout(timeout)
+        while len(self.buf) < size:
+            chunk = self.sock.recv(max(65536, size - len(self.buf)))
+            if not chunk:
+                raise ConnectionError("the server closed the connection")
+            self.buf += chunk
+        data = bytes(self.buf[:size])
+        del self.buf[:size]
+        return data
+
+    def u8(self, timeout: float | None) -> int:
+        return self.read(1, timeout)[0]
+
+    def u32(self, timeout: float | None) -> int:
+        return int.from_bytes(self.read(4, timeout), "little")
+
+    def i64(self, timeout: float | None) -> int:
+        return int.from_bytes(self.read(8, timeout), "little", signed=True)
+
+    def blob(self, timeout: float | None) -> bytes:
+        size = int.from_bytes(self.read(8, timeout), "little")
+        if size > wire.MAX_VALUE_LEN:
+            raise _ProtocolError(f"reply of {size} bytes exceeds {wire.MAX_VALUE_LEN}")
+        return self.read(size, timeout)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        self.sock.close()
+
+
+def _keys_request(query: wire.Query, keys: list[bytes]) -> bytes:
+    return b"".join([bytes([query]), wire.pack_u64(len(keys)), *(wire.pack_bytes(k) for k in keys)])
+
+
+def _one_key(query: wire.Query, key: bytes) -> bytes:
+    return bytes([query]) + wire.pack_bytes(key)
+
+
+class TCPStoreClient:
+    """A :class:`relaunch.store.Store` speaking torch's TCPStore protocol. Thread-safe.
+
+    Connects at construction, retrying until ``timeout`` seconds have passed (the
+    server may start a moment later). ``timeout`` also bounds every reply.
+    :meth:`wait` runs on a separate connection, so a long wait never blocks the
+    other calls of other threads.
+
+    Every method raises :class:`relaunch.errors.StoreConnectionError` when the
+    server cannot be reached or breaks the connection (the next call reconnects),
+    and :class:`relaunch.errors.StoreClosedError` after :meth:`close`.
+    """
+
+    def __init__(self, host: str, port: int, *, timeout: float = 30.0, prefix: str = "") -> None:
+        if not isinstance(host, str) or not host:
+            raise ConfigError(f"host: expected a non-empty address string, got {host!r}")
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 < port <= 65535:
+            raise ConfigError(f"port: expected an integer in [1, 65535], got {port!r}")
+        if (
+            isinstance(timeout, bool)
+            or not isinstance(timeout, int | float)
+            or not math.isfinite(timeout)
+            or timeout <= 0
+        ):
+            raise ConfigError(f"timeout: expected a positive number of seconds, got {timeout!r}")
+        if not isinstance(prefix, str):
+            raise ConfigError(f"prefix: expected a string, got {prefix!r}")
+        self._host = host
+        self._port = port
+        self._timeout = float(timeout)
+        self._prefix = "/" + prefix + "/" if prefix else "/"
+        self._family, self._addr = resolve_host(host, port)
+        self._lock = threading.Lock()  # serialises request/response on the main connection
+        self._pool_lock = threading.Lock()
+        self._idle_waits: list[_Connection] = []
+        self._busy_waits: set[_Connection] = set()
+        self._closed = False
+        self._main: _Connection | None = self._connect()
+
+    # ------------------------------------------------------------------ public
+
+    @property
+    def host(self) -> str:
+        """The server's host as given."""
+        return self._host
+
+    @property
+    def port(self) -> int:
+        """The server's port."""
+        return self._port
+
+    @property
+    def prefix(self) -> str:
+        """The key prefix given at construction ("" for none)."""
+        return self._prefix[1:-1]
+
+    def get(self, key: str) -> bytes | None:
+        """Return the value of ``key``, or ``None`` when it is not set. Never waits."""
+        k = self._key(key)
+
+        def parse(conn: _Connection) -> bytes | None:
+            ready = conn.u8(self._timeout) == wire.CheckResponse.READY
+            value = conn.blob(self._timeout)
+            return value if ready else None
+
+        return self._call(_keys_request(wire.Query.CHECK, [k]) + _one_key(wire.Query.GET, k), parse)
+
+    def set(self, key: str, value: bytes) -> None:
+        """Set ``key`` to ``value``; returns once the server has applied it."""
+        request = _one_key(wire.Query.SET, self._key(key)) + wire.pack_bytes(bytes(value))
+        self._call_confirmed(request)
+
+    def compare_set(self, key: str, expected: bytes | None, desired: bytes) -> tuple[bytes, bool]:
+        """Set ``key`` to ``desired`` only if it holds ``expected`` (``None``: is unset).
+
+        Returns the value the key holds afterwards (``b""`` when it is unset) and
+        whether this call wrote it. As torch's server, an unset key also matches
+        ``expected=b""`` and a key holding ``b""`` also matches ``expected=None``.
+        """
+        k = self._key(key)
+        want = b"" if expected is None else bytes(expected)
+        request = b"".join(
+            [
+                _keys_request(wire.Query.CHECK, [k]),
+                _one_key(wire.Query.GET, k),
+                _one_key(wire.Query.COMPARE_SET, k),
+                wire.pack_bytes(want),
+                wire.pack_bytes(bytes(desired)),
+            ]
+        )
+
+        def parse(conn: _Connection) -> tuple[bytes, bool]:
+            existed = conn.u8(self._timeout) == wire.CheckResponse.READY
+            before = conn.blob(self._timeout)
+            after = conn.blob(self._timeout)
+            if not existed:
+                return (after, True) if not want else (b"", False)
+            return after, before == want
+
+        return self._call(request, parse)
+
+    def add(self, key: str, amount: int) -> int:
+        """Atomically add ``amount`` to the integer at ``key`` (0 if unset); return the sum."""
+        request = _one_key(wire.Query.ADD, self._key(key)) + wire.pack_i64(int(amount))
+        return self._call(request, lambda conn: conn.i64(self._timeout))
+
+    def delete(self, key: str) -> bool:
+        """Delete ``key``; return whether it existed."""
+        request = _one_key(wire.Query.DELETE_KEY, self._key(key))
+        return self._call(request, lambda conn: conn.i64(self._timeout) == 1)
+
+    def append(self, key: str, value: bytes) -> None:
+        """Append ``value`` to the value of ``key`` (set it when unset)."""
+        request = _one_key(wire.Query.APPEND, self._key(key)) + wire.pack_bytes(bytes(value))
+        self._call_confirmed(request)
+
+    def check(self, keys: list[str]) -> bool:
+        """Whether every key in ``keys`` is set now."""
+        request = _keys_request(wire.Query.CHECK, [self._key(k) for k in keys])
+        return self._call(request, lambda c: c.u8(self._timeout) == wire.CheckResponse.READY)
+
+    def multi_get(self, keys: list[str]) -> list[bytes | None]:
+        """Values of ``keys`` (``None`` for each unset one), read atomically by our server."""
+        ks = [self._key(k) for k in keys]
+        checks = [_keys_request(wire.Query.CHECK, [k]) for k in ks]
+        request = b"".join([*checks, _keys_request(wire.Query.MULTI_GET, ks)])
+
+        def parse(conn: _Connection) -> list[bytes | None]:
+            ready = [conn.u8(self._timeout) == wire.CheckResponse.READY for _ in ks]
+            values = [conn.blob(self._timeout) for _ in ks]
+            return [v if r else None for r, v in zip(ready, values, strict=True)]
+
+        return self._call(request, parse)
+
+    def multi_set(self, items: dict[str, bytes]) -> None:
+        """Set several keys in one request."""
+        parts = [bytes([wire.Query.MULTI_SET]), wire.pack_i64(len(items))]
+        for key, value in items.items():
+            parts += [wire.pack_bytes(self._key(key)), wire.pack_bytes(bytes(value))]
+        self._call_confirmed(b"".join(parts))
+
+    def num_keys(self) -> int:
+        """Number of keys on the server (all prefixes, as torch's ``num_keys``)."""
+        return self._call(bytes([wire.Query.GETNUMKEYS]), lambda c: c.i64(self._timeout))
+
+    def list_keys(self) -> list[str]:
+        """Keys under this client's prefix, without the prefix."""
+
+        def parse(conn: _Connection) -> list[str]:
+            count = conn.i64(self._timeout)
+            if not 0 <= count <= 1 << 32:
+                raise _ProtocolError(f"list_keys reply announces {count} keys")
+            raw = [conn.blob(self._timeout) for _ in range(count)]
+            prefix = self._prefix.encode()
+            return [k[len(prefix) :].decode() for k in raw if k.startswith(prefix)]
+
+        return self._call(bytes([wire.Query.LIST_KEYS]), parse)
+
+    def wait(self, keys: list[str], timeout: float) -> None:
+        """Block until every key in ``keys`` is set.
+
+        Raises :class:`relaunch.errors.StoreTimeoutError` after ``timeout`` seconds
+        (the wait is then cancelled on the server; the client stays usable).
+        """
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout < 0:
+            raise ConfigError(f"timeout: expected a non-negative number, got {timeout!r}")
+        request = _keys_request(wire.Query.WAIT, [self._key(k) for k in keys])
+        conn = self._take_wait_connection()
+        timed_out = False
+        try:
+            conn.send(request)
+            try:
+                reply = conn.u8(max(float(timeout), 1e-3))
+            except TimeoutError:
+                timed_out = True
+                conn.send(bytes([wire.Query.CANCEL_WAIT]))
+                reply = conn.u8(self._timeout)
+                if reply == wire.WaitResponse.STOP_WAITING:  # set just before the cancel
+                    reply = conn.u8(self._timeout)
+                if reply != wire.WaitResponse.WAIT_CANCELED:
+                    raise _ProtocolError(f"unexpected reply {reply} to CANCEL_WAIT") from None
+            else:
+                if reply != wire.WaitResponse.STOP_WAITING:
+                    raise _ProtocolError(f"unexpected reply {reply} to WAIT")
+        except OSError as exc:
+            self._discard_wait_connection(conn)
+            raise self._broken(exc) from exc
+        self._return_wait_connection(conn)
+        if timed_out:
+            raise StoreTimeoutError(f"wait for keys {keys} timed out after {timeout}s")
+
+    def close(self) -> None:
+        """Close every connection (a blocked :meth:`wait` returns). Idempotent."""
+        with self._pool_lock:
+            if self._closed:
+                return
+            self._closed = True
+            conns = [*self._idle_waits, *self._busy_waits]
+            self._idle_waits.clear()
+        for conn in conns:
+            conn.close()
+        with self._lock:
+            if self._main is not None:
+                self._main.close()
+                self._main = None
+
+    def __enter__(self) -> TCPStoreClient:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"TCPStoreClient({self._host}:{self._port}, prefix={self.prefix!r})"
+
+    # --------------------------------------------------------------- internals
+
+    def _key(self, key: str) -> bytes:
+        return (self._prefix + key).encode()
+
+    def _broken(self, exc: BaseException) -> StoreError:
+        if self._closed:
+            return StoreClosedError("the TCP store client was closed")
+        return StoreConnectionError(f"TCP store {self._host}:{self._port}: {exc}")
+
+    def _call(self, request: bytes, parse: Callable[[_Connection], T]) -> T:
+        with self._lock:
+            if self._closed:
+                raise StoreClosedError("the TCP store client was closed")
+            conn = self._main if self._main is not None else self._connect()
+            self._main = conn
+            try:
+                conn.send(request)
+                return parse(conn)
+            except OSError as exc:
+                conn.close()
+                self._main = None
+                raise self._broken(exc) from exc
+
+    def _call_confirmed(self, request: bytes) -> None:
+        nonce = next(_nonces) & 0xFFFFFFFF
+        reply = self._call(
+            request + bytes([wire.Query.PING]) + wire.pack_u32(nonce),
+            lambda conn: conn.u32(self._timeout),
+        )
+        if reply != nonce:
+            with self._lock:
+                if self._main is not None:
+                    self._main.close()
+                    self._main = None
+            raise StoreConnectionError(
+                f"TCP store {self._host}:{self._port}: ping returned {reply}, expected {nonce}"
+            )
+
+    def _take_wait_connection(self) -> _Connection:
+        with self._pool_lock:
+            if self._closed:
+                raise StoreClosedError("the TCP store client was closed")
+            conn = self._idle_waits.pop() if self._idle_waits else None
+        if conn is None:
+            conn = self._connect()
+        with self._pool_lock:
+            if self._closed:
+                conn.close()
+                raise StoreClosedError("the TCP store client was closed")
+            self._busy_waits.add(conn)
+        return conn
+
+    def _return_wait_connection(self, conn: _Connection) -> None:
+        with self._pool_lock:
+            self._busy_waits.discard(conn)
+            if not self._closed:
+                self._idle_waits.append(conn)
+                return
+        conn.close()
+
+    def _discard_wait_connection(self, conn: _Connection) -> None:
+        with self._pool_lock:
+            self._busy_waits.discard(conn)
+        conn.close()
+
+    def _connect(self) -> _Connection:
+        """Connect and validate, retrying until ``timeout``; StoreConnectionError after."""
+        deadline = time.monotonic() + self._timeout
+        delay = _CONNECT_BACKOFF_START
+        attempt = 0
+        while True:
+            attempt += 1
+            remaining = deadline - time.monotonic()
+            try:
+                return self._connect_once(max(remaining, 0.05))
+            except OSError as exc:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or self._closed:
+                    raise StoreConnectionError(
+                        f"cannot connect to the TCP store at {self._host}:{self._port} "
+                        f"after {attempt} attempts in {self._timeout}s: {exc}"
+                    ) from exc
+                log.debug("TCP store %s:%s not reachable yet: %s", self._host, self._port, exc)
+                time.sleep(min(delay, remaining))
+                delay = min(delay * 2, _CONNECT_BACKOFF_MAX)
+
+    def _connect_once(self, timeout: float) -> _Connection:
+        sock = socket.socket(self._family, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(timeout)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.connect((self._addr, self._port))
+            conn = _Connection(sock)
+            nonce = next(_nonces) & 0xFFFFFFFF
+            conn.send(
+                bytes([wire.Query.VALIDATE])
+                + wire.pack_u32(wire.VALIDATION_MAGIC)
+                + bytes([wire.Query.PING])
+                + wire.pack_u32(nonce)
+            )
+            if conn.u32(timeout) != nonce:
+                raise _ProtocolError("the server answered the validation ping wrongly")
+        except BaseException:
+            sock.close()
+            raise
+        return conn

@@ -1,0 +1,339 @@
+"""Our TCP store server and client together: real sockets on 127.0.0.1, real threads."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import selectors
+import socket
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from relaunch.errors import (
+    ConfigError,
+    StoreClosedError,
+    StoreConnectionError,
+    StoreTimeoutError,
+)
+from relaunch.store import Store
+from relaunch.store import _tcp_wire as wire
+from relaunch.store.tcp import TCPStoreClient, TCPStoreServer
+
+
+def _socket_fds() -> int:
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
+                count += 1
+        except OSError:
+            pass
+    return count
+
+
+def _store_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("relaunch-tcpstore")]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.fixture
+def server() -> Iterator[TCPStoreServer]:
+    sockets_before = _socket_fds()
+    srv = TCPStoreServer().start()
+    try:
+        yield srv
+    finally:
+        srv.close()
+    assert not _store_threads()
+    assert _socket_fds() <= sockets_before
+
+
+def _raw(port: int, validate: bool = True) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    if validate:
+        sock.sendall(bytes([wire.Query.VALIDATE]) + wire.pack_u32(wire.VALIDATION_MAGIC))
+    return sock
+
+
+def _wait_request(*keys: str) -> bytes:
+    encoded = [("/" + k).encode() for k in keys]
+    return (
+        bytes([wire.Query.WAIT])
+        + wire.pack_u64(len(encoded))
+        + b"".join(wire.pack_bytes(k) for k in encoded)
+    )
+
+
+def test_store_operations(server: TCPStoreServer) -> None:
+    with TCPStoreClient("127.0.0.1", server.port, timeout=10) as store:
+        assert isinstance(store, Store)
+        assert store.get("k") is None
+        store.set("k", b"v")
+        assert store.get("k") == b"v"
+        store.set("empty", b"")
+        assert store.get("empty") == b""
+        assert store.compare_set("c", None, b"1") == (b"1", True)
+        assert store.compare_set("c", None, b"2") == (b"1", False)
+        assert store.compare_set("c", b"1", b"2") == (b"2", True)
+        assert store.compare_set("c", b"1", b"3") == (b"2", False)
+        assert store.compare_set("missing", b"x", b"y") == (b"", False)
+        assert store.get("missing") is None
+        assert store.add("n", 3) == 3
+        assert store.add("n", -5) == -2
+        assert store.delete("n") is True
+        assert store.delete("n") is False
+        assert store.check(["k", "c"]) is True
+        assert store.check(["k", "nope"]) is False
+        store.multi_set({"m1": b"1", "m2": b"2"})
+        assert store.multi_get(["m1", "nope", "m2"]) == [b"1", None, b"2"]
+        store.append("ap", b"x")
+        store.append("ap", b"y")
+        assert store.get("ap") == b"xy"
+        assert sorted(store.list_keys()) == ["ap", "c", "empty", "k", "m1", "m2"]
+        assert store.num_keys() == 6
+        big = os.urandom(3 * 1024 * 1024)
+        store.set("big", big)
+        assert store.get("big") == big
+
+
+def test_prefix_isolates_keys(server: TCPStoreServer) -> None:
+    with (
+        TCPStoreClient("127.0.0.1", server.port, prefix="a") as a,
+        TCPStoreClient("127.0.0.1", server.port, prefix="b") as b,
+        TCPStoreClient("127.0.0.1", server.port) as root,
+    ):
+        a.set("k", b"from a")
+        b.set("k", b"from b")
+        assert a.get("k") == b"from a"
+        assert root.get("a/k") == b"from a"
+        assert b.list_keys() == ["k"]
+        assert a.prefix == "a"
+
+
+def test_wait_timeout_keeps_the_client_usable(server: TCPStoreServer) -> None:
+    with TCPStoreClient("127.0.0.1", server.port, timeout=10) as store:
+        with pytest.raises(StoreTimeoutError, match="timed out"):
+            store.wait(["never"], timeout=0.1)
+        with pytest.raises(StoreTimeoutError):
+            store.wait(["never"], timeout=0)
+        store.set("now", b"1")
+        store.wait(["now"], timeout=5)
+        store.wait([], timeout=5)
+        assert store.get("now") == b"1"
+
+
+def test_wait_is_released_by_another_client(server: TCPStoreServer) -> None:
+    with (
+        TCPStoreClient("127.0.0.1", server.port, timeout=10) as waiter,
+        TCPStoreClient("127.0.0.1", server.port, timeout=10) as writer,
+    ):
+        done = threading.Event()
+        errors: list[BaseException] = []
+
+        def wait() -> None:
+            try:
+                waiter.wait(["x", "y"], timeout=30)
+                done.set()
+            except BaseException as exc:
+                errors.append(exc)
+
+        thread = threading.Thread(target=wait, name="test-waiter")
+        thread.start()
+        writer.set("x", b"1")
+        # the same client stays usable for other calls while its wait blocks
+        assert waiter.get("x") == b"1"
+        assert not done.is_set()
+        writer.add("y", 1)
+        thread.join(30)
+        assert not thread.is_alive() and done.is_set() and not errors
+
+
+def test_client_threads_share_one_client(server: TCPStoreServer) -> None:
+    with TCPStoreClient("127.0.0.1", server.port, timeout=30) as store:
+
+        def work() -> None:
+            for _ in range(200):
+                store.add("sum", 1)
+                store.set("last", b"x")
+
+        threads = [threading.Thread(target=work, name=f"test-adder-{i}") for i in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        assert store.add("sum", 0) == 1600
+
+
+def test_client_waits_for_a_late_server() -> None:
+    port = _free_port()
+    result: list[object] = []
+
+    def connect() -> None:
+        try:
+            client = TCPStoreClient("127.0.0.1", port, timeout=30)
+            result.append(client.get("late"))
+            client.close()
+        except BaseException as exc:
+            result.append(exc)
+
+    thread = threading.Thread(target=connect, name="test-late-client")
+    thread.start()
+    threading.Event().wait(0.3)
+    with TCPStoreServer(port=port) as srv:
+        with TCPStoreClient("127.0.0.1", srv.port) as store:
+            store.set("late", b"ok")
+        thread.join(30)
+    assert result == [b"ok"]
+
+
+def test_connect_timeout_names_the_address() -> None:
+    port = _free_port()
+    with pytest.raises(StoreConnectionError, match=f"127.0.0.1:{port}"):
+        TCPStoreClient("127.0.0.1", port, timeout=0.3)
+
+
+def test_bind_failure_names_the_address() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        server = TCPStoreServer(port=port)
+        with pytest.raises(StoreConnectionError, match=f"127.0.0.1:{port}"):
+            server.start()
+        server.close()
+
+
+def test_given_listen_socket_is_used_and_closed() -> None:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    with TCPStoreServer(listen_socket=sock) as srv:
+        assert srv.port == port
+        with TCPStoreClient("127.0.0.1", port) as store:
+            store.set("k", b"v")
+    assert sock.fileno() == -1
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "bad"),
+    [({"port": -1}, "port"), ({"port": 70000}, "port"), ({"host": ""}, "host")],
+)
+def test_server_config_errors(kwargs: dict[str, object], bad: str) -> None:
+    with pytest.raises(ConfigError, match=bad):
+        TCPStoreServer(**kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "bad"),
+    [
+        ({"timeout": 0}, "timeout"),
+        ({"timeout": float("nan")}, "timeout"),
+        ({"prefix": 3}, "prefix"),
+    ],
+)
+def test_client_config_errors(kwargs: dict[str, object], bad: str) -> None:
+    with pytest.raises(ConfigError, match=bad):
+        TCPStoreClient("127.0.0.1", 1, **kwargs)  # type: ignore[arg-type]
+
+
+def _assert_dropped(sock: socket.socket) -> None:
+    sock.settimeout(10)
+    with contextlib.suppress(ConnectionResetError):
+        assert sock.recv(100) == b""
+    sock.close()
+
+
+def test_garbage_drops_only_that_connection(
+    server: TCPStoreServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="relaunch.store._tcp_server")
+    with TCPStoreClient("127.0.0.1", server.port, timeout=10) as good:
+        good.set("k", b"v")
+        no_validate = _raw(server.port, validate=False)
+        no_validate.sendall(b"GET / HTTP/1.1\r\n\r\n")
+        _assert_dropped(no_validate)
+        unknown = _raw(server.port)
+        unknown.sendall(bytes([200, 1, 2, 3]))
+        _assert_dropped(unknown)
+        absurd = _raw(server.port)
+        absurd.sendall(bytes([wire.Query.SET]) + wire.pack_u64(2**62))
+        _assert_dropped(absurd)
+        not_int = _raw(server.port)
+        not_int.sendall(bytes([wire.Query.ADD]) + wire.pack_bytes(b"/k") + wire.pack_i64(1))
+        _assert_dropped(not_int)
+        noise = _raw(server.port)
+        noise.sendall(os.urandom(4096))
+        _assert_dropped(noise)
+        assert good.get("k") == b"v"
+        good.set("k2", b"v2")
+        assert good.get("k2") == b"v2"
+    assert "drops client" in caplog.text
+
+
+def test_a_thousand_clients_wait_on_one_key(server: TCPStoreServer) -> None:
+    clients = [_raw(server.port) for _ in range(1000)]
+    try:
+        for sock in clients:
+            sock.sendall(_wait_request("go", "also"))
+        with TCPStoreClient("127.0.0.1", server.port, timeout=30) as store:
+            store.set("also", b"")
+            assert store.num_keys() == 1
+            store.set("go", b"1")
+            released = 0
+            with selectors.DefaultSelector() as sel:
+                for sock in clients:
+                    sel.register(sock, selectors.EVENT_READ)
+                while released < len(clients):
+                    events = sel.select(timeout=30)
+                    assert events, f"only {released} of {len(clients)} waiters released"
+                    for key, _ in events:
+                        assert key.fileobj.recv(1) == bytes([wire.WaitResponse.STOP_WAITING])  # type: ignore[union-attr]
+                        sel.unregister(key.fileobj)
+                        released += 1
+            assert server.connection_count == len(clients) + 1
+    finally:
+        for sock in clients:
+            sock.close()
+
+
+def test_close_with_connected_clients_leaves_nothing() -> None:
+    sockets_before = _socket_fds()
+    server = TCPStoreServer().start()
+    client = TCPStoreClient("127.0.0.1", server.port, timeout=5)
+    errors: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            client.wait(["never"], timeout=60)
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=wait, name="test-blocked-waiter")
+    thread.start()
+    client.set("k", b"v")
+    raw = [_raw(server.port) for _ in range(20)]
+    server.close()
+    server.close()
+    thread.join(30)
+    assert not thread.is_alive()
+    assert len(errors) == 1 and isinstance(errors[0], StoreConnectionError)
+    assert not _store_threads()
+    with pytest.raises(StoreConnectionError):
+        client.get("k")
+    client.close()
+    client.close()
+    with pytest.raises(StoreClosedError):
+        client.get("k")
+    for sock in raw:
+        _assert_dropped(sock)
+    assert _socket_fds() <= sockets_before
+    with pytest.raises(StoreClosedError):
+        server.start()
