@@ -47,90 +47,65 @@ _STATIC_PORT = 29500
 
 @dataclass(frozen=True)
 class _Opt:
-    flags: tuple[str, ...]
     default: str | None
     help: str
-    env: bool = True
+    short: str | None = None
     switch: bool = False
+    env: bool = True
+    refuse: str | None = None
+    """What a torchrun flag relaunch cannot honour must be (anything else is refused)."""
+
+    def flags(self, dest: str) -> tuple[str, ...]:
+        long = ("--" + dest.replace("_", "-"), "--" + dest) if "_" in dest else ("--" + dest,)
+        return (self.short, *long) if self.short else long
 
 
-# dest -> option; dest is the first long flag with "-" -> "_" (so PET_<DEST> as in torchrun).
+_NO = "nothing ({} is not supported)"
+# dest -> option: --dash-case and --underscore_case spellings, PET_<DEST> as in torchrun.
 _OPTS: dict[str, _Opt] = {
-    "nnodes": _Opt(("--nnodes",), "1:1", "Number of nodes, or MIN:MAX for an elastic job."),
-    "nproc_per_node": _Opt(("--nproc-per-node", "--nproc_per_node"), "1",
-                           "Workers per node: a number, auto, cpu, gpu or xpu."),
-    "rdzv_backend": _Opt(("--rdzv-backend", "--rdzv_backend"), "static",
-                         "Rendezvous backend: static, c10d or etcd."),
-    "rdzv_endpoint": _Opt(("--rdzv-endpoint", "--rdzv_endpoint"), "",
-                          "Rendezvous endpoint, HOST[:PORT] (etcd: a comma-separated list)."),
-    "rdzv_id": _Opt(("--rdzv-id", "--rdzv_id"), "none", "Job id, the same on every node."),
-    "rdzv_conf": _Opt(("--rdzv-conf", "--rdzv_conf"), "",
-                      "Rendezvous options: KEY=VALUE,... (join_timeout, last_call_timeout, ...)."),
-    "standalone": _Opt(("--standalone",), None, "Single node: c10d rendezvous on 127.0.0.1, "
-                       "fresh job id; --rdzv-backend/-endpoint/-id and --nnodes are ignored.",
-                       switch=True),
-    "max_restarts": _Opt(("--max-restarts", "--max_restarts"), "0",
-                         "Worker group restarts allowed before the job fails."),
-    "monitor_interval": _Opt(("--monitor-interval", "--monitor_interval"), "0.1",
-                             "Seconds between two checks of the workers."),
-    "start_method": _Opt(("--start-method", "--start_method"), "spawn",
-                         "Start method for function entrypoints: spawn, fork or forkserver."),
-    "event_log_handler": _Opt(("--event-log-handler", "--event_log_handler"), "null",
-                              "torchrun's event handler; only 'null' (relaunch has its own events)."),
-    "role": _Opt(("--role",), "default", "Role of the workers (ROLE_NAME)."),
-    "module": _Opt(("-m", "--module"), None, "Run the entrypoint as a module (python -m).",
-                   switch=True),
-    "no_python": _Opt(("--no-python", "--no_python"), None,
-                      "Execute the entrypoint directly, not with python.", switch=True),
-    "run_path": _Opt(("--run-path", "--run_path"), None,
-                     "Run the script with runpy.run_path (takes precedence over --no-python).",
+    "nnodes": _Opt("1:1", "Number of nodes, or MIN:MAX for an elastic job."),
+    "nproc_per_node": _Opt("1", "Workers per node: a number, auto, cpu, gpu or xpu."),
+    "rdzv_backend": _Opt("static", "Rendezvous backend: static, c10d or etcd."),
+    "rdzv_endpoint": _Opt("", "Rendezvous endpoint HOST[:PORT] (etcd: a comma-separated list)."),
+    "rdzv_id": _Opt("none", "Job id, the same on every node."),
+    "rdzv_conf": _Opt("", "Rendezvous options KEY=VALUE,... (join_timeout, last_call_timeout...)."),
+    "standalone": _Opt(None, "Single node: c10d rendezvous on 127.0.0.1 and a fresh job id; "
+                       "--rdzv-backend/-endpoint/-id and --nnodes are ignored.", switch=True),
+    "max_restarts": _Opt("0", "Worker group restarts allowed before the job fails."),
+    "monitor_interval": _Opt("0.1", "Seconds between two checks of the workers."),
+    "start_method": _Opt("spawn", "Start method for function entrypoints: spawn, fork, forkserver."),
+    "event_log_handler": _Opt("null", "Only 'null': relaunch writes its own structured events.",
+                              refuse="'null' (relaunch writes its own structured events)"),
+    "role": _Opt("default", "Role of the workers (ROLE_NAME)."),
+    "module": _Opt(None, "Run the entrypoint as a module (python -m).", "-m", switch=True),
+    "no_python": _Opt(None, "Execute the entrypoint directly, not with python.", switch=True),
+    "run_path": _Opt(None, "Run the script with runpy.run_path (wins over --no-python).",
                      switch=True),
-    "log_dir": _Opt(("--log-dir", "--log_dir"), None, "Base directory for the worker logs."),
-    "redirects": _Opt(("-r", "--redirects"), "0", "Streams to log files only: 0-3 or "
-                      "LOCAL_RANK:0-3,... (1 stdout, 2 stderr, 3 both)."),
-    "tee": _Opt(("-t", "--tee"), "0", "Streams to log files and console (as --redirects)."),
-    "local_ranks_filter": _Opt(("--local-ranks-filter", "--local_ranks_filter"), "",
-                               "Show only these local ranks on the console, e.g. 0,1."),
-    "duplicate_stdout_filters": _Opt(("--duplicate-stdout-filters", "--duplicate_stdout_filters"),
-                                     "", "Not supported by relaunch (must be empty)."),
-    "duplicate_stderr_filters": _Opt(("--duplicate-stderr-filters", "--duplicate_stderr_filters"),
-                                     "", "Not supported by relaunch (must be empty)."),
-    "node_rank": _Opt(("--node-rank", "--node_rank"), "0", "This node's rank (static only)."),
-    "master_addr": _Opt(("--master-addr", "--master_addr"), None,
-                        "Address of node 0 (static only; default 127.0.0.1)."),
-    "master_port": _Opt(("--master-port", "--master_port"), None,
-                        "Port on node 0 (static only; default 29500)."),
-    "local_addr": _Opt(("--local-addr", "--local_addr"), None,
-                       "This node's address as the other nodes reach it."),
-    "logs_specs": _Opt(("--logs-specs", "--logs_specs"), None,
-                       "Not supported by relaunch (torchrun.logs_specs plugins).", env=False),
-    "numa_binding": _Opt(("--numa-binding", "--numa_binding"), None,
-                         "Not supported by relaunch.", env=False),
-    "signals_to_handle": _Opt(("--signals-to-handle", "--signals_to_handle"), DEFAULT_SIGNALS,
-                              "Signals forwarded to the workers, e.g. SIGTERM,SIGINT,SIGUSR1."),
-    "shutdown_timeout": _Opt(("--shutdown-timeout", "--shutdown_timeout"), None,
-                             "Not supported by relaunch yet."),
-    "virtual_local_rank": _Opt(("--virtual-local-rank", "--virtual_local_rank"), None,
-                               "Not supported by relaunch.", switch=True),
-    "exit_barrier_timeout": _Opt(("--exit-barrier-timeout", "--exit_barrier_timeout"), "300",
-                                 "Seconds a finished node waits for the others."),
-    "log_line_prefix_template": _Opt(
-        ("--log-line-prefix-template", "--log_line_prefix_template"), None,
-        "Console line prefix, e.g. '[${role_name}${rank}]:' (default from "
-        "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE)."),
-    "warm_standby": _Opt(("--warm-standby", "--warm_standby"), None, "Keep a warm interpreter "
-                         "with torch imported per local rank: fast restarts (default).", switch=True),
+    "log_dir": _Opt(None, "Base directory for the worker logs (default: a temporary one)."),
+    "redirects": _Opt("0", "Streams to log files only: 0-3 or LOCAL_RANK:0-3,... "
+                      "(1 stdout, 2 stderr, 3 both).", "-r"),
+    "tee": _Opt("0", "Streams to log files and console (format of --redirects).", "-t"),
+    "local_ranks_filter": _Opt("", "Show only these local ranks on the console, e.g. 0,1."),
+    "duplicate_stdout_filters": _Opt("", "Not supported.", refuse=_NO.format("duplication")),
+    "duplicate_stderr_filters": _Opt("", "Not supported.", refuse=_NO.format("duplication")),
+    "node_rank": _Opt("0", "This node's rank (static backend only)."),
+    "master_addr": _Opt(None, "Address of node 0 (static only; default 127.0.0.1)."),
+    "master_port": _Opt(None, "Port on node 0 (static only; default 29500)."),
+    "local_addr": _Opt(None, "This node's address as the other nodes reach it."),
+    "logs_specs": _Opt(None, "Not supported (relaunch has its own log layout).", env=False,
+                       refuse=_NO.format("a logs_specs plugin")),
+    "numa_binding": _Opt(None, "Not supported.", env=False, refuse=_NO.format("NUMA binding")),
+    "signals_to_handle": _Opt(DEFAULT_SIGNALS, "Signals forwarded to the workers, "
+                              "e.g. SIGTERM,SIGINT,SIGUSR1."),
+    "shutdown_timeout": _Opt(None, "Not supported yet.", refuse=_NO.format("a shutdown timeout")),
+    "virtual_local_rank": _Opt(None, "Not supported.", switch=True,
+                               refuse=_NO.format("virtual local rank")),
+    "exit_barrier_timeout": _Opt("300", "Seconds a finished node waits for the others."),
+    "log_line_prefix_template": _Opt(None, "Console line prefix, e.g. '[${role_name}${rank}]:' "
+                                     "(default: TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE)."),
+    "warm_standby": _Opt(None, "Keep a warm interpreter with torch imported per local rank: "
+                         "fast restarts (default).", switch=True),
 }  # fmt: skip
-
-_REFUSED = {
-    "event_log_handler": "'null' (relaunch writes its own structured events)",
-    "duplicate_stdout_filters": "nothing (duplicating filtered lines is not supported)",
-    "duplicate_stderr_filters": "nothing (duplicating filtered lines is not supported)",
-    "logs_specs": "nothing (relaunch has its own log layout, no logs_specs plugins)",
-    "numa_binding": "nothing (NUMA binding is not supported)",
-    "shutdown_timeout": "nothing (not supported yet: workers get SIGTERM, then SIGKILL)",
-    "virtual_local_rank": "nothing (virtual local ranks are not supported)",
-}
 
 
 class _Store(argparse.Action):
@@ -160,7 +135,7 @@ def _parser() -> _Parser:
         nargs = 0 if opt.switch else None
         const = True if opt.switch else None
         parser.add_argument(
-            *opt.flags, dest=dest, action=_Store, nargs=nargs, const=const, help=opt.help
+            *opt.flags(dest), dest=dest, action=_Store, nargs=nargs, const=const, help=opt.help
         )
     parser.add_argument("--no-warm-standby", "--no_warm_standby", dest="warm_standby",
                         action=_Store, nargs=0, const=False, help="Start every worker cold.")  # fmt: skip
@@ -182,7 +157,7 @@ class _Values:
         spelling: str | None = self._ns.spelling.get(dest)
         if spelling is not None:
             return spelling
-        canonical = next(flag for flag in _OPTS[dest].flags if flag.startswith("--"))
+        canonical = next(f for f in _OPTS[dest].flags(dest) if f.startswith("--"))
         if self._env_value(dest) is not None:
             return f"{canonical} (from PET_{dest.upper()})"
         return canonical
@@ -194,6 +169,10 @@ class _Values:
 
     def given(self, dest: str) -> bool:
         return getattr(self._ns, dest) is not None or self._env_value(dest) is not None
+
+    def stripped(self, dest: str) -> str:
+        """The value, stripped; "" when there is none."""
+        return (self.text(dest) or "").strip()
 
     def text(self, dest: str) -> str | None:
         value = getattr(self._ns, dest)
@@ -217,14 +196,16 @@ class _Values:
         raise ConfigError(f"{self.label(dest)}: expected {expected}, got {got!r}")
 
     def integer(self, dest: str, low: int, high: int | None = None) -> int:
-        text = (self.text(dest) or "").strip()
+        text = self.stripped(dest)
         ok = re.fullmatch(r"[+-]?\d+", text) is not None
         if not ok or int(text) < low or (high is not None and int(text) > high):
-            self.fail(dest, f"an integer >= {low}" + (f" and <= {high}" if high else ""))
+            self.fail(
+                dest, f"an integer >= {low}" + (f" and <= {high}" if high is not None else "")
+            )
         return int(text)
 
     def number(self, dest: str, *, positive: bool) -> float:
-        text = (self.text(dest) or "").strip()
+        text = self.stripped(dest)
         try:
             value = float(text)
         except ValueError:
@@ -246,7 +227,7 @@ def _check_host(values: _Values, dest: str) -> str | None:
 
 
 def _nproc(values: _Values) -> int | str:
-    text = (values.text("nproc_per_node") or "").strip()
+    text = values.stripped("nproc_per_node")
     if re.fullmatch(r"[+-]?\d+", text) and int(text) >= 1:
         return int(text)
     if text in ("auto", "cpu", "gpu", "xpu"):
@@ -295,20 +276,6 @@ def _module_exists(name: str) -> bool:
     return spec is not None
 
 
-def _check_entrypoint(values: _Values, script: str, module: bool, no_python: bool) -> str:
-    if module:
-        if not _module_exists(script):
-            raise ConfigError(f"-m/--module: expected an importable module, got {script!r}")
-    elif no_python:
-        if shutil.which(script) is None:
-            raise ConfigError(
-                f"--no-python: expected an executable file or a program on PATH, got {script!r}"
-            )
-    elif not os.path.isfile(script) and not os.path.isfile(os.path.join(script, "__main__.py")):
-        raise ConfigError(f"training_script: expected an existing Python script, got {script!r}")
-    return script
-
-
 def _std(values: _Values, dest: str, nproc: int) -> dict[int, Std]:
     parsed = values.parsed(dest, Std.parse)
     if isinstance(parsed, dict) and any(rank >= nproc for rank in parsed):
@@ -317,7 +284,7 @@ def _std(values: _Values, dest: str, nproc: int) -> dict[int, Std]:
 
 
 def _ranks_filter(values: _Values) -> frozenset[int] | None:
-    text = (values.text("local_ranks_filter") or "").strip()
+    text = values.stripped("local_ranks_filter")
     if not text:
         return None
     if not re.fullmatch(r"\d+(\s*,\s*\d+)*", text):
@@ -327,11 +294,11 @@ def _ranks_filter(values: _Values) -> frozenset[int] | None:
 
 def _rendezvous(values: _Values, nnodes: tuple[int, int]) -> tuple[str, str, str, tuple[int, int]]:
     """(backend, endpoint, run id, (min, max)) after --standalone and torchrun's fallbacks."""
-    backend = (values.text("rdzv_backend") or "").strip()
+    backend = values.stripped("rdzv_backend")
     if backend not in BACKENDS:
         values.fail("rdzv_backend", "one of " + ", ".join(BACKENDS))
-    endpoint = (values.text("rdzv_endpoint") or "").strip()
-    run_id = (values.text("rdzv_id") or "").strip()
+    endpoint = values.stripped("rdzv_endpoint")
+    run_id = values.stripped("rdzv_id")
     if not run_id:
         values.fail("rdzv_id", "a non-empty job id")
     if values.switch("standalone"):
@@ -366,6 +333,41 @@ def _rendezvous(values: _Values, nnodes: tuple[int, int]) -> tuple[str, str, str
     return backend, ",".join(normalized), run_id, nnodes
 
 
+def _entry(values: _Values, script: str | None) -> tuple[str, bool, bool, bool]:
+    """(entrypoint, module, no_python, run_path), checked to exist where it will run."""
+    module, no_python, run_path = (values.switch(d) for d in ("module", "no_python", "run_path"))
+    if not script:
+        raise ConfigError("training_script: expected a script, module (-m) or program to run")
+    if module and no_python:
+        values.fail("no_python", "no --module with --no-python", "--module")
+    if run_path and module:
+        values.fail("run_path", "no --module with --run-path", "--module")
+    no_python = no_python and not run_path  # torchrun: --run-path takes precedence
+    python = os.environ.get("PYTHON_EXEC")
+    if python and not no_python and os.path.realpath(python) != os.path.realpath(sys.executable):
+        raise ConfigError(f"PYTHON_EXEC: expected unset (workers use {sys.executable}), "
+                          f"got {python!r}")  # fmt: skip
+    if module and not _module_exists(script):
+        raise ConfigError(f"-m/--module: expected an importable module, got {script!r}")
+    if no_python and shutil.which(script) is None:
+        raise ConfigError(
+            f"--no-python: expected an executable file or a program on PATH, got {script!r}"
+        )
+    main_file = os.path.join(script, "__main__.py")
+    if not (module or no_python or os.path.isfile(script) or os.path.isfile(main_file)):
+        raise ConfigError(f"training_script: expected an existing Python script, got {script!r}")
+    return script, module, no_python, run_path
+
+
+def _template(values: _Values) -> str | None:
+    template = values.text("log_line_prefix_template")
+    label = values.label("log_line_prefix_template")
+    if template is None:
+        template = os.environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE") or None
+        label = "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"
+    return None if template is None else check_template(template, label)
+
+
 def parse_args(argv: Sequence[str] | None = None) -> LaunchConfig:
     """Parse and validate a ``relaunch`` command line (flags > PET_* environment > defaults).
 
@@ -376,102 +378,47 @@ def parse_args(argv: Sequence[str] | None = None) -> LaunchConfig:
     parser.argv = sys.argv[1:] if argv is None else argv
     ns = parser.parse_args(parser.argv, namespace=argparse.Namespace(spelling={}))
     values = _Values(ns, os.environ)
-    for dest, expected in _REFUSED.items():
-        if _OPTS[dest].switch and values.switch(dest):
-            values.fail(dest, expected, "set")
-        if not _OPTS[dest].switch and values.text(dest) != _OPTS[dest].default:
-            values.fail(dest, expected)
-    module, no_python, run_path = (values.switch(d) for d in ("module", "no_python", "run_path"))
-    script: str | None = ns.training_script
-    if not script:
-        raise ConfigError("training_script: expected a script, module (-m) or program to run")
-    if module and no_python:
-        values.fail("no_python", "no --module with --no-python", "--module")
-    if run_path and module:
-        values.fail("run_path", "no --module with --run-path", "--module")
-    if run_path and no_python:
-        logger.info("--run-path takes precedence over --no-python")
-        no_python = False
+    for dest, opt in _OPTS.items():
+        if opt.refuse and (values.switch(dest) if opt.switch else values.text(dest) != opt.default):
+            values.fail(dest, opt.refuse, "set" if opt.switch else None)
+    entrypoint, module, no_python, run_path = _entry(values, ns.training_script)
     nnodes = values.parsed("nnodes", parse_nnodes)
     nproc_kind = _nproc(values)
     node_rank = values.integer("node_rank", 0)
-    raw_backend = (values.text("rdzv_backend") or "").strip()
-    if raw_backend == "static" and node_rank >= nnodes[1]:
+    if values.stripped("rdzv_backend") == "static" and node_rank >= nnodes[1]:
         values.fail("node_rank", f"a rank below the number of nodes ({nnodes[1]})")
-    max_restarts = values.integer("max_restarts", 0)
-    monitor_interval = values.number("monitor_interval", positive=True)
-    exit_barrier_timeout = values.number("exit_barrier_timeout", positive=False)
-    start_method = (values.text("start_method") or "").strip()
+    start_method = values.stripped("start_method")
     if start_method not in START_METHODS:
         values.fail("start_method", "one of " + ", ".join(START_METHODS))
-    role = (values.text("role") or "").strip() or values.fail("role", "a non-empty role name")
-    rdzv_conf = values.parsed("rdzv_conf", parse_rdzv_conf)
-    signals = values.parsed("signals_to_handle", parse_signals)
-    master_addr = _check_host(values, "master_addr")
-    master_port = values.integer("master_port", 0, 65535) if values.given("master_port") else None
-    local_addr = _check_host(values, "local_addr")
+    role = values.stripped("role") or values.fail("role", "a non-empty role name")
     backend, endpoint, run_id, (min_nodes, max_nodes) = _rendezvous(values, nnodes)
     if node_rank and backend != "static":
         logger.warning("--node-rank is only used by the static backend; ignored for %s", backend)
-    redirects_given = values.parsed("redirects", Std.parse)
-    tee_given = values.parsed("tee", Std.parse)
-    del redirects_given, tee_given  # syntax checked before any device count
-    ranks_filter = _ranks_filter(values)
     log_dir = values.text("log_dir") or None
     if log_dir is not None and os.path.exists(log_dir) and not os.path.isdir(log_dir):
         values.fail("log_dir", "a directory or a path where one can be created")
-    template = values.text("log_line_prefix_template")
-    if template is None:
-        template = os.environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE") or None
-    if template is not None:
-        label = values.label("log_line_prefix_template")
-        if values.text("log_line_prefix_template") is None:
-            label = "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"
-        check_template(template, label)
-    python_exec = os.environ.get("PYTHON_EXEC")
-    if (
-        python_exec
-        and not no_python
-        and os.path.realpath(python_exec) != os.path.realpath(sys.executable)
-    ):
-        raise ConfigError(f"PYTHON_EXEC: expected unset (workers use {sys.executable}), "
-                          f"got {python_exec!r}")  # fmt: skip
-    entrypoint = _check_entrypoint(values, script, module, no_python)
-    nproc = _resolve_nproc(values, nproc_kind)
-    try:
-        return LaunchConfig(
-            min_nodes=min_nodes,
-            max_nodes=max_nodes,
-            nproc_per_node=nproc,
-            node_rank=node_rank,
-            rdzv_backend=backend,
-            rdzv_endpoint=endpoint,
-            rdzv_id=run_id,
-            rdzv_conf=rdzv_conf,
-            standalone=values.switch("standalone"),
-            max_restarts=max_restarts,
-            monitor_interval=monitor_interval,
-            start_method=start_method,
-            role=role,
-            entrypoint=entrypoint,
-            args=tuple(ns.training_script_args),
-            module=module,
-            no_python=no_python,
-            run_path=run_path,
-            log_dir=log_dir,
-            redirects=_std(values, "redirects", nproc),
-            tee=_std(values, "tee", nproc),
-            local_ranks_filter=ranks_filter,
-            master_addr=master_addr,
-            master_port=master_port,
-            local_addr=local_addr,
-            exit_barrier_timeout=exit_barrier_timeout,
-            warm_standby=values.switch("warm_standby", default=True),
-            log_line_prefix_template=template,
-            signals_to_handle=signals,
-        )
-    except ConfigError as exc:
-        raise ConfigError(f"{exc} (in the launch configuration)") from exc
+    return LaunchConfig(
+        min_nodes=min_nodes, max_nodes=max_nodes, node_rank=node_rank,
+        rdzv_backend=backend, rdzv_endpoint=endpoint, rdzv_id=run_id,
+        rdzv_conf=values.parsed("rdzv_conf", parse_rdzv_conf),
+        standalone=values.switch("standalone"),
+        max_restarts=values.integer("max_restarts", 0),
+        monitor_interval=values.number("monitor_interval", positive=True),
+        start_method=start_method, role=role, entrypoint=entrypoint,
+        args=tuple(ns.training_script_args), module=module, no_python=no_python,
+        run_path=run_path, log_dir=log_dir,
+        local_ranks_filter=_ranks_filter(values),
+        master_addr=_check_host(values, "master_addr"),
+        master_port=values.integer("master_port", 0, 65535) if values.given("master_port") else None,
+        local_addr=_check_host(values, "local_addr"),
+        exit_barrier_timeout=values.number("exit_barrier_timeout", positive=False),
+        warm_standby=values.switch("warm_standby", default=True),
+        log_line_prefix_template=_template(values),
+        signals_to_handle=values.parsed("signals_to_handle", parse_signals),
+        # Last: counting devices may import torch, and every cheap check comes first.
+        nproc_per_node=(nproc := _resolve_nproc(values, nproc_kind)),
+        redirects=_std(values, "redirects", nproc), tee=_std(values, "tee", nproc),
+    )  # fmt: skip
 
 
 def _configure_logging() -> None:
@@ -494,9 +441,6 @@ def main(argv: list[str] | None = None) -> int:
         message = str(exc).replace("\r", "\\r").replace("\n", "\\n")
         print(f"relaunch: error: {message}", file=sys.stderr, flush=True)
         return 2
-    if "OMP_NUM_THREADS" not in os.environ and config.nproc_per_node > 1:
-        logger.info("OMP_NUM_THREADS is not set: setting it to 1 for the workers")
-        os.environ["OMP_NUM_THREADS"] = "1"
     agent = importlib.import_module("relaunch.agent")  # lazily: parsing never needs it
     launch: Callable[[LaunchConfig], int] = agent.launch
     return launch(config)
