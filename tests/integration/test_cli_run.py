@@ -1,0 +1,93 @@
+"""The ``relaunch`` command end to end: parse, launch through the agent, exit code."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.timeout(90)
+
+_SCRIPT = """\
+import os, sys
+print("rank=%s world=%s local=%s args=%s" % (
+    os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"], sys.argv[1:]))
+sys.exit(int(os.environ.get("EXIT_CODE", "0")))
+"""
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "TORCHELASTIC_"))}
+    env.pop("PYTHON_EXEC", None)
+    env.update(extra)
+    return env
+
+
+def _relaunch(
+    argv: list[str], cwd: Path, *, command: list[str] | None = None, **env: str
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*(command or [sys.executable, "-m", "relaunch"]), *argv],
+        cwd=cwd,
+        env=_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+@pytest.fixture
+def workdir(tmp_path: Path) -> Path:
+    (tmp_path / "train.py").write_text(_SCRIPT)
+    package = tmp_path / "trainpkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "main.py").write_text(_SCRIPT)
+    return tmp_path
+
+
+def test_standalone_script_runs_every_local_rank(workdir: Path) -> None:
+    argv = ["--standalone", "--nproc_per_node", "2", "--no-warm-standby", "train.py", "x"]
+    result = _relaunch([*argv, "${local_rank}"], workdir)
+    assert result.returncode == 0, result.stderr
+    lines = sorted(line for line in result.stdout.splitlines() if line.startswith("rank="))
+    assert lines == [
+        "rank=0 world=2 local=0 args=['x', '0']",
+        "rank=1 world=2 local=1 args=['x', '1']",
+    ]
+
+
+def test_env_defaults_reach_the_launch(workdir: Path) -> None:
+    result = _relaunch(
+        ["train.py"], workdir, PET_NPROC_PER_NODE="2", PET_STANDALONE="1", PET_WARM_STANDBY="0"
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("world=2") == 2
+
+
+def test_failing_worker_gives_non_zero_exit(workdir: Path) -> None:
+    argv = ["--standalone", "--no-warm-standby", "train.py"]
+    result = _relaunch(argv, workdir, EXIT_CODE="3")
+    assert result.returncode != 0
+    assert "relaunch: error:" not in result.stderr  # a job failure, not a usage error
+
+
+@pytest.mark.skipif(shutil.which("relaunch") is None, reason="console script not installed")
+def test_console_script_runs_a_module_from_the_working_directory(workdir: Path) -> None:
+    command = [shutil.which("relaunch") or "relaunch"]
+    argv = ["--standalone", "--no-warm-standby", "-m", "trainpkg.main", "y"]
+    result = _relaunch(argv, workdir, command=command)
+    assert result.returncode == 0, result.stderr
+    assert "rank=0 world=1 local=0 args=['y']" in result.stdout
+
+
+def test_no_python_runs_a_binary(workdir: Path) -> None:
+    argv = ["--standalone", "--nproc-per-node=2", "--no-python", "sh", "-c", "echo lr=$LOCAL_RANK"]
+    result = _relaunch(argv, workdir)
+    assert result.returncode == 0, result.stderr
+    assert sorted(result.stdout.split()) == ["lr=0", "lr=1"]
