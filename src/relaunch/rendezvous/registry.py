@@ -1,0 +1,209 @@
+"""``create_handler(params)``: the rendezvous handler for ``--rdzv-backend``.
+
+``c10d``
+    The state lives in a TCP store (torch's wire protocol). The node whose
+    ``--local-addr`` or host name is the endpoint's host, or that sets
+    ``is_host=1`` in ``--rdzv-conf``, hosts the store on the endpoint's port; the
+    others connect (retrying for ``read_timeout`` seconds, as nodes start in any
+    order). Extra conf keys: ``is_host``, ``read_timeout``.
+``etcd``
+    The state lives in etcd v3 (comma-separated endpoints, failed over in
+    order). Extra conf keys: ``protocol`` (http or https), ``cacert``, ``cert``,
+    ``key``, ``user``, ``password``, ``read_timeout``.
+``static``
+    Delegated to :func:`relaunch.rendezvous.static.create_static_handler`.
+
+Every dynamic backend also takes the keys of
+:data:`relaunch.rendezvous._settings.COMMON_CONF_KEYS`; an unknown key is a
+ConfigError naming it and the valid ones.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import math
+import socket
+from collections.abc import Mapping
+
+from relaunch.errors import ConfigError, RendezvousError, StoreConnectionError
+from relaunch.rendezvous._settings import COMMON_CONF_KEYS, check_conf_keys, settings_from_conf
+from relaunch.rendezvous.api import RendezvousHandler, RendezvousParameters
+from relaunch.rendezvous.handler import DynamicRendezvousHandler
+
+__all__ = ["C10D_CONF_KEYS", "DEFAULT_PORT", "ETCD_CONF_KEYS", "create_handler", "parse_endpoint"]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_PORT = 29400
+"""The c10d endpoint port when none is given (torchrun's)."""
+
+C10D_CONF_KEYS = (*COMMON_CONF_KEYS, "is_host", "read_timeout")
+ETCD_CONF_KEYS = (
+    *COMMON_CONF_KEYS,
+    "protocol",
+    "cacert",
+    "cert",
+    "key",
+    "user",
+    "password",
+    "read_timeout",
+)
+
+
+def parse_endpoint(endpoint: str, default_port: int) -> tuple[str, int]:
+    """``host``, ``host:port``, ``[v6]:port`` or a bare IPv6 address -> (host, port)."""
+    text = endpoint.strip()
+    if not text:
+        raise ConfigError("--rdzv-endpoint: expected host[:port], got an empty string")
+    host, port_text = text, ""
+    if text.startswith("["):
+        host, sep, rest = text[1:].partition("]")
+        if not sep or (rest and not rest.startswith(":")):
+            raise ConfigError(f"--rdzv-endpoint: malformed IPv6 endpoint {endpoint!r}")
+        port_text = rest[1:]
+    elif text.count(":") == 1:
+        host, _, port_text = text.partition(":")
+    if not port_text:
+        return host, default_port
+    try:
+        port = int(port_text)
+    except ValueError:
+        port = -1
+    if not 0 < port <= 65535:
+        raise ConfigError(f"--rdzv-endpoint: expected a port in 1..65535 in {endpoint!r}")
+    return host, port
+
+
+def _flag(conf: Mapping[str, str], key: str) -> bool | None:
+    raw = conf.get(key)
+    if raw is None:
+        return None
+    lowered = raw.strip().lower()
+    if lowered in ("1", "true", "yes", "y", "on"):
+        return True
+    if lowered in ("0", "false", "no", "n", "off"):
+        return False
+    raise ConfigError(f"--rdzv-conf {key}: expected 1/0 or true/false, got {raw!r}")
+
+
+def _seconds(conf: Mapping[str, str], key: str, default: float) -> float:
+    raw = conf.get(key)
+    if raw is None:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value <= 0:
+        raise ConfigError(f"--rdzv-conf {key}: expected a positive number of seconds, got {raw!r}")
+    return value
+
+
+def _is_local_address(host: str, local_addr: str | None) -> bool:
+    """Whether ``host`` names this machine, without any DNS lookup."""
+    if host in ("localhost", "127.0.0.1", "::1", socket.gethostname()):
+        return True
+    if local_addr is not None and host == local_addr:
+        return True
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    family = socket.AF_INET6 if ip.version == 6 else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((host, 0))  # only succeeds for an address of ours
+        except OSError:
+            return False
+    return True
+
+
+def _create_c10d(params: RendezvousParameters) -> DynamicRendezvousHandler:
+    from relaunch.store.tcp import TCPStoreClient, TCPStoreServer
+
+    conf = params.conf
+    check_conf_keys(conf, C10D_CONF_KEYS)
+    settings = settings_from_conf(
+        run_id=params.run_id, min_nodes=params.min_nodes, max_nodes=params.max_nodes, conf=conf
+    )
+    host, port = parse_endpoint(params.endpoint, DEFAULT_PORT)
+    read_timeout = _seconds(conf, "read_timeout", 60.0)
+    is_host = _flag(conf, "is_host")
+    if is_host is None:
+        is_host = _is_local_address(host, params.local_addr)
+    server = None
+    if is_host:
+        bind = "::" if ":" in host else "0.0.0.0"
+        try:
+            server = TCPStoreServer(host=bind, port=port).start()
+        except StoreConnectionError as exc:
+            raise RendezvousError(
+                f"this node hosts the c10d rendezvous store of endpoint {host}:{port} but "
+                f"cannot listen on port {port} ({exc}); is another job using it? Use a free "
+                "port, or is_host=0 in --rdzv-conf if another node hosts it"
+            ) from exc
+        logger.info("hosting the c10d rendezvous store on port %d", server.port)
+    try:
+        store = TCPStoreClient("127.0.0.1" if is_host else host, port, timeout=read_timeout)
+    except StoreConnectionError as exc:
+        if server is not None:
+            server.close()
+        raise StoreConnectionError(
+            f"cannot reach the c10d rendezvous store at {host}:{port} within "
+            f"read_timeout={read_timeout} s: is the node hosting it up? ({exc})"
+        ) from exc
+    return DynamicRendezvousHandler(
+        backend="c10d",
+        store=store,
+        settings=settings,
+        local_addr=params.local_addr,
+        server=server,
+    )
+
+
+def _create_etcd(params: RendezvousParameters) -> DynamicRendezvousHandler:
+    from relaunch.store.etcd import EtcdStore
+
+    conf = params.conf
+    check_conf_keys(conf, ETCD_CONF_KEYS)
+    settings = settings_from_conf(
+        run_id=params.run_id, min_nodes=params.min_nodes, max_nodes=params.max_nodes, conf=conf
+    )
+    endpoints = [parse_endpoint(e, 2379) for e in params.endpoint.split(",") if e.strip()]
+    if not endpoints:
+        raise ConfigError("--rdzv-endpoint: expected host:port[,host:port...] for etcd")
+    protocol = conf.get("protocol", "http")
+    if protocol not in ("http", "https"):
+        raise ConfigError(f"--rdzv-conf protocol: expected http or https, got {protocol!r}")
+    store = EtcdStore(
+        endpoints,
+        protocol=protocol,
+        ca_cert=conf.get("cacert"),
+        cert=conf.get("cert"),
+        key=conf.get("key"),
+        user=conf.get("user"),
+        password=conf.get("password"),
+        timeout=_seconds(conf, "read_timeout", 10.0),
+    )
+    return DynamicRendezvousHandler(
+        backend="etcd", store=store, settings=settings, local_addr=params.local_addr
+    )
+
+
+def create_handler(params: RendezvousParameters) -> RendezvousHandler:
+    """The handler of ``params.backend``: ``c10d``, ``etcd`` or ``static``.
+
+    Raises ConfigError for an unknown backend, a bad endpoint or a bad conf key or
+    value; RendezvousError when this node should host the c10d store and cannot
+    bind its port; StoreConnectionError when the store cannot be reached.
+    """
+    if params.backend == "c10d":
+        return _create_c10d(params)
+    if params.backend == "etcd":
+        return _create_etcd(params)
+    if params.backend == "static":
+        from relaunch.rendezvous.static import create_static_handler
+
+        return create_static_handler(params)
+    raise ConfigError(f"--rdzv-backend: expected one of c10d, etcd, static, got {params.backend!r}")

@@ -1,0 +1,264 @@
+"""A :class:`~relaunch.store.Store` over etcd v3 (its JSON gateway, through ``etcd3gw``).
+
+Compare-and-set is an etcd transaction; :meth:`EtcdStore.wait` is a watch
+(woken by the write, no polling); several endpoints are failed over in order.
+TLS (``ca_cert``, ``cert``, ``key``) and user/password authentication are
+supported. ``etcd3gw`` is an optional dependency (``pip install 'relaunch[etcd]'``),
+imported when a store is created. Errors of ``requests``/``etcd3gw`` are
+translated at this boundary.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import math
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from relaunch.errors import (
+    ConfigError,
+    StoreClosedError,
+    StoreConnectionError,
+    StoreError,
+    StoreTimeoutError,
+)
+
+__all__ = ["EtcdStore"]
+
+logger = logging.getLogger(__name__)
+
+
+def _b64(data: bytes | str) -> str:
+    raw = data.encode() if isinstance(data, str) else data
+    return base64.b64encode(raw).decode("ascii")
+
+
+def _unb64(text: str) -> bytes:
+    return base64.b64decode(text)
+
+
+class EtcdStore:
+    """Keys under ``prefix`` in an etcd v3 cluster reached at ``endpoints`` ((host, port) pairs).
+
+    Every method raises StoreConnectionError when no endpoint answers (after trying
+    each once), StoreError on an error reply, StoreClosedError after :meth:`close`.
+    """
+
+    def __init__(
+        self,
+        endpoints: Sequence[tuple[str, int]],
+        *,
+        protocol: str = "http",
+        ca_cert: str | None = None,
+        cert: str | None = None,
+        key: str | None = None,
+        user: str | None = None,
+        password: str | None = None,
+        timeout: float = 10.0,
+        prefix: str = "",
+    ) -> None:
+        try:
+            import etcd3gw
+            import requests
+        except ImportError as exc:
+            raise ConfigError(
+                "the etcd rendezvous backend needs the etcd3gw package: "
+                "pip install 'relaunch[etcd]'"
+            ) from exc
+        if not endpoints:
+            raise ConfigError("endpoints: expected at least one (host, port)")
+        if protocol not in ("http", "https"):
+            raise ConfigError(f"protocol: expected 'http' or 'https', got {protocol!r}")
+        if (cert is None) != (key is None):
+            raise ConfigError("cert and key: give both (a client certificate and its key) or none")
+        if (user is None) != (password is None):
+            raise ConfigError("user and password: give both or none")
+        if not isinstance(timeout, int | float) or not math.isfinite(timeout) or timeout <= 0:
+            raise ConfigError(f"timeout: expected a positive number of seconds, got {timeout!r}")
+        self._requests = requests
+        self._clients = [
+            etcd3gw.client(
+                host=host,
+                port=port,
+                protocol=protocol,
+                ca_cert=ca_cert,
+                cert_key=key,
+                cert_cert=cert,
+                timeout=timeout,
+                api_path="/v3/",
+            )
+            for host, port in endpoints
+        ]
+        self._endpoints = [f"{host}:{port}" for host, port in endpoints]
+        self._user = user
+        self._password = password
+        self._timeout = float(timeout)
+        self._prefix = prefix
+        self._current = 0
+        self._authed: set[int] = set()
+        self._lock = threading.Lock()
+        self._closed = False
+
+    # -- transport -------------------------------------------------------------------
+
+    def _authenticate(self, index: int) -> None:
+        if self._user is None or index in self._authed:
+            return
+        client = self._clients[index]
+        resp = client.session.post(
+            client.get_url("/auth/authenticate"),
+            json={"name": self._user, "password": self._password},
+            timeout=self._timeout,
+        )
+        if resp.status_code != 200:
+            raise StoreError(f"etcd authentication as {self._user!r} failed: {resp.text.strip()}")
+        client.session.headers["Authorization"] = resp.json()["token"]
+        self._authed.add(index)
+
+    def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        if self._closed:
+            raise StoreClosedError("the etcd store is closed")
+        errors = []
+        start = self._current
+        for step in range(len(self._clients)):
+            index = (start + step) % len(self._clients)
+            client = self._clients[index]
+            try:
+                self._authenticate(index)
+                resp = client.session.post(client.get_url(path), json=body, timeout=self._timeout)
+            except self._requests.RequestException as exc:
+                errors.append(f"{self._endpoints[index]}: {exc}")
+                self._authed.discard(index)
+                continue
+            if resp.status_code == 401 and self._user is not None:
+                self._authed.discard(index)
+                errors.append(f"{self._endpoints[index]}: authentication expired")
+                continue
+            if resp.status_code >= 500 and "leader" in resp.text:
+                errors.append(f"{self._endpoints[index]}: {resp.text.strip()}")
+                continue
+            if resp.status_code != 200:
+                raise StoreError(f"etcd {path} failed ({resp.status_code}): {resp.text.strip()}")
+            if index != self._current:
+                logger.info("etcd store: failed over to %s", self._endpoints[index])
+                self._current = index
+            result: dict[str, Any] = resp.json()
+            return result
+        raise StoreConnectionError("no etcd endpoint answered: " + "; ".join(errors))
+
+    def _key(self, key: str) -> str:
+        return _b64(self._prefix + key)
+
+    # -- the Store protocol -------------------------------------------------------------
+
+    def _range(self, key: str) -> tuple[dict[str, Any] | None, int]:
+        reply = self._post("/kv/range", {"key": self._key(key)})
+        kvs = reply.get("kvs") or []
+        revision = int(reply.get("header", {}).get("revision", 0))
+        return (kvs[0] if kvs else None), revision
+
+    def get(self, key: str) -> bytes | None:
+        kv, _ = self._range(key)
+        if kv is None:
+            return None
+        return _unb64(kv.get("value", ""))
+
+    def set(self, key: str, value: bytes) -> None:
+        self._post("/kv/put", {"key": self._key(key), "value": _b64(value)})
+
+    def _txn(self, key: str, compare: dict[str, Any], value: bytes) -> tuple[bool, dict[str, Any]]:
+        reply = self._post(
+            "/kv/txn",
+            {
+                "compare": [{"key": self._key(key), "result": "EQUAL", **compare}],
+                "success": [{"request_put": {"key": self._key(key), "value": _b64(value)}}],
+                "failure": [{"request_range": {"key": self._key(key)}}],
+            },
+        )
+        return bool(reply.get("succeeded", False)), reply
+
+    def compare_set(self, key: str, expected: bytes | None, desired: bytes) -> tuple[bytes, bool]:
+        if expected is None:
+            compare: dict[str, Any] = {"target": "CREATE", "create_revision": "0"}
+        else:
+            compare = {"target": "VALUE", "value": _b64(expected)}
+        written, reply = self._txn(key, compare, desired)
+        if written:
+            return desired, True
+        responses = reply.get("responses") or [{}]
+        kvs = responses[0].get("response_range", {}).get("kvs") or []
+        return (_unb64(kvs[0].get("value", "")) if kvs else b""), False
+
+    def add(self, key: str, amount: int) -> int:
+        while True:
+            kv, _ = self._range(key)
+            if kv is None:
+                current = 0
+                compare: dict[str, Any] = {"target": "CREATE", "create_revision": "0"}
+            else:
+                raw = _unb64(kv.get("value", ""))
+                try:
+                    current = int(raw) if raw else 0
+                except ValueError as exc:
+                    raise StoreError(f"key {key!r} does not hold an integer: {raw!r}") from exc
+                compare = {"target": "MOD", "mod_revision": kv["mod_revision"]}
+            written, _ = self._txn(key, compare, str(current + amount).encode())
+            if written:
+                return current + amount
+
+    def delete(self, key: str) -> bool:
+        reply = self._post("/kv/deleterange", {"key": self._key(key)})
+        return int(reply.get("deleted", 0)) > 0
+
+    def wait(self, keys: list[str], timeout: float) -> None:
+        end = time.monotonic() + timeout
+        for key in keys:
+            while True:
+                kv, revision = self._range(key)
+                if kv is not None:
+                    break
+                left = end - time.monotonic()
+                if left <= 0:
+                    raise StoreTimeoutError(f"key {key!r} not set within {timeout} s")
+                self._watch(key, revision + 1, left)
+
+    def _watch(self, key: str, start_revision: int, timeout: float) -> None:
+        """Return at the first event on ``key`` from ``start_revision``, or at ``timeout``."""
+        client = self._clients[self._current]
+        body = {"create_request": {"key": self._key(key), "start_revision": str(start_revision)}}
+        try:
+            resp = client.session.post(
+                client.get_url("/watch"),
+                json=body,
+                stream=True,
+                timeout=(self._timeout, max(timeout, 0.01)),
+            )
+        except self._requests.RequestException as exc:
+            raise StoreConnectionError(f"etcd watch on {self._endpoints[self._current]}") from exc
+        try:
+            for line in resp.iter_lines():
+                if not line:
+                    continue
+                result = json.loads(line).get("result", {})
+                if result.get("events"):
+                    return
+        except self._requests.exceptions.ConnectionError as exc:
+            if "timed out" in str(exc).lower() or "timeout" in type(exc.__context__).__name__:
+                return  # the caller re-reads and decides whether time is up
+            raise StoreConnectionError(f"etcd watch on {key!r} broke: {exc}") from exc
+        except self._requests.RequestException:
+            return
+        finally:
+            resp.close()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        for client in self._clients:
+            client.session.close()

