@@ -72,6 +72,7 @@ class TimerServer:
         self._on_expiry = on_expiry
         self._table = TimerTable()
         self._lock = threading.Lock()
+        self._fd_lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._tmpdir: str | None = None
@@ -184,11 +185,12 @@ class TimerServer:
         self._created_pipe = True
 
     def _release_resources(self) -> None:
-        for fd in self._fds:
-            with contextlib.suppress(OSError):
-                os.close(fd)
-        self._fds = []
-        self._wake_w = None
+        with self._fd_lock:
+            for fd in self._fds:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            self._fds = []
+            self._wake_w = None
         if self._created_pipe and self._path is not None:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self._path)
@@ -198,10 +200,11 @@ class TimerServer:
             self._tmpdir = None
 
     def _wake(self) -> None:
-        fd = self._wake_w
-        if fd is not None:
-            with contextlib.suppress(OSError):
-                os.write(fd, b"x")
+        # Under the lock: a closed descriptor number may be reused by an unrelated file.
+        with self._fd_lock:
+            if self._wake_w is not None:
+                with contextlib.suppress(OSError):
+                    os.write(self._wake_w, b"x")
 
     def _serve(self, reader: int, wake_r: int) -> None:
         try:
