@@ -134,9 +134,11 @@ def _parser() -> _Parser:
     for dest, opt in _OPTS.items():
         nargs = 0 if opt.switch else None
         const = True if opt.switch else None
+        hint = f" [PET_{dest.upper()}]" if opt.env else ""
         parser.add_argument(
-            *opt.flags(dest), dest=dest, action=_Store, nargs=nargs, const=const, help=opt.help
-        )
+            *opt.flags(dest), dest=dest, action=_Store, nargs=nargs, const=const,
+            help=opt.help + hint,
+        )  # fmt: skip
     parser.add_argument("--no-warm-standby", "--no_warm_standby", dest="warm_standby",
                         action=_Store, nargs=0, const=False, help="Start every worker cold.")  # fmt: skip
     parser.add_argument("training_script", nargs="?", help="Script, module or binary to run.")
