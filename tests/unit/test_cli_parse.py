@@ -258,3 +258,37 @@ def test_argparse_errors_are_one_line_naming_the_flag(script: str) -> None:
         parse_args(["--bogus", script])
     with pytest.raises(ConfigError, match=r"^training_script: expected a script"):
         parse_args(["--nnodes", "1"])
+
+
+def test_public_names() -> None:
+    import relaunch.cli
+    import relaunch.config
+
+    assert relaunch.cli.__all__ == ["main", "parse_args"]
+    assert sorted(relaunch.config.__all__) == sorted(
+        [
+            "BACKENDS",
+            "DEFAULT_SIGNALS",
+            "START_METHODS",
+            "LaunchConfig",
+            "Std",
+            "check_template",
+            "parse_endpoint",
+            "parse_nnodes",
+            "parse_rdzv_conf",
+            "parse_signals",
+        ]
+    )
+
+
+def test_nproc_auto_and_gpu_count_devices_with_torch(script: str) -> None:
+    torch = pytest.importorskip("torch")
+    expected = (
+        torch.accelerator.device_count()
+        if torch.accelerator.is_available()
+        else len(os.sched_getaffinity(0))
+    )
+    assert parse_args(["--nproc-per-node", "auto", script]).nproc_per_node == expected
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match=r"^--nproc-per-node: expected a device type"):
+            parse_args(["--nproc-per-node", "gpu", script])
