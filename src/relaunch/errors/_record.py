@@ -69,9 +69,8 @@ def _enable_faulthandler() -> None:
 
 def _is_child_failed(exc: Exception) -> bool:
     # relaunch's ChildFailedError and torch's share this interface; torch is not imported.
-    return type(exc).__name__ == "ChildFailedError" and callable(
-        getattr(exc, "get_first_failure", None)
-    )
+    named = any(cls.__name__ == "ChildFailedError" for cls in type(exc).__mro__)
+    return named and callable(getattr(exc, "get_first_failure", None))
 
 
 def _record_exception(exc: Exception) -> None:
