@@ -5,7 +5,9 @@
     ``--local-addr`` or host name is the endpoint's host, or that sets
     ``is_host=1`` in ``--rdzv-conf``, hosts the store on the endpoint's port; the
     others connect (retrying for ``read_timeout`` seconds, as nodes start in any
-    order). Extra conf keys: ``is_host``, ``read_timeout``.
+    order). When hosting was inferred and the port is taken (several agents on
+    one machine), the node connects instead. Extra conf keys: ``is_host``,
+    ``read_timeout``.
 ``etcd``
     The state lives in etcd v3 (comma-separated endpoints, failed over in
     order). Extra conf keys: ``protocol`` (http or https), ``cacert``, ``cert``,
@@ -129,21 +131,26 @@ def _create_c10d(params: RendezvousParameters) -> DynamicRendezvousHandler:
     )
     host, port = parse_endpoint(params.endpoint, DEFAULT_PORT)
     read_timeout = _seconds(conf, "read_timeout", 60.0)
-    is_host = _flag(conf, "is_host")
-    if is_host is None:
-        is_host = _is_local_address(host, params.local_addr)
+    explicit = _flag(conf, "is_host")
+    is_host = _is_local_address(host, params.local_addr) if explicit is None else explicit
     server = None
     if is_host:
         bind = "::" if ":" in host else "0.0.0.0"
         try:
             server = TCPStoreServer(host=bind, port=port).start()
         except StoreConnectionError as exc:
-            raise RendezvousError(
-                f"this node hosts the c10d rendezvous store of endpoint {host}:{port} but "
-                f"cannot listen on port {port} ({exc}); is another job using it? Use a free "
-                "port, or is_host=0 in --rdzv-conf if another node hosts it"
-            ) from exc
-        logger.info("hosting the c10d rendezvous store on port %d", server.port)
+            if explicit is None:
+                # Several agents of the job on this machine: one of them hosts the store.
+                logger.info("port %d taken; connecting as a client of the store there", port)
+                is_host = False
+            else:
+                raise RendezvousError(
+                    f"this node hosts the c10d rendezvous store of endpoint {host}:{port} "
+                    f"(is_host=1) but cannot listen on port {port} ({exc}); "
+                    "is another job using it?"
+                ) from exc
+        else:
+            logger.info("hosting the c10d rendezvous store on port %d", server.port)
     try:
         store = TCPStoreClient("127.0.0.1" if is_host else host, port, timeout=read_timeout)
     except StoreConnectionError as exc:

@@ -1,0 +1,214 @@
+"""The c10d rendezvous with real processes and a real TCP store on 127.0.0.1.
+
+Each node is a separate Python process running the handler in a loop: it prints
+every round it joins as a JSON line, re-rendezvouses when ``num_nodes_waiting()``
+says so, and shuts down when it reads ``exit`` on stdin.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from relaunch.errors import RendezvousError, StoreConnectionError
+from relaunch.rendezvous.api import RendezvousParameters
+from relaunch.rendezvous.registry import create_handler
+
+NODE = r"""
+import json, select, sys
+from relaunch.rendezvous.api import RendezvousParameters
+from relaunch.rendezvous.registry import create_handler
+from relaunch.errors import RelaunchError
+
+endpoint, lo, hi = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+conf = dict(kv.split("=") for kv in sys.argv[4].split(",")) if len(sys.argv) > 4 else {}
+params = RendezvousParameters(backend="c10d", endpoint=endpoint, run_id="job",
+                              min_nodes=lo, max_nodes=hi, conf=conf)
+handler = create_handler(params)
+def say(**doc):
+    print(json.dumps(doc), flush=True)
+say(event="ready")
+try:
+    while True:
+        info = handler.next_rendezvous()
+        say(event="round", round=info.round, rank=info.rank, world=info.world_size)
+        while handler.num_nodes_waiting() == 0:
+            if select.select([sys.stdin], [], [], 0.05)[0]:
+                sys.stdin.readline()
+                say(event="bye", ok=handler.shutdown())
+                sys.exit(0)
+except RelaunchError as exc:
+    say(event="error", kind=type(exc).__name__, message=str(exc))
+    handler.shutdown()
+    sys.exit(3)
+"""
+
+CONF = "last_call_timeout=0.5,keep_alive_interval=0.2,keep_alive_max_attempt=5,read_timeout=20"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Node:
+    def __init__(self, endpoint: str, lo: int, hi: int, conf: str = CONF) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", NODE, endpoint, str(lo), str(hi), conf],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            start_new_session=True,
+        )
+        assert self.next(timeout=60)["event"] == "ready"
+
+    def next(self, timeout: float = 60) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        assert ready, "node said nothing in time"
+        line = self.proc.stdout.readline()
+        assert line, f"node exited with {self.proc.wait(timeout=10)}"
+        doc: dict[str, Any] = json.loads(line)
+        return doc
+
+    def send_exit(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(b"exit\n")
+        self.proc.stdin.flush()
+
+    def exit(self, *, sent: bool = False) -> dict[str, Any]:
+        if not sent:
+            self.send_exit()
+        doc = self.next()
+        assert self.proc.wait(timeout=60) == 0
+        return doc
+
+    def kill(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=10)
+
+    def reap(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=5)
+        for stream in (self.proc.stdin, self.proc.stdout):
+            if stream is not None:
+                stream.close()
+
+
+@pytest.fixture
+def nodes() -> Iterator[list[Node]]:
+    started: list[Node] = []
+    yield started
+    for node in started:
+        node.reap()
+
+
+def test_two_nodes_on_the_tcp_store(nodes: list[Node]) -> None:
+    endpoint = f"127.0.0.1:{free_port()}"
+    nodes += [Node(endpoint, 2, 2) for _ in range(2)]
+    rounds = [n.next() for n in nodes]
+    assert sorted(r["rank"] for r in rounds) == [0, 1]
+    assert {(r["round"], r["world"]) for r in rounds} == {(0, 2)}
+    # The host (the first node, it bound the port) leaves first: it waits for the other.
+    nodes[0].send_exit()
+    assert nodes[1].exit() == {"event": "bye", "ok": True}
+    assert nodes[0].exit(sent=True) == {"event": "bye", "ok": True}
+
+
+def test_late_node_admitted_at_next_round(nodes: list[Node]) -> None:
+    endpoint = f"127.0.0.1:{free_port()}"
+    nodes.append(Node(endpoint, 1, 2))
+    assert nodes[0].next()["world"] == 1
+    nodes.append(Node(endpoint, 1, 2))
+    again, late = nodes[0].next(), nodes[1].next()
+    assert again["round"] == late["round"] == 1
+    assert again["world"] == late["world"] == 2
+    for node in reversed(nodes):
+        node.exit()
+
+
+def test_killed_node_survivors_continue_smaller(nodes: list[Node]) -> None:
+    endpoint = f"127.0.0.1:{free_port()}"
+    # A long last call: the first round completes at max_nodes, and the survivors'
+    # round must complete as soon as both are back, not after the last call.
+    conf = CONF.replace("last_call_timeout=0.5", "last_call_timeout=600")
+    nodes += [Node(endpoint, 2, 3, conf) for _ in range(3)]
+    assert {n.next()["world"] for n in nodes} == {3}
+    nodes[2].kill()  # not the host: the embedded store lives in the first node
+    survivors = [n.next() for n in nodes[:2]]
+    assert {r["world"] for r in survivors} == {2}
+    assert sorted(r["rank"] for r in survivors) == [0, 1]
+    for node in reversed(nodes[:2]):
+        node.exit()
+
+
+def test_spare_takes_lost_nodes_place(nodes: list[Node]) -> None:
+    endpoint = f"127.0.0.1:{free_port()}"
+    nodes += [Node(endpoint, 2, 2) for _ in range(2)]
+    assert {n.next()["world"] for n in nodes} == {2}
+    nodes.append(Node(endpoint, 2, 2))  # the spare: blocks in next_rendezvous
+    nodes[1].kill()
+    host, spare = nodes[0].next(), nodes[2].next()
+    assert host["world"] == spare["world"] == 2
+    assert host["round"] == spare["round"] == 1
+    nodes[2].exit()
+    nodes[0].exit()
+
+
+def test_corrupt_state_gives_clear_error(nodes: list[Node]) -> None:
+    from relaunch.store.tcp import TCPStoreClient, TCPStoreServer
+
+    with TCPStoreServer(host="127.0.0.1", port=0) as server:
+        with TCPStoreClient("127.0.0.1", server.port, timeout=10) as client:
+            client.set("relaunch/rdzv/job/state", b"cos\nsystem\n(S'echo pwned'\ntR.")
+        node = Node(f"127.0.0.1:{server.port}", 1, 1, CONF + ",is_host=0")
+        nodes.append(node)
+        doc = node.next()
+        assert doc["event"] == "error" and doc["kind"] == "RendezvousStateError"
+        assert "relaunch/rdzv/job/state" in doc["message"]
+        assert node.proc.wait(timeout=30) == 3
+
+
+def test_cannot_bind_or_connect_is_a_clear_error() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        params = RendezvousParameters(
+            backend="c10d",
+            endpoint=f"127.0.0.1:{port}",
+            run_id="job",
+            min_nodes=1,
+            max_nodes=1,
+            conf={"is_host": "1"},
+        )
+        with pytest.raises(RendezvousError, match=f"cannot listen on port {port}"):
+            create_handler(params)
+    params = RendezvousParameters(
+        backend="c10d",
+        endpoint=f"127.0.0.1:{free_port()}",
+        run_id="job",
+        min_nodes=1,
+        max_nodes=1,
+        conf={"is_host": "0", "read_timeout": "0.3"},
+    )
+    with pytest.raises(StoreConnectionError, match="cannot reach the c10d rendezvous store"):
+        create_handler(params)
+    assert not [t for t in threading.enumerate() if t.name.startswith("relaunch-")]
+    time.sleep(0)
