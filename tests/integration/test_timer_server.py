@@ -135,13 +135,17 @@ def test_requested_signal_is_used() -> None:
 def test_released_scopes_do_not_fire() -> None:
     body = """
         import time
-        from relaunch.timer import expires
+        from relaunch.timer import TimerClient, expires
         for i in range(3):
-            with expires(after=0.3, scope="step"):
+            with expires(after=1.0, scope="step"):
                 pass
-        with expires(after=0.3):
+        with expires(after=1.0):
             pass
-        time.sleep(1.0)  # well past every deadline
+        # A sentinel that expires later, with signal 0 (report only): had a released scope
+        # fired, it would have been reported (and this process killed) first.
+        client = TimerClient(__import__("os").environ["TORCHELASTIC_TIMER_FILE"], signal=0)
+        client.acquire("sentinel", time.time() + 1.5)
+        time.sleep(3.0)
         print("survived", flush=True)
     """
     expiries = Expiries()
@@ -149,8 +153,10 @@ def test_released_scopes_do_not_fire() -> None:
         proc = _worker(server.path, body)
         try:
             server.watch_pids({proc.pid})
+            (expiry,) = expiries.wait_for(1)
+            assert (expiry.pid, expiry.scope_id, expiry.signal) == (proc.pid, "sentinel", 0)
             assert proc.wait(timeout=TIMEOUT) == 0, proc.stderr
-            assert expiries.items == []
+            assert len(expiries.items) == 1
         finally:
             _stop(proc)
 
@@ -185,10 +191,10 @@ def test_clear_pid_forgets_timers() -> None:
     try:
         with TimerServer(max_interval=0.05, on_expiry=expiries) as server:
             server.watch_pids({cleared.pid, victim.pid})
-            _send(server.path, _request(cleared.pid, "a", 0.2))
+            _send(server.path, _request(cleared.pid, "a", 1.0))
             server.clear_pid(cleared.pid)
-            _send(server.path, _request(cleared.pid, "b", 0.2))  # no longer watched
-            _send(server.path, _request(victim.pid, "c", 0.4))
+            _send(server.path, _request(cleared.pid, "b", 1.0))  # no longer watched
+            _send(server.path, _request(victim.pid, "c", 1.2))
             assert [e.pid for e in expiries.wait_for(1)] == [victim.pid]
         assert cleared.poll() is None
     finally:
