@@ -336,7 +336,7 @@ def _rendezvous(values: _Values, nnodes: tuple[int, int]) -> tuple[str, str, str
 
 
 def _entry(values: _Values, script: str | None) -> tuple[str, bool, bool, bool]:
-    """(entrypoint, module, no_python, run_path), checked to exist where it will run."""
+    """(entrypoint, module, no_python, run_path) from the flags."""
     module, no_python, run_path = (values.switch(d) for d in ("module", "no_python", "run_path"))
     if not script:
         raise ConfigError("training_script: expected a script, module (-m) or program to run")
@@ -345,6 +345,11 @@ def _entry(values: _Values, script: str | None) -> tuple[str, bool, bool, bool]:
     if run_path and module:
         values.fail("run_path", "no --module with --run-path", "--module")
     no_python = no_python and not run_path  # torchrun: --run-path takes precedence
+    return script, module, no_python, run_path
+
+
+def _check_exists(script: str, module: bool, no_python: bool) -> str:
+    """The entrypoint exists where the workers will look for it (no code of it runs here)."""
     python = os.environ.get("PYTHON_EXEC")
     if python and not no_python and os.path.realpath(python) != os.path.realpath(sys.executable):
         raise ConfigError(f"PYTHON_EXEC: expected unset (workers use {sys.executable}), "
@@ -358,7 +363,7 @@ def _entry(values: _Values, script: str | None) -> tuple[str, bool, bool, bool]:
     main_file = os.path.join(script, "__main__.py")
     if not (module or no_python or os.path.isfile(script) or os.path.isfile(main_file)):
         raise ConfigError(f"training_script: expected an existing Python script, got {script!r}")
-    return script, module, no_python, run_path
+    return script
 
 
 def _template(values: _Values) -> str | None:
@@ -406,7 +411,7 @@ def parse_args(argv: Sequence[str] | None = None) -> LaunchConfig:
         standalone=values.switch("standalone"),
         max_restarts=values.integer("max_restarts", 0),
         monitor_interval=values.number("monitor_interval", positive=True),
-        start_method=start_method, role=role, entrypoint=entrypoint,
+        start_method=start_method, role=role,
         args=tuple(ns.training_script_args), module=module, no_python=no_python,
         run_path=run_path, log_dir=log_dir,
         local_ranks_filter=_ranks_filter(values),
@@ -417,7 +422,8 @@ def parse_args(argv: Sequence[str] | None = None) -> LaunchConfig:
         warm_standby=values.switch("warm_standby", default=True),
         log_line_prefix_template=_template(values),
         signals_to_handle=values.parsed("signals_to_handle", parse_signals),
-        # Last: counting devices may import torch, and every cheap check comes first.
+        # Last: the file system, then counting devices (may import torch).
+        entrypoint=_check_exists(entrypoint, module, no_python),
         nproc_per_node=(nproc := _resolve_nproc(values, nproc_kind)),
         redirects=_std(values, "redirects", nproc), tee=_std(values, "tee", nproc),
     )  # fmt: skip
