@@ -242,7 +242,10 @@ def test_our_expires_against_torch_file_timer_server(
         with expires(after=0.0, scope="ours", signal=0):  # signal 0: report, do not kill
             assert done.wait(TIMEOUT)
     finally:
-        server.stop()
+        server.stop()  # joins its thread for max_interval only: finish the join here
+        for thread in threading.enumerate():
+            if "_watchdog_loop" in thread.name:
+                thread.join(TIMEOUT)
     request = next(r for name, r in seen if name == "timer expired")
     assert request is not None
     assert (request.worker_pid, request.scope_id, request.signal) == (os.getpid(), "ours", 0)
