@@ -138,3 +138,10 @@ def test_write_bytes_replaces_unchanged(tmp_path: Path) -> None:
 def test_write_into_missing_directory_raises_oserror(tmp_path: Path) -> None:
     with pytest.raises(OSError):
         write_error_file(str(tmp_path / "no" / "error.json"), {"message": "x"})
+
+
+def test_named_pipe_or_device_is_unreadable_not_a_hang(tmp_path: Path) -> None:
+    pipe = tmp_path / "error.json"
+    os.mkfifo(pipe)
+    assert _problem(str(pipe)).kind is ProblemKind.UNREADABLE
+    assert _problem("/dev/zero").kind is ProblemKind.UNREADABLE

@@ -23,6 +23,7 @@ import json
 import logging
 import math
 import os
+import stat
 import tempfile
 import time
 import traceback
@@ -142,7 +143,11 @@ def write_error_file(path: str, content: dict[str, Any] | bytes) -> None:
 def read_error_file(path: str) -> ErrorRecord | ErrorFileProblem:
     """Read and validate the error file at ``path``. Never raises."""
     try:
-        with open(path, "rb") as fp:
+        # O_NONBLOCK: a named pipe at the path must not hang the agent.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        with os.fdopen(fd, "rb") as fp:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise OSError("not a regular file")
             raw = fp.read(MAX_ERROR_FILE_BYTES + 1)
     except FileNotFoundError:
         return ErrorFileProblem(path=path, kind=ProblemKind.MISSING, detail="no such file")
