@@ -8,12 +8,8 @@ against our :class:`~relaunch.store.tcp.TCPStoreServer` and torch's server.
 
 from __future__ import annotations
 
-import contextlib
-import itertools
 import logging
 import math
-import os
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -28,6 +24,14 @@ from relaunch.errors import (
     StoreTimeoutError,
 )
 from relaunch.store import _tcp_wire as wire
+from relaunch.store._tcp_conn import (
+    Connection,
+    ProtocolError,
+    keys_request,
+    next_nonce,
+    one_key,
+    open_connection,
+)
 from relaunch.store._tcp_server import resolve_host
 
 __all__ = ["TCPStoreClient"]
@@ -38,64 +42,6 @@ T = TypeVar("T")
 
 _CONNECT_BACKOFF_START = 0.01
 _CONNECT_BACKOFF_MAX = 0.5
-_nonces = itertools.count(os.getpid() & 0xFFFF)
-
-
-class _ProtocolError(ConnectionError):
-    """The server replied something this protocol does not allow."""
-
-
-class _Connection:
-    """One blocking socket with a receive buffer."""
-
-    __slots__ = ("buf", "sock")
-
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
-        self.buf = bytearray()
-
-    def send(self, data: bytes) -> None:
-        self.sock.sendall(data)
-
-    def read(self, size: int, timeout: float | None) -> bytes:
-        """Read exactly ``size`` bytes; ``TimeoutError`` when none come in ``timeout``."""
-        self.sock.settimeout(timeout)
-        while len(self.buf) < size:
-            chunk = self.sock.recv(max(65536, size - len(self.buf)))
-            if not chunk:
-                raise ConnectionError("the server closed the connection")
-            self.buf += chunk
-        data = bytes(self.buf[:size])
-        del self.buf[:size]
-        return data
-
-    def u8(self, timeout: float | None) -> int:
-        return self.read(1, timeout)[0]
-
-    def u32(self, timeout: float | None) -> int:
-        return int.from_bytes(self.read(4, timeout), "little")
-
-    def i64(self, timeout: float | None) -> int:
-        return int.from_bytes(self.read(8, timeout), "little", signed=True)
-
-    def blob(self, timeout: float | None) -> bytes:
-        size = int.from_bytes(self.read(8, timeout), "little")
-        if size > wire.MAX_VALUE_LEN:
-            raise _ProtocolError(f"reply of {size} bytes exceeds {wire.MAX_VALUE_LEN}")
-        return self.read(size, timeout)
-
-    def close(self) -> None:
-        with contextlib.suppress(OSError):
-            self.sock.shutdown(socket.SHUT_RDWR)
-        self.sock.close()
-
-
-def _keys_request(query: wire.Query, keys: list[bytes]) -> bytes:
-    return b"".join([bytes([query]), wire.pack_u64(len(keys)), *(wire.pack_bytes(k) for k in keys)])
-
-
-def _one_key(query: wire.Query, key: bytes) -> bytes:
-    return bytes([query]) + wire.pack_bytes(key)
 
 
 class TCPStoreClient:
@@ -132,10 +78,10 @@ class TCPStoreClient:
         self._family, self._addr = resolve_host(host, port)
         self._lock = threading.Lock()  # serialises request/response on the main connection
         self._pool_lock = threading.Lock()
-        self._idle_waits: list[_Connection] = []
-        self._busy_waits: set[_Connection] = set()
+        self._idle_waits: list[Connection] = []
+        self._busy_waits: set[Connection] = set()
         self._closed = False
-        self._main: _Connection | None = self._connect()
+        self._main: Connection | None = self._connect()
 
     # ------------------------------------------------------------------ public
 
@@ -158,16 +104,16 @@ class TCPStoreClient:
         """Return the value of ``key``, or ``None`` when it is not set. Never waits."""
         k = self._key(key)
 
-        def parse(conn: _Connection) -> bytes | None:
+        def parse(conn: Connection) -> bytes | None:
             ready = conn.u8(self._timeout) == wire.CheckResponse.READY
             value = conn.blob(self._timeout)
             return value if ready else None
 
-        return self._call(_keys_request(wire.Query.CHECK, [k]) + _one_key(wire.Query.GET, k), parse)
+        return self._call(keys_request(wire.Query.CHECK, [k]) + one_key(wire.Query.GET, k), parse)
 
     def set(self, key: str, value: bytes) -> None:
         """Set ``key`` to ``value``; returns once the server has applied it."""
-        request = _one_key(wire.Query.SET, self._key(key)) + wire.pack_bytes(bytes(value))
+        request = one_key(wire.Query.SET, self._key(key)) + wire.pack_bytes(bytes(value))
         self._call_confirmed(request)
 
     def compare_set(self, key: str, expected: bytes | None, desired: bytes) -> tuple[bytes, bool]:
@@ -181,15 +127,15 @@ class TCPStoreClient:
         want = b"" if expected is None else bytes(expected)
         request = b"".join(
             [
-                _keys_request(wire.Query.CHECK, [k]),
-                _one_key(wire.Query.GET, k),
-                _one_key(wire.Query.COMPARE_SET, k),
+                keys_request(wire.Query.CHECK, [k]),
+                one_key(wire.Query.GET, k),
+                one_key(wire.Query.COMPARE_SET, k),
                 wire.pack_bytes(want),
                 wire.pack_bytes(bytes(desired)),
             ]
         )
 
-        def parse(conn: _Connection) -> tuple[bytes, bool]:
+        def parse(conn: Connection) -> tuple[bytes, bool]:
             existed = conn.u8(self._timeout) == wire.CheckResponse.READY
             before = conn.blob(self._timeout)
             after = conn.blob(self._timeout)
@@ -201,31 +147,31 @@ class TCPStoreClient:
 
     def add(self, key: str, amount: int) -> int:
         """Atomically add ``amount`` to the integer at ``key`` (0 if unset); return the sum."""
-        request = _one_key(wire.Query.ADD, self._key(key)) + wire.pack_i64(int(amount))
+        request = one_key(wire.Query.ADD, self._key(key)) + wire.pack_i64(int(amount))
         return self._call(request, lambda conn: conn.i64(self._timeout))
 
     def delete(self, key: str) -> bool:
         """Delete ``key``; return whether it existed."""
-        request = _one_key(wire.Query.DELETE_KEY, self._key(key))
+        request = one_key(wire.Query.DELETE_KEY, self._key(key))
         return self._call(request, lambda conn: conn.i64(self._timeout) == 1)
 
     def append(self, key: str, value: bytes) -> None:
         """Append ``value`` to the value of ``key`` (set it when unset)."""
-        request = _one_key(wire.Query.APPEND, self._key(key)) + wire.pack_bytes(bytes(value))
+        request = one_key(wire.Query.APPEND, self._key(key)) + wire.pack_bytes(bytes(value))
         self._call_confirmed(request)
 
     def check(self, keys: list[str]) -> bool:
         """Whether every key in ``keys`` is set now."""
-        request = _keys_request(wire.Query.CHECK, [self._key(k) for k in keys])
+        request = keys_request(wire.Query.CHECK, [self._key(k) for k in keys])
         return self._call(request, lambda c: c.u8(self._timeout) == wire.CheckResponse.READY)
 
     def multi_get(self, keys: list[str]) -> list[bytes | None]:
         """Values of ``keys`` (``None`` for each unset one), read atomically by our server."""
         ks = [self._key(k) for k in keys]
-        checks = [_keys_request(wire.Query.CHECK, [k]) for k in ks]
-        request = b"".join([*checks, _keys_request(wire.Query.MULTI_GET, ks)])
+        checks = [keys_request(wire.Query.CHECK, [k]) for k in ks]
+        request = b"".join([*checks, keys_request(wire.Query.MULTI_GET, ks)])
 
-        def parse(conn: _Connection) -> list[bytes | None]:
+        def parse(conn: Connection) -> list[bytes | None]:
             ready = [conn.u8(self._timeout) == wire.CheckResponse.READY for _ in ks]
             values = [conn.blob(self._timeout) for _ in ks]
             return [v if r else None for r, v in zip(ready, values, strict=True)]
@@ -246,10 +192,10 @@ class TCPStoreClient:
     def list_keys(self) -> list[str]:
         """Keys under this client's prefix, without the prefix."""
 
-        def parse(conn: _Connection) -> list[str]:
+        def parse(conn: Connection) -> list[str]:
             count = conn.i64(self._timeout)
             if not 0 <= count <= 1 << 32:
-                raise _ProtocolError(f"list_keys reply announces {count} keys")
+                raise ProtocolError(f"list_keys reply announces {count} keys")
             raw = [conn.blob(self._timeout) for _ in range(count)]
             prefix = self._prefix.encode()
             return [k[len(prefix) :].decode() for k in raw if k.startswith(prefix)]
@@ -264,7 +210,7 @@ class TCPStoreClient:
         """
         if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout < 0:
             raise ConfigError(f"timeout: expected a non-negative number, got {timeout!r}")
-        request = _keys_request(wire.Query.WAIT, [self._key(k) for k in keys])
+        request = keys_request(wire.Query.WAIT, [self._key(k) for k in keys])
         conn = self._take_wait_connection()
         timed_out = False
         try:
@@ -278,10 +224,10 @@ class TCPStoreClient:
                 if reply == wire.WaitResponse.STOP_WAITING:  # set just before the cancel
                     reply = conn.u8(self._timeout)
                 if reply != wire.WaitResponse.WAIT_CANCELED:
-                    raise _ProtocolError(f"unexpected reply {reply} to CANCEL_WAIT") from None
+                    raise ProtocolError(f"unexpected reply {reply} to CANCEL_WAIT") from None
             else:
                 if reply != wire.WaitResponse.STOP_WAITING:
-                    raise _ProtocolError(f"unexpected reply {reply} to WAIT")
+                    raise ProtocolError(f"unexpected reply {reply} to WAIT")
         except OSError as exc:
             self._discard_wait_connection(conn)
             raise self._broken(exc) from exc
@@ -328,7 +274,7 @@ class TCPStoreClient:
             return StoreClosedError("the TCP store client was closed")
         return StoreConnectionError(f"TCP store {self._host}:{self._port}: {exc}")
 
-    def _call(self, request: bytes, parse: Callable[[_Connection], T]) -> T:
+    def _call(self, request: bytes, parse: Callable[[Connection], T]) -> T:
         with self._lock:
             if self._closed:
                 raise StoreClosedError("the TCP store client was closed")
@@ -343,7 +289,7 @@ class TCPStoreClient:
                 raise self._broken(exc) from exc
 
     def _call_confirmed(self, request: bytes) -> None:
-        nonce = next(_nonces) & 0xFFFFFFFF
+        nonce = next_nonce()
         reply = self._call(
             request + bytes([wire.Query.PING]) + wire.pack_u32(nonce),
             lambda conn: conn.u32(self._timeout),
@@ -357,7 +303,7 @@ class TCPStoreClient:
                 f"TCP store {self._host}:{self._port}: ping returned {reply}, expected {nonce}"
             )
 
-    def _take_wait_connection(self) -> _Connection:
+    def _take_wait_connection(self) -> Connection:
         with self._pool_lock:
             if self._closed:
                 raise StoreClosedError("the TCP store client was closed")
@@ -371,7 +317,7 @@ class TCPStoreClient:
             self._busy_waits.add(conn)
         return conn
 
-    def _return_wait_connection(self, conn: _Connection) -> None:
+    def _return_wait_connection(self, conn: Connection) -> None:
         with self._pool_lock:
             self._busy_waits.discard(conn)
             if not self._closed:
@@ -379,12 +325,12 @@ class TCPStoreClient:
                 return
         conn.close()
 
-    def _discard_wait_connection(self, conn: _Connection) -> None:
+    def _discard_wait_connection(self, conn: Connection) -> None:
         with self._pool_lock:
             self._busy_waits.discard(conn)
         conn.close()
 
-    def _connect(self) -> _Connection:
+    def _connect(self) -> Connection:
         """Connect and validate, retrying until ``timeout``; StoreConnectionError after."""
         deadline = time.monotonic() + self._timeout
         delay = _CONNECT_BACKOFF_START
@@ -393,7 +339,7 @@ class TCPStoreClient:
             attempt += 1
             remaining = deadline - time.monotonic()
             try:
-                return self._connect_once(max(remaining, 0.05))
+                return open_connection(self._family, self._addr, self._port, max(remaining, 0.05))
             except OSError as exc:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or self._closed:
@@ -404,24 +350,3 @@ class TCPStoreClient:
                 log.debug("TCP store %s:%s not reachable yet: %s", self._host, self._port, exc)
                 time.sleep(min(delay, remaining))
                 delay = min(delay * 2, _CONNECT_BACKOFF_MAX)
-
-    def _connect_once(self, timeout: float) -> _Connection:
-        sock = socket.socket(self._family, socket.SOCK_STREAM)
-        try:
-            sock.settimeout(timeout)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sock.connect((self._addr, self._port))
-            conn = _Connection(sock)
-            nonce = next(_nonces) & 0xFFFFFFFF
-            conn.send(
-                bytes([wire.Query.VALIDATE])
-                + wire.pack_u32(wire.VALIDATION_MAGIC)
-                + bytes([wire.Query.PING])
-                + wire.pack_u32(nonce)
-            )
-            if conn.u32(timeout) != nonce:
-                raise _ProtocolError("the server answered the validation ping wrongly")
-        except BaseException:
-            sock.close()
-            raise
-        return conn

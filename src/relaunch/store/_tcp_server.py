@@ -14,11 +14,12 @@ import logging
 import selectors
 import socket
 import threading
-from collections.abc import Callable
 from types import TracebackType
 
 from relaunch.errors import ConfigError, StoreClosedError, StoreConnectionError
+from relaunch.store import _tcp_handlers as handlers
 from relaunch.store import _tcp_wire as wire
+from relaunch.store._tcp_handlers import Client
 from relaunch.store._tcp_state import StoreState
 
 __all__ = ["TCPStoreServer"]
@@ -30,11 +31,6 @@ _HIGH_WATER = 16 * 1024 * 1024  # stop reading a client whose replies pile up pa
 _ACCEPTS_PER_EVENT = 512
 _BACKLOG = 4096
 _JOIN_TIMEOUT = 10.0
-
-_STOP = bytes([wire.WaitResponse.STOP_WAITING])
-_CANCELED = bytes([wire.WaitResponse.WAIT_CANCELED])
-_READY = bytes([wire.CheckResponse.READY])
-_NOT_READY = bytes([wire.CheckResponse.NOT_READY])
 
 
 def resolve_host(host: str, port: int) -> tuple[socket.AddressFamily, str]:
@@ -69,9 +65,6 @@ class _Conn:
         self.events = selectors.EVENT_READ
 
 
-_Handler = Callable[["TCPStoreServer", _Conn, wire.Reader], None]
-
-
 class TCPStoreServer:
     """Serves torch's TCPStore protocol (torch 2.13 clients) from one daemon thread.
 
@@ -103,7 +96,7 @@ class TCPStoreServer:
         )
         if listen_socket is not None:
             self._port = int(listen_socket.getsockname()[1])
-        self._state: StoreState[_Conn] = StoreState()
+        self._state: StoreState[Client] = StoreState()
         self._conns: set[_Conn] = set()
         self._dirty: set[_Conn] = set()
         self._selector: selectors.BaseSelector | None = None
@@ -330,10 +323,9 @@ class TCPStoreServer:
                 raise wire.MalformedRequest(f"bad validation magic {magic:#x}")
             conn.validated = True
             return
-        handler = _HANDLERS[query] if query < len(_HANDLERS) else None
-        if handler is None:
-            raise wire.MalformedRequest(f"unknown query type {query}")
-        handler(self, conn, reader)
+        woken = handlers.handle(self._state, conn, query, reader)
+        if woken:
+            self._wake(woken)
 
     def _flush(self, conn: _Conn) -> None:
         if conn.closed:
@@ -365,119 +357,8 @@ class TCPStoreServer:
             assert self._selector is not None
             self._selector.modify(conn.sock, events, conn)
 
-    def _wake(self, waiters: list[_Conn]) -> None:
+    def _wake(self, waiters: list[Client]) -> None:
         for waiter in waiters:
-            waiter.wbuf += _STOP
+            assert isinstance(waiter, _Conn)
+            waiter.wbuf += handlers.STOP
             self._dirty.add(waiter)
-
-    # ---------------------------------------------------------------- handlers
-
-    def _h_set(self, conn: _Conn, r: wire.Reader) -> None:
-        key, value = r.key(), r.value()
-        self._wake(self._state.set(key, value))
-
-    def _h_compare_set(self, conn: _Conn, r: wire.Reader) -> None:
-        key, expected, desired = r.key(), r.value(), r.value()
-        result, woken = self._state.compare_set(key, expected, desired)
-        conn.wbuf += wire.pack_bytes(result)
-        self._wake(woken)
-
-    def _h_get(self, conn: _Conn, r: wire.Reader) -> None:
-        conn.wbuf += wire.pack_bytes(self._state.get(r.key()))
-
-    def _h_add(self, conn: _Conn, r: wire.Reader) -> None:
-        key, delta = r.key(), r.i64()
-        total, woken = self._state.add(key, delta)
-        conn.wbuf += wire.pack_i64(total)
-        self._wake(woken)
-
-    def _h_check(self, conn: _Conn, r: wire.Reader) -> None:
-        keys = [r.key() for _ in range(r.count())]
-        conn.wbuf += _READY if self._state.check(keys) else _NOT_READY
-
-    def _h_wait(self, conn: _Conn, r: wire.Reader) -> None:
-        keys = [r.key() for _ in range(r.count())]
-        if self._state.wait(keys, conn):
-            conn.wbuf += _STOP
-
-    def _h_num_keys(self, conn: _Conn, r: wire.Reader) -> None:
-        conn.wbuf += wire.pack_i64(self._state.num_keys())
-
-    def _h_delete(self, conn: _Conn, r: wire.Reader) -> None:
-        conn.wbuf += wire.pack_i64(self._state.delete(r.key()))
-
-    def _h_append(self, conn: _Conn, r: wire.Reader) -> None:
-        key, value = r.key(), r.value()
-        self._wake(self._state.append(key, value))
-
-    def _h_multi_get(self, conn: _Conn, r: wire.Reader) -> None:
-        keys = [r.key() for _ in range(r.count())]
-        conn.wbuf += b"".join(wire.pack_bytes(self._state.get(key)) for key in keys)
-
-    def _h_multi_set(self, conn: _Conn, r: wire.Reader) -> None:
-        count = r.i64()
-        if not 0 <= count <= wire.MAX_KEY_COUNT:
-            raise wire.MalformedRequest(f"multi_set key count {count} out of range")
-        pairs = [(r.key(), r.value()) for _ in range(count)]
-        for key, value in pairs:
-            self._wake(self._state.set(key, value))
-
-    def _h_cancel_wait(self, conn: _Conn, r: wire.Reader) -> None:
-        self._state.cancel(conn)
-        conn.wbuf += _CANCELED
-
-    def _h_ping(self, conn: _Conn, r: wire.Reader) -> None:
-        conn.wbuf += wire.pack_u32(r.u32())
-
-    def _h_queue_push(self, conn: _Conn, r: wire.Reader) -> None:
-        key, value = r.key(), r.value()
-        self._wake(self._state.queue_push(key, value))
-
-    def _h_queue_pop(self, conn: _Conn, r: wire.Reader) -> None:
-        length, value = self._state.queue_pop(r.key())
-        conn.wbuf += wire.pack_i64(length)
-        if value is not None:
-            conn.wbuf += wire.pack_bytes(value)
-
-    def _h_queue_len(self, conn: _Conn, r: wire.Reader) -> None:
-        conn.wbuf += wire.pack_i64(self._state.queue_len(r.key()))
-
-    def _h_list_keys(self, conn: _Conn, r: wire.Reader) -> None:
-        keys = self._state.list_keys()
-        conn.wbuf += wire.pack_i64(len(keys)) + b"".join(wire.pack_bytes(k) for k in keys)
-
-    def _h_barrier(self, conn: _Conn, r: wire.Reader) -> None:
-        key, world_size = r.key(), r.i64()
-        ready, woken = self._state.barrier(key, world_size, conn)
-        if ready:
-            conn.wbuf += _STOP
-        self._wake(woken)
-
-    def _h_validate_again(self, conn: _Conn, r: wire.Reader) -> None:
-        if r.u32() != wire.VALIDATION_MAGIC:
-            raise wire.MalformedRequest("bad validation magic")
-
-
-_HANDLERS: list[_Handler | None] = [None] * len(wire.Query)
-for _query, _handler in (
-    (wire.Query.VALIDATE, TCPStoreServer._h_validate_again),
-    (wire.Query.SET, TCPStoreServer._h_set),
-    (wire.Query.COMPARE_SET, TCPStoreServer._h_compare_set),
-    (wire.Query.GET, TCPStoreServer._h_get),
-    (wire.Query.ADD, TCPStoreServer._h_add),
-    (wire.Query.CHECK, TCPStoreServer._h_check),
-    (wire.Query.WAIT, TCPStoreServer._h_wait),
-    (wire.Query.GETNUMKEYS, TCPStoreServer._h_num_keys),
-    (wire.Query.DELETE_KEY, TCPStoreServer._h_delete),
-    (wire.Query.APPEND, TCPStoreServer._h_append),
-    (wire.Query.MULTI_GET, TCPStoreServer._h_multi_get),
-    (wire.Query.MULTI_SET, TCPStoreServer._h_multi_set),
-    (wire.Query.CANCEL_WAIT, TCPStoreServer._h_cancel_wait),
-    (wire.Query.PING, TCPStoreServer._h_ping),
-    (wire.Query.QUEUE_PUSH, TCPStoreServer._h_queue_push),
-    (wire.Query.QUEUE_POP, TCPStoreServer._h_queue_pop),
-    (wire.Query.QUEUE_LEN, TCPStoreServer._h_queue_len),
-    (wire.Query.LIST_KEYS, TCPStoreServer._h_list_keys),
-    (wire.Query.BARRIER, TCPStoreServer._h_barrier),
-):
-    _HANDLERS[_query] = _handler

@@ -1,0 +1,108 @@
+"""The client side of one connection to a TCPStore server (blocking socket + buffer)."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import socket
+
+from relaunch.store import _tcp_wire as wire
+
+__all__ = [
+    "Connection",
+    "ProtocolError",
+    "keys_request",
+    "next_nonce",
+    "one_key",
+    "open_connection",
+]
+
+_nonces = itertools.count(os.getpid() & 0xFFFF)
+
+
+def next_nonce() -> int:
+    """A fresh 32-bit number for a PING."""
+    return next(_nonces) & 0xFFFFFFFF
+
+
+class ProtocolError(ConnectionError):
+    """The server replied something this protocol does not allow."""
+
+
+class Connection:
+    """One blocking socket with a receive buffer."""
+
+    __slots__ = ("buf", "sock")
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.buf = bytearray()
+
+    def send(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def read(self, size: int, timeout: float | None) -> bytes:
+        """Read exactly ``size`` bytes; ``TimeoutError`` when none come in ``timeout``."""
+        self.sock.settimeout(timeout)
+        while len(self.buf) < size:
+            chunk = self.sock.recv(max(65536, size - len(self.buf)))
+            if not chunk:
+                raise ConnectionError("the server closed the connection")
+            self.buf += chunk
+        data = bytes(self.buf[:size])
+        del self.buf[:size]
+        return data
+
+    def u8(self, timeout: float | None) -> int:
+        return self.read(1, timeout)[0]
+
+    def u32(self, timeout: float | None) -> int:
+        return int.from_bytes(self.read(4, timeout), "little")
+
+    def i64(self, timeout: float | None) -> int:
+        return int.from_bytes(self.read(8, timeout), "little", signed=True)
+
+    def blob(self, timeout: float | None) -> bytes:
+        size = int.from_bytes(self.read(8, timeout), "little")
+        if size > wire.MAX_VALUE_LEN:
+            raise ProtocolError(f"reply of {size} bytes exceeds {wire.MAX_VALUE_LEN}")
+        return self.read(size, timeout)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        self.sock.close()
+
+
+def keys_request(query: wire.Query, keys: list[bytes]) -> bytes:
+    return b"".join([bytes([query]), wire.pack_u64(len(keys)), *(wire.pack_bytes(k) for k in keys)])
+
+
+def one_key(query: wire.Query, key: bytes) -> bytes:
+    return bytes([query]) + wire.pack_bytes(key)
+
+
+def open_connection(
+    family: socket.AddressFamily, addr: str, port: int, timeout: float
+) -> Connection:
+    """Connect, validate and ping once; raise ``OSError`` on any failure."""
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.settimeout(timeout)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.connect((addr, port))
+        conn = Connection(sock)
+        nonce = next_nonce()
+        conn.send(
+            bytes([wire.Query.VALIDATE])
+            + wire.pack_u32(wire.VALIDATION_MAGIC)
+            + bytes([wire.Query.PING])
+            + wire.pack_u32(nonce)
+        )
+        if conn.u32(timeout) != nonce:
+            raise ProtocolError("the server answered the validation ping wrongly")
+    except BaseException:
+        sock.close()
+        raise
+    return conn
