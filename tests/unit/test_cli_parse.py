@@ -292,3 +292,20 @@ def test_nproc_auto_and_gpu_count_devices_with_torch(script: str) -> None:
     if not torch.cuda.is_available():
         with pytest.raises(ConfigError, match=r"^--nproc-per-node: expected a device type"):
             parse_args(["--nproc-per-node", "gpu", script])
+
+
+def test_flag_values_are_checked_before_the_entrypoint(tmp_path: Path) -> None:
+    missing = str(tmp_path / "missing.py")
+    with pytest.raises(ConfigError, match=r"^--nnodes: expected"):
+        parse_args(["--nnodes", "3:2", missing])
+    with pytest.raises(ConfigError, match=r"^--max-restarts: expected"):
+        parse_args(["--max-restarts", "-1", "-m", "no_such_module_relaunch_test"])
+    with pytest.raises(ConfigError, match=r"^training_script: expected an existing"):
+        parse_args([missing])
+
+
+def test_empty_env_value_counts_as_unset(script: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PET_NNODES", "")
+    monkeypatch.setenv("PET_STANDALONE", "")
+    config = parse_args([script])
+    assert (config.max_nodes, config.standalone) == (1, False)
