@@ -26,7 +26,7 @@ def _timer_dirs() -> set[str]:
 
 
 @pytest.fixture(autouse=True)
-def no_leftovers() -> Iterator[None]:
+def no_timer_leftovers() -> Iterator[None]:
     dirs = _timer_dirs()
     threads = set(threading.enumerate())
     yield
@@ -352,4 +352,22 @@ def test_close_from_on_expiry_callback() -> None:
         assert not Path(path).exists()
     finally:
         server.close()
+        _stop(victim)
+
+
+def test_reused_pid_is_not_signalled() -> None:
+    expiries = Expiries()
+    reused, victim = _sleeper(), _sleeper()
+    try:
+        with TimerServer(max_interval=0.05, on_expiry=expiries) as server:
+            server.watch_pids({reused.pid, victim.pid})
+            # Simulate the worker dying and its pid going to another process: the process
+            # start time noted by watch_pids no longer matches.
+            server._tokens[reused.pid] = "another process"
+            _send(server.path, _request(reused.pid, "old", 0.0))
+            _send(server.path, _request(victim.pid, "new", 0.3))
+            assert [e.pid for e in expiries.wait_for(1)] == [victim.pid]
+        assert reused.poll() is None
+    finally:
+        _stop(reused)
         _stop(victim)

@@ -73,6 +73,7 @@ class TimerServer:
         self._table = TimerTable()
         self._lock = threading.Lock()
         self._fd_lock = threading.Lock()
+        self._tokens: dict[int, str | None] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._tmpdir: str | None = None
@@ -126,15 +127,25 @@ class TimerServer:
         logger.info("timer server listening on %s", self.path)
 
     def watch_pids(self, pids: Iterable[int]) -> None:
-        """Allow these worker pids to be signalled when their timers expire."""
+        """Allow these worker pids to be signalled when their timers expire.
+
+        Each process's start time is noted (Linux ``/proc``), so that a pid reused by an
+        unrelated process after the worker died is never signalled.
+        """
+        pids = list(pids)
+        tokens = {pid: _start_token(pid) for pid in pids}
         with self._lock:
             self._table.watch(pids)
-        self._wake()
+            self._tokens.update(tokens)
 
     def clear_pid(self, pid: int) -> None:
-        """Forget a worker that exited: drop its timers and never signal this pid again."""
+        """Forget a worker that exited: drop its timers and never signal this pid again.
+
+        Call it for every worker pid when it exits or its group is stopped.
+        """
         with self._lock:
             self._table.clear_pid(pid)
+            self._tokens.pop(pid, None)
 
     def close(self) -> None:
         """Stop the thread, remove the pipe and its temporary directory. Idempotent."""
@@ -283,6 +294,14 @@ class TimerServer:
                 list(decision.scopes),
             )
             return
+        with self._lock:
+            token = self._tokens.get(expiry.pid)
+        if token is not None and _start_token(expiry.pid) != token:
+            logger.warning(
+                "timer of pid %s expired, but that process is gone (pid reused?): ignored",
+                expiry.pid,
+            )
+            return
         if expiry.signal > 0:
             logger.warning(
                 "timer expired: killing worker pid %s with signal %s (scopes %s)",
@@ -322,3 +341,15 @@ def _drain(fd: int, limit: int = 16 * _READ_CHUNK) -> bytes:
         chunks.append(chunk)
         total += len(chunk)
     return b"".join(chunks)
+
+
+def _start_token(pid: int) -> str | None:
+    """The process's start time from ``/proc/<pid>/stat`` (None where unavailable)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fp:
+            data = fp.read()
+    except OSError:
+        return None
+    # The command name (field 2) may hold spaces and parentheses: split after its last ')'.
+    fields = data[data.rfind(b")") + 2 :].split()
+    return fields[19].decode() if len(fields) > 19 else None
