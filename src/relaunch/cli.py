@@ -28,6 +28,7 @@ from relaunch.config import (
     START_METHODS,
     LaunchConfig,
     Std,
+    check_run_id,
     check_template,
     parse_endpoint,
     parse_nnodes,
@@ -300,9 +301,7 @@ def _rendezvous(values: _Values, nnodes: tuple[int, int]) -> tuple[str, str, str
     if backend not in BACKENDS:
         values.fail("rdzv_backend", "one of " + ", ".join(BACKENDS))
     endpoint = values.stripped("rdzv_endpoint")
-    run_id = values.stripped("rdzv_id")
-    if not run_id:
-        values.fail("rdzv_id", "a non-empty job id")
+    run_id = values.parsed("rdzv_id", check_run_id)
     if values.switch("standalone"):
         for dest in ("rdzv_backend", "rdzv_endpoint", "rdzv_id", "nnodes"):
             if values.given(dest):

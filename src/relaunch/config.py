@@ -32,6 +32,7 @@ __all__ = [
     "START_METHODS",
     "LaunchConfig",
     "Std",
+    "check_run_id",
     "check_template",
     "parse_endpoint",
     "parse_nnodes",
@@ -48,6 +49,7 @@ DEFAULT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
 
 _UNHANDLEABLE = frozenset({signal.SIGKILL, signal.SIGSTOP})
 _HOST_RE = re.compile(r"^[\w.:-]+$")
+_RUN_ID_RE = re.compile(r"[\w.:-]+")
 _PREFIX_KEYS = {"role_name": "role", "rank": 0, "local_rank": 0}
 
 
@@ -182,6 +184,13 @@ def parse_endpoint(text: str, default_port: int | None, name: str = "--rdzv-endp
     return f"{host}:{port}"
 
 
+def check_run_id(run_id: str, name: str = "--rdzv-id") -> str:
+    """A job id: letters, digits and ``_.:-`` (it names store keys and log directories)."""
+    if not isinstance(run_id, str) or not _RUN_ID_RE.fullmatch(run_id) or set(run_id) == {"."}:
+        raise _bad(name, "a job id of letters, digits and _.:- (no path separators)", run_id)
+    return run_id
+
+
 def check_template(template: str, name: str = "--log-line-prefix-template") -> str:
     """Check a console prefix template: only ``${role_name}``, ``${rank}``, ``${local_rank}``."""
     expected = "a template using only ${role_name}, ${rank}, ${local_rank}"
@@ -313,7 +322,7 @@ class LaunchConfig:
         _check_text("rdzv_endpoint", self.rdzv_endpoint)
         for item in self.rdzv_endpoint.split(","):
             parse_endpoint(item, None, "rdzv_endpoint")
-        _check_text("rdzv_id", self.rdzv_id)
+        check_run_id(self.rdzv_id, "rdzv_id")
         conf = self.rdzv_conf
         if not isinstance(conf, Mapping) or not all(
             isinstance(k, str) and isinstance(v, str) and k.strip() and v.strip()

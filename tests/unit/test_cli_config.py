@@ -93,6 +93,7 @@ def test_rendezvous_parameters() -> None:
         ({"rdzv_backend": "zk"}, "rdzv_backend"),
         ({"rdzv_endpoint": "host"}, "rdzv_endpoint"),
         ({"rdzv_id": ""}, "rdzv_id"),
+        ({"rdzv_id": "a/b"}, "rdzv_id"),
         ({"rdzv_conf": {"a": ""}}, "rdzv_conf"),
         ({"standalone": 1}, "standalone"),
         ({"max_restarts": -1}, "max_restarts"),
