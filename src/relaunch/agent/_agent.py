@@ -17,7 +17,6 @@ from relaunch.config import Std
 from relaunch.errors import ProcessFailure, RendezvousError, StoreError
 from relaunch.events import Event, EventSink
 from relaunch.procs import (
-    DEFAULT_PRELOAD,
     ProcessSpec,
     RunLogDir,
     Standby,
@@ -26,7 +25,7 @@ from relaunch.procs import (
     set_child_subreaper,
 )
 from relaunch.rendezvous import RendezvousInfo
-from relaunch.store._tcp_server import TCPStoreServer
+from relaunch.store.tcp import TCPStoreServer
 from relaunch.timer import TimerExpiry, TimerServer
 
 __all__ = ["LocalAgent"]
@@ -68,6 +67,7 @@ class LocalAgent:
         self._stop_signal: int | None = None
         self._logdir: RunLogDir | None = None
         self._events = EventSink(None)
+        self._modules_file = ""
         self._timer: TimerServer | None = None
 
     # -- public -------------------------------------------------------------------
@@ -98,6 +98,7 @@ class LocalAgent:
         set_child_subreaper()
         self._logdir = RunLogDir(self._spec.log_dir, self._run_id)
         self._events = EventSink(os.path.join(self._logdir.path, "events.jsonl"))
+        self._modules_file = os.path.join(self._logdir.path, "worker_modules.txt")
         if self._spec.watchdog:
             timer = TimerServer(path=self._spec.watchdog_file, on_expiry=self._on_timer_expiry)
             timer.start()
@@ -332,7 +333,18 @@ class LocalAgent:
                 )
             )
         standbys, self._standbys = self._standbys, {}
-        procs = WorkerProcesses(spec.entrypoint, specs, standbys=standbys, name=spec.role)
+        warm = spec.warm_standby and spec.entrypoint.is_python
+        report = {}
+        if warm and not os.path.exists(self._modules_file):
+            report[0] = self._modules_file
+        procs = WorkerProcesses(
+            spec.entrypoint,
+            specs,
+            standbys=standbys,
+            via_runner=warm,
+            report_modules=report,
+            name=spec.role,
+        )
         self._procs = procs
         procs.start()
         self._started_at = time.monotonic()
@@ -358,11 +370,18 @@ class LocalAgent:
             or not spec.entrypoint.is_python
             or self._remaining_restarts <= 0
             or self._standbys
-            or time.monotonic() - self._started_at < spec.standby_delay
         ):
             return
+        running = time.monotonic() - self._started_at
+        # Wait until the workers told us what they import (or for long enough), so the
+        # standbys preload exactly that, and do not compete with the workers' own start.
+        if running < spec.standby_delay or (
+            not os.path.exists(self._modules_file) and running < 30.0
+        ):
+            return
+        preload = self._modules_file if os.path.exists(self._modules_file) else None
         for lr, env in self._envs.items():
-            self._standbys[lr] = Standby(env=env, cwd=os.getcwd(), preload=DEFAULT_PRELOAD)
+            self._standbys[lr] = Standby(env=env, cwd=os.getcwd(), preload_file=preload)
         self._emit("standbys_started", pids={lr: s.pid for lr, s in self._standbys.items()})
 
     def _stop_workers(self, sig: int) -> None:

@@ -2,11 +2,10 @@
 
 from relaunch.procs._context import Entrypoint, ProcessSpec, WorkerProcesses
 from relaunch.procs._logs import RunLogDir, TeeTarget
-from relaunch.procs._standby import DEFAULT_PRELOAD, Standby
+from relaunch.procs._standby import Standby
 from relaunch.procs._sys import set_child_subreaper, signal_name
 
 __all__ = [
-    "DEFAULT_PRELOAD",
     "Entrypoint",
     "ProcessSpec",
     "RunLogDir",

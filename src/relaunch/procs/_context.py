@@ -96,11 +96,15 @@ class WorkerProcesses:
         specs: Sequence[ProcessSpec],
         *,
         standbys: Mapping[int, Standby] | None = None,
+        via_runner: bool = False,
+        report_modules: Mapping[int, str] | None = None,
         name: str = "",
     ) -> None:
         self._entry = entry
         self._specs = list(specs)
         self._standbys = dict(standbys or {})
+        self._via_runner = via_runner or entry.run_path
+        self._report_modules = dict(report_modules or {})
         self._procs: dict[int, subprocess.Popen[bytes]] = {}
         self._exitcodes: dict[int, int] = {}
         self._tailer = TeeTailer([t for s in self._specs for t in s.tee], name=name)
@@ -119,8 +123,9 @@ class WorkerProcesses:
 
     def _start_one(self, spec: ProcessSpec) -> subprocess.Popen[bytes]:
         standby = self._standbys.pop(spec.local_rank, None)
-        if standby is None and self._entry.run_path and self._entry.kind == "script":
-            standby = Standby(env=spec.env, cwd=os.getcwd(), preload=())
+        if standby is None and self._via_runner and self._entry.is_python:
+            # Same program as a standby, activated at once: runpy in an interpreter we start.
+            standby = Standby(env=spec.env, cwd=os.getcwd())
         if standby is not None:
             proc = standby.activate(
                 env=spec.env,
@@ -129,6 +134,7 @@ class WorkerProcesses:
                 args=spec.args,
                 stdout=spec.stdout,
                 stderr=spec.stderr,
+                report_modules=self._report_modules.get(spec.local_rank),
             )
             if proc is not None:
                 log.debug(

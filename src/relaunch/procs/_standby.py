@@ -12,11 +12,11 @@ from collections.abc import Mapping, Sequence
 
 from relaunch.procs._sys import set_parent_death_signal
 
-__all__ = ["DEFAULT_PRELOAD", "Standby"]
+__all__ = ["Standby"]
 
 log = logging.getLogger(__name__)
 
-DEFAULT_PRELOAD: tuple[str, ...] = ("torch", "torch.distributed", "torch.nn.parallel")
+_WARM = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_warm.py")
 _MAX_REQUEST = 60 * 1024  # below the pipe's capacity: writing never blocks
 
 
@@ -27,13 +27,21 @@ class Standby:
     worker (the caller then owns the returned Popen), or :meth:`discard` ends it.
     """
 
-    def __init__(self, *, env: Mapping[str, str], cwd: str, preload: Sequence[str]) -> None:
+    def __init__(
+        self, *, env: Mapping[str, str], cwd: str, preload_file: str | None = None
+    ) -> None:
         self._env = dict(env)
         self._cwd = cwd
         read_fd, self._write_fd = os.pipe()
         try:
             self._proc: subprocess.Popen[bytes] | None = subprocess.Popen(
-                [sys.executable, "-u", "-m", "relaunch.procs._warm", str(read_fd), *preload],
+                [
+                    sys.executable,
+                    "-u",
+                    _WARM,
+                    str(read_fd),
+                    *([preload_file] if preload_file else []),
+                ],
                 env=self._env,
                 cwd=cwd,
                 pass_fds=(read_fd,),
@@ -62,6 +70,7 @@ class Standby:
         args: Sequence[str],
         stdout: str | None,
         stderr: str | None,
+        report_modules: str | None = None,
     ) -> subprocess.Popen[bytes] | None:
         """Turn the standby into a worker; ``None`` if it cannot (the caller spawns afresh)."""
         proc = self._proc
@@ -78,6 +87,7 @@ class Standby:
             "args": list(args),
             "stdout": stdout,
             "stderr": stderr,
+            "report_modules": report_modules,
         }
         data = json.dumps(request).encode()
         if len(data) > _MAX_REQUEST:

@@ -1,7 +1,8 @@
-"""The program of a warm standby interpreter: ``python -u -m relaunch.procs._warm FD MOD...``.
+"""The program of a warm standby interpreter: ``python -u _warm.py FD [PRELOAD_FILE]``.
 
-It imports the modules named on its command line (``torch`` and friends) ahead
-of time, then blocks reading file descriptor FD. The agent writes one request
+It imports the modules listed in PRELOAD_FILE (one per line: what a worker of
+this job imported from installed packages) ahead of time, then blocks reading
+file descriptor FD. The agent writes one request
 (versioned JSON: environment changes, working directory, output files, what to
 run) and closes the pipe; the interpreter then becomes that worker, running the
 script or module exactly as ``python -u script.py args...`` or
@@ -9,7 +10,11 @@ script or module exactly as ``python -u script.py args...`` or
 ``sys.path[0]`` and environment. End of file without a request means "not
 needed": it exits 0.
 
-This module must stay import-light and must not import relaunch's other modules.
+A worker may be asked to report the modules it imported (``report_modules``):
+a daemon thread writes the list a few times during its first minute, so the
+standbys of the next attempt can preload what this job really uses.
+
+This file runs by path, outside the relaunch package: it must import nothing of relaunch.
 """
 
 from __future__ import annotations
@@ -19,7 +24,11 @@ import importlib
 import json
 import os
 import runpy
+import select
 import sys
+import sysconfig
+import threading
+import time
 
 REQUEST_VERSION = 1
 
@@ -39,6 +48,52 @@ def _redirect(path: str | None, target_fd: int) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(fd, target_fd)
     os.close(fd)
+
+
+def _installed_roots() -> tuple[str, ...]:
+    paths = sysconfig.get_paths()
+    roots = {paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib") if k in paths}
+    return tuple(os.path.join(os.path.realpath(r), "") for r in roots)
+
+
+def _imported_modules() -> list[str]:
+    """Modules imported so far that come from the standard library or installed packages."""
+    roots = _installed_roots()
+    names = []
+    for name, module in list(sys.modules.items()):
+        path = getattr(module, "__file__", None)
+        if name in ("__main__", "__mp_main__") or not isinstance(path, str):
+            continue
+        if os.path.realpath(path).startswith(roots):
+            names.append(name)
+    return names
+
+
+def _report_modules(path: str, delays: tuple[float, ...] = (3.0, 10.0, 30.0)) -> None:
+    def run() -> None:
+        start = time.monotonic()
+        for delay in delays:
+            time.sleep(max(0.0, start + delay - time.monotonic()))
+            with contextlib.suppress(OSError):
+                tmp = f"{path}.{os.getpid()}.tmp"
+                with open(tmp, "w") as f:
+                    f.write("\n".join(_imported_modules()) + "\n")
+                os.replace(tmp, path)
+
+    threading.Thread(target=run, name="relaunch-report-modules", daemon=True).start()
+
+
+def _preload(path: str) -> None:
+    try:
+        with open(path) as f:
+            names = [line.strip() for line in f if line.strip()]
+    except OSError:
+        return
+    for name in names:
+        if name in sys.modules:
+            continue
+        with contextlib.suppress(BaseException):
+            importlib.import_module(name)
 
 
 def _become_worker(request: dict[str, object]) -> None:
@@ -70,22 +125,36 @@ def _become_worker(request: dict[str, object]) -> None:
     stderr = request.get("stderr")
     _redirect(stdout if isinstance(stdout, str) else None, 1)
     _redirect(stderr if isinstance(stderr, str) else None, 2)
+    report = request.get("report_modules")
+    if isinstance(report, str):
+        _report_modules(report)
     argv = [str(a) for a in args]
     if kind == "script":
         sys.argv = [target, *argv]
-        sys.path[0] = os.path.dirname(os.path.realpath(target))
+        sys.path.insert(0, os.path.dirname(os.path.realpath(target)))
         runpy.run_path(target, run_name="__main__")
     else:
         sys.argv = [target, *argv]
-        sys.path[0] = os.getcwd()
+        sys.path.insert(0, os.getcwd())
         runpy.run_module(target, run_name="__main__", alter_sys=True)
 
 
 def main() -> None:
     fd = int(sys.argv[1])
-    for name in sys.argv[2:]:
-        with contextlib.suppress(Exception):
-            importlib.import_module(name)
+    del sys.path[0]  # this file's directory: the worker gets its own sys.path[0]
+    preload = sys.argv[2] if len(sys.argv) > 2 else None
+    seen = -1.0
+    while True:
+        # Preload what the job's workers import; take in later reports while idle.
+        if preload is not None:
+            with contextlib.suppress(OSError):
+                mtime = os.stat(preload).st_mtime
+                if mtime != seen:
+                    seen = mtime
+                    _preload(preload)
+        ready, _, _ = select.select([fd], [], [], 1.0)
+        if ready:
+            break
     data = _read_all(fd)
     os.close(fd)
     if not data:
