@@ -1,0 +1,84 @@
+"""Everything the wrapper reads from the environment, read in one place."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import itertools
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from relaunch.errors import ConfigError
+
+__all__ = ["StoreEndpoint", "namespace", "resolve_store"]
+
+_calls = itertools.count()
+
+
+def namespace(env: Mapping[str, str] | None = None) -> str:
+    """Key prefix unique per job, per launcher restart and per wrapped call.
+
+    All ranks call wrapped functions in the same order, so the call counter agrees.
+    """
+    env = os.environ if env is None else env
+    run_id = env.get("TORCHELASTIC_RUN_ID", "standalone")
+    attempt = env.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return f"/relaunch/inprocess/{run_id}/{attempt}/call{next(_calls)}/"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StoreEndpoint:
+    """Where the default coordination store is, and whether rank 0's monitor hosts it."""
+
+    host: str
+    port: int
+    hosted_by_rank0: bool
+    timeout: float
+
+
+def resolve_store(
+    store_kwargs: Mapping[str, Any], timeout: float, env: Mapping[str, str] | None = None
+) -> StoreEndpoint:
+    """The default store: the agent's (``TORCHELASTIC_USE_AGENT_STORE=True``) or our own.
+
+    ``store_kwargs`` may give ``host`` and ``port``. Standalone, the default port is
+    ``MASTER_PORT + 1`` (``MASTER_PORT`` stays free for the user's own use).
+    """
+    env = os.environ if env is None else env
+    agent = env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() in ("true", "1")
+    host = store_kwargs.get("host", env.get("MASTER_ADDR", "127.0.0.1"))
+    port_text = store_kwargs.get("port")
+    if port_text is None:
+        master_port = env.get("MASTER_PORT")
+        if master_port is None:
+            raise ConfigError(
+                "store_kwargs: no 'port' and MASTER_PORT is not set: "
+                "expected a store endpoint (run under relaunch/torchrun or set MASTER_PORT)"
+            )
+        port_text = int(master_port) if agent else int(master_port) + 1
+    try:
+        port = int(port_text)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"store_kwargs['port']: expected an int, got {port_text!r}") from exc
+    unknown = set(store_kwargs) - {"host", "port"}
+    if unknown:
+        raise ConfigError(f"store_kwargs: unknown keys {sorted(unknown)}; expected host, port")
+    return StoreEndpoint(host=str(host), port=port, hosted_by_rank0=not agent, timeout=timeout)
+
+
+def tcp_client_factory(endpoint: StoreEndpoint) -> Callable[[], Any]:
+    """A factory of torch TCPStore clients connected to ``endpoint``."""
+
+    def make() -> Any:
+        from torch._C._distributed_c10d import TCPStore
+
+        return TCPStore(
+            endpoint.host,
+            endpoint.port,
+            is_master=False,
+            wait_for_workers=False,
+            timeout=datetime.timedelta(seconds=endpoint.timeout),
+        )
+
+    return make

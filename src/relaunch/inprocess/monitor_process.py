@@ -1,0 +1,268 @@
+"""The monitor process: one per rank, a separate OS process that outlives its rank.
+
+It is forked from the rank before the rank opens any connection or starts any thread
+of the wrapper (fork is ~1 ms; spawning a new interpreter that imports torch costs
+~1.5 s of CPU). It never returns into the rank's code: it ends with ``os._exit``.
+
+Every ``interval`` it
+- heartbeats into the store, and declares missing (``UNRESPONSIVE``) any other rank
+  whose heartbeat has not moved for ``heartbeat_timeout``;
+- kills its rank when it made no progress for ``hard_timeout`` while the wrapped
+  function runs: SIGTERM, then SIGKILL after ``termination_grace_time``.
+It notices its rank's death at once (a pidfd) and records it as dead
+(``TERMINATED``, or ``HARD_TIMEOUT`` when it killed it), so the other ranks restart
+without waiting for a timeout.
+
+Standalone (no agent store), the monitor process of initial rank 0 also hosts the
+coordination store, and keeps serving it after its rank died, until every rank has
+left or is dead: a rank's death does not take the store down.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import select
+import signal
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from relaunch.inprocess.attribution import Interruption
+from relaunch.inprocess.progress_watchdog import SharedProgress
+from relaunch.inprocess.store import CoordinationStore, TorchStore
+
+__all__ = ["MonitorProcess", "MonitorSettings"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class MonitorSettings:
+    """What the monitor process needs (already validated by the wrapper's config)."""
+
+    initial_rank: int
+    initial_world_size: int
+    namespace: str
+    interval: float
+    hard_timeout: float
+    heartbeat_timeout: float
+    termination_grace_time: float
+    logfile: str | None
+    host_port: int | None
+    """Host the coordination store on this port (standalone mode, initial rank 0)."""
+
+
+class MonitorProcess:
+    """Owner of the forked monitor process of this rank."""
+
+    def __init__(
+        self,
+        settings: MonitorSettings,
+        shared: SharedProgress,
+        store_factory: Callable[[], TorchStore],
+    ) -> None:
+        self.settings = settings
+        self.shared = shared
+        self.store_factory = store_factory
+        self.pid: int | None = None
+
+    def start(self) -> None:
+        parent = os.getpid()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover  (runs in the child)
+            code = 0
+            try:
+                code = _child_main(parent, self.settings, self.shared, self.store_factory)
+            except BaseException:
+                with contextlib.suppress(BaseException):
+                    log.exception("monitor process of rank %s failed", self.settings.initial_rank)
+                code = 1
+            finally:
+                os._exit(code)
+        self.pid = pid
+
+    def alive(self) -> bool:
+        if self.pid is None:
+            return False
+        try:
+            pid, _ = os.waitpid(self.pid, os.WNOHANG)
+        except ChildProcessError:
+            self.pid = None
+            return False
+        if pid == self.pid:
+            self.pid = None
+            return False
+        return True
+
+    def shutdown(self, timeout: float) -> None:
+        """Ask the process to exit and reap it; SIGTERM then SIGKILL if it does not.
+
+        A process hosting the store keeps serving until every rank has left, so the
+        wait here may last until the other ranks are done (bounded by ``timeout``).
+        """
+        self.shared.stop = 1
+        deadline = time.monotonic() + timeout
+        while self.alive() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        for sig, grace in (
+            (signal.SIGTERM, self.settings.termination_grace_time),
+            (signal.SIGKILL, 5.0),
+        ):
+            if self.pid is None or not self.alive():
+                return
+            log.warning("monitor process %s did not exit: sending %s", self.pid, sig.name)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
+            end = time.monotonic() + grace
+            while self.alive() and time.monotonic() < end:
+                time.sleep(0.01)
+
+
+def _open_pidfd(pid: int) -> int | None:
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return None
+
+
+def _parent_dead(parent: int, pidfd: int | None) -> bool:
+    if pidfd is not None:
+        ready, _, _ = select.select([pidfd], [], [], 0)
+        return bool(ready)
+    return os.getppid() != parent
+
+
+def _child_main(
+    parent: int,
+    settings: MonitorSettings,
+    shared: SharedProgress,
+    store_factory: Callable[[], TorchStore],
+) -> int:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    from relaunch.inprocess.monitor_thread import WAKE_SIGNAL
+
+    signal.signal(WAKE_SIGNAL, signal.SIG_IGN)
+    if settings.logfile is not None:
+        handler = logging.FileHandler(settings.logfile.format(rank=settings.initial_rank))
+        handler.setFormatter(logging.Formatter("%(asctime)s %(process)d %(message)s"))
+        root = logging.getLogger()
+        root.handlers = [handler]
+        root.setLevel(logging.DEBUG)
+    pidfd = _open_pidfd(parent)
+    if os.getppid() != parent:
+        return 0
+    server = None
+    if settings.host_port is not None:
+        import datetime
+
+        from torch._C._distributed_c10d import TCPStore
+
+        server = TCPStore(
+            "0.0.0.0",
+            settings.host_port,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=datetime.timedelta(seconds=60),
+        )
+    coord = CoordinationStore(store_factory(), settings.namespace)
+    return _Loop(parent, pidfd, settings, shared, coord, hosting=server is not None).run()
+
+
+class _Loop:
+    def __init__(
+        self,
+        parent: int,
+        pidfd: int | None,
+        settings: MonitorSettings,
+        shared: SharedProgress,
+        coord: CoordinationStore,
+        *,
+        hosting: bool,
+    ) -> None:
+        self.parent = parent
+        self.pidfd = pidfd
+        self.s = settings
+        self.shared = shared
+        self.coord = coord
+        self.hosting = hosting
+        self.parent_gone = False
+        now = time.monotonic()
+        others = set(range(settings.initial_world_size)) - {settings.initial_rank}
+        self.seen: dict[int, tuple[int, float]] = {r: (-1, now) for r in others}
+
+    def run(self) -> int:
+        rank = self.s.initial_rank
+        while True:
+            if self.pidfd is not None and not self.parent_gone:
+                select.select([self.pidfd], [], [], self.s.interval)
+            else:
+                time.sleep(self.s.interval)
+            if not self.parent_gone and _parent_dead(self.parent, self.pidfd):
+                self.parent_gone = True
+                if not self.shared.stop:
+                    kind = (
+                        Interruption.HARD_TIMEOUT if self.shared.killed else Interruption.TERMINATED
+                    )
+                    log.warning("rank %s died (%s)", rank, kind.name)
+                    self.coord.record_dead(
+                        int(self.shared.iteration), rank, kind, f"process {self.parent} ended"
+                    )
+            if self.parent_gone or self.shared.stop:
+                if not self.hosting or self._everyone_left():
+                    return 0
+                self._check_others()
+                continue
+            self.coord.heartbeat(rank)
+            self._check_progress()
+            self._check_others()
+
+    def _everyone_left(self) -> bool:
+        everyone = set(range(self.s.initial_world_size))
+        return everyone <= self.coord.exited_ranks() | self.coord.dead_ranks()
+
+    def _check_progress(self) -> None:
+        if not self.shared.armed or self.shared.killed:
+            return
+        idle = time.monotonic() - self.shared.progress()
+        if idle <= self.s.hard_timeout:
+            return
+        log.warning(
+            "rank %s: hard timeout (%.1f s without progress): killing", self.s.initial_rank, idle
+        )
+        self.shared.killed = 1
+        for sig, grace in ((signal.SIGTERM, self.s.termination_grace_time), (signal.SIGKILL, 0.0)):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.parent, sig)
+            end = time.monotonic() + grace
+            while time.monotonic() < end and not _parent_dead(self.parent, self.pidfd):
+                time.sleep(0.01)
+            if _parent_dead(self.parent, self.pidfd):
+                return
+
+    def _check_others(self) -> None:
+        now = time.monotonic()
+        beats = self.coord.heartbeats(self.seen)
+        gone: set[int] | None = None
+        for r, value in beats.items():
+            last, when = self.seen[r]
+            if value != last:
+                self.seen[r] = (value, now)
+                continue
+            if now - when <= self.s.heartbeat_timeout:
+                continue
+            if gone is None:
+                gone = self.coord.exited_ranks() | self.coord.dead_ranks()
+            if r in gone:
+                self.seen[r] = (value, float("inf"))  # never check again
+                continue
+            log.warning("rank %s: no heartbeat for %.1f s: declared missing", r, now - when)
+            self.coord.record_dead(
+                int(self.shared.iteration), r, Interruption.UNRESPONSIVE, "no heartbeat"
+            )
+            self.seen[r] = (value, float("inf"))

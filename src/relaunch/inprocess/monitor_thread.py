@@ -1,0 +1,196 @@
+"""The monitor thread: notice an interruption anywhere, abort, interrupt the main thread.
+
+Every ``interval`` it (1) checks this rank's progress against ``soft_timeout`` and
+records a soft timeout, (2) reads the iteration's interruption records and the dead
+ranks from the store in one round trip. On any interruption it takes the atomic
+lock (so an ``atomic()`` section finishes first), calls ``abort`` once, and raises
+:class:`RankShouldRestart` in the main thread with ``PyThreadState_SetAsyncExc``,
+then sends the main thread a signal so a GIL-releasing call (``time.sleep``, a
+socket read, a lock wait) returns at once and the exception is delivered. If the
+main thread swallows it, it is raised again every interval until the main thread
+leaves the function.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import signal
+import threading
+import time
+from collections.abc import Callable
+from types import FrameType
+
+from relaunch.inprocess.attribution import Interruption, InterruptionRecord
+from relaunch.inprocess.exception import RankShouldRestart
+from relaunch.inprocess.progress_watchdog import SharedProgress
+from relaunch.inprocess.store import CoordinationStore
+
+__all__ = ["WAKE_SIGNAL", "MainThreadControl", "MonitorThread"]
+
+log = logging.getLogger(__name__)
+
+WAKE_SIGNAL = signal.SIGRTMIN + 4
+"""Signal sent to the main thread to interrupt a blocking call (a real-time signal)."""
+
+
+def _set_async_exc(ident: int, exc: type[BaseException] | None) -> int:
+    obj = ctypes.py_object(exc) if exc is not None else None
+    result: int = ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident), obj)
+    return result
+
+
+def _wake_handler(signum: int, frame: FrameType | None) -> None:
+    """Do nothing: running any Python code lets a pending restart exception be raised."""
+
+
+class MainThreadControl:
+    """Whether the main thread is inside the wrapped function (may be interrupted)."""
+
+    def __init__(self, atomic_lock: threading.RLock) -> None:
+        self.lock = atomic_lock
+        self.ident = threading.get_ident()
+        self.is_main = threading.current_thread() is threading.main_thread()
+        self.in_fn = False
+        self._old_handler: Callable[[int, FrameType | None], object] | int | None = None
+
+    def install(self) -> None:
+        """Install the wake-up handler (main thread only)."""
+        if self.is_main:
+            self._old_handler = signal.signal(WAKE_SIGNAL, _wake_handler)
+
+    def uninstall(self) -> None:
+        if self.is_main and self._old_handler is not None:
+            signal.signal(WAKE_SIGNAL, self._old_handler)
+            self._old_handler = None
+
+    def enter(self) -> None:
+        with self.lock:
+            self.in_fn = True
+
+    def leave(self) -> None:
+        """Leave the function; a restart exception can no longer be raised after this."""
+        while True:
+            try:
+                with self.lock:
+                    self.in_fn = False
+                    _set_async_exc(self.ident, None)  # drop one still pending
+                return
+            except RankShouldRestart:
+                continue
+
+    def interrupt(self) -> bool:
+        """Raise RankShouldRestart in the main thread if inside the function (hold the lock)."""
+        if not self.in_fn:
+            return False
+        _set_async_exc(self.ident, RankShouldRestart)
+        if self.is_main:
+            with contextlib.suppress(OSError):
+                signal.pthread_kill(self.ident, WAKE_SIGNAL)
+        return True
+
+
+class MonitorThread:
+    """Watches one iteration of one rank (see module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        coord: CoordinationStore,
+        iteration: int,
+        initial_rank: int,
+        members: set[int],
+        interval: float,
+        soft_timeout: float,
+        shared: SharedProgress,
+        control: MainThreadControl,
+        abort: Callable[[], None],
+    ) -> None:
+        self.coord = coord
+        self.iteration = iteration
+        self.initial_rank = initial_rank
+        self.members = members
+        self.interval = interval
+        self.soft_timeout = soft_timeout
+        self.shared = shared
+        self.control = control
+        self.abort = abort
+        self.triggered = threading.Event()
+        self._stop = threading.Event()
+        self._soft_recorded = False
+        self._thread = threading.Thread(
+            target=self._run, name=f"relaunch-inprocess-monitor-{iteration}", daemon=True
+        )
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.wait(self.interval):
+                if self.triggered.is_set():
+                    with self.control.lock:  # re-deliver if swallowed
+                        self.control.interrupt()
+                    continue
+                if self._interrupted():
+                    self._trigger()
+        except Exception:
+            log.exception("rank %s: monitor thread failed", self.initial_rank)
+            with contextlib.suppress(Exception):
+                self.coord.record_interrupted(
+                    self.iteration,
+                    InterruptionRecord(
+                        initial_rank=self.initial_rank,
+                        interruption=Interruption.MONITORING_PROCESS_EXCEPTION,
+                        message="monitor thread failed",
+                    ),
+                )
+            self._trigger()
+
+    def _interrupted(self) -> bool:
+        if (
+            not self._soft_recorded
+            and self.shared.armed
+            and time.monotonic() - self.shared.progress() > self.soft_timeout
+        ):
+            self._soft_recorded = True
+            log.warning("rank %s: soft timeout, no progress", self.initial_rank)
+            self.coord.record_interrupted(
+                self.iteration,
+                InterruptionRecord(
+                    initial_rank=self.initial_rank,
+                    interruption=Interruption.SOFT_TIMEOUT,
+                    message=f"no progress for {self.soft_timeout:.3g} s",
+                ),
+            )
+            return True
+        records, dead = self.coord.poll(self.iteration)
+        if records or dead & self.members:
+            log.info(
+                "rank %s: iteration %s interrupted: %s (dead: %s)",
+                self.initial_rank,
+                self.iteration,
+                "; ".join(str(r) for r in records),
+                sorted(dead & self.members),
+            )
+            return True
+        return False
+
+    def _trigger(self) -> None:
+        with self.control.lock:  # never inside atomic()
+            if self._stop.is_set() or self.triggered.is_set():
+                return
+            self.triggered.set()
+            try:
+                self.abort()
+            finally:
+                self.control.interrupt()
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop watching (the main thread has left the function). Joins the thread."""
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                log.warning("monitor thread did not stop within %.1f s", timeout)

@@ -1,0 +1,169 @@
+"""Progress watchdog: timestamps written while the main thread runs Python bytecode.
+
+The watchdog thread queues a *pending call* (``Py_AddPendingCall``) whose function is
+libc's ``sem_post``: the interpreter runs pending calls only in the main thread and
+only between bytecodes, so the semaphore is posted exactly when the main thread
+executes Python code. When it is posted, the watchdog writes the time into
+:class:`SharedProgress`; when the main thread is stuck in C (a collective, a sleep,
+a busy C loop), the timestamp ages. No Python callback runs in the main thread, so
+nothing can swallow the restart exception there. At most one call is queued at a time.
+
+:class:`SharedProgress` lives in an anonymous shared mapping created before the
+monitor process is forked, so the monitor process reads the same timestamps
+(``CLOCK_MONOTONIC`` is system-wide).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import mmap
+import struct
+import threading
+import time
+
+__all__ = ["ProgressWatchdog", "SharedProgress"]
+
+log = logging.getLogger(__name__)
+
+_FIELDS = ("auto_ts", "ping_ts", "armed", "iteration", "stop", "killed")
+_SIZE = 8 * len(_FIELDS)
+
+
+class SharedProgress:
+    """Fields shared by a rank and its monitor process (aligned 8-byte slots)."""
+
+    def __init__(self) -> None:
+        self._map = mmap.mmap(-1, _SIZE, flags=mmap.MAP_SHARED)
+        self.auto_ts = time.monotonic()
+
+    def _get_d(self, index: int) -> float:
+        value: float = struct.unpack_from("d", self._map, 8 * index)[0]
+        return value
+
+    def _get_q(self, index: int) -> int:
+        value: int = struct.unpack_from("q", self._map, 8 * index)[0]
+        return value
+
+    @property
+    def auto_ts(self) -> float:
+        return self._get_d(0)
+
+    @auto_ts.setter
+    def auto_ts(self, value: float) -> None:
+        struct.pack_into("d", self._map, 0, value)
+
+    @property
+    def ping_ts(self) -> float:
+        """Time of the last ``ping()``; 0 until the first ping of the iteration."""
+        return self._get_d(1)
+
+    @ping_ts.setter
+    def ping_ts(self, value: float) -> None:
+        struct.pack_into("d", self._map, 8, value)
+
+    def _set_q(self, index: int, value: int) -> None:
+        struct.pack_into("q", self._map, 8 * index, value)
+
+    armed = property(lambda self: self._get_q(2), lambda self, v: self._set_q(2, v))
+    """1 while the wrapped function runs (progress timeouts apply)."""
+    iteration = property(lambda self: self._get_q(3), lambda self, v: self._set_q(3, v))
+    """The iteration a death of this rank is recorded in."""
+    stop = property(lambda self: self._get_q(4), lambda self, v: self._set_q(4, v))
+    """1 when the rank leaves normally: the monitor process exits."""
+    killed = property(lambda self: self._get_q(5), lambda self, v: self._set_q(5, v))
+    """1 once the monitor process killed the rank for a hard timeout."""
+
+    def progress(self) -> float:
+        """The time of the last progress: automatic, and manual once ``ping()`` was used."""
+        auto, ping = self.auto_ts, self.ping_ts
+        return min(auto, ping) if ping > 0 else auto
+
+    def reset(self) -> None:
+        """Start of an iteration: progress now, manual timeout inactive."""
+        self.auto_ts = time.monotonic()
+        self.ping_ts = 0.0
+
+    def close(self) -> None:
+        self._map.close()
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+class _Probe:
+    """One process-wide semaphore posted by a pending call in the main thread."""
+
+    def __init__(self) -> None:
+        self.libc = ctypes.CDLL(None, use_errno=True)
+        self.sem = ctypes.create_string_buffer(64)  # sizeof(sem_t) is 32 on Linux
+        if self.libc.sem_init(self.sem, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "sem_init failed")
+        add = ctypes.pythonapi.Py_AddPendingCall
+        add.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        add.restype = ctypes.c_int
+        self.add = add
+        self.post = ctypes.cast(self.libc.sem_post, ctypes.c_void_p)
+        self.outstanding = False
+        self.lock = threading.Lock()
+
+    def wait(self, timeout: float) -> bool:
+        """Queue a probe if none is queued; True when the main thread ran it in time."""
+        with self.lock:
+            if not self.outstanding:
+                if self.add(self.post, ctypes.addressof(self.sem)) != 0:
+                    return False
+                self.outstanding = True
+            deadline = time.time() + timeout
+            spec = _Timespec(int(deadline), int((deadline % 1) * 1e9))
+            if self.libc.sem_timedwait(self.sem, ctypes.byref(spec)) == 0:
+                self.outstanding = False
+                return True
+            return False
+
+
+_probe: _Probe | None = None
+_probe_lock = threading.Lock()
+
+
+def _get_probe() -> _Probe:
+    global _probe
+    with _probe_lock:
+        if _probe is None:
+            _probe = _Probe()  # never freed: a queued pending call may still post it
+        return _probe
+
+
+class ProgressWatchdog:
+    """The thread that writes automatic progress timestamps every ``interval`` seconds."""
+
+    def __init__(self, shared: SharedProgress, interval: float) -> None:
+        self.shared = shared
+        self.interval = interval
+        self._stop = threading.Event()
+        self._probe = _get_probe()
+        self._thread = threading.Thread(
+            target=self._run, name="relaunch-inprocess-watchdog", daemon=True
+        )
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            started = time.monotonic()
+            if self._probe.wait(self.interval):
+                self.shared.auto_ts = time.monotonic()
+            self._stop.wait(max(0.0, self.interval - (time.monotonic() - started)))
+
+    def ping(self) -> None:
+        """Manual progress: activates the manual timeout for this iteration."""
+        self.shared.ping_ts = time.monotonic()
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                log.warning("progress watchdog thread did not stop within %.1f s", timeout)

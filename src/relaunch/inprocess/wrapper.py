@@ -1,0 +1,357 @@
+"""``Wrapper`` (the decorator) and ``CallWrapper`` (one call of the wrapped function)."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import gc
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+from relaunch.inprocess import _sockets
+from relaunch.inprocess._env import namespace, resolve_store, tcp_client_factory
+from relaunch.inprocess._params import call_wrapper_parameter, run_callbacks
+from relaunch.inprocess._rendezvous import EnvRendezvousPatch
+from relaunch.inprocess.attribution import Interruption, InterruptionRecord
+from relaunch.inprocess.config import WrapperConfig
+from relaunch.inprocess.exception import HealthCheckError, RankShouldRestart, RestartAbort
+from relaunch.inprocess.monitor_process import MonitorProcess, MonitorSettings
+from relaunch.inprocess.monitor_thread import MainThreadControl, MonitorThread
+from relaunch.inprocess.progress_watchdog import ProgressWatchdog, SharedProgress
+from relaunch.inprocess.state import State, Status
+from relaunch.inprocess.store import CoordinationStore
+
+__all__ = ["CallWrapper", "Wrapper"]
+
+log = logging.getLogger(__name__)
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+_POLL = 0.005
+"""Barrier polling period (seconds): a barrier completes within one period of the last arrival."""
+
+
+class Wrapper:
+    """Decorator: restart the wrapped function in-process on every healthy rank on a fault.
+
+    Takes the keyword parameters of :class:`~relaunch.inprocess.config.WrapperConfig`
+    (NVIDIA's names); a bad one raises :class:`relaunch.errors.ConfigError` naming it.
+    The decorated function returns the function's value once every active rank has
+    completed; spare ranks return None. A rank that is terminated raises
+    :class:`~relaunch.inprocess.RestartError` (a subclass says why).
+    """
+
+    def __init__(self, **kwargs: Any) -> None:
+        self.config = WrapperConfig(**kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "config":
+            raise AttributeError(name)
+        return getattr(self.config, name)
+
+    def __call__(self, fn: F) -> F:
+        if not self.config.enabled:
+            return fn
+
+        @functools.wraps(fn)
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            with CallWrapper(self) as call_wrapper:
+                return call_wrapper(fn, args, kwargs)
+
+        return wrapped  # type: ignore[return-value]
+
+
+class CallWrapper:
+    """The restart state and machinery of one call of a wrapped function.
+
+    Passed to the function's parameter annotated ``CallWrapper`` (or
+    ``CallWrapper | None``): read :attr:`iteration`, call :meth:`ping`, use :meth:`atomic`.
+    """
+
+    def __init__(self, wrapper: Wrapper) -> None:
+        import torch.distributed as dist
+
+        from relaunch.inprocess.exception import RestartError
+
+        if dist.is_available() and dist.is_initialized():
+            raise RestartError("torch.distributed is initialized: the wrapped function must do it")
+        cfg = wrapper.config
+        self.config = cfg
+        self.state = State.from_env()
+        self.shared = SharedProgress()
+        self._abort_lock = threading.Lock()
+        self._aborted = False
+        host_port: int | None = None
+        kwargs = cfg.store_kwargs or {}
+        if cfg.store_factory is None:
+            endpoint = resolve_store(kwargs, cfg.seconds("barrier_timeout"))
+            self._factory: Callable[[], Any] = tcp_client_factory(endpoint)
+            if endpoint.hosted_by_rank0 and self.state.initial_rank == 0:
+                host_port = endpoint.port
+        else:
+            factory = cfg.store_factory
+            self._factory = lambda: factory(**kwargs)
+        self.namespace = namespace()
+        self.monitor_process = MonitorProcess(
+            MonitorSettings(
+                initial_rank=self.state.initial_rank,
+                initial_world_size=self.state.initial_world_size,
+                namespace=self.namespace,
+                interval=cfg.seconds("monitor_process_interval"),
+                hard_timeout=cfg.seconds("hard_timeout"),
+                heartbeat_timeout=cfg.seconds("heartbeat_timeout"),
+                termination_grace_time=cfg.seconds("termination_grace_time"),
+                logfile=cfg.monitor_process_logfile,
+                host_port=host_port,
+            ),
+            self.shared,
+            self._factory,
+        )
+        self._hosting = host_port is not None
+        self.atomic_lock = threading.RLock()
+        self.control = MainThreadControl(self.atomic_lock)
+        self.watchdog = ProgressWatchdog(self.shared, cfg.seconds("progress_watchdog_interval"))
+        self._coord: CoordinationStore | None = None
+        self._thread_coord: CoordinationStore | None = None
+        self.monitor_process.start()  # fork first: the child inherits no connection, no thread
+        try:
+            self._coord = CoordinationStore(self._factory(), self.namespace)
+            self._thread_coord = CoordinationStore(self._factory(), self.namespace)
+            self.watchdog.start()
+        except BaseException:
+            self._close()
+            raise
+        self._rdzv = EnvRendezvousPatch(
+            self._factory, lambda: self.coord.pg_prefix(self.state.iteration)
+        )
+
+    @property
+    def coord(self) -> CoordinationStore:
+        assert self._coord is not None
+        return self._coord
+
+    # public API of the wrapped function ---------------------------------------------
+    @property
+    def iteration(self) -> int:
+        """Index of the current restart iteration (0 for the first call)."""
+        return self.state.iteration
+
+    def ping(self) -> None:
+        """Report progress; after the first ping, a rank that stops pinging times out."""
+        self.watchdog.ping()
+
+    @contextlib.contextmanager
+    def atomic(self) -> Iterator[None]:
+        """A section the restart never interrupts midway (and does not enter once begun)."""
+        with self.atomic_lock:
+            yield
+
+    # context manager -------------------------------------------------------------------
+    def __enter__(self) -> CallWrapper:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._close()
+
+    def _close(self) -> None:
+        log.debug("rank %s: closing", self.state.initial_rank)
+        self.watchdog.shutdown()
+        log.debug("rank %s: watchdog stopped", self.state.initial_rank)
+        grace = self.config.seconds("termination_grace_time")
+        self.monitor_process.shutdown(float("inf") if self._hosting else grace + 5.0)
+        self._coord = None
+        self._thread_coord = None
+        gc.collect()  # drops the store connections
+        self.shared.close()
+        log.debug("rank %s: closed", self.state.initial_rank)
+
+    # the restart loop ---------------------------------------------------------------
+    def __call__(
+        self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        name = call_wrapper_parameter(fn, CallWrapper)
+        if name is not None and name not in kwargs:
+            kwargs = {**kwargs, name: self}
+        me = self.state.initial_rank
+        world = set(range(self.state.initial_world_size))
+        self.control.install()
+        self._rdzv.install()
+        ret: Any = None
+        try:
+            dead = self.coord.initial_barrier(
+                me, world, self.config.seconds("barrier_timeout"), _POLL
+            )
+            roster = self._assign({r: self._initial_state(r) for r in world}, dead, advance=False)
+            while True:
+                state = roster.get(me)
+                if state is None or state.status is Status.TERMINATED:
+                    raise RestartAbort(f"rank {me} was terminated")
+                self.state = state
+                state.set_distributed_vars()
+                self.shared.iteration = state.iteration
+                done, value = self._iteration(fn, args, kwargs, roster)
+                if done:
+                    ret = value
+                    break
+                terminated = self._restart(value, set(roster))
+                roster = self._assign(roster, terminated, advance=True)
+        except BaseException as exc:
+            kind = (
+                Interruption.TERMINATED
+                if isinstance(exc, Exception)
+                else Interruption.BASE_EXCEPTION
+            )
+            log.error("rank %s leaves the job: %r", me, exc)
+            with contextlib.suppress(Exception):
+                self.coord.record_dead(self.state.iteration, me, kind, repr(exc))
+            raise
+        finally:
+            self._rdzv.uninstall()
+            self.control.uninstall()
+            with contextlib.suppress(Exception):
+                self.coord.record_exited(me)
+        return ret
+
+    def _initial_state(self, rank: int) -> State:
+        size = self.state.initial_world_size
+        return State(rank=rank, world_size=size, initial_rank=rank, initial_world_size=size)
+
+    def _assign(
+        self, roster: dict[int, State], terminated: set[int], *, advance: bool
+    ) -> dict[int, State]:
+        """Every rank computes every rank's next state: assignment and filter are pure."""
+        from relaunch.inprocess.exception import RestartError
+
+        current = {roster[r].rank for r in terminated if r in roster}
+        out: dict[int, State] = {}
+        for initial, state in sorted(roster.items()):
+            new, left = self.config.rank_assignment(state, current)
+            if left:
+                raise RestartError(f"rank assignment left terminated ranks {sorted(left)}")
+            if new.status is Status.TERMINATED:
+                continue
+            new = run_callbacks(self.config.rank_filter, new.activate_all_ranks())
+            out[initial] = new.advance() if advance else new
+        if not any(s.status is Status.ACTIVE for s in out.values()):
+            raise RestartAbort(f"no active rank left (terminated: {sorted(terminated)})")
+        return out
+
+    def _iteration(
+        self,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        roster: dict[int, State],
+    ) -> tuple[bool, Any]:
+        """Run one iteration; return (True, value) when the job completed, else (False, cause)."""
+        cfg, state, coord = self.config, self.state, self.coord
+        me, it = state.initial_rank, state.iteration
+        members = set(roster)
+        active = {r for r, s in roster.items() if s.status is Status.ACTIVE}
+        with self._abort_lock:
+            self._aborted = False
+        if not coord.iteration_barrier(it, me, members, cfg.seconds("barrier_timeout"), _POLL):
+            return False, None
+        log.debug("rank %s: iteration %s barrier passed", me, it)
+        if state.status is not Status.ACTIVE:
+            log.debug("rank %s is a spare at iteration %s", me, it)
+            return coord.completion(it, None, active, None, _POLL), None
+        _sockets.mark_baseline()
+        self.shared.reset()
+        self.shared.armed = 1
+        assert self._thread_coord is not None
+        monitor = MonitorThread(
+            coord=self._thread_coord,
+            iteration=it,
+            initial_rank=me,
+            members=members,
+            interval=cfg.seconds("monitor_thread_interval"),
+            soft_timeout=cfg.seconds("soft_timeout"),
+            shared=self.shared,
+            control=self.control,
+            abort=self._abort_once,
+        )
+        monitor.start()
+        try:
+            kind, value = self._call(fn, args, kwargs)
+        finally:
+            self.shared.armed = 0
+            monitor.shutdown(cfg.seconds("barrier_timeout"))
+        if kind == "exception":
+            log.warning("rank %s: iteration %s raised %r", me, it, value)
+            if not monitor.triggered.is_set():
+                record = InterruptionRecord(
+                    initial_rank=me, interruption=Interruption.EXCEPTION, message=repr(value)
+                )
+                coord.record_interrupted(it, record)
+            return False, value
+        if kind == "restart":
+            return False, value
+        completion = cfg.seconds("completion_timeout")
+        return coord.completion(it, me, active, completion, _POLL), value
+
+    def _call(
+        self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[str, Any]:
+        outcome: tuple[str, Any] | None = None
+        try:
+            try:
+                self.control.enter()
+                self.state = run_callbacks(self.config.initialize, self.state)
+                outcome = ("ok", fn(*args, **kwargs))
+            except Exception as exc:
+                outcome = ("exception", exc)
+            finally:
+                self.control.leave()
+        except RankShouldRestart as restart:
+            self.control.leave()
+            cause = outcome[1] if outcome is not None else restart.__context__
+            return "restart", cause
+        assert outcome is not None
+        return outcome
+
+    def _abort_once(self) -> None:
+        with self._abort_lock:
+            if self._aborted:
+                return
+            self._aborted = True
+        try:
+            self.state = run_callbacks(self.config.abort, self.state)
+        except Exception:
+            log.exception("rank %s: abort failed", self.state.initial_rank)
+
+    def _restart(self, cause: Any, members: set[int]) -> set[int]:
+        """The restart procedure; returns the frozen set of terminated initial ranks."""
+        cfg, me, it = self.config, self.state.initial_rank, self.state.iteration
+        train_ex = cause if isinstance(cause, BaseException) else None
+        self._abort_once()
+        log.debug("rank %s: aborted", me)
+        gc.collect(1)  # the young generations: cheap (a full collection takes ~0.3 s)
+        try:
+            self.state = run_callbacks(cfg.finalize, self.state, train_ex)
+            self.state = run_callbacks(cfg.health_check, self.state, train_ex)
+        except Exception as exc:
+            log.error("rank %s: health check or finalize failed: %r", me, exc)
+            self.coord.record_dead(it, me, Interruption.TERMINATED, f"unhealthy: {exc!r}")
+            raise HealthCheckError(f"rank {me}: {exc!r}") from exc
+        self.shared.iteration = it + 1  # a death from now on interrupts the next iteration
+        terminated = self.coord.termination_barrier(
+            it,
+            me,
+            members,
+            cfg.seconds("barrier_timeout"),
+            _POLL,
+            cfg.seconds("last_call_wait"),
+        )
+        log.info("rank %s: iteration %s ends; terminated ranks %s", me, it, sorted(terminated))
+        if me in terminated:
+            raise RestartAbort(f"rank {me} was declared terminated")
+        return terminated
+
+
+def replace_state(state: State, **changes: Any) -> State:
+    """``dataclasses.replace`` for a :class:`State` (convenience for callbacks)."""
+    return dataclasses.replace(state, **changes)
