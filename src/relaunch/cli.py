@@ -269,9 +269,13 @@ def _module_exists(name: str) -> bool:
     parts = name.split(".")
     if parts[0] in sys.builtin_module_names:
         return len(parts) == 1
+    # The worker's sys.path starts with its working directory; other finders (frozen,
+    # editable installs) only look up the top-level name, which runs no code of it.
     spec = PathFinder.find_spec(parts[0], [os.getcwd(), *sys.path])
-    if spec is None and len(parts) == 1:
-        return importlib.util.find_spec(parts[0]) is not None  # frozen modules
+    try:
+        spec = spec or importlib.util.find_spec(parts[0])
+    except (ImportError, ValueError):  # e.g. a module in sys.modules without a spec
+        return False
     for part in parts[1:]:
         if spec is None or spec.submodule_search_locations is None:
             return False
