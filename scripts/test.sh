@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Installs what the tests need, checks lint, format and types, and runs every test.
+# Extra arguments go to pytest (e.g. `bash scripts/test.sh -k agent`).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+python -m pip install --quiet --disable-pip-version-check torch==2.13.0
+python -m pip install --quiet --disable-pip-version-check -e '.[test]'
+
+ruff check src tests bench examples
+ruff format --check src tests bench examples
+mypy src
+
+# torch's TCPStore does a reverse DNS lookup per connection, which can stall for
+# seconds: run the tests in a loopback-only network namespace where permitted.
+if command -v unshare >/dev/null && command -v ip >/dev/null && unshare -n true 2>/dev/null; then
+  exec unshare -n sh -c 'ip link set lo up && exec python -m pytest "$@"' sh "$@"
+fi
+echo "note: cannot create a network namespace; tests use the host's loopback" >&2
+exec python -m pytest "$@"

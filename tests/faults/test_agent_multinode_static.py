@@ -1,0 +1,72 @@
+"""Two nodes (static rendezvous) of two gloo workers each: a worker crash on one node
+restarts both nodes' groups, and the new attempt does not trip over the old one's store
+state (torchrun 2.13 fails this: pytorch issue 135712)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+PY = sys.executable
+
+TRAIN = """
+import os, sys, time
+import torch, torch.distributed as dist
+rank = int(os.environ["RANK"]); attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+dist.init_process_group("gloo")
+t = torch.ones(1) * (rank + 1)
+for step in range(20):
+    dist.all_reduce(t.fill_(rank + 1))
+    assert t.item() == 10, t
+    if attempt == 0 and rank == 3 and step == 3:
+        os._exit(13)   # a crash in the middle of training
+    time.sleep(0.02)
+with open(os.path.join(sys.argv[1], f"done_{rank}"), "w") as f:
+    f.write(str(attempt))
+dist.destroy_process_group()
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.timeout(150)
+def test_crash_on_one_node_restarts_both_with_clean_state(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(TRAIN))
+    port = free_port()
+    common = [
+        "--nnodes=2", "--nproc-per-node=2", "--rdzv-backend=static", "--master-addr=127.0.0.1",
+        f"--master-port={port}", "--max-restarts=2", "--local-addr=127.0.0.1", "--rdzv-id=job1",
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    nodes = [
+        subprocess.Popen(
+            [PY, "-m", "relaunch", *common, f"--node-rank={rank}", str(script), str(tmp_path)],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+        )
+        for rank in (0, 1)
+    ]
+    outputs = []
+    try:
+        for node in nodes:
+            out, _ = node.communicate(timeout=140)
+            outputs.append(out)
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                node.kill()
+                node.wait()
+    for node, out in zip(nodes, outputs):
+        assert node.returncode == 0, out[-3000:]
+    done = {p.name: p.read_text() for p in tmp_path.glob("done_*")}
+    assert done == {"done_0": "1", "done_1": "1", "done_2": "1", "done_3": "1"}
