@@ -60,6 +60,7 @@ class LocalAgent:
         self._standbys: dict[int, Standby] = {}
         self._envs: dict[int, dict[str, str]] = {}
         self._error_files: dict[int, str] = {}
+        self._result_files: dict[int, str] = {}
         self._started_at = 0.0
         self._worker_store: TCPStoreServer | None = None
         self._info: RendezvousInfo | None = None
@@ -148,7 +149,7 @@ class LocalAgent:
             if state == WorkerState.SUCCEEDED:
                 self._emit("workers_succeeded", attempt=self._attempt)
                 self._exit_barrier()
-                return RunResult(state=state)
+                return RunResult(state=state, return_values=self._return_values())
             if state == WorkerState.FAILED:
                 self._emit(
                     "workers_failed",
@@ -322,11 +323,16 @@ class LocalAgent:
             self._envs[lr] = env
             self._error_files[lr] = error_file
             stdout, stderr, tee = self._streams(lr, attempt_dir)
+            args = substitute_local_rank(spec.args, lr)
+            is_function = spec.entrypoint.kind == "function"
+            self._result_files[lr] = os.path.join(attempt_dir, "result.json")
             specs.append(
                 ProcessSpec(
                     local_rank=lr,
                     env=env,
-                    args=substitute_local_rank(spec.args, lr),
+                    args=() if is_function else tuple(str(a) for a in args),
+                    call_args=args if is_function else (),
+                    result_file=self._result_files[lr] if is_function else None,
                     stdout=stdout,
                     stderr=stderr,
                     tee=tee,
@@ -406,6 +412,23 @@ class LocalAgent:
                 info.store.wait([_EXIT_DONE_KEY], timeout=self._spec.exit_barrier_timeout)
         except StoreError as exc:
             log.warning("exit barrier: %s (other nodes may still be running)", exc)
+
+    def _return_values(self) -> dict[int, object]:
+        """Return values of a function entrypoint, by global rank (None if unreadable)."""
+        if self._spec.entrypoint.kind != "function":
+            return {}
+        values: dict[int, object] = {}
+        for worker in self._group.workers:
+            value: object = None
+            try:
+                with open(self._result_files[worker.local_rank]) as f:
+                    data = json.load(f)
+                if isinstance(data, dict) and data.get("version") == 1:
+                    value = data.get("value")
+            except (OSError, ValueError) as exc:
+                log.warning("local rank %s: no readable return value: %s", worker.local_rank, exc)
+            values[worker.global_rank] = value
+        return values
 
     def _on_timer_expiry(self, expiry: TimerExpiry) -> None:
         self._emit("watchdog_expired", pid=expiry.pid, scope=expiry.scope_id, signal=expiry.signal)

@@ -9,9 +9,11 @@ __all__ = ["substitute_local_rank", "worker_env"]
 LOCAL_RANK_MACRO = "${local_rank}"
 
 
-def substitute_local_rank(args: tuple[str, ...], local_rank: int) -> tuple[str, ...]:
-    """Replace ``${local_rank}`` in every argument, like torchelastic's ``macros.substitute``."""
-    return tuple(a.replace(LOCAL_RANK_MACRO, str(local_rank)) for a in args)
+def substitute_local_rank(args: tuple[object, ...], local_rank: int) -> tuple[object, ...]:
+    """Replace ``${local_rank}`` in every string argument, like torchelastic's macros."""
+    return tuple(
+        a.replace(LOCAL_RANK_MACRO, str(local_rank)) if isinstance(a, str) else a for a in args
+    )
 
 
 def worker_env(

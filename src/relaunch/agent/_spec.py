@@ -44,8 +44,9 @@ class WorkerSpec:
     local_world_size: int
     """Workers on this node (``--nproc-per-node``)."""
     entrypoint: Entrypoint
-    args: tuple[str, ...] = ()
-    """Arguments for every worker; ``${local_rank}`` is substituted."""
+    args: tuple[object, ...] = ()
+    """Arguments for every worker; ``${local_rank}`` is substituted in strings. For a
+    function entrypoint, the function's arguments (JSON data)."""
     rdzv_handler: RendezvousHandler
     max_restarts: int = 0
     """Restarts of the worker group allowed after a failure (for the whole job)."""

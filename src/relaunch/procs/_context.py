@@ -9,7 +9,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -28,12 +28,17 @@ __all__ = ["Entrypoint", "ProcessSpec", "WorkerProcesses"]
 
 log = logging.getLogger(__name__)
 
-EntryKind = Literal["script", "module", "binary"]
+EntryKind = Literal["script", "module", "binary", "function"]
 
 
 @dataclass(frozen=True, kw_only=True)
 class Entrypoint:
-    """What each worker runs: a Python script, a Python module (``-m``), or a binary."""
+    """What each worker runs: a Python script, a module (``-m``), a binary, or a function.
+
+    A function is named by ``module:qualname`` (or ``/path/script.py:qualname``)
+    and must be importable there, as for multiprocessing's spawn; build it with
+    :meth:`from_function`. Its arguments and return value travel as JSON.
+    """
 
     kind: EntryKind
     target: str
@@ -41,19 +46,39 @@ class Entrypoint:
     """Run the script with ``runpy`` inside an interpreter we start (torchrun ``--run-path``)."""
 
     def __post_init__(self) -> None:
-        if self.kind not in ("script", "module", "binary"):
+        if self.kind not in ("script", "module", "binary", "function"):
             raise ConfigError(
                 f"entrypoint kind: expected script, module or binary, got {self.kind!r}"
             )
         if not self.target:
             raise ConfigError("entrypoint: expected a script, module or program, got nothing")
 
+    @classmethod
+    def from_function(cls, fn: Callable[..., object]) -> Entrypoint:
+        """The entrypoint for a module-level function (not a lambda or a nested function)."""
+        qualname = getattr(fn, "__qualname__", "")
+        module = getattr(fn, "__module__", None)
+        if not qualname or "<" in qualname or module is None:
+            raise ConfigError(
+                f"entrypoint: expected a module-level function, got {fn!r} "
+                "(lambdas and nested functions cannot be started in another process)"
+            )
+        if module in ("__main__", "__mp_main__"):
+            main = sys.modules[module]
+            path = getattr(main, "__file__", None)
+            if not path:
+                raise ConfigError(f"entrypoint: {qualname} is defined in an interactive __main__")
+            module = os.path.abspath(path)
+        return cls(kind="function", target=f"{module}:{qualname}")
+
     def argv(self, args: Sequence[str]) -> list[str]:
         if self.kind == "script":
             return [sys.executable, "-u", self.target, *args]
         if self.kind == "module":
             return [sys.executable, "-u", "-m", self.target, *args]
-        return [self.target, *args]
+        if self.kind == "binary":
+            return [self.target, *args]
+        raise WorkerError("a function entrypoint runs in the warm runner, not from a command line")
 
     @property
     def is_python(self) -> bool:
@@ -67,8 +92,12 @@ class ProcessSpec:
     local_rank: int
     env: Mapping[str, str]
     """The worker's complete environment."""
-    args: tuple[str, ...]
+    args: tuple[str, ...] = ()
     """Arguments after the script/module/binary, with ``${local_rank}`` substituted."""
+    call_args: tuple[object, ...] = ()
+    """Arguments of a function entrypoint (JSON data)."""
+    result_file: str | None = None
+    """Where a function entrypoint's return value is written (JSON)."""
     stdout: str | None = None
     """File to write stdout to (appended); ``None`` for the agent's console."""
     stderr: str | None = None
@@ -103,7 +132,7 @@ class WorkerProcesses:
         self._entry = entry
         self._specs = list(specs)
         self._standbys = dict(standbys or {})
-        self._via_runner = via_runner or entry.run_path
+        self._via_runner = via_runner or entry.run_path or entry.kind == "function"
         self._report_modules = dict(report_modules or {})
         self._procs: dict[int, subprocess.Popen[bytes]] = {}
         self._exitcodes: dict[int, int] = {}
@@ -135,6 +164,8 @@ class WorkerProcesses:
                 stdout=spec.stdout,
                 stderr=spec.stderr,
                 report_modules=self._report_modules.get(spec.local_rank),
+                call_args=spec.call_args,
+                result_file=spec.result_file,
             )
             if proc is not None:
                 log.debug(

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 
+from relaunch.errors import WorkerError
 from relaunch.procs._sys import set_parent_death_signal
 
 __all__ = ["Standby"]
@@ -71,10 +72,12 @@ class Standby:
         stdout: str | None,
         stderr: str | None,
         report_modules: str | None = None,
+        call_args: Sequence[object] = (),
+        result_file: str | None = None,
     ) -> subprocess.Popen[bytes] | None:
         """Turn the standby into a worker; ``None`` if it cannot (the caller spawns afresh)."""
         proc = self._proc
-        if proc is None or proc.poll() is not None or kind not in ("script", "module"):
+        if proc is None or proc.poll() is not None or kind not in ("script", "module", "function"):
             self.discard()
             return None
         request = {
@@ -88,8 +91,14 @@ class Standby:
             "stdout": stdout,
             "stderr": stderr,
             "report_modules": report_modules,
+            "call_args": list(call_args),
+            "result_file": result_file,
         }
-        data = json.dumps(request).encode()
+        try:
+            data = json.dumps(request).encode()
+        except (TypeError, ValueError) as exc:
+            self.discard()
+            raise WorkerError(f"function arguments must be JSON data: {exc}") from exc
         if len(data) > _MAX_REQUEST:
             log.info("standby request too large (%d bytes); starting a fresh worker", len(data))
             self.discard()

@@ -111,7 +111,7 @@ def _become_worker(request: dict[str, object]) -> None:
         isinstance(cwd, str)
         and isinstance(env_set, dict)
         and isinstance(env_unset, list)
-        and kind in ("script", "module")
+        and kind in ("script", "module", "function")
         and isinstance(target, str)
         and isinstance(args, list)
     ):
@@ -133,10 +133,40 @@ def _become_worker(request: dict[str, object]) -> None:
         sys.argv = [target, *argv]
         sys.path.insert(0, os.path.dirname(os.path.realpath(target)))
         runpy.run_path(target, run_name="__main__")
-    else:
+    elif kind == "module":
         sys.argv = [target, *argv]
         sys.path.insert(0, os.getcwd())
         runpy.run_module(target, run_name="__main__", alter_sys=True)
+    else:
+        _call_function(target, request)
+
+
+def _call_function(target: str, request: dict[str, object]) -> None:
+    """``module:qualname`` or ``/path/script.py:qualname``; JSON args in, JSON result out."""
+    where, _, qualname = target.rpartition(":")
+    sys.path.insert(0, os.getcwd())
+    if where.endswith(".py"):
+        sys.path.insert(0, os.path.dirname(os.path.realpath(where)))
+        namespace = runpy.run_path(where, run_name="__mp_main__")
+        obj: object = namespace[qualname.split(".")[0]]
+        for part in qualname.split(".")[1:]:
+            obj = getattr(obj, part)
+    else:
+        obj = importlib.import_module(where)
+        for part in qualname.split("."):
+            obj = getattr(obj, part)
+    call_args = request.get("call_args", [])
+    if not callable(obj) or not isinstance(call_args, list):
+        raise SystemExit(f"relaunch: {target!r} is not a function taking a JSON list")
+    value = obj(*call_args)
+    result_file = request.get("result_file")
+    if isinstance(result_file, str):
+        try:
+            data = json.dumps({"version": 1, "value": value})
+        except (TypeError, ValueError):
+            data = json.dumps({"version": 1, "unserializable": repr(value)[:2000]})
+        with open(result_file, "w") as f:
+            f.write(data)
 
 
 def main() -> None:
