@@ -132,3 +132,20 @@ def test_report_single_failure_and_pickle(tmp_path: Path) -> None:
 def test_report_needs_failures() -> None:
     with pytest.raises(ConfigError):
         ChildFailedError("job", {})
+
+
+def test_report_json_round_trip(tmp_path: Path) -> None:
+    path = _error_file(tmp_path, "r0", ValueError("v"), 10.0)
+    error = ChildFailedError(
+        "job", {0: ProcessFailure(0, 1, 1, path), 8: ProcessFailure(0, 2, -6, "<N/A>")}
+    )
+    back = ChildFailedError.from_json(json.loads(json.dumps(error.to_json())))
+    assert back.failures == error.failures and back.name == "job"
+    assert str(back) == str(error)
+    for bad in (
+        {},
+        {"version": 1, "name": "x", "failures": {}},
+        {"version": 1, "name": "x", "failures": {"zero": error.failures[0].to_json()}},
+    ):
+        with pytest.raises(FailureFormatError):
+            ChildFailedError.from_json(bad)

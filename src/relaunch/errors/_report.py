@@ -6,11 +6,13 @@ from collections.abc import Mapping
 from typing import Any
 
 from relaunch.errors._exceptions import ConfigError, WorkerError
-from relaunch.errors._failure import ProcessFailure
+from relaunch.errors._failure import FailureFormatError, ProcessFailure
 
 __all__ = ["ChildFailedError"]
 
 _MAX_WIDTH = 60
+#: Version of the JSON produced by :meth:`ChildFailedError.to_json`.
+REPORT_JSON_VERSION = 1
 
 
 class ChildFailedError(WorkerError):
@@ -35,6 +37,38 @@ class ChildFailedError(WorkerError):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (self.name, self.failures))
+
+    def to_json(self) -> dict[str, Any]:
+        """A versioned JSON-serializable dict (for publishing the report to other nodes)."""
+        return {
+            "version": REPORT_JSON_VERSION,
+            "name": self.name,
+            "failures": {str(rank): f.to_json() for rank, f in self.failures.items()},
+        }
+
+    @classmethod
+    def from_json(cls, data: Any) -> ChildFailedError:
+        """Rebuild a report from :meth:`to_json` output.
+
+        Raises:
+            FailureFormatError: ``data`` is malformed or of an unknown version.
+        """
+        if not isinstance(data, dict) or data.get("version") != REPORT_JSON_VERSION:
+            raise FailureFormatError(
+                f"failure report must be an object with version {REPORT_JSON_VERSION}"
+            )
+        name, failures = data.get("name"), data.get("failures")
+        if not isinstance(name, str) or not isinstance(failures, dict) or not failures:
+            raise FailureFormatError(
+                "failure report needs a string 'name' and a non-empty 'failures' object"
+            )
+        parsed: dict[int, ProcessFailure] = {}
+        for rank, failure in failures.items():
+            try:
+                parsed[int(rank)] = ProcessFailure.from_json(failure)
+            except ValueError as exc:  # FailureFormatError is a ValueError too
+                raise FailureFormatError(f"failure report, rank {rank!r}: {exc}") from exc
+        return cls(name, parsed)
 
     def get_first_failure(self) -> tuple[int, ProcessFailure]:
         """Return ``(global_rank, failure)`` of the root cause (the earliest failure)."""
