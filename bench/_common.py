@@ -23,7 +23,16 @@ def in_loopback_netns() -> None:
         print("note: cannot create a network namespace; running on the host network")
         return
     env = {**os.environ, "RELAUNCH_BENCH_NETNS": "done"}
-    cmd = ["unshare", "-n", "sh", "-c", 'ip link set lo up && exec "$@"', "sh", sys.executable, *sys.argv]
+    cmd = [
+        "unshare",
+        "-n",
+        "sh",
+        "-c",
+        'ip link set lo up && exec "$@"',
+        "sh",
+        sys.executable,
+        *sys.argv,
+    ]
     raise SystemExit(subprocess.call(cmd, env=env))
 
 

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import fmt, in_loopback_netns, median  # noqa: E402
+from _common import fmt, in_loopback_netns, median
 
 PY = sys.executable
 LAUNCHERS = {
@@ -58,7 +58,11 @@ def launch_overhead(name: str, noop: str, runs: int) -> list[float]:
     times = []
     for _ in range(runs):
         t0 = time.perf_counter()
-        subprocess.run([*LAUNCHERS[name], "--standalone", "--nproc-per-node=2", noop], check=True, capture_output=True)
+        subprocess.run(
+            [*LAUNCHERS[name], "--standalone", "--nproc-per-node=2", noop],
+            check=True,
+            capture_output=True,
+        )
         times.append(time.perf_counter() - t0)
     return times
 
@@ -78,7 +82,11 @@ def _read_steps(out: Path, world: int) -> dict[int, list[tuple[str, int, float]]
 
 
 def _pid_of(out: Path, rank: int) -> int:
-    lines = [line.split() for line in (out / f"steps_{rank}.log").read_text().splitlines() if line.startswith("pid")]
+    lines = [
+        line.split()
+        for line in (out / f"steps_{rank}.log").read_text().splitlines()
+        if line.startswith("pid")
+    ]
     return int(lines[-1][1])
 
 
@@ -88,8 +96,18 @@ def recovery(name: str, script: str, settle: float) -> float:
         out = Path(tmp)
         env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1"}
         proc = subprocess.Popen(
-            [*LAUNCHERS[name], "--standalone", f"--nproc-per-node={world}", "--max-restarts=3", script, str(out)],
-            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+            [
+                *LAUNCHERS[name],
+                "--standalone",
+                f"--nproc-per-node={world}",
+                "--max-restarts=3",
+                script,
+                str(out),
+            ],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
         )
         try:
             deadline = time.monotonic() + 120
@@ -127,7 +145,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--runs-launch", type=int, default=5)
     parser.add_argument("--runs-recovery", type=int, default=3)
-    parser.add_argument("--settle", type=float, default=6.0, help="seconds of training before the kill")
+    parser.add_argument(
+        "--settle", type=float, default=6.0, help="seconds of training before the kill"
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="relaunch_bench_") as tmp:
         noop = os.path.join(tmp, "noop.py")
@@ -139,7 +159,9 @@ def main() -> None:
         for name in LAUNCHERS:
             launch[name] = launch_overhead(name, noop, args.runs_launch)
             print(f"    {name:9s} {fmt(launch[name])}")
-        print(f"    ratio relaunch/torchrun: {median(launch['relaunch']) / median(launch['torchrun']):.2f}x (target <= 0.7x)")
+        print(
+            f"    ratio relaunch/torchrun: {median(launch['relaunch']) / median(launch['torchrun']):.2f}x (target <= 0.7x)"
+        )
         print("(b) SIGKILL of 1 of 4 workers -> every rank trained a step again")
         rec: dict[str, list[float]] = {name: [] for name in LAUNCHERS}
         for _ in range(args.runs_recovery):
@@ -147,7 +169,9 @@ def main() -> None:
                 rec[name].append(recovery(name, train, args.settle))
         for name in LAUNCHERS:
             print(f"    {name:9s} {fmt(rec[name])}")
-        print(f"    speed-up torchrun/relaunch: {median(rec['torchrun']) / median(rec['relaunch']):.2f}x (target >= 4x)")
+        print(
+            f"    speed-up torchrun/relaunch: {median(rec['torchrun']) / median(rec['relaunch']):.2f}x (target >= 4x)"
+        )
 
 
 if __name__ == "__main__":

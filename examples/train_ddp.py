@@ -29,7 +29,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--fail-at-step", type=int, default=-1, help="-1: never fail")
     parser.add_argument("--fail-rank", type=int, default=1)
     parser.add_argument("--checkpoint-every", type=int, default=5)
-    parser.add_argument("--checkpoint", default="", help="checkpoint file (default: a temp file per run)")
+    parser.add_argument(
+        "--checkpoint", default="", help="checkpoint file (default: a temp file per run)"
+    )
     parser.add_argument("--step-time", type=float, default=0.05, help="extra seconds per step")
     return parser.parse_args()
 
@@ -78,10 +80,16 @@ def main() -> None:
             )
             os.replace(tmp, path)
         if rank == 0 and step % 5 == 0:
-            print(f"[attempt {attempt}] step {step:3d} loss {loss.item():.4f} (world {world})", flush=True)
+            print(
+                f"[attempt {attempt}] step {step:3d} loss {loss.item():.4f} (world {world})",
+                flush=True,
+            )
     dist.barrier()
     if rank == 0:
-        print(f"[attempt {attempt}] done: {args.steps} steps, final loss {loss.item():.4f}", flush=True)
+        print(
+            f"[attempt {attempt}] done: {args.steps} steps, final loss {loss.item():.4f}",
+            flush=True,
+        )
         if os.path.exists(path) and not args.checkpoint:
             os.remove(path)
     dist.destroy_process_group()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -41,10 +42,8 @@ def no_leftovers(request: pytest.FixtureRequest) -> Iterator[None]:
             break
         time.sleep(0.1)
     for pid in left:  # do not let one leak poison the next tests
-        try:
+        with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGKILL)
-        except OSError:
-            pass
     threads: list[threading.Thread] = []
     deadline = time.monotonic() + 5.0
     while time.monotonic() < deadline:

@@ -58,7 +58,11 @@ def test_sigterm_to_agent_leaves_no_process_behind(tmp_path: Path) -> None:
         time.sleep(600)
         """,
     )
-    agent = subprocess.Popen([PY, "-m", "relaunch", "--standalone", "--nproc-per-node=2", s, str(tmp_path)], stderr=subprocess.PIPE, text=True)
+    agent = subprocess.Popen(
+        [PY, "-m", "relaunch", "--standalone", "--nproc-per-node=2", s, str(tmp_path)],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     files = [tmp_path / "pids_0", tmp_path / "pids_1"]
     wait_for(lambda: all(f.exists() and f.read_text().count(" ") == 2 for f in files))
     pids = [int(p) for f in files for p in f.read_text().split()]
@@ -86,7 +90,9 @@ def test_worker_ignoring_sigterm_is_killed_after_grace(tmp_path: Path) -> None:
         """,
     )
     config = parse_args(["--standalone", "--nproc-per-node=2", s, str(tmp_path)])
-    spec = replace(build_spec(config, create_rendezvous_handler(config), dict(os.environ)), stop_grace=0.5)
+    spec = replace(
+        build_spec(config, create_rendezvous_handler(config), dict(os.environ)), stop_grace=0.5
+    )
     result = LocalAgent(spec).run()
     assert result.state == WorkerState.FAILED
     assert [f.exitcode for f in result.failures.values()] == [3]
@@ -107,7 +113,9 @@ def test_watchdog_kills_an_overdue_worker(tmp_path: Path) -> None:
     logs = tmp_path / "logs"
     r = subprocess.run(
         [PY, "-m", "relaunch", "--standalone", "--nproc-per-node=1", "--log-dir", str(logs), s],
-        capture_output=True, text=True, timeout=45,
+        capture_output=True,
+        text=True,
+        timeout=45,
         env={**os.environ, "TORCHELASTIC_ENABLE_FILE_TIMER": "1"},
     )
     assert r.returncode == 1
@@ -140,8 +148,22 @@ def test_warm_standby_runs_the_script_like_a_fresh_interpreter(tmp_path: Path) -
     )
     logs = tmp_path / "logs"
     r = subprocess.run(
-        [PY, "-m", "relaunch", "--standalone", "--nproc-per-node=2", "--max-restarts=1", "--log-dir", str(logs), s, str(tmp_path), "x y"],
-        capture_output=True, text=True, timeout=80,
+        [
+            PY,
+            "-m",
+            "relaunch",
+            "--standalone",
+            "--nproc-per-node=2",
+            "--max-restarts=1",
+            "--log-dir",
+            str(logs),
+            s,
+            str(tmp_path),
+            "x y",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=80,
     )
     assert r.returncode == 0, r.stderr
     ev = [json.loads(x) for x in next(logs.glob("*/events.jsonl")).read_text().splitlines()]

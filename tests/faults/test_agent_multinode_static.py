@@ -45,14 +45,23 @@ def test_crash_on_one_node_restarts_both_with_clean_state(tmp_path: Path) -> Non
     script.write_text(textwrap.dedent(TRAIN))
     port = free_port()
     common = [
-        "--nnodes=2", "--nproc-per-node=2", "--rdzv-backend=static", "--master-addr=127.0.0.1",
-        f"--master-port={port}", "--max-restarts=2", "--local-addr=127.0.0.1", "--rdzv-id=job1",
+        "--nnodes=2",
+        "--nproc-per-node=2",
+        "--rdzv-backend=static",
+        "--master-addr=127.0.0.1",
+        f"--master-port={port}",
+        "--max-restarts=2",
+        "--local-addr=127.0.0.1",
+        "--rdzv-id=job1",
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     nodes = [
         subprocess.Popen(
             [PY, "-m", "relaunch", *common, f"--node-rank={rank}", str(script), str(tmp_path)],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
         )
         for rank in (0, 1)
     ]
@@ -66,7 +75,7 @@ def test_crash_on_one_node_restarts_both_with_clean_state(tmp_path: Path) -> Non
             if node.poll() is None:
                 node.kill()
                 node.wait()
-    for node, out in zip(nodes, outputs):
+    for node, out in zip(nodes, outputs, strict=False):
         assert node.returncode == 0, out[-3000:]
     done = {p.name: p.read_text() for p in tmp_path.glob("done_*")}
     assert done == {"done_0": "1", "done_1": "1", "done_2": "1", "done_3": "1"}

@@ -36,7 +36,9 @@ TORCHRUN_KEYS = (
 PER_RUN = {"MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE"}
 
 
-def relaunch(*args: str, timeout: float = 90, env: dict[str, str] | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+def relaunch(
+    *args: str, timeout: float = 90, env: dict[str, str] | None = None, cwd: Path | None = None
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [PY, "-m", "relaunch", *args],
         capture_output=True,
@@ -76,13 +78,37 @@ def test_worker_environment_matches_torchrun(tmp_path: Path) -> None:
     theirs.mkdir()
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     r = subprocess.run(
-        [PY, "-m", "relaunch", "--standalone", "--nproc-per-node=2", "--max-restarts=2", dump, str(ours)],
-        capture_output=True, text=True, timeout=60, env=env,
+        [
+            PY,
+            "-m",
+            "relaunch",
+            "--standalone",
+            "--nproc-per-node=2",
+            "--max-restarts=2",
+            dump,
+            str(ours),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
     )
     assert r.returncode == 0, r.stderr
     t = subprocess.run(
-        [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=2", dump, str(theirs)],
-        capture_output=True, text=True, timeout=90, env=env,
+        [
+            PY,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            "--max-restarts=2",
+            dump,
+            str(theirs),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=90,
+        env=env,
     )
     assert t.returncode == 0, t.stderr
     for rank in (0, 1):
@@ -111,7 +137,9 @@ def test_failed_worker_is_restarted_and_job_succeeds(tmp_path: Path) -> None:
         """,
     )
     logs = tmp_path / "logs"
-    r = relaunch("--standalone", "--nproc-per-node=2", "--max-restarts=1", "--log-dir", str(logs), s)
+    r = relaunch(
+        "--standalone", "--nproc-per-node=2", "--max-restarts=1", "--log-dir", str(logs), s
+    )
     assert r.returncode == 0, r.stderr
     names = [e["name"] for e in events(logs)]
     assert names.count("workers_started") == 2
@@ -181,15 +209,23 @@ def test_tee_prefixes_lines_and_filter_hides_ranks(tmp_path: Path) -> None:
     )
     logs = tmp_path / "logs"
     r = relaunch(
-        "--standalone", "--nproc-per-node=3", "--tee=3", "--local-ranks-filter=0,2",
-        "--log-dir", str(logs), s,
+        "--standalone",
+        "--nproc-per-node=3",
+        "--tee=3",
+        "--local-ranks-filter=0,2",
+        "--log-dir",
+        str(logs),
+        s,
     )
     assert r.returncode == 0, r.stderr
     assert "[default0]:hello from 0" in r.stdout
     assert "[default2]:hello from 2" in r.stdout
     assert "hello from 1" not in r.stdout
     assert "[default0]:err from 0" in r.stderr
-    files = sorted(p.relative_to(logs).as_posix().split("/", 1)[1] for p in logs.glob("*/attempt_0/*/stdout.log"))
+    files = sorted(
+        p.relative_to(logs).as_posix().split("/", 1)[1]
+        for p in logs.glob("*/attempt_0/*/stdout.log")
+    )
     assert files == ["attempt_0/0/stdout.log", "attempt_0/1/stdout.log", "attempt_0/2/stdout.log"]
     assert "hello from 1" in next(logs.glob("*/attempt_0/1/stdout.log")).read_text()
 
@@ -197,11 +233,29 @@ def test_tee_prefixes_lines_and_filter_hides_ranks(tmp_path: Path) -> None:
 @pytest.mark.timeout(90)
 def test_module_binary_and_local_rank_macro(tmp_path: Path) -> None:
     pkg = tmp_path / "mymod.py"
-    pkg.write_text("import os, sys\nopen(sys.argv[1] + os.environ['LOCAL_RANK'], 'w').write(repr(sys.argv))\n")
+    pkg.write_text(
+        "import os, sys\nopen(sys.argv[1] + os.environ['LOCAL_RANK'], 'w').write(repr(sys.argv))\n"
+    )
     out = tmp_path / "m_"
-    r = relaunch("--standalone", "--nproc-per-node=2", "-m", "mymod", str(out), env={"PYTHONPATH": str(tmp_path)}, cwd=tmp_path)
+    r = relaunch(
+        "--standalone",
+        "--nproc-per-node=2",
+        "-m",
+        "mymod",
+        str(out),
+        env={"PYTHONPATH": str(tmp_path)},
+        cwd=tmp_path,
+    )
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "m_0").exists() and (tmp_path / "m_1").exists()
-    r = relaunch("--standalone", "--nproc-per-node=2", "--no-python", "sh", "-c", f"touch {tmp_path}/b_$0", "${local_rank}")
+    r = relaunch(
+        "--standalone",
+        "--nproc-per-node=2",
+        "--no-python",
+        "sh",
+        "-c",
+        f"touch {tmp_path}/b_$0",
+        "${local_rank}",
+    )
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "b_0").exists() and (tmp_path / "b_1").exists()
