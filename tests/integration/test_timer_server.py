@@ -172,8 +172,9 @@ def test_garbage_is_ignored_and_unwatched_pids_are_never_signalled() -> None:
             _send(server.path, b'{"version": 1, "pid": -1, "scope_id": "s", "expiration')
             _send(server.path, b'_time": 0, "signal": 9}\n')
             _send(server.path, b"\x00\xff\n\n")
-            _send(server.path, b"partial garbage without newline ")
             _send(server.path, _request(stranger.pid, "stranger", 0.0))
+            # A writer that died mid-line: the next whole request is still recovered.
+            _send(server.path, b"partial garbage without newline ")
             _send(server.path, _request(victim.pid, "victim", 0.3))
             (expiry,) = expiries.wait_for(1)
             assert (expiry.pid, expiry.scope_id) == (victim.pid, "victim")

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable
 from types import TracebackType
 
 from relaunch.errors import ConfigError, TimerError
-from relaunch.timer._request import parse_request
+from relaunch.timer._request import TimerRequest, parse_request
 from relaunch.timer._table import Expired, TimerExpiry, TimerTable
 
 __all__ = ["TimerServer"]
@@ -260,19 +260,9 @@ class TimerServer:
     def _handle_line(self, line: bytes) -> None:
         if not line.strip():
             return
-        try:
-            request = parse_request(line)
-        except ValueError as exc:
-            # A writer that died mid-line leaves garbage before the next whole request.
-            start = line.rfind(b"{")
-            try:
-                if start <= 0:
-                    raise
-                request = parse_request(line[start:])
-            except ValueError:
-                logger.warning("timer pipe: ignoring bad request %r: %s", line[:200], exc)
-                return
-            logger.warning("timer pipe: ignoring %r before a request", line[:start][:200])
+        request = _parse_line(line)
+        if request is None:
+            return
         with self._lock:
             self._table.apply(request)
 
@@ -326,6 +316,25 @@ class TimerServer:
                 self._on_expiry(expiry)
             except Exception:
                 logger.exception("timer server: on_expiry callback failed")
+
+
+def _parse_line(line: bytes) -> TimerRequest | None:
+    """Parse a request line; recover a whole request after garbage left by a dead writer."""
+    try:
+        return parse_request(line)
+    except ValueError as exc:
+        error = exc
+    start = line.rfind(b"{")
+    if start > 0:
+        try:
+            request = parse_request(line[start:])
+        except ValueError:
+            pass
+        else:
+            logger.warning("timer pipe: ignoring %r before a request", line[:start][:200])
+            return request
+    logger.warning("timer pipe: ignoring bad request %r: %s", line[:200], error)
+    return None
 
 
 def _drain(fd: int, limit: int = 16 * _READ_CHUNK) -> bytes:
