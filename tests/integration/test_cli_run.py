@@ -15,7 +15,7 @@ pytestmark = pytest.mark.timeout(90)
 _SCRIPT = """\
 import os, sys
 # One write per line: the workers share the agent's stdout, print() writes twice.
-sys.stdout.write("rank=%s world=%s local=%s args=%s\n" % (
+sys.stdout.write("rank=%s world=%s local=%s args=%s\\n" % (
     os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"], sys.argv[1:]))
 sys.stdout.flush()
 sys.exit(int(os.environ.get("EXIT_CODE", "0")))
