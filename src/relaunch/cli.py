@@ -20,7 +20,7 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from importlib.machinery import PathFinder
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar
 
 from relaunch.config import (
     BACKENDS,
@@ -40,6 +40,7 @@ from relaunch.errors import ConfigError
 __all__ = ["main", "parse_args"]
 
 logger = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 _C10D_PORT = 29400
 _ETCD_PORT = 2379
@@ -217,7 +218,7 @@ class _Values:
             self.fail(dest, "a finite number " + ("> 0" if positive else ">= 0"))
         return value
 
-    def parsed(self, dest: str, parse: Any, *args: Any) -> Any:
+    def parsed(self, dest: str, parse: Callable[..., _T], *args: Any) -> _T:
         """Run a config parser, renaming the field in its error to the flag used."""
         return parse(self.text(dest) or "", *args, self.label(dest))
 
