@@ -12,9 +12,13 @@ Keys, under ``relaunch/rdzv/<run_id>/``:
     The join queue. A joining node takes ticket ``t`` (atomic add on ``req``) and
     writes its request at ``req/<t>``. The node holding the oldest unapplied
     ticket (the *head*) folds every pending request into the state in one
-    compare-and-set, then sets ``ack/<t>`` for each, and ``ack/<next>`` to hand
-    the head over. So N nodes joining at once cost O(N) store operations, not
-    the O(N^2) of everyone retrying the same compare-and-set.
+    compare-and-set, then sets ``ack/<t>`` for each (``a <epoch> <round> <p|->``),
+    and ``ack/<next>`` to ``h`` to hand the head over. So N nodes joining at once
+    cost O(N) store operations, not the O(N^2) of everyone retrying the same
+    compare-and-set, and a node that is not the head never reads the state.
+``assign/<r>/<node>``
+    ``"<rank> <world_size>"``, written (before the epoch key) by whoever
+    completes round ``r``: a participant learns its rank with one small read.
 ``round/<r>/``
     The prefix of the store handed out with round ``r``.
 """
@@ -24,6 +28,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from relaunch.errors import StoreTimeoutError
 from relaunch.rendezvous._ops import needs_wake, place, remove_dead
@@ -31,7 +36,7 @@ from relaunch.rendezvous._settings import RendezvousSettings
 from relaunch.rendezvous._state import RendezvousState, decode_state, encode_state
 from relaunch.store import Store
 
-__all__ = ["REQUEST_VERSION", "StateBackend", "key_prefix"]
+__all__ = ["REQUEST_VERSION", "JoinAck", "StateBackend", "key_prefix"]
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +47,26 @@ REQUEST_VERSION = 1
 def key_prefix(run_id: str) -> str:
     """Where the rendezvous of ``run_id`` keeps its keys."""
     return f"relaunch/rdzv/{run_id}/"
+
+
+@dataclass(frozen=True)
+class JoinAck:
+    """What the applier of a join request tells its node: ``ack/<t>`` = ``a <epoch> <round> <p|->``."""
+
+    epoch: int
+    round: int
+    participant: bool
+    """Whether the node is a participant of ``round`` (else: read the state)."""
+
+    @classmethod
+    def parse(cls, raw: bytes) -> JoinAck | None:
+        parts = raw.split()
+        if len(parts) != 4 or parts[0] != b"a":
+            return None
+        try:
+            return cls(int(parts[1]), int(parts[2]), parts[3] == b"p")
+        except ValueError:
+            return None
 
 
 class StateBackend:
@@ -84,12 +109,50 @@ class StateBackend:
         data = encode_state(new)
         current, written = self.store.compare_set(self.state_key, old_raw, data)
         if written:
+            if new.complete and not (old.complete and old.round == new.round):
+                self._publish_assignments(new)
             if new.epoch != old.epoch:
                 self.store.set(self.epoch_key(new.epoch), b"1")
             return new, data, True
         if not current:
             return self.fresh(), None, False
         return self._decode(current), current, False
+
+    def _assign_key(self, round_: int, node: str) -> str:
+        return f"{self.prefix}assign/{round_}/{node}"
+
+    def _publish_assignments(self, state: RendezvousState) -> None:
+        """Tell each participant of a just-completed round its rank without a state read."""
+        world = len(state.participants)
+        items = {
+            self._assign_key(state.round, node): f"{rank} {world}".encode()
+            for node, rank in state.participants.items()
+        }
+        multi_set = getattr(self.store, "multi_set", None)
+        if multi_set is not None:
+            multi_set(items)
+            return
+        for key, value in items.items():
+            self.store.set(key, value)
+
+    def assignment(self, round_: int, node: str) -> tuple[int, int] | None:
+        """``(rank, world_size)`` of ``node`` in round ``round_`` once it completed, else None."""
+        raw = self.store.get(self._assign_key(round_, node))
+        if raw is None:
+            return None
+        try:
+            rank, world = (int(x) for x in raw.split())
+        except ValueError:
+            return None
+        return rank, world
+
+    def wait_epoch(self, epoch: int, timeout: float) -> bool:
+        """Wait until the state's epoch passed ``epoch``; False after ``timeout``."""
+        try:
+            self.store.wait([self.epoch_key(epoch + 1)], max(timeout, 0.001))
+        except StoreTimeoutError:
+            return False
+        return True
 
     def wait_change(self, state: RendezvousState, timeout: float) -> bool:
         """Wait until a write raised the epoch past ``state``'s; False after ``timeout``."""
@@ -105,25 +168,34 @@ class StateBackend:
 
     # -- the join queue -------------------------------------------------------------
 
-    def request_join(self, node: str) -> tuple[RendezvousState, bytes | None]:
-        """Queue the join request of ``node`` and return the first state that includes it."""
+    def request_join(self, node: str) -> JoinAck | None:
+        """Queue the join request of ``node``; return once a state includes it.
+
+        Returns what the applier reported (no state read), or None when the
+        caller must read the state to learn more.
+        """
         ticket = self.store.add(self.prefix + "req", 1)
         request = {"version": REQUEST_VERSION, "run_id": self.settings.run_id, "node": node}
         self.store.set(f"{self.prefix}req/{ticket}", json.dumps(request).encode())
-        take_over = False
+        ack_key = f"{self.prefix}ack/{ticket}"
+        head = ticket == 1
         while True:
-            state, raw = self.load()
-            if state.applied >= ticket:
-                return state, raw
-            if take_over or state.applied + 1 == ticket:
+            if head:
+                state, raw = self.load()
+                if state.applied >= ticket:
+                    return None
                 self._apply_requests(state, raw)
-                take_over = False
-                continue
+                head = False
             try:
-                self.store.wait([f"{self.prefix}ack/{ticket}"], self.settings.heartbeat_timeout)
+                self.store.wait([ack_key], self.settings.heartbeat_timeout)
             except StoreTimeoutError:
-                # The head may have died: apply the queue ourselves.
-                take_over = True
+                head = True  # the head may have died: apply the queue ourselves
+                continue
+            ack = JoinAck.parse(self.store.get(ack_key) or b"")
+            if ack is None:
+                head = True  # handed over: we hold the oldest unapplied ticket
+                continue
+            return ack
 
     def _read_request(self, ticket: int) -> str | None:
         key = f"{self.prefix}req/{ticket}"
@@ -160,8 +232,10 @@ class StateBackend:
             if node is not None:
                 new = place(new, node, now, self.settings)
         new.applied = max(last, state.applied)
-        _, _, written = self.commit(state, raw, new)
+        new, _, written = self.commit(state, raw, new)
         if written:
-            for ticket in range(first, last + 1):
-                self.store.set(f"{self.prefix}ack/{ticket}", b"a")
+            for ticket, node in zip(range(first, last + 1), nodes, strict=True):
+                where = "p" if node in new.participants else "-"
+                ack = f"a {new.epoch} {new.round} {where}".encode()
+                self.store.set(f"{self.prefix}ack/{ticket}", ack)
             self.store.set(f"{self.prefix}ack/{last + 1}", b"h")

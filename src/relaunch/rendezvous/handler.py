@@ -82,6 +82,7 @@ class DynamicRendezvousHandler:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._shut = False
+        self._joined = False
 
     # -- small accessors ----------------------------------------------------------
 
@@ -114,25 +115,35 @@ class DynamicRendezvousHandler:
         settings = self._settings
         deadline = self._clock() + settings.join_timeout
         self._start_keep_alive()
-        state, raw = self._rdzv.load()
-        while True:
-            action = decide_exit(state, self._node, self._clock(), deadline)
-            if action is Action.FINISH:
-                break
-            if action is Action.ERROR_TIMEOUT:
-                raise RendezvousTimeoutError(f"node {self._node} could not leave its round")
-            new = apply(action, state, self._node, self._clock(), settings)
-            state, raw, _ = self._rdzv.commit(state, raw, new)
+        state: RendezvousState | None = None
+        raw: bytes | None = None
+        if self._joined:
+            state, raw = self._rdzv.load()
+            while True:
+                action = decide_exit(state, self._node, self._clock(), deadline)
+                if action is Action.FINISH:
+                    break
+                if action is Action.ERROR_TIMEOUT:
+                    raise RendezvousTimeoutError(f"node {self._node} could not leave its round")
+                new = apply(action, state, self._node, self._clock(), settings)
+                state, raw, _ = self._rdzv.commit(state, raw, new)
+        self._joined = True
         while True:
             now = self._clock()
-            cleaned, dead = remove_dead(state, now, settings)
-            if dead:
-                logger.info("rendezvous %s: removing dead nodes %s", settings.run_id, dead)
-                state, raw, _ = self._rdzv.commit(state, raw, cleaned)
-                continue
-            action = decide_join(state, self._node, now, settings, deadline)
+            if state is None:
+                # First call: queue the request at once; its applier decides the placement.
+                action = Action.ADD_TO_PARTICIPANTS
+            else:
+                cleaned, dead = remove_dead(state, now, settings)
+                if dead:
+                    logger.info("rendezvous %s: removing dead nodes %s", settings.run_id, dead)
+                    state, raw, _ = self._rdzv.commit(state, raw, cleaned)
+                    continue
+                action = decide_join(state, self._node, now, settings, deadline)
             if action is Action.FINISH:
-                break
+                assert state is not None
+                rank = state.participants[self._node]
+                return self._info(state.round, rank, len(state.participants))
             if action is Action.ERROR_CLOSED:
                 raise RendezvousClosedError(f"the rendezvous {settings.run_id!r} is closed")
             if action is Action.EXIT_GRACEFULLY:
@@ -147,30 +158,44 @@ class DynamicRendezvousHandler:
             if action in JOIN_REQUEST_ACTIONS:
                 if action is Action.REMOVE_FROM_REDUNDANCY_LIST:
                     deadline = now + settings.join_timeout
-                state, raw = self._rdzv.request_join(self._node)
+                ack = self._rdzv.request_join(self._node)
+                if ack is not None and ack.participant:
+                    timeout = min(settings.dead_after, deadline - now)
+                    got = self._rdzv.assignment(ack.round, self._node)
+                    if got is None and self._rdzv.wait_epoch(ack.epoch, timeout):
+                        got = self._rdzv.assignment(ack.round, self._node)
+                    if got is not None:
+                        return self._info(ack.round, *got)
+                state, raw = self._rdzv.load()
             elif action is Action.SYNC:
+                assert state is not None
                 self._rdzv.wait_change(state, self._sync_timeout(state, now, deadline))
+                if self._node in state.participants:
+                    got = self._rdzv.assignment(state.round, self._node)
+                    if got is not None:
+                        return self._info(state.round, *got)
                 state, raw = self._rdzv.load()
             else:
+                assert state is not None
                 new = apply(action, state, self._node, now, settings)
                 state, raw, _ = self._rdzv.commit(state, raw, new)
-        self._round = state.round
-        self._cached = state
-        rank = state.participants[self._node]
+
+    def _info(self, round_: int, rank: int, world_size: int) -> RendezvousInfo:
+        self._round = round_
+        self._cached = None
         logger.info(
             "rendezvous %s round %d complete: node %s has rank %d of %d",
-            settings.run_id,
-            state.round,
+            self._settings.run_id,
+            round_,
             self._node,
             rank,
-            len(state.participants),
+            world_size,
         )
-        prefix = f"{self._rdzv.prefix}round/{state.round}/"
         return RendezvousInfo(
-            store=PrefixStore(self._store, prefix),
+            store=PrefixStore(self._store, f"{self._rdzv.prefix}round/{round_}/"),
             rank=rank,
-            world_size=len(state.participants),
-            round=state.round,
+            world_size=world_size,
+            round=round_,
         )
 
     def _sync_timeout(self, state: RendezvousState, now: float, deadline: float) -> float:
