@@ -17,13 +17,13 @@ import os
 import socket
 import threading
 
-__all__ = ["mark_baseline", "shutdown_new_connections", "socket_inodes"]
+__all__ = ["clear_baseline", "mark_baseline", "shutdown_new_connections", "socket_inodes"]
 
 log = logging.getLogger(__name__)
 
 _FD_DIR = "/proc/self/fd"
 _lock = threading.Lock()
-_baseline: frozenset[str] = frozenset()
+_baseline: frozenset[str] | None = None
 
 
 def _socket_fds() -> dict[int, str]:
@@ -47,6 +47,13 @@ def socket_inodes() -> frozenset[str]:
     return frozenset(_socket_fds().values())
 
 
+def clear_baseline() -> None:
+    """Forget the baseline: :func:`shutdown_new_connections` does nothing until the next mark."""
+    global _baseline
+    with _lock:
+        _baseline = None
+
+
 def mark_baseline() -> None:
     """Remember the sockets open now; :func:`shutdown_new_connections` spares them."""
     global _baseline
@@ -57,10 +64,12 @@ def mark_baseline() -> None:
 def shutdown_new_connections() -> int:
     """Shut down every connected TCP socket opened since :func:`mark_baseline`.
 
-    Returns how many were shut down.
+    Returns how many were shut down; none when no baseline was marked.
     """
     with _lock:
         baseline = _baseline
+    if baseline is None:
+        return 0
     count = 0
     for fd, target in _socket_fds().items():
         if target in baseline:

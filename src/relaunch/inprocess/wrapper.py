@@ -121,6 +121,7 @@ class CallWrapper:
             self._coord = CoordinationStore(self._factory(), self.namespace)
             self._thread_coord = CoordinationStore(self._factory(), self.namespace)
             self.watchdog.start()
+            _sockets.mark_baseline()  # the wrapper's own connections are never shut down
         except BaseException:
             self._close()
             raise
@@ -157,6 +158,7 @@ class CallWrapper:
         self._close()
 
     def _close(self) -> None:
+        _sockets.clear_baseline()
         log.debug("rank %s: closing", self.state.initial_rank)
         self.watchdog.shutdown()
         log.debug("rank %s: watchdog stopped", self.state.initial_rank)

@@ -1,0 +1,295 @@
+"""In-process restart with real rank processes on gloo, under an agent-style store.
+
+The test process hosts a torch TCPStore (port 0) like the agent does, and starts the
+ranks itself with the worker environment of torchrun. Faults are injected by
+``test_inprocess_worker.py``. Short timeouts: soft 2 s, hard 4 s.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+WORKER = Path(__file__).with_name("test_inprocess_worker.py")
+FAST = {
+    "soft_timeout": 2,
+    "hard_timeout": 4,
+    "barrier_timeout": 20,
+    "heartbeat_timeout": 3,
+    "termination_grace_time": 1,
+    "completion_timeout": 20,
+}
+
+
+@dataclass
+class Rank:
+    initial: int
+    proc: subprocess.Popen[str]
+    events: list[dict[str, Any]] = field(default_factory=list)
+    stderr: str = ""
+
+    def of(self, name: str) -> list[dict[str, Any]]:
+        return [e for e in self.events if e["event"] == name]
+
+
+def _marked_pids(token: str) -> list[int]:
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if token.encode() in f.read():
+                    pids.append(int(entry))
+        except OSError:
+            continue
+    return pids
+
+
+def run_job(
+    world: int,
+    faults: list[dict[str, Any]],
+    *,
+    wrapper: dict[str, Any] | None = None,
+    env: dict[str, str] | None = None,
+    agent_store: bool = True,
+    steps: int = 5,
+    timeout: float = 60.0,
+) -> list[Rank]:
+    """Start ``world`` ranks, wait for them, check nothing is left behind."""
+    import torch.distributed as dist
+
+    token = f"IPX_TOKEN_{uuid.uuid4().hex}"
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    port = server.port
+    ranks = []
+    try:
+        for r in range(world):
+            rank_env = dict(
+                os.environ,
+                RANK=str(r),
+                WORLD_SIZE=str(world),
+                LOCAL_RANK=str(r),
+                LOCAL_WORLD_SIZE=str(world),
+                MASTER_ADDR="127.0.0.1",
+                TORCHELASTIC_RUN_ID=token,
+                TORCHELASTIC_RESTART_COUNT="0",
+                IPX_FAULTS=json.dumps(faults),
+                IPX_WRAPPER=json.dumps({**FAST, **(wrapper or {})}),
+                IPX_STEPS=str(steps),
+                OMP_NUM_THREADS="1",
+                **{token: "1"},
+                **(env or {}),
+            )
+            if agent_store:
+                rank_env.update(MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True")
+            else:
+                rank_env.update(MASTER_PORT=str(port + 0))
+                rank_env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+            proc = subprocess.Popen(
+                [sys.executable, str(WORKER)],
+                env=rank_env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            ranks.append(Rank(r, proc))
+        for rank in ranks:
+            out, err = rank.proc.communicate(timeout=timeout)
+            rank.events = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+            rank.stderr = err
+    finally:
+        for rank in ranks:
+            if rank.proc.poll() is None:
+                rank.proc.kill()
+                rank.proc.communicate()
+        del server
+    # monitor processes exit with their rank: nothing carrying the token survives
+    deadline = time.monotonic() + 10
+    while _marked_pids(token) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    left = _marked_pids(token)
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"processes left behind: {left}"
+    return ranks
+
+
+def _report(ranks: list[Rank]) -> str:
+    return "\n".join(
+        f"rank {r.initial} rc={r.proc.returncode} events={r.events}\nstderr:\n{r.stderr[-3000:]}"
+        for r in ranks
+    )
+
+
+def assert_clean(rank: Rank) -> None:
+    (ret,) = rank.of("return")
+    assert ret["threads"] == [], ret
+    assert ret["children"] == [], ret
+    assert ret["sockets"] == 0, ret
+
+
+def starts(rank: Rank) -> list[tuple[int, int, int]]:
+    """(iteration, rank, world size) of each call of the function."""
+    return [(e["iteration"], e["rank"], e["world"]) for e in rank.of("start")]
+
+
+@pytest.fixture(autouse=True)
+def _no_alarm() -> Iterator[None]:
+    yield
+
+
+@pytest.mark.timeout(90)
+def test_exception_restarts_all_ranks_in_process() -> None:
+    ranks = run_job(2, [{"iteration": 0, "rank": 1, "kind": "exception", "step": 2}])
+    report = _report(ranks)
+    for rank in ranks:
+        assert rank.proc.returncode == 0, report
+        assert starts(rank) == [(0, rank.initial, 2), (1, rank.initial, 2)], report
+        assert {e["pid"] for e in rank.of("start")} == {rank.proc.pid}, report
+        assert rank.of("return")[0]["value"] == f"value-{rank.initial}", report
+        assert_clean(rank)
+
+
+@pytest.mark.timeout(90)
+def test_two_successive_faults() -> None:
+    faults = [
+        {"iteration": 0, "rank": 1, "kind": "exception", "step": 1},
+        {"iteration": 1, "rank": 0, "kind": "exception", "step": 3},
+    ]
+    ranks = run_job(2, faults)
+    report = _report(ranks)
+    for rank in ranks:
+        assert rank.proc.returncode == 0, report
+        assert [s[0] for s in starts(rank)] == [0, 1, 2], report
+        assert_clean(rank)
+
+
+@pytest.mark.timeout(90)
+def test_python_hang_without_ping_restarts_at_soft_timeout() -> None:
+    ranks = run_job(2, [{"iteration": 0, "rank": 1, "kind": "busy", "step": 2}])
+    report = _report(ranks)
+    for rank in ranks:
+        assert rank.proc.returncode == 0, report  # soft timeout: nobody was killed
+        assert [s[0] for s in starts(rank)] == [0, 1], report
+        assert_clean(rank)
+    assert "soft timeout" in ranks[1].stderr, report
+
+
+@pytest.mark.timeout(90)
+def test_sleep_hang_is_woken_at_soft_timeout_not_killed() -> None:
+    ranks = run_job(2, [{"iteration": 0, "rank": 1, "kind": "sleep", "step": 2}])
+    report = _report(ranks)
+    for rank in ranks:
+        # a hard timeout would have killed rank 1; it returns the value in-process
+        assert rank.proc.returncode == 0, report
+        assert [s[0] for s in starts(rank)] == [0, 1], report
+        assert rank.of("return")[0]["value"] == f"value-{rank.initial}", report
+        assert_clean(rank)
+
+
+@pytest.mark.timeout(90)
+def test_rank_holding_the_gil_is_killed_at_hard_timeout_others_shift() -> None:
+    ranks = run_job(3, [{"iteration": 0, "rank": 1, "kind": "gil", "step": 2}])
+    report = _report(ranks)
+    assert ranks[1].proc.returncode in (-signal.SIGTERM, -signal.SIGKILL), report
+    assert "HARD_TIMEOUT" in ranks[1].stderr, report
+    assert starts(ranks[0]) == [(0, 0, 3), (1, 0, 2)], report
+    assert starts(ranks[2]) == [(0, 2, 3), (1, 1, 2)], report
+    for rank in (ranks[0], ranks[2]):
+        assert rank.proc.returncode == 0, report
+        assert_clean(rank)
+
+
+@pytest.mark.timeout(90)
+def test_sigkill_of_a_rank_others_continue_at_n_minus_1() -> None:
+    ranks = run_job(3, [{"iteration": 0, "rank": 0, "kind": "sigkill", "step": 2}])
+    report = _report(ranks)
+    assert ranks[0].proc.returncode == -signal.SIGKILL, report
+    assert starts(ranks[1]) == [(0, 1, 3), (1, 0, 2)], report
+    assert starts(ranks[2]) == [(0, 2, 3), (1, 1, 2)], report
+    for rank in ranks[1:]:
+        assert rank.proc.returncode == 0, report
+        assert_clean(rank)
+
+
+@pytest.mark.timeout(90)
+def test_spare_rank_is_activated_when_an_active_rank_is_lost() -> None:
+    ranks = run_job(
+        3,
+        [{"iteration": 0, "rank": 1, "kind": "sigkill", "step": 2}],
+        wrapper={"max_active_world_size": 2},
+    )
+    report = _report(ranks)
+    assert starts(ranks[0]) == [(0, 0, 2), (1, 0, 2)], report
+    assert starts(ranks[2]) == [(1, 1, 2)], report  # spare at iteration 0, active at 1
+    for rank in (ranks[0], ranks[2]):
+        assert rank.proc.returncode == 0, report
+        assert rank.of("return")[0]["value"] == f"value-{rank.initial}", report
+        assert_clean(rank)
+
+
+@pytest.mark.timeout(90)
+def test_spare_rank_returns_none() -> None:
+    ranks = run_job(3, [], wrapper={"max_active_world_size": 2})
+    report = _report(ranks)
+    assert [r.of("return")[0]["value"] for r in ranks] == ["value-0", "value-1", None], report
+    assert starts(ranks[2]) == [], report
+    for rank in ranks:
+        assert_clean(rank)
+
+
+@pytest.mark.timeout(90)
+def test_failing_health_check_terminates_only_its_rank() -> None:
+    ranks = run_job(
+        3,
+        [{"iteration": 0, "rank": 0, "kind": "exception", "step": 2}],
+        env={"IPX_UNHEALTHY": "[1]"},
+    )
+    report = _report(ranks)
+    assert ranks[1].of("error")[0]["kind"] == "HealthCheckError", report
+    assert starts(ranks[0]) == [(0, 0, 3), (1, 0, 2)], report
+    assert starts(ranks[2]) == [(0, 2, 3), (1, 1, 2)], report
+    for rank in ranks:
+        assert_clean(rank)
+    assert ranks[0].proc.returncode == 0 and ranks[2].proc.returncode == 0, report
+
+
+@pytest.mark.timeout(90)
+def test_atomic_section_is_not_interrupted() -> None:
+    faults = [
+        {"iteration": 0, "rank": 1, "kind": "atomic", "step": 1},
+        {"iteration": 0, "rank": 0, "kind": "exception", "step": 1},
+    ]
+    ranks = run_job(2, faults)
+    report = _report(ranks)
+    names = [e["event"] for e in ranks[1].events]
+    assert names.index("atomic_enter") < names.index("atomic_exit"), report
+    assert [s[0] for s in starts(ranks[1])] == [0, 1], report
+    for rank in ranks:
+        assert rank.proc.returncode == 0, report
+        assert_clean(rank)
+
+
+@pytest.mark.timeout(90)
+def test_standalone_store_survives_the_death_of_rank_0() -> None:
+    ranks = run_job(
+        3, [{"iteration": 0, "rank": 0, "kind": "sigkill", "step": 2}], agent_store=False
+    )
+    report = _report(ranks)
+    assert ranks[0].proc.returncode == -signal.SIGKILL, report
+    assert starts(ranks[1]) == [(0, 1, 3), (1, 0, 2)], report
+    for rank in ranks[1:]:
+        assert rank.proc.returncode == 0, report
+        assert_clean(rank)
