@@ -245,6 +245,9 @@ class TCPStoreClient:
             self._idle_waits.clear()
         for conn in conns:
             conn.close()
+        main = self._main
+        if main is not None:  # unblock a call waiting for a reply, then take the lock
+            main.shutdown()
         with self._lock:
             if self._main is not None:
                 self._main.close()

@@ -69,9 +69,13 @@ class Connection:
             raise ProtocolError(f"reply of {size} bytes exceeds {wire.MAX_VALUE_LEN}")
         return self.read(size, timeout)
 
-    def close(self) -> None:
+    def shutdown(self) -> None:
+        """Shut the socket down (any thread; a blocked ``recv`` returns)."""
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        self.shutdown()
         self.sock.close()
 
 

@@ -217,22 +217,30 @@ class TCPStoreServer:
                 for key, mask in selector.select():
                     data = key.data
                     if isinstance(data, _Conn):
-                        if data.closed:
-                            continue
-                        if mask & selectors.EVENT_READ:
-                            self._on_readable(data)
-                        if mask & selectors.EVENT_WRITE and not data.closed:
-                            self._flush(data)
+                        self._serve(data, mask)
                     elif data == "listen":
                         self._accept()
                     else:
                         return
                 while self._dirty:
-                    self._flush(self._dirty.pop())
+                    conn = self._dirty.pop()
+                    self._serve(conn, selectors.EVENT_WRITE)
         except Exception:
             log.exception("TCP store server loop failed; closing it")
         finally:
             self._shutdown()
+
+    def _serve(self, conn: _Conn, mask: int) -> None:
+        if conn.closed:
+            return
+        try:
+            if mask & selectors.EVENT_READ:
+                self._on_readable(conn)
+            if mask & selectors.EVENT_WRITE and not conn.closed:
+                self._flush(conn)
+        except Exception as exc:  # a bug must cost one connection, never the server
+            log.exception("TCP store server failed serving client %s", conn.addr)
+            self._drop(conn, f"internal error: {exc!r}")
 
     def _shutdown(self) -> None:
         assert self._selector is not None
