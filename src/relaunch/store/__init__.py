@@ -1,5 +1,12 @@
-"""Key-value stores behind one narrow protocol: memory, TCP (torch-compatible), etcd."""
+"""Key-value stores behind one narrow protocol: memory, TCP (torch-compatible), etcd.
+
+:class:`~relaunch.store.etcd.EtcdStore` imports its optional dependency
+(``etcd3gw``, the ``relaunch[etcd]`` extra) only when one is created.
+"""
 
 from relaunch.store._protocol import Store
+from relaunch.store.etcd import EtcdStore
+from relaunch.store.memory import MemoryStore
+from relaunch.store.prefix import PrefixStore
 
-__all__ = ["Store"]
+__all__ = ["EtcdStore", "MemoryStore", "PrefixStore", "Store"]

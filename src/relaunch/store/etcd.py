@@ -238,7 +238,10 @@ class EtcdStore:
                 timeout=(self._timeout, max(timeout, 0.01)),
             )
         except self._requests.RequestException as exc:
-            raise StoreConnectionError(f"etcd watch on {self._endpoints[self._current]}") from exc
+            # Move on to the next endpoint; the caller's next read fails over or fails.
+            logger.info("etcd watch on %s failed: %s", self._endpoints[self._current], exc)
+            self._current = (self._current + 1) % len(self._clients)
+            return
         try:
             for line in resp.iter_lines():
                 if not line:

@@ -1,0 +1,46 @@
+"""The public names of relaunch.rendezvous and relaunch.store, pinned; no torch on import."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import relaunch.rendezvous
+import relaunch.store
+
+
+def test_rendezvous_exports() -> None:
+    assert sorted(relaunch.rendezvous.__all__) == [
+        "DynamicRendezvousHandler",
+        "RendezvousHandler",
+        "RendezvousInfo",
+        "RendezvousParameters",
+        "RendezvousSettings",
+        "create_handler",
+    ]
+    for name in relaunch.rendezvous.__all__:
+        assert getattr(relaunch.rendezvous, name) is not None
+
+
+def test_store_exports() -> None:
+    assert sorted(relaunch.store.__all__) == ["EtcdStore", "MemoryStore", "PrefixStore", "Store"]
+
+
+def test_import_does_not_pull_torch_or_etcd() -> None:
+    code = (
+        "import sys, relaunch.rendezvous, relaunch.store, relaunch.rendezvous.registry;"
+        "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'etcd3gw', 'requests')];"
+        "print(bad)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def test_memory_store_is_a_store() -> None:
+    from relaunch.store import MemoryStore, PrefixStore, Store
+
+    store = MemoryStore()
+    assert isinstance(store, Store)
+    assert isinstance(PrefixStore(store, "p/"), Store)
+    store.close()

@@ -1,0 +1,66 @@
+"""MemoryStore and PrefixStore: the Store protocol in-process."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from relaunch.errors import StoreClosedError, StoreTimeoutError
+from relaunch.store import MemoryStore, PrefixStore
+
+
+def test_operations() -> None:
+    store = MemoryStore()
+    assert store.get("k") is None
+    store.set("k", b"v")
+    assert store.get("k") == b"v"
+    assert store.compare_set("k", b"x", b"y") == (b"v", False)
+    assert store.compare_set("k", b"v", b"y") == (b"y", True)
+    assert store.compare_set("n", None, b"1") == (b"1", True)
+    assert store.compare_set("n", None, b"2") == (b"1", False)
+    assert store.compare_set("none", b"x", b"2") == (b"", False)
+    assert store.add("c", 2) == 2 and store.add("c", -1) == 1
+    assert store.delete("k") and not store.delete("k")
+    with pytest.raises(StoreTimeoutError, match="never"):
+        store.wait(["n", "never"], 0.01)
+    store.close()
+    store.close()
+    with pytest.raises(StoreClosedError):
+        store.get("n")
+
+
+def test_wait_is_woken_by_the_write_and_by_close() -> None:
+    store = MemoryStore()
+    started = threading.Event()
+
+    def waiter(key: str) -> None:
+        started.set()
+        store.wait([key], 60)
+
+    with ThreadPoolExecutor(1, thread_name_prefix="test-mem") as pool:
+        done = pool.submit(waiter, "a")
+        started.wait(10)
+        store.set("a", b"1")
+        done.result(timeout=30)
+        started.clear()
+        closed = pool.submit(waiter, "b")
+        started.wait(10)
+        store.close()
+        with pytest.raises(StoreClosedError):
+            closed.result(timeout=30)
+
+
+def test_prefix_store() -> None:
+    store = MemoryStore()
+    view = PrefixStore(store, "round/1/")
+    view.set("x", b"1")
+    assert store.get("round/1/x") == b"1"
+    assert view.add("n", 1) == 1
+    assert view.compare_set("x", b"1", b"2") == (b"2", True)
+    view.wait(["x"], 1)
+    assert view.delete("x")
+    view.close()  # does not close the underlying store
+    assert store.get("round/1/n") == b"1"
+    store.close()
