@@ -319,6 +319,8 @@ def test_close_with_connected_clients_leaves_nothing() -> None:
     thread = threading.Thread(target=wait, name="test-blocked-waiter")
     thread.start()
     client.set("k", b"v")
+    while server.connection_count < 2 and thread.is_alive():  # the wait has its own connection
+        threading.Event().wait(0.01)
     raw = [_raw(server.port) for _ in range(20)]
     server.close()
     server.close()
@@ -337,3 +339,13 @@ def test_close_with_connected_clients_leaves_nothing() -> None:
     assert _socket_fds() <= sockets_before
     with pytest.raises(StoreClosedError):
         server.start()
+
+
+def test_server_on_all_interfaces() -> None:
+    with (
+        TCPStoreServer(host="0.0.0.0") as srv,
+        TCPStoreClient("127.0.0.1", srv.port, timeout=10) as store,
+    ):
+        assert srv.host == "0.0.0.0"
+        store.set("k", b"v")
+        assert store.get("k") == b"v"
