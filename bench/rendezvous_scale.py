@@ -9,6 +9,12 @@ and the ratio. Run by hand (not in CI)::
 
     python bench/rendezvous_scale.py                 # N = 8 64 256 1024
     python bench/rendezvous_scale.py 8 64 --torch-cap 120
+    python bench/rendezvous_scale.py --lost-node     # time to notice a lost node
+
+``--lost-node``: three node processes (c10d, default settings, ``--nnodes 2:3``)
+complete a round; one is SIGKILLed; prints when the survivors noticed (their
+``num_nodes_waiting()`` polled every 0.1 s, as an agent's monitor does) and
+when both completed the next round.
 
 torch runs are capped (``--torch-cap`` seconds, its join timeout): a capped run
 prints "> cap". Both sides use a 5 s keep-alive interval (torch's fixed value),
@@ -158,14 +164,79 @@ def bench_torch(n: int, port: int, run_id: str, cap: float) -> tuple[float, int,
     return seconds, ops, failures
 
 
+LOST_NODE = """
+import json, sys, time
+from relaunch.rendezvous import RendezvousParameters, create_handler
+params = RendezvousParameters(backend="c10d", endpoint=sys.argv[1], run_id="lost",
+                              min_nodes=2, max_nodes=3)
+handler = create_handler(params)
+while True:
+    info = handler.next_rendezvous()
+    print(json.dumps({"t": time.time(), "round": info.round, "world": info.world_size}),
+          flush=True)
+    while handler.num_nodes_waiting() == 0:
+        time.sleep(0.1)
+    print(json.dumps({"t": time.time(), "noticed": True}), flush=True)
+"""
+
+
+def bench_lost_node() -> None:
+    import json
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    procs = []
+    for i in range(3):  # the first one hosts the store; the victim is the last one
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-c", LOST_NODE, f"127.0.0.1:{port}"],
+                stdout=subprocess.PIPE,
+                start_new_session=True,
+            )
+        )
+        if i == 0:
+            time.sleep(1.0)
+    try:
+        for p in procs:
+            assert p.stdout is not None
+            json.loads(p.stdout.readline())
+        victim = procs.pop()
+        killed = time.time()
+        victim.kill()
+        victim.wait(timeout=10)
+        noticed, again = [], []
+        for p in procs:
+            assert p.stdout is not None
+            noticed.append(json.loads(p.stdout.readline())["t"] - killed)
+            doc = json.loads(p.stdout.readline())
+            again.append(doc["t"] - killed)
+            assert doc["world"] == 2
+        print(
+            f"lost node noticed after {max(noticed):.2f} s (each: {noticed[0]:.2f}, "
+            f"{noticed[1]:.2f}); survivors' round of 2 complete after {max(again):.2f} s"
+        )
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait(timeout=10)
+            if p.stdout is not None:
+                p.stdout.close()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("sizes", nargs="*", type=int, default=[8, 64, 256, 1024])
     parser.add_argument("--torch-cap", type=float, default=120.0, help="seconds")
     parser.add_argument("--no-torch", action="store_true")
     parser.add_argument("--server", choices=["relaunch", "torch"], default="relaunch")
+    parser.add_argument("--lost-node", action="store_true")
     args = parser.parse_args()
     logging.basicConfig(level=logging.ERROR)
+    if args.lost_node:
+        bench_lost_node()
+        return
     _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     threading.stack_size(512 * 1024)
