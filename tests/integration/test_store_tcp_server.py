@@ -349,3 +349,29 @@ def test_server_on_all_interfaces() -> None:
         assert srv.host == "0.0.0.0"
         store.set("k", b"v")
         assert store.get("k") == b"v"
+
+
+def test_an_internal_error_costs_one_connection(
+    server: TCPStoreServer, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from relaunch.store import _tcp_handlers
+
+    real_handle = _tcp_handlers.handle
+
+    def buggy(state: object, client: object, query: int, reader: wire.Reader) -> object:
+        if query == wire.Query.DELETE_KEY:
+            raise RuntimeError("injected bug")
+        return real_handle(state, client, query, reader)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(_tcp_handlers, "handle", buggy)
+    caplog.set_level(logging.ERROR, logger="relaunch.store._tcp_server")
+    with (
+        TCPStoreClient("127.0.0.1", server.port, timeout=10) as victim,
+        TCPStoreClient("127.0.0.1", server.port, timeout=10) as bystander,
+    ):
+        bystander.set("k", b"v")
+        with pytest.raises(StoreConnectionError):
+            victim.delete("k")
+        assert bystander.get("k") == b"v"
+        assert victim.get("k") == b"v"  # reconnects
+    assert "injected bug" in caplog.text
