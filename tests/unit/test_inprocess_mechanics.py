@@ -1,0 +1,147 @@
+"""Mechanics of in-process restart in one process: store barriers, wake-up, watchdog, sockets."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from relaunch.inprocess import _sockets
+from relaunch.inprocess.attribution import Interruption, InterruptionRecord
+from relaunch.inprocess.exception import BarrierTimeoutError, RankShouldRestart
+from relaunch.inprocess.monitor_thread import MainThreadControl
+from relaunch.inprocess.progress_watchdog import ProgressWatchdog, SharedProgress
+from relaunch.inprocess.store import CoordinationStore
+
+
+@pytest.fixture
+def server() -> Iterator[Any]:
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    yield store
+    del store
+
+
+def _client(server: Any, ns: str = "/t/") -> CoordinationStore:
+    import torch.distributed as dist
+
+    return CoordinationStore(dist.TCPStore("127.0.0.1", server.port, is_master=False), ns)
+
+
+def _in_thread(fn: Any) -> tuple[threading.Thread, list[Any]]:
+    out: list[Any] = []
+    thread = threading.Thread(target=lambda: out.append(fn()), name="test-rank")
+    thread.start()
+    return thread, out
+
+
+@pytest.mark.timeout(30)
+def test_iteration_barrier_completes_or_restarts_on_a_dead_member(server: Any) -> None:
+    a, b = _client(server), _client(server)
+    thread, out = _in_thread(lambda: b.iteration_barrier(0, 1, {0, 1}, 10, 0.005))
+    assert a.iteration_barrier(0, 0, {0, 1}, 10, 0.005) is True
+    thread.join(10)
+    assert out == [True]
+    a.record_dead(1, 1, Interruption.TERMINATED)
+    assert a.iteration_barrier(1, 0, {0, 1}, 10, 0.005) is False
+    with pytest.raises(BarrierTimeoutError, match=r"\[2\]"):
+        a.iteration_barrier(2, 0, {0, 2}, 0.05, 0.005)
+
+
+@pytest.mark.timeout(30)
+def test_termination_barrier_counts_the_dead_and_freezes_the_set(server: Any) -> None:
+    a, b = _client(server), _client(server)
+    a.record_dead(0, 2, Interruption.HARD_TIMEOUT)
+    thread, out = _in_thread(lambda: b.termination_barrier(0, 1, {0, 1, 2}, 10, 0.005, 0))
+    first = a.termination_barrier(0, 0, {0, 1, 2}, 10, 0.005, 0)
+    thread.join(10)
+    a.record_dead(0, 1, Interruption.UNRESPONSIVE)  # too late for iteration 0
+    assert first == out[0] == {2}
+    assert a.freeze("it0/terminated", {1, 2}) == {2}
+
+
+@pytest.mark.timeout(30)
+def test_completion_is_decided_once(server: Any) -> None:
+    a, b = _client(server), _client(server)
+    record = InterruptionRecord(initial_rank=1, interruption=Interruption.EXCEPTION)
+    a.record_interrupted(0, record)
+    assert a.completion(0, 0, {0, 1}, 10, 0.005) is False
+    # rank 1 completes afterwards: the outcome is already "restart"
+    assert b.completion(0, 1, {0, 1}, 10, 0.005) is False
+    thread, out = _in_thread(lambda: b.completion(1, None, {0}, None, 0.005))  # a spare
+    assert a.completion(1, 0, {0}, 10, 0.005) is True
+    thread.join(10)
+    assert out == [True]
+
+
+@pytest.mark.timeout(30)
+def test_restart_exception_wakes_a_sleeping_main_thread() -> None:
+    control = MainThreadControl(threading.RLock())
+    control.install()
+    try:
+        control.enter()
+
+        def fire() -> None:
+            time.sleep(0.2)
+            with control.lock:
+                control.interrupt()
+
+        thread = threading.Thread(target=fire, name="test-interrupter")
+        thread.start()
+        with pytest.raises(RankShouldRestart):
+            time.sleep(60)
+        control.leave()
+        thread.join(10)
+        assert control.interrupt() is False  # outside the function: nothing is raised
+        time.sleep(0.01)
+    finally:
+        control.uninstall()
+
+
+@pytest.mark.timeout(30)
+def test_watchdog_timestamps_only_while_python_runs() -> None:
+    shared = SharedProgress()
+    watchdog = ProgressWatchdog(shared, 0.02)
+    watchdog.start()
+    try:
+        end = time.monotonic() + 0.3
+        while time.monotonic() < end:
+            pass
+        assert time.monotonic() - shared.auto_ts < 0.25
+        time.sleep(0.5)  # GIL released, no bytecode: no timestamp
+        assert time.monotonic() - shared.auto_ts >= 0.4
+        assert shared.ping_ts == 0.0
+        watchdog.ping()
+        assert shared.progress() <= shared.ping_ts
+    finally:
+        watchdog.shutdown()
+        shared.close()
+
+
+@pytest.mark.timeout(30)
+def test_shutdown_new_connections_releases_a_blocked_reader() -> None:
+    listener = socket.create_server(("127.0.0.1", 0))
+    old = socket.create_connection(listener.getsockname())
+    old_peer, _ = listener.accept()
+    _sockets.mark_baseline()
+    new = socket.create_connection(listener.getsockname())
+    new_peer, _ = listener.accept()
+    got: list[bytes] = []
+    reader = threading.Thread(target=lambda: got.append(new.recv(10)), name="test-reader")
+    reader.start()
+    try:
+        # the listener and the connections opened before the baseline are spared
+        assert _sockets.shutdown_new_connections() == 2  # new and new_peer
+        reader.join(10)
+        assert got == [b""]
+        old.sendall(b"x")
+        assert old_peer.recv(1) == b"x"
+    finally:
+        _sockets.clear_baseline()
+        for s in (listener, old, old_peer, new, new_peer):
+            s.close()

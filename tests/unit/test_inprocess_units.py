@@ -1,0 +1,208 @@
+"""Pure logic of in-process restart: config, state, rank assignment, filters, records."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+
+import pytest
+
+from relaunch import inprocess
+from relaunch.errors import ConfigError, InProcessError
+from relaunch.inprocess import (
+    ActiveWorldSizeDivisibleBy,
+    Compose,
+    FillGaps,
+    Interruption,
+    InterruptionRecord,
+    MaxActiveWorldSize,
+    ShiftRanks,
+    State,
+    Status,
+)
+from relaunch.inprocess.attribution import decode_records
+
+S = datetime.timedelta(seconds=1)
+
+
+def test_public_names_are_pinned() -> None:
+    assert sorted(inprocess.__all__) == sorted(
+        [
+            "Abort",
+            "AbortTorchDistributed",
+            "ActivateAllRanks",
+            "ActiveWorldSizeDivisibleBy",
+            "BarrierTimeoutError",
+            "CallWrapper",
+            "Compose",
+            "CudaHealthCheck",
+            "FaultCounter",
+            "FillGaps",
+            "Finalize",
+            "HealthCheck",
+            "HealthCheckError",
+            "Initialize",
+            "InternalError",
+            "Interruption",
+            "InterruptionRecord",
+            "MaxActiveWorldSize",
+            "RankAssignment",
+            "RankFilter",
+            "RankShouldRestart",
+            "RestartAbort",
+            "RestartError",
+            "ShiftRanks",
+            "State",
+            "Status",
+            "Wrapper",
+            "WrapperConfig",
+            "rank_assignment",
+            "rank_filter",
+        ]
+    )
+    for name in inprocess.__all__:
+        assert hasattr(inprocess, name)
+
+
+def test_exception_tree() -> None:
+    assert issubclass(inprocess.RestartError, InProcessError)
+    for cls in (
+        inprocess.RestartAbort,
+        inprocess.HealthCheckError,
+        inprocess.InternalError,
+        inprocess.BarrierTimeoutError,
+    ):
+        assert issubclass(cls, inprocess.RestartError)
+    assert issubclass(inprocess.BarrierTimeoutError, TimeoutError)
+    assert not issubclass(inprocess.RankShouldRestart, Exception)
+
+
+BAD_PARAMETERS = [
+    ("store_factory", 3),
+    ("store_kwargs", [1]),
+    ("initialize", 3),
+    ("abort", "x"),
+    ("finalize", [print, 3]),
+    ("health_check", 1.5),
+    ("rank_assignment", None),
+    ("rank_filter", object()),
+    ("monitor_thread_interval", "1s"),
+    ("monitor_process_interval", -S),
+    ("progress_watchdog_interval", datetime.timedelta(0)),
+    ("soft_timeout", 200 * S),  # not below hard_timeout
+    ("hard_timeout", 10 * S),  # not above soft_timeout (60 s)
+    ("heartbeat_timeout", 500 * S),  # not below barrier_timeout
+    ("barrier_timeout", 80 * S),  # not above hard_timeout
+    ("completion_timeout", "x"),
+    ("last_call_wait", -S),
+    ("termination_grace_time", datetime.timedelta(0)),
+    ("monitor_process_logfile", "relative/path-{rank}.log"),
+    ("enabled", "yes"),
+]
+
+
+@pytest.mark.parametrize(("name", "value"), BAD_PARAMETERS, ids=[b[0] for b in BAD_PARAMETERS])
+def test_every_invalid_parameter_is_refused_with_its_name(name: str, value: object) -> None:
+    with pytest.raises(ConfigError, match=name):
+        inprocess.Wrapper(**{name: value})
+
+
+def test_every_parameter_is_covered_by_the_invalid_cases() -> None:
+    fields = {f.name for f in dataclasses.fields(inprocess.WrapperConfig)}
+    assert fields == {name for name, _ in BAD_PARAMETERS}
+
+
+def test_unknown_parameter_is_refused() -> None:
+    with pytest.raises(TypeError):
+        inprocess.Wrapper(soft_timeot=S)  # type: ignore[call-arg]
+
+
+def test_intervals_must_be_below_their_timeouts() -> None:
+    with pytest.raises(ConfigError, match="monitor_thread_interval"):
+        inprocess.Wrapper(monitor_thread_interval=61 * S)
+    with pytest.raises(ConfigError, match="monitor_process_interval"):
+        inprocess.Wrapper(monitor_process_interval=31 * S)
+
+
+def test_numbers_are_taken_as_seconds_and_names_are_readable() -> None:
+    wrapper = inprocess.Wrapper(soft_timeout=2, hard_timeout=4.5)
+    assert wrapper.soft_timeout == 2 * S
+    assert wrapper.hard_timeout == datetime.timedelta(seconds=4.5)
+    assert isinstance(wrapper.abort, inprocess.AbortTorchDistributed)
+
+
+def test_disabled_wrapper_returns_the_function_unchanged() -> None:
+    def train(call_wrapper: inprocess.CallWrapper | None = None) -> int:
+        return 7
+
+    assert inprocess.Wrapper(enabled=False)(train) is train
+
+
+def _state(rank: int, world: int = 4) -> State:
+    return State(rank=rank, world_size=world, initial_rank=rank, initial_world_size=world)
+
+
+def test_shift_ranks_closes_gaps_in_order() -> None:
+    shift = ShiftRanks()
+    result = {r: shift(_state(r), {1})[0] for r in range(4)}
+    assert result[1].status is Status.TERMINATED
+    assert [(result[r].rank, result[r].world_size) for r in (0, 2, 3)] == [(0, 3), (1, 3), (2, 3)]
+
+
+def test_fill_gaps_moves_only_the_highest_ranks() -> None:
+    fill = FillGaps()
+    result = {r: fill(_state(r, 5), {0, 2})[0] for r in (1, 3, 4)}
+    assert result[1].rank == 1
+    assert {result[3].rank, result[4].rank} == {0, 2}
+    assert all(s.world_size == 3 for s in result.values())
+
+
+def test_filters_choose_active_ranks_and_spares() -> None:
+    states = [MaxActiveWorldSize(3)(_state(r, 5).activate_all_ranks()) for r in range(5)]
+    assert [s.status for s in states] == [Status.ACTIVE] * 3 + [Status.INACTIVE] * 2
+    assert states[4].active_rank is None and states[0].active_world_size == 3
+    div = Compose(ActiveWorldSizeDivisibleBy(2), MaxActiveWorldSize(3))
+    states = [div(_state(r, 5).activate_all_ranks()) for r in range(5)]
+    assert [s.status for s in states] == [Status.ACTIVE] * 2 + [Status.INACTIVE] * 3
+
+
+def test_filter_parameters_are_validated() -> None:
+    with pytest.raises(ConfigError, match="max_active_world_size"):
+        MaxActiveWorldSize(0)
+    with pytest.raises(ConfigError, match="divisor"):
+        ActiveWorldSizeDivisibleBy(-1)
+    with pytest.raises(ConfigError, match="instances"):
+        Compose()
+
+
+def test_state_from_env_and_distributed_vars(monkeypatch: pytest.MonkeyPatch) -> None:
+    state = State.from_env({"RANK": "2", "WORLD_SIZE": "3"})
+    assert (state.rank, state.initial_rank, state.world_size) == (2, 2, 3)
+    monkeypatch.setenv("RANK", "9")
+    monkeypatch.setenv("WORLD_SIZE", "9")
+    dataclasses.replace(state, active_rank=1, active_world_size=2).set_distributed_vars()
+    import os
+
+    assert (os.environ["RANK"], os.environ["WORLD_SIZE"]) == ("1", "2")
+    with pytest.raises(ConfigError, match="initial_rank"):
+        State.from_env({"RANK": "3", "WORLD_SIZE": "3"})
+
+
+def test_interruption_records_round_trip_and_reject_garbage() -> None:
+    record = InterruptionRecord(
+        initial_rank=3, interruption=Interruption.SOFT_TIMEOUT, message="a\nb"
+    )
+    blob = (record.encode() + record.encode()).encode()
+    assert decode_records(blob) == [record, record]
+    with pytest.raises(inprocess.InternalError):
+        decode_records(b'{"version": 99}\n')
+    with pytest.raises(inprocess.InternalError):
+        decode_records(b"not json\n")
+
+
+def test_fault_counter_terminates_after_too_many_faults() -> None:
+    counter = inprocess.FaultCounter(max_rank_faults=1)
+    state = _state(0)
+    counter(state, RuntimeError())
+    with pytest.raises(RuntimeError):
+        counter(state, RuntimeError())
