@@ -168,7 +168,7 @@ LOST_NODE = """
 import json, sys, time
 from relaunch.rendezvous import RendezvousParameters, create_handler
 params = RendezvousParameters(backend="c10d", endpoint=sys.argv[1], run_id="lost",
-                              min_nodes=2, max_nodes=3)
+                              min_nodes=2, max_nodes=3, conf={"is_host": sys.argv[2]})
 handler = create_handler(params)
 while True:
     info = handler.next_rendezvous()
@@ -191,13 +191,11 @@ def bench_lost_node() -> None:
     for i in range(3):  # the first one hosts the store; the victim is the last one
         procs.append(
             subprocess.Popen(
-                [sys.executable, "-c", LOST_NODE, f"127.0.0.1:{port}"],
+                [sys.executable, "-c", LOST_NODE, f"127.0.0.1:{port}", str(int(i == 0))],
                 stdout=subprocess.PIPE,
                 start_new_session=True,
             )
         )
-        if i == 0:
-            time.sleep(1.0)
     try:
         for p in procs:
             assert p.stdout is not None
