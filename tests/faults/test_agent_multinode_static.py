@@ -79,3 +79,64 @@ def test_crash_on_one_node_restarts_both_with_clean_state(tmp_path: Path) -> Non
         assert node.returncode == 0, out[-3000:]
     done = {p.name: p.read_text() for p in tmp_path.glob("done_*")}
     assert done == {"done_0": "1", "done_1": "1", "done_2": "1", "done_3": "1"}
+
+
+ALWAYS_FAILS = """
+import os, sys, time
+from relaunch.errors import record
+
+@record
+def main():
+    if os.environ["RANK"] == "3":
+        time.sleep(0.5)
+        raise RuntimeError("rank three always fails, attempt " + os.environ["TORCHELASTIC_RESTART_COUNT"])
+    with open(os.path.join(sys.argv[1], "attempt_" + os.environ["RANK"]), "a") as f:
+        f.write(os.environ["TORCHELASTIC_RESTART_COUNT"] + "\\n")
+    time.sleep(600)
+
+main()
+"""
+
+
+@pytest.mark.timeout(150)
+def test_restart_budget_is_the_jobs_and_every_node_reports_the_root_cause(tmp_path: Path) -> None:
+    script = tmp_path / "fails.py"
+    script.write_text(textwrap.dedent(ALWAYS_FAILS))
+    port = free_port()
+    common = [
+        "--nnodes=2",
+        "--nproc-per-node=2",
+        "--rdzv-backend=static",
+        "--master-addr=127.0.0.1",
+        f"--master-port={port}",
+        "--max-restarts=2",
+        "--local-addr=127.0.0.1",
+        "--rdzv-id=job2",
+        "--no-warm-standby",
+    ]
+    nodes = [
+        subprocess.Popen(
+            [PY, "-m", "relaunch", *common, f"--node-rank={rank}", str(script), str(tmp_path)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
+    reports = []
+    try:
+        for node in nodes:
+            _, err = node.communicate(timeout=140)
+            reports.append(err)
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                node.kill()
+                node.wait()
+    assert [n.returncode for n in nodes] == [1, 1], reports
+    for report in reports:
+        root = report.split("Root Cause")[1]
+        assert "RuntimeError: rank three always fails, attempt 2" in root, report
+    # 3 attempts in all (2 restarts for the job), every node saw the same restart counts
+    for rank in (0, 1, 2):
+        assert (tmp_path / f"attempt_{rank}").read_text().split() == ["0", "1", "2"]

@@ -14,7 +14,13 @@ from string import Template
 from relaunch.agent._env import substitute_local_rank, worker_env
 from relaunch.agent._spec import RunResult, Worker, WorkerGroup, WorkerSpec, WorkerState
 from relaunch.config import Std
-from relaunch.errors import ProcessFailure, RendezvousError, StoreError
+from relaunch.errors import (
+    FailureFormatError,
+    ProcessFailure,
+    RendezvousClosedError,
+    RendezvousError,
+    StoreError,
+)
 from relaunch.events import Event, EventSink
 from relaunch.procs import (
     ProcessSpec,
@@ -33,6 +39,7 @@ __all__ = ["LocalAgent"]
 log = logging.getLogger(__name__)
 
 _WORKER_STORE_KEY = "relaunch/worker_store"
+_FAILURES_KEY = "relaunch/failures/"
 _EXIT_COUNT_KEY = "relaunch/exit_barrier/count"
 _EXIT_DONE_KEY = "relaunch/exit_barrier/done"
 
@@ -150,25 +157,43 @@ class LocalAgent:
                 self._emit("workers_succeeded", attempt=self._attempt)
                 self._exit_barrier()
                 return RunResult(state=state, return_values=self._return_values())
-            if state == WorkerState.FAILED:
-                self._emit(
-                    "workers_failed",
-                    attempt=self._attempt,
-                    failures={r: f.exitcode for r, f in failures.items()},
-                )
-                if self._remaining_restarts <= 0:
-                    self._stop_workers(signal.SIGTERM)
-                    self._emit("run_failed", attempt=self._attempt)
-                    return RunResult(state=state, failures=failures)
-                self._remaining_restarts -= 1
-                self._restart_count += 1
-                self._emit("restart", remaining_restarts=self._remaining_restarts)
-                self._restart()
-            elif self._handler.num_nodes_waiting() > 0:
-                self._emit("scale", waiting=True)
-                self._restart()
-            else:
-                self._maybe_start_standbys()
+            try:
+                if state == WorkerState.FAILED:
+                    result = self._on_failure(failures)
+                    if result is not None:
+                        return result
+                elif self._handler.num_nodes_waiting() > 0:
+                    self._emit("membership_changed")
+                    self._restart()
+                else:
+                    self._maybe_start_standbys()
+            except RendezvousClosedError:
+                # Another node gave up on the job (or it was closed): we fail with it.
+                self._stop_workers(signal.SIGTERM)
+                self._emit("rendezvous_closed")
+                return RunResult(state=WorkerState.FAILED, failures=self._job_failures({}))
+
+    def _on_failure(self, failures: dict[int, ProcessFailure]) -> RunResult | None:
+        """Restart after a worker failure, or end the run when the job's budget is spent."""
+        assert self._info is not None
+        self._emit(
+            "workers_failed",
+            attempt=self._attempt,
+            failures={r: f.exitcode for r, f in failures.items()},
+        )
+        self._publish_failures(failures)
+        total = self._handler.record_failure(self._info.round)
+        if total > self._spec.max_restarts:
+            self._stop_workers(signal.SIGTERM)
+            self._emit("run_failed", attempt=self._attempt, restarts=total - 1)
+            try:
+                self._handler.set_closed()  # the other nodes stop too
+            except (RendezvousError, StoreError) as exc:
+                log.warning("could not close the rendezvous: %s", exc)
+            return RunResult(state=WorkerState.FAILED, failures=self._job_failures(failures))
+        self._emit("restart", restarts=total, max_restarts=self._spec.max_restarts)
+        self._restart()
+        return None
 
     def _stopped(self) -> RunResult:
         sig = self._stop_signal or signal.SIGTERM
@@ -207,6 +232,8 @@ class LocalAgent:
         t0 = time.monotonic()
         info = self._handler.next_rendezvous()
         self._info = info
+        self._restart_count = self._handler.restart_count()
+        self._remaining_restarts = max(0, self._spec.max_restarts - self._restart_count)
         group = self._group
         group.group_rank, group.group_world_size, group.store = (
             info.rank,
@@ -412,6 +439,50 @@ class LocalAgent:
                 info.store.wait([_EXIT_DONE_KEY], timeout=self._spec.exit_barrier_timeout)
         except StoreError as exc:
             log.warning("exit barrier: %s (other nodes may still be running)", exc)
+
+    def _publish_failures(self, failures: dict[int, ProcessFailure]) -> None:
+        """Put this node's failures in the round store, for the job-wide report."""
+        if self._info is None or self._info.world_size <= 1:
+            return
+        record = {str(rank): f.to_json() for rank, f in failures.items()}
+        try:
+            self._info.store.set(
+                f"{_FAILURES_KEY}{self._info.rank}",
+                json.dumps({"version": 1, "failures": record}).encode(),
+            )
+        except StoreError as exc:
+            log.warning("could not publish failures: %s", exc)
+
+    def _job_failures(self, own: dict[int, ProcessFailure]) -> dict[int, ProcessFailure]:
+        """Every node's failures of the last round (ours included): the job's report.
+
+        Waits briefly for nodes whose workers are failing at the same moment.
+        """
+        info = self._info
+        found = dict(own)
+        if info is None or info.world_size <= 1:
+            return found
+        deadline = time.monotonic() + 2.0
+        pending = set(range(info.world_size)) - {info.rank}
+        while pending:
+            for rank in sorted(pending):
+                try:
+                    raw = info.store.get(f"{_FAILURES_KEY}{rank}")
+                except StoreError:
+                    return found
+                if raw is None:
+                    continue
+                pending.discard(rank)
+                try:
+                    data = json.loads(raw)
+                    for grank, failure in data["failures"].items():
+                        found.setdefault(int(grank), ProcessFailure.from_json(failure))
+                except (ValueError, KeyError, TypeError, AttributeError, FailureFormatError) as exc:
+                    log.warning("node %s published a corrupt failure record: %s", rank, exc)
+            if not pending or time.monotonic() >= deadline or (found and not own):
+                break
+            time.sleep(0.05)
+        return found
 
     def _return_values(self) -> dict[int, object]:
         """Return values of a function entrypoint, by global rank (None if unreadable)."""

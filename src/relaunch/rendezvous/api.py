@@ -74,7 +74,26 @@ class RendezvousHandler(Protocol):
         ...
 
     def num_nodes_waiting(self) -> int:
-        """Nodes waiting to join the next round (the agent restarts to admit them)."""
+        """Nodes waiting to join the next round (the agent restarts to admit them).
+
+        Also > 0 when a newer round started without this node, or when the
+        rendezvous was closed: either way the agent must stop its workers and
+        call :meth:`next_rendezvous` (which then raises RendezvousClosedError).
+        The agent calls it every monitor interval: keep it to one cheap read.
+        """
+        ...
+
+    def record_failure(self, failed_round: int) -> int:
+        """Count one failure restart of the job for ``failed_round``; return the job's total.
+
+        Every agent whose workers failed in that round calls it; the restart is
+        counted once per round however many nodes report it, so the restart
+        budget is the job's, not each node's.
+        """
+        ...
+
+    def restart_count(self) -> int:
+        """Failure restarts the job has spent so far (``TORCHELASTIC_RESTART_COUNT``)."""
         ...
 
     def get_run_id(self) -> str:

@@ -37,6 +37,7 @@ class StandaloneRendezvousHandler:
         self._run_id = run_id or uuid.uuid4().hex
         self._round = 0
         self._closed = False
+        self._failed_rounds: set[int] = set()
         self._store = MemoryStore()
 
     def get_backend(self) -> str:
@@ -46,7 +47,7 @@ class StandaloneRendezvousHandler:
         if self._closed:
             raise RendezvousClosedError(f"rendezvous {self._run_id!r} is closed")
         info = RendezvousInfo(
-            store=PrefixStore(self._store, f"round/{self._round}"),
+            store=PrefixStore(self._store, f"round/{self._round}/"),
             rank=0,
             world_size=1,
             round=self._round,
@@ -61,7 +62,15 @@ class StandaloneRendezvousHandler:
         self._closed = True
 
     def num_nodes_waiting(self) -> int:
-        return 0
+        return 1 if self._closed else 0
+
+    def record_failure(self, failed_round: int) -> int:
+        if failed_round not in self._failed_rounds:
+            self._failed_rounds.add(failed_round)
+        return len(self._failed_rounds)
+
+    def restart_count(self) -> int:
+        return len(self._failed_rounds)
 
     def get_run_id(self) -> str:
         return self._run_id
@@ -108,7 +117,7 @@ class StaticRendezvousHandler:
             raise RendezvousClosedError(f"rendezvous {self._run_id!r} is closed")
         rnd = self._round
         self._round += 1
-        store = PrefixStore(self._client, f"round/{rnd}")
+        store = PrefixStore(self._client, f"round/{rnd}/")
         if store.add("joined", 1) >= self._size:
             store.set("complete", b"1")
         try:
@@ -127,11 +136,26 @@ class StaticRendezvousHandler:
         self._client.set(_CLOSED_KEY, b"1")
 
     def num_nodes_waiting(self) -> int:
+        if self.is_closed():
+            return 1
         raw = self._client.get(f"round/{self._round}/joined")
         try:
             return int(raw) if raw else 0
         except ValueError:
             return 0
+
+    def record_failure(self, failed_round: int) -> int:
+        marker = f"failed/{failed_round}"
+        _, first = self._client.compare_set(marker, None, b"1")
+        if first:
+            total = self._client.add("restarts", 1)
+            self._client.set(f"{marker}/total", str(total).encode())
+            return total
+        self._client.wait([f"{marker}/total"], timeout=self._timeout)
+        return int(self._client.get(f"{marker}/total") or b"0")
+
+    def restart_count(self) -> int:
+        return int(self._client.get("restarts") or b"0")
 
     def get_run_id(self) -> str:
         return self._run_id
