@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import resource
-import signal
 import subprocess
 import sys
 import threading
@@ -223,6 +223,32 @@ def bench_lost_node() -> None:
                 p.stdout.close()
 
 
+def _one(kind: str, n: int, port: int, cap: float) -> tuple[float, int, int] | None:
+    """Run one measurement in a process of its own; None when it did not finish in time."""
+    cmd = [sys.executable, __file__, "--one", kind, str(n), str(port), "--torch-cap", str(cap)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=cap + 60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate(timeout=30)
+        return None
+    if proc.returncode != 0:
+        return None
+    seconds, ops, failures = out.split()[-3:]
+    return float(seconds), int(ops), int(failures)
+
+
+SERVER = """
+import sys
+from relaunch.store.tcp import TCPStoreServer
+server = TCPStoreServer(host="127.0.0.1", port=0).start()
+print(server.port, flush=True)
+sys.stdin.read()
+server.close()
+"""
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("sizes", nargs="*", type=int, default=[8, 64, 256, 1024])
@@ -230,15 +256,23 @@ def main() -> None:
     parser.add_argument("--no-torch", action="store_true")
     parser.add_argument("--server", choices=["relaunch", "torch"], default="relaunch")
     parser.add_argument("--lost-node", action="store_true")
+    parser.add_argument("--one", nargs=3, metavar=("KIND", "N", "PORT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
-    logging.basicConfig(level=logging.ERROR)
-    if args.lost_node:
-        bench_lost_node()
-        return
+    logging.basicConfig(level=logging.CRITICAL)
     _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     threading.stack_size(512 * 1024)
-
+    if args.lost_node:
+        bench_lost_node()
+        return
+    if args.one:
+        kind, n, port = args.one[0], int(args.one[1]), int(args.one[2])
+        if kind == "relaunch":
+            result = bench_relaunch(n, port, f"relaunch-{n}")
+        else:
+            result = bench_torch(n, port, f"torch-{n}", args.torch_cap)
+        print(*result, flush=True)
+        os._exit(0)  # torch's capped handler threads may still be running
     server: Any = None
     proc: subprocess.Popen[bytes] | None = None
     if args.server == "torch":
@@ -252,12 +286,15 @@ def main() -> None:
         )
         assert proc.stdout is not None
         port = int(proc.stdout.readline())
-    print(f"TCP store ({args.server} server) on 127.0.0.1:{port}")
+    print(f"TCP store ({args.server} server) on 127.0.0.1:{port}; each run in its own process")
+    print(f"{'N':>6} {'relaunch s':>11} {'ops':>8} {'torch s':>10} {'ops':>8} {'ratio':>8}")
     try:
-        _run(args, port)
+        for n in args.sizes:
+            _row(n, port, args)
     finally:
         if proc is not None:
-            proc.send_signal(signal.SIGTERM)
+            assert proc.stdin is not None
+            proc.stdin.close()  # the server exits at the end of its input
             try:
                 proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
@@ -265,34 +302,20 @@ def main() -> None:
                 proc.wait(timeout=10)
 
 
-SERVER = """
-import signal, sys
-from relaunch.store.tcp import TCPStoreServer
-server = TCPStoreServer(host="127.0.0.1", port=0).start()
-print(server.port, flush=True)
-signal.sigwait([signal.SIGTERM])
-server.close()
-"""
-
-
-def _run(args: argparse.Namespace, port: int) -> None:
-    print(f"{'N':>6} {'relaunch s':>11} {'ops':>8} {'torch s':>10} {'ops':>8} {'ratio':>8}")
-    for n in args.sizes:
-        ours_s, ours_ops, ours_fail = bench_relaunch(n, port, f"relaunch-{n}")
-        if args.no_torch:
-            print(f"{n:>6} {ours_s:>11.3f} {ours_ops:>8}")
-            continue
-        torch_s, torch_ops, torch_fail = bench_torch(n, port, f"torch-{n}", args.torch_cap)
-        capped = torch_fail > 0
-        torch_txt = f"> {args.torch_cap:.0f}" if capped else f"{torch_s:.3f}"
-        ratio = (args.torch_cap if capped else torch_s) / ours_s
-        ratio_txt = f"{'>' if capped else ''}{ratio:.1f}x"
-        fail_txt = f"  ({ours_fail} relaunch failures)" if ours_fail else ""
-        print(
-            f"{n:>6} {ours_s:>11.3f} {ours_ops:>8} {torch_txt:>10} {torch_ops:>8} "
-            f"{ratio_txt:>8}{fail_txt}",
-            flush=True,
-        )
+def _row(n: int, port: int, args: argparse.Namespace) -> None:
+    ours = _one("relaunch", n, port, 600.0)
+    if ours is None:
+        print(f"{n:>6} relaunch did not finish", flush=True)
+        return
+    line = f"{n:>6} {ours[0]:>11.3f} {ours[1]:>8}"
+    if not args.no_torch:
+        theirs = _one("torch", n, port, args.torch_cap)
+        if theirs is None or theirs[2]:
+            cap = args.torch_cap
+            line += f" {'> ' + format(cap, '.0f'):>10} {'?':>8} {'> ' + format(cap / ours[0], '.0f'):>7}x"
+        else:
+            line += f" {theirs[0]:>10.3f} {theirs[1]:>8} {theirs[0] / ours[0]:>7.1f}x"
+    print(line, flush=True)
 
 
 if __name__ == "__main__":
