@@ -99,7 +99,8 @@ _OPTS: dict[str, _Opt] = {
     "numa_binding": _Opt(None, "Not supported.", env=False, refuse=_NO.format("NUMA binding")),
     "signals_to_handle": _Opt(DEFAULT_SIGNALS, "Signals forwarded to the workers, "
                               "e.g. SIGTERM,SIGINT,SIGUSR1."),
-    "shutdown_timeout": _Opt(None, "Not supported yet.", refuse=_NO.format("a shutdown timeout")),
+    "shutdown_timeout": _Opt(None, "Seconds between SIGTERM and SIGKILL when stopping workers "
+                             "(default: TORCH_ELASTIC_SHUTDOWN_TIMEOUT, else 30)."),
     "virtual_local_rank": _Opt(None, "Not supported.", switch=True,
                                refuse=_NO.format("virtual local rank")),
     "exit_barrier_timeout": _Opt("300", "Seconds a finished node waits for the others."),
@@ -423,6 +424,9 @@ def parse_args(argv: Sequence[str] | None = None) -> LaunchConfig:
         master_port=values.integer("master_port", 0, 65535) if values.given("master_port") else None,
         local_addr=_check_host(values, "local_addr"),
         exit_barrier_timeout=values.number("exit_barrier_timeout", positive=False),
+        shutdown_timeout=_shutdown_timeout(values),
+        watchdog=os.environ.get("TORCHELASTIC_ENABLE_FILE_TIMER", "").strip() == "1",
+        watchdog_file=os.environ.get("TORCHELASTIC_TIMER_FILE", "").strip() or None,
         warm_standby=values.switch("warm_standby", default=True),
         log_line_prefix_template=_template(values),
         signals_to_handle=values.parsed("signals_to_handle", parse_signals),
@@ -431,6 +435,21 @@ def parse_args(argv: Sequence[str] | None = None) -> LaunchConfig:
         nproc_per_node=(nproc := _resolve_nproc(values, nproc_kind)),
         redirects=_std(values, "redirects", nproc), tee=_std(values, "tee", nproc),
     )  # fmt: skip
+
+
+def _shutdown_timeout(values: _Values) -> float:
+    if values.given("shutdown_timeout"):
+        return values.number("shutdown_timeout", positive=False)
+    text = os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "").strip() or "30"
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 <= value < float("inf"):
+        raise ConfigError(
+            f"TORCH_ELASTIC_SHUTDOWN_TIMEOUT: expected a finite number >= 0, got {text!r}"
+        )
+    return value
 
 
 def _configure_logging() -> None:

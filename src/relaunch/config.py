@@ -308,6 +308,12 @@ class LaunchConfig:
     """Console prefix template using ``${role_name}``, ``${rank}``, ``${local_rank}``."""
     signals_to_handle: tuple[int, ...]
     """Signal numbers the agent catches and forwards to the workers."""
+    shutdown_timeout: float = 30.0
+    """Seconds between SIGTERM and SIGKILL when the agent stops workers, >= 0."""
+    watchdog: bool = False
+    """Serve the worker watchdog's named pipe (``TORCHELASTIC_ENABLE_FILE_TIMER=1``)."""
+    watchdog_file: str | None = None
+    """The named pipe's path (``TORCHELASTIC_TIMER_FILE``); a temporary one if None."""
 
     def __post_init__(self) -> None:
         _check_int("min_nodes", self.min_nodes, 1)
@@ -367,6 +373,10 @@ class LaunchConfig:
         _check_text("local_addr", self.local_addr, optional=True)
         timeout = _check_float("exit_barrier_timeout", self.exit_barrier_timeout, positive=False)
         self._set("exit_barrier_timeout", timeout)
+        grace = _check_float("shutdown_timeout", self.shutdown_timeout, positive=False)
+        self._set("shutdown_timeout", grace)
+        _check_bool("watchdog", self.watchdog)
+        _check_text("watchdog_file", self.watchdog_file, optional=True)
         if self.log_line_prefix_template is not None:
             check_template(self.log_line_prefix_template, "log_line_prefix_template")
         signals = self.signals_to_handle

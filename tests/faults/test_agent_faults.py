@@ -9,7 +9,6 @@ import subprocess
 import sys
 import textwrap
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -89,10 +88,11 @@ def test_worker_ignoring_sigterm_is_killed_after_grace(tmp_path: Path) -> None:
         time.sleep(600)
         """,
     )
-    config = parse_args(["--standalone", "--nproc-per-node=2", s, str(tmp_path)])
-    spec = replace(
-        build_spec(config, create_rendezvous_handler(config), dict(os.environ)), stop_grace=0.5
+    config = parse_args(
+        ["--standalone", "--nproc-per-node=2", "--shutdown-timeout=0.5", s, str(tmp_path)]
     )
+    spec = build_spec(config, create_rendezvous_handler(config), dict(os.environ))
+    assert spec.stop_grace == 0.5
     result = LocalAgent(spec).run()
     assert result.state == WorkerState.FAILED
     assert [f.exitcode for f in result.failures.values()] == [3]

@@ -215,7 +215,7 @@ def test_log_line_prefix_template_from_torchelastic_env(
         (["--event-log-handler", "console"], "--event-log-handler: expected 'null'"),
         (["--logs-specs", "mine"], "--logs-specs: expected nothing"),
         (["--numa-binding", "node"], "--numa-binding: expected nothing"),
-        (["--shutdown-timeout", "5"], "--shutdown-timeout: expected nothing"),
+        (["--shutdown-timeout", "-1"], "--shutdown-timeout: expected a finite number >= 0"),
         (["--virtual-local-rank"], "--virtual-local-rank: expected nothing"),
         (["--duplicate-stdout-filters", "a"], "--duplicate-stdout-filters: expected nothing"),
         (["--run-path", "-m"], "--run-path: expected no --module"),
@@ -312,3 +312,16 @@ def test_empty_env_value_counts_as_unset(script: str, monkeypatch: pytest.Monkey
     monkeypatch.setenv("PET_STANDALONE", "")
     config = parse_args([script])
     assert (config.max_nodes, config.standalone) == (1, False)
+
+
+def test_shutdown_timeout_from_flag_env_and_default(
+    script: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", raising=False)
+    assert parse_args([script]).shutdown_timeout == 30.0
+    monkeypatch.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "7")
+    assert parse_args([script]).shutdown_timeout == 7.0
+    assert parse_args(["--shutdown_timeout", "2.5", script]).shutdown_timeout == 2.5
+    monkeypatch.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "soon")
+    with pytest.raises(ConfigError, match="TORCH_ELASTIC_SHUTDOWN_TIMEOUT: expected"):
+        parse_args([script])

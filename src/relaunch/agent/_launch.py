@@ -82,8 +82,9 @@ def build_spec(
         log_dir=config.log_dir,
         exit_barrier_timeout=config.exit_barrier_timeout,
         warm_standby=config.warm_standby,
-        watchdog=environ.get("TORCHELASTIC_ENABLE_FILE_TIMER") == "1",
-        watchdog_file=environ.get("TORCHELASTIC_TIMER_FILE") or None,
+        stop_grace=config.shutdown_timeout,
+        watchdog=config.watchdog,
+        watchdog_file=config.watchdog_file,
         base_env=_worker_base_env(config, environ),
     )
 
