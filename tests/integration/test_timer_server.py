@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import glob
 import os
 import signal
 import subprocess
@@ -22,16 +21,16 @@ TIMEOUT = 30
 TORCH_TIMEOUT = 100  # importing torch on a loaded 2-core machine can take long
 
 
-def _timer_dirs() -> set[str]:
-    return set(glob.glob(os.path.join(tempfile.gettempdir(), "relaunch-timer-*")))
-
-
 @pytest.fixture(autouse=True)
-def no_timer_leftovers() -> Iterator[None]:
-    dirs = _timer_dirs()
+def no_timer_leftovers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Private temp dirs go under this test's tmp_path (other engineers' tests run at the
+    same time), and none is left behind; neither is any thread."""
+    private = tmp_path / "tmp"
+    private.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(private))
     threads = set(threading.enumerate())
     yield
-    assert _timer_dirs() == dirs
+    assert list(private.iterdir()) == []
     assert set(threading.enumerate()) <= threads
 
 
