@@ -176,3 +176,56 @@ def test_warm_standby_runs_the_script_like_a_fresh_interpreter(tmp_path: Path) -
             assert fresh[key] == warm[key], key
         assert warm["restart"] == "1"
         assert warm["port"] != fresh["port"]  # a fresh store for the new attempt
+
+
+@pytest.mark.timeout(60)
+def test_workers_die_with_a_sigkilled_agent(tmp_path: Path) -> None:
+    s = script(
+        tmp_path,
+        "sleeper.py",
+        """
+        import os, sys, time
+        open(os.path.join(sys.argv[1], "pid_" + os.environ["LOCAL_RANK"]), "w").write(str(os.getpid()))
+        time.sleep(600)
+        """,
+    )
+    agent = subprocess.Popen(
+        [PY, "-m", "relaunch", "--standalone", "--nproc-per-node=2", s, str(tmp_path)],
+        stderr=subprocess.DEVNULL,
+    )
+    files = [tmp_path / "pid_0", tmp_path / "pid_1"]
+    wait_for(lambda: all(f.exists() and f.read_text() for f in files))
+    pids = [int(f.read_text()) for f in files]
+    agent.kill()
+    agent.wait(10)
+    wait_for(lambda: not any(alive(p) for p in pids), timeout=10)
+
+
+@pytest.mark.timeout(90)
+def test_no_temp_dir_or_pipe_left_after_success_failure_or_signal(tmp_path: Path) -> None:
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = {**os.environ, "TMPDIR": str(tmp), "TORCHELASTIC_ENABLE_FILE_TIMER": "1"}
+    ok = script(tmp_path, "ok.py", "print('fine')\n")
+    bad = script(tmp_path, "bad.py", "raise SystemExit(4)\n")
+    slow = script(tmp_path, "slow.py", "import time\ntime.sleep(600)\n")
+    for s, code in ((ok, 0), (bad, 1)):
+        r = subprocess.run(
+            [PY, "-m", "relaunch", "--standalone", "--nproc-per-node=2", "--tee=3", s],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=env,
+        )
+        assert r.returncode == code, r.stderr
+        assert list(tmp.iterdir()) == []
+    agent = subprocess.Popen(
+        [PY, "-m", "relaunch", "--standalone", "--nproc-per-node=2", slow],
+        env=env,
+        stderr=subprocess.DEVNULL,
+    )
+    wait_for(lambda: any(tmp.iterdir()))
+    time.sleep(0.5)
+    agent.send_signal(signal.SIGINT)
+    assert agent.wait(30) == 128 + signal.SIGINT
+    assert list(tmp.iterdir()) == []
