@@ -6,7 +6,10 @@ import contextlib
 import logging
 import os
 import selectors
+import signal
 import socket
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 
@@ -375,3 +378,30 @@ def test_an_internal_error_costs_one_connection(
         assert bystander.get("k") == b"v"
         assert victim.get("k") == b"v"  # reconnects
     assert "injected bug" in caplog.text
+
+
+def test_killed_waiting_client_is_forgotten(server: TCPStoreServer) -> None:
+    code = (
+        "import sys\n"
+        "from relaunch.store.tcp import TCPStoreClient\n"
+        f"c = TCPStoreClient('127.0.0.1', {server.port}, timeout=30)\n"
+        "c.set('ready', b'')\n"
+        "c.wait(['never'], timeout=60)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        with TCPStoreClient("127.0.0.1", server.port, timeout=30) as store:
+            store.wait(["ready"], timeout=60)
+            # ours: main + wait connection; the child's: main + wait connection
+            while server.connection_count < 4 and proc.poll() is None:
+                threading.Event().wait(0.01)
+            proc.send_signal(signal.SIGKILL)
+            assert proc.wait(30) == -signal.SIGKILL
+            while server.connection_count > 2:
+                threading.Event().wait(0.01)
+            store.set("never", b"")  # releases nobody; the dead waiter is gone
+            assert store.get("never") == b""
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)

@@ -69,8 +69,10 @@ class TCPStoreServer:
     """Serves torch's TCPStore protocol (torch 2.13 clients) from one daemon thread.
 
     ``listen_socket``, when given, is a bound (possibly listening) socket the
-    server takes over; it is closed by :meth:`close`. Otherwise :meth:`start`
-    binds ``host:port`` (port 0 picks a free port; read it from :attr:`port`).
+    server takes over (``host`` and ``port`` then come from it); it is closed by
+    :meth:`close`. Otherwise :meth:`start` binds ``host:port`` (port 0 picks a
+    free port; read it from :attr:`port`). ``host`` is a numeric address; a name
+    is resolved once, here.
     """
 
     def __init__(
@@ -95,7 +97,8 @@ class TCPStoreServer:
             else resolve_host(host, port)
         )
         if listen_socket is not None:
-            self._port = int(listen_socket.getsockname()[1])
+            bound = listen_socket.getsockname()
+            self._host, self._port = str(bound[0]), int(bound[1])
         self._state: StoreState[Client] = StoreState()
         self._conns: set[_Conn] = set()
         self._dirty: set[_Conn] = set()
@@ -273,6 +276,8 @@ class TCPStoreServer:
             return
         if reason is not None:
             log.warning("TCP store server drops client %s: %s", conn.addr, reason)
+        else:
+            log.debug("TCP store client %s disconnected", conn.addr)
         conn.closed = True
         self._state.cancel(conn)
         self._conns.discard(conn)
@@ -286,6 +291,9 @@ class TCPStoreServer:
         try:
             data = conn.sock.recv(_RECV_SIZE)
         except (BlockingIOError, InterruptedError):
+            return
+        except (ConnectionResetError, BrokenPipeError):  # a killed client: routine
+            self._drop(conn, None)
             return
         except OSError as exc:
             self._drop(conn, f"receive failed: {exc}")
@@ -343,6 +351,9 @@ class TCPStoreServer:
                 sent = conn.sock.send(conn.wbuf)
             except (BlockingIOError, InterruptedError):
                 sent = 0
+            except (ConnectionResetError, BrokenPipeError):
+                self._drop(conn, None)
+                return
             except OSError as exc:
                 self._drop(conn, f"send failed: {exc}")
                 return
