@@ -405,3 +405,14 @@ def test_killed_waiting_client_is_forgotten(server: TCPStoreServer) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+def test_public_names_and_no_torch_import() -> None:
+    from relaunch.store import tcp
+
+    assert sorted(tcp.__all__) == ["TCPStoreClient", "TCPStoreServer"]
+    code = "import sys, relaunch.store.tcp; print('torch' in sys.modules)"
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert out.stdout.strip() == "False"
