@@ -19,8 +19,10 @@ This file runs by path, outside the relaunch package: it must import nothing of 
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import importlib
+import importlib.machinery
 import json
 import os
 import runpy
@@ -29,6 +31,8 @@ import sys
 import sysconfig
 import threading
 import time
+import types
+import zipfile
 
 REQUEST_VERSION = 1
 
@@ -132,13 +136,30 @@ def _become_worker(request: dict[str, object]) -> None:
     if kind == "script":
         sys.argv = [target, *argv]
         sys.path.insert(0, os.path.dirname(os.path.realpath(target)))
-        runpy.run_path(target, run_name="__main__")
+        _run_script(os.path.abspath(target))
     elif kind == "module":
         sys.argv = [target, *argv]
         sys.path.insert(0, os.getcwd())
         runpy.run_module(target, run_name="__main__", alter_sys=True)
     else:
         _call_function(target, request)
+
+
+def _run_script(path: str) -> None:
+    """Run a script file exactly as ``python path`` does; directories and zips via runpy."""
+    if not os.path.isfile(path) or zipfile.is_zipfile(path):
+        runpy.run_path(path, run_name="__main__")
+        return
+    with open(path, "rb") as f:
+        source = f.read()
+    code = compile(source, path, "exec", dont_inherit=True)
+    main = types.ModuleType("__main__")
+    main.__file__ = path
+    main.__cached__ = None  # type: ignore[attr-defined]
+    main.__loader__ = importlib.machinery.SourceFileLoader("__main__", path)
+    main.__builtins__ = builtins  # type: ignore[attr-defined]
+    sys.modules["__main__"] = main
+    exec(code, main.__dict__)
 
 
 def _call_function(target: str, request: dict[str, object]) -> None:
@@ -194,7 +215,18 @@ def main() -> None:
         raise SystemExit("relaunch standby: malformed request")
     # Drop what this module added so the worker starts from a clean slate.
     sys.argv = sys.argv[:1]
-    _become_worker(request)
+    try:
+        _become_worker(request)
+    except (SystemExit, KeyboardInterrupt):
+        raise
+    except BaseException as exc:
+        # Print it as `python script.py` would: without this runner's and runpy's frames.
+        tb = exc.__traceback__
+        ours = (__file__, runpy.__file__, "<frozen runpy>")
+        while tb is not None and tb.tb_frame.f_code.co_filename in ours:
+            tb = tb.tb_next
+        sys.excepthook(type(exc), exc.with_traceback(tb), tb)
+        sys.exit(1)
 
 
 if __name__ == "__main__":
