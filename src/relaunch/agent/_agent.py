@@ -9,13 +9,17 @@ import signal
 import socket
 import threading
 import time
-from string import Template
 
-from relaunch.agent._env import substitute_local_rank, worker_env
+from relaunch.agent._env import substitute_local_rank, worker_env, worker_streams
+from relaunch.agent._round import (
+    exit_barrier,
+    gather_failures,
+    publish_failures,
+    publish_worker_store,
+    read_worker_store,
+)
 from relaunch.agent._spec import RunResult, Worker, WorkerGroup, WorkerSpec, WorkerState
-from relaunch.config import Std
 from relaunch.errors import (
-    FailureFormatError,
     ProcessFailure,
     RendezvousClosedError,
     RendezvousError,
@@ -26,7 +30,6 @@ from relaunch.procs import (
     ProcessSpec,
     RunLogDir,
     Standby,
-    TeeTarget,
     WorkerProcesses,
     set_child_subreaper,
 )
@@ -37,11 +40,6 @@ from relaunch.timer import TimerExpiry, TimerServer
 __all__ = ["LocalAgent"]
 
 log = logging.getLogger(__name__)
-
-_WORKER_STORE_KEY = "relaunch/worker_store"
-_FAILURES_KEY = "relaunch/failures/"
-_EXIT_COUNT_KEY = "relaunch/exit_barrier/count"
-_EXIT_DONE_KEY = "relaunch/exit_barrier/done"
 
 
 class LocalAgent:
@@ -266,52 +264,17 @@ class LocalAgent:
         if self._worker_store is not None:
             self._worker_store.close()
             self._worker_store = None
-        if info.rank == 0:
-            addr = self._advertised_addr(info.world_size)
-            bind = "127.0.0.1" if addr.startswith("127.") else "0.0.0.0"
-            port = self._spec.master_port if info.world_size == 1 and self._spec.master_port else 0
-            server = TCPStoreServer(host=bind, port=port)
-            server.start()
-            self._worker_store = server
-            if info.world_size > 1:
-                info.store.set(
-                    _WORKER_STORE_KEY, json.dumps({"addr": addr, "port": server.port}).encode()
-                )
-            return addr, server.port
-        info.store.wait([_WORKER_STORE_KEY], timeout=max(60.0, self._spec.exit_barrier_timeout))
-        raw = info.store.get(_WORKER_STORE_KEY)
-        try:
-            data = json.loads(raw or b"")
-            return str(data["addr"]), int(data["port"])
-        except (ValueError, KeyError, TypeError) as exc:
-            raise RendezvousError(f"bad worker store address in the round store: {raw!r}") from exc
-
-    def _streams(
-        self, local_rank: int, attempt_dir: str
-    ) -> tuple[str | None, str | None, list[TeeTarget]]:
-        spec = self._spec
-        tee = spec.tee.get(local_rank, Std.NONE)
-        redirect = spec.redirects.get(local_rank, Std.NONE) | tee
-        stdout = os.path.join(attempt_dir, "stdout.log") if redirect & Std.OUT else None
-        stderr = os.path.join(attempt_dir, "stderr.log") if redirect & Std.ERR else None
-        worker = self._group.workers[local_rank]
-        if spec.log_line_prefix_template:
-            prefix = Template(spec.log_line_prefix_template).safe_substitute(
-                role_name=spec.role, rank=worker.global_rank, local_rank=local_rank
-            )
-        else:
-            prefix = f"[{spec.role}{local_rank}]:"
-        targets: list[TeeTarget] = []
-        if tee & Std.OUT and stdout:
-            targets.append(TeeTarget(stdout, prefix, 1))
-        if tee & Std.ERR and stderr:
-            targets.append(TeeTarget(stderr, prefix, 2))
-        shown = spec.local_ranks_filter is None or local_rank in spec.local_ranks_filter
-        if not shown:
-            targets = []
-            stdout = stdout or os.devnull
-            stderr = stderr or os.devnull
-        return stdout, stderr, targets
+        if info.rank != 0:
+            return read_worker_store(info, timeout=max(60.0, self._spec.exit_barrier_timeout))
+        addr = self._advertised_addr(info.world_size)
+        bind = "127.0.0.1" if addr.startswith("127.") else "0.0.0.0"
+        port = self._spec.master_port if info.world_size == 1 and self._spec.master_port else 0
+        server = TCPStoreServer(host=bind, port=port)
+        server.start()
+        self._worker_store = server
+        if info.world_size > 1:
+            publish_worker_store(info, addr, server.port)
+        return addr, server.port
 
     def _start_workers(self) -> None:
         spec, group = self._spec, self._group
@@ -349,7 +312,7 @@ class LocalAgent:
             )
             self._envs[lr] = env
             self._error_files[lr] = error_file
-            stdout, stderr, tee = self._streams(lr, attempt_dir)
+            stdout, stderr, tee = worker_streams(spec, lr, worker.global_rank, attempt_dir)
             args = substitute_local_rank(spec.args, lr)
             is_function = spec.entrypoint.kind == "function"
             self._result_files[lr] = os.path.join(attempt_dir, "result.json")
@@ -429,60 +392,17 @@ class LocalAgent:
         self._emit("workers_stopped", attempt=self._attempt, exitcodes=codes)
 
     def _exit_barrier(self) -> None:
-        info = self._info
-        if info is None or info.world_size <= 1:
-            return
-        try:
-            if info.store.add(_EXIT_COUNT_KEY, 1) >= info.world_size:
-                info.store.set(_EXIT_DONE_KEY, b"1")
-            else:
-                info.store.wait([_EXIT_DONE_KEY], timeout=self._spec.exit_barrier_timeout)
-        except StoreError as exc:
-            log.warning("exit barrier: %s (other nodes may still be running)", exc)
+        if self._info is not None and self._info.world_size > 1:
+            exit_barrier(self._info, self._spec.exit_barrier_timeout)
 
     def _publish_failures(self, failures: dict[int, ProcessFailure]) -> None:
-        """Put this node's failures in the round store, for the job-wide report."""
-        if self._info is None or self._info.world_size <= 1:
-            return
-        record = {str(rank): f.to_json() for rank, f in failures.items()}
-        try:
-            self._info.store.set(
-                f"{_FAILURES_KEY}{self._info.rank}",
-                json.dumps({"version": 1, "failures": record}).encode(),
-            )
-        except StoreError as exc:
-            log.warning("could not publish failures: %s", exc)
+        if self._info is not None and self._info.world_size > 1:
+            publish_failures(self._info, failures)
 
     def _job_failures(self, own: dict[int, ProcessFailure]) -> dict[int, ProcessFailure]:
-        """Every node's failures of the last round (ours included): the job's report.
-
-        Waits briefly for nodes whose workers are failing at the same moment.
-        """
-        info = self._info
-        found = dict(own)
-        if info is None or info.world_size <= 1:
-            return found
-        deadline = time.monotonic() + 2.0
-        pending = set(range(info.world_size)) - {info.rank}
-        while pending:
-            for rank in sorted(pending):
-                try:
-                    raw = info.store.get(f"{_FAILURES_KEY}{rank}")
-                except StoreError:
-                    return found
-                if raw is None:
-                    continue
-                pending.discard(rank)
-                try:
-                    data = json.loads(raw)
-                    for grank, failure in data["failures"].items():
-                        found.setdefault(int(grank), ProcessFailure.from_json(failure))
-                except (ValueError, KeyError, TypeError, AttributeError, FailureFormatError) as exc:
-                    log.warning("node %s published a corrupt failure record: %s", rank, exc)
-            if not pending or time.monotonic() >= deadline or (found and not own):
-                break
-            time.sleep(0.05)
-        return found
+        if self._info is None or self._info.world_size <= 1:
+            return dict(own)
+        return gather_failures(self._info, own)
 
     def _return_values(self) -> dict[int, object]:
         """Return values of a function entrypoint, by global rank (None if unreadable)."""

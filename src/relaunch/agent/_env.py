@@ -1,10 +1,19 @@
-"""The environment each worker gets: exactly torchrun's keys and values."""
+"""What each worker gets: torchrun's environment, its arguments, its output streams."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
+from string import Template
+from typing import TYPE_CHECKING
 
-__all__ = ["substitute_local_rank", "worker_env"]
+from relaunch.config import Std
+from relaunch.procs import TeeTarget
+
+if TYPE_CHECKING:
+    from relaunch.agent._spec import WorkerSpec
+
+__all__ = ["substitute_local_rank", "worker_env", "worker_streams"]
 
 LOCAL_RANK_MACRO = "${local_rank}"
 
@@ -62,3 +71,32 @@ def worker_env(
     if extra:
         env.update(extra)
     return env
+
+
+def worker_streams(
+    spec: WorkerSpec, local_rank: int, global_rank: int, attempt_dir: str
+) -> tuple[str | None, str | None, list[TeeTarget]]:
+    """Where a worker's stdout and stderr go (a file, or None for the console) and what is tee'd.
+
+    Like torchrun: ``--tee`` implies the redirect to the file, then the file is shown with a
+    ``[<role><local_rank>]:`` prefix (or ``--log-line-prefix-template``); ranks outside
+    ``--local-ranks-filter`` are not shown (their console streams go to /dev/null).
+    """
+    tee = spec.tee.get(local_rank, Std.NONE)
+    redirect = spec.redirects.get(local_rank, Std.NONE) | tee
+    stdout = os.path.join(attempt_dir, "stdout.log") if redirect & Std.OUT else None
+    stderr = os.path.join(attempt_dir, "stderr.log") if redirect & Std.ERR else None
+    if spec.log_line_prefix_template:
+        prefix = Template(spec.log_line_prefix_template).safe_substitute(
+            role_name=spec.role, rank=global_rank, local_rank=local_rank
+        )
+    else:
+        prefix = f"[{spec.role}{local_rank}]:"
+    targets: list[TeeTarget] = []
+    if tee & Std.OUT and stdout:
+        targets.append(TeeTarget(stdout, prefix, 1))
+    if tee & Std.ERR and stderr:
+        targets.append(TeeTarget(stderr, prefix, 2))
+    if spec.local_ranks_filter is not None and local_rank not in spec.local_ranks_filter:
+        return stdout or os.devnull, stderr or os.devnull, []
+    return stdout, stderr, targets

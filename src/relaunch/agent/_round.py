@@ -1,0 +1,107 @@
+"""What the agents of one round share through its store (the round's protocol).
+
+Keys live under the round's own prefix, so no round sees another's:
+
+- ``relaunch/worker_store``: ``{"addr", "port"}`` of the store the rank-0 node hosts
+  for this round's workers;
+- ``relaunch/failures/<group rank>``: a node's failed workers (versioned JSON of
+  ProcessFailure records), for the one report every node prints;
+- ``relaunch/exit_barrier/*``: nodes done with the round.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+from relaunch.errors import FailureFormatError, ProcessFailure, RendezvousError, StoreError
+from relaunch.rendezvous import RendezvousInfo
+
+__all__ = [
+    "exit_barrier",
+    "gather_failures",
+    "publish_failures",
+    "publish_worker_store",
+    "read_worker_store",
+]
+
+log = logging.getLogger(__name__)
+
+_WORKER_STORE_KEY = "relaunch/worker_store"
+_FAILURES_KEY = "relaunch/failures/"
+_EXIT_COUNT_KEY = "relaunch/exit_barrier/count"
+_EXIT_DONE_KEY = "relaunch/exit_barrier/done"
+
+
+def publish_worker_store(info: RendezvousInfo, addr: str, port: int) -> None:
+    """Rank 0 tells the others where this round's workers' store is."""
+    info.store.set(_WORKER_STORE_KEY, json.dumps({"addr": addr, "port": port}).encode())
+
+
+def read_worker_store(info: RendezvousInfo, timeout: float) -> tuple[str, int]:
+    """Wait for rank 0's worker store address. Raises RendezvousError on a corrupt record."""
+    info.store.wait([_WORKER_STORE_KEY], timeout=timeout)
+    raw = info.store.get(_WORKER_STORE_KEY)
+    try:
+        data = json.loads(raw or b"")
+        return str(data["addr"]), int(data["port"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise RendezvousError(
+            f"corrupt worker store address at {_WORKER_STORE_KEY!r}: {raw!r:.200}"
+        ) from exc
+
+
+def publish_failures(info: RendezvousInfo, failures: dict[int, ProcessFailure]) -> None:
+    """Put this node's failures (by global rank) in the round store. Never raises."""
+    record = {str(rank): f.to_json() for rank, f in failures.items()}
+    try:
+        info.store.set(
+            f"{_FAILURES_KEY}{info.rank}",
+            json.dumps({"version": 1, "failures": record}).encode(),
+        )
+    except StoreError as exc:
+        log.warning("could not publish failures: %s", exc)
+
+
+def gather_failures(
+    info: RendezvousInfo, own: dict[int, ProcessFailure], wait: float = 2.0
+) -> dict[int, ProcessFailure]:
+    """Every node's published failures of the round, ours included: the job's report.
+
+    Waits up to ``wait`` seconds for nodes whose workers fail at the same moment;
+    a corrupt record is logged and skipped. Never raises.
+    """
+    found = dict(own)
+    deadline = time.monotonic() + wait
+    pending = set(range(info.world_size)) - {info.rank}
+    while pending:
+        for rank in sorted(pending):
+            try:
+                raw = info.store.get(f"{_FAILURES_KEY}{rank}")
+            except StoreError:
+                return found
+            if raw is None:
+                continue
+            pending.discard(rank)
+            try:
+                data = json.loads(raw)
+                for grank, failure in data["failures"].items():
+                    found.setdefault(int(grank), ProcessFailure.from_json(failure))
+            except (ValueError, KeyError, TypeError, AttributeError, FailureFormatError) as exc:
+                log.warning("node %s published a corrupt failure record: %s", rank, exc)
+        if not pending or time.monotonic() >= deadline or (found and not own):
+            break
+        time.sleep(0.05)
+    return found
+
+
+def exit_barrier(info: RendezvousInfo, timeout: float) -> None:
+    """Wait until every node of the round is done (or ``timeout``). Never raises."""
+    try:
+        if info.store.add(_EXIT_COUNT_KEY, 1) >= info.world_size:
+            info.store.set(_EXIT_DONE_KEY, b"1")
+        else:
+            info.store.wait([_EXIT_DONE_KEY], timeout=timeout)
+    except StoreError as exc:
+        log.warning("exit barrier: %s (other nodes may still be running)", exc)
