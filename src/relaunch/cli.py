@@ -18,13 +18,12 @@ import shutil
 import sys
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from importlib.machinery import PathFinder
 from typing import Any, NoReturn, TypeVar
 
+from relaunch._cli_options import OPTS
 from relaunch.config import (
     BACKENDS,
-    DEFAULT_SIGNALS,
     START_METHODS,
     LaunchConfig,
     Std,
@@ -45,70 +44,6 @@ _T = TypeVar("_T")
 _C10D_PORT = 29400
 _ETCD_PORT = 2379
 _STATIC_PORT = 29500
-
-
-@dataclass(frozen=True)
-class _Opt:
-    default: str | None
-    help: str
-    short: str | None = None
-    switch: bool = False
-    env: bool = True
-    refuse: str | None = None
-    """What a torchrun flag relaunch cannot honour must be (anything else is refused)."""
-
-    def flags(self, dest: str) -> tuple[str, ...]:
-        long = ("--" + dest.replace("_", "-"), "--" + dest) if "_" in dest else ("--" + dest,)
-        return (self.short, *long) if self.short else long
-
-
-_NO = "nothing ({} is not supported)"
-# dest -> option: --dash-case and --underscore_case spellings, PET_<DEST> as in torchrun.
-_OPTS: dict[str, _Opt] = {
-    "nnodes": _Opt("1:1", "Number of nodes, or MIN:MAX for an elastic job."),
-    "nproc_per_node": _Opt("1", "Workers per node: a number, auto, cpu, gpu or xpu."),
-    "rdzv_backend": _Opt("static", "Rendezvous backend: static, c10d or etcd."),
-    "rdzv_endpoint": _Opt("", "Rendezvous endpoint HOST[:PORT] (etcd: a comma-separated list)."),
-    "rdzv_id": _Opt("none", "Job id, the same on every node."),
-    "rdzv_conf": _Opt("", "Rendezvous options KEY=VALUE,... (join_timeout, last_call_timeout...)."),
-    "standalone": _Opt(None, "Single node: c10d rendezvous on 127.0.0.1 and a fresh job id; "
-                       "--rdzv-backend/-endpoint/-id and --nnodes are ignored.", switch=True),
-    "max_restarts": _Opt("0", "Worker group restarts allowed before the job fails."),
-    "monitor_interval": _Opt("0.1", "Seconds between two checks of the workers."),
-    "start_method": _Opt("spawn", "Start method for function entrypoints: spawn, fork, forkserver."),
-    "event_log_handler": _Opt("null", "Only 'null': relaunch writes its own structured events.",
-                              refuse="'null' (relaunch writes its own structured events)"),
-    "role": _Opt("default", "Role of the workers (ROLE_NAME)."),
-    "module": _Opt(None, "Run the entrypoint as a module (python -m).", "-m", switch=True),
-    "no_python": _Opt(None, "Execute the entrypoint directly, not with python.", switch=True),
-    "run_path": _Opt(None, "Run the script with runpy.run_path (wins over --no-python).",
-                     switch=True),
-    "log_dir": _Opt(None, "Base directory for the worker logs (default: a temporary one)."),
-    "redirects": _Opt("0", "Streams to log files only: 0-3 or LOCAL_RANK:0-3,... "
-                      "(1 stdout, 2 stderr, 3 both).", "-r"),
-    "tee": _Opt("0", "Streams to log files and console (format of --redirects).", "-t"),
-    "local_ranks_filter": _Opt("", "Show only these local ranks on the console, e.g. 0,1."),
-    "duplicate_stdout_filters": _Opt("", "Not supported.", refuse=_NO.format("duplication")),
-    "duplicate_stderr_filters": _Opt("", "Not supported.", refuse=_NO.format("duplication")),
-    "node_rank": _Opt("0", "This node's rank (static backend only)."),
-    "master_addr": _Opt(None, "Address of node 0 (static only; default 127.0.0.1)."),
-    "master_port": _Opt(None, "Port on node 0 (static only; default 29500)."),
-    "local_addr": _Opt(None, "This node's address as the other nodes reach it."),
-    "logs_specs": _Opt(None, "Not supported (relaunch has its own log layout).", env=False,
-                       refuse=_NO.format("a logs_specs plugin")),
-    "numa_binding": _Opt(None, "Not supported.", env=False, refuse=_NO.format("NUMA binding")),
-    "signals_to_handle": _Opt(DEFAULT_SIGNALS, "Signals forwarded to the workers, "
-                              "e.g. SIGTERM,SIGINT,SIGUSR1."),
-    "shutdown_timeout": _Opt(None, "Seconds between SIGTERM and SIGKILL when stopping workers "
-                             "(default: TORCH_ELASTIC_SHUTDOWN_TIMEOUT, else 30)."),
-    "virtual_local_rank": _Opt(None, "Not supported.", switch=True,
-                               refuse=_NO.format("virtual local rank")),
-    "exit_barrier_timeout": _Opt("300", "Seconds a finished node waits for the others."),
-    "log_line_prefix_template": _Opt(None, "Console line prefix, e.g. '[${role_name}${rank}]:' "
-                                     "(default: TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE)."),
-    "warm_standby": _Opt(None, "Keep a warm interpreter with torch imported per local rank: "
-                         "fast restarts (default).", switch=True),
-}  # fmt: skip
 
 
 class _Store(argparse.Action):
@@ -134,7 +69,7 @@ class _Parser(argparse.ArgumentParser):
 
 def _parser() -> _Parser:
     parser = _Parser(prog="relaunch", description="Fault-tolerant drop-in for torchrun.")
-    for dest, opt in _OPTS.items():
+    for dest, opt in OPTS.items():
         nargs = 0 if opt.switch else None
         const = True if opt.switch else None
         hint = f" [PET_{dest.upper()}]" if opt.env else ""
@@ -146,7 +81,7 @@ def _parser() -> _Parser:
                         action=_Store, nargs=0, const=False, help="Start every worker cold.")  # fmt: skip
     parser.add_argument("training_script", nargs="?", help="Script, module or binary to run.")
     parser.add_argument("training_script_args", nargs=argparse.REMAINDER)
-    parser.set_defaults(**dict.fromkeys(_OPTS))
+    parser.set_defaults(**dict.fromkeys(OPTS))
     return parser
 
 
@@ -162,13 +97,13 @@ class _Values:
         spelling: str | None = self._ns.spelling.get(dest)
         if spelling is not None:
             return spelling
-        canonical = next(f for f in _OPTS[dest].flags(dest) if f.startswith("--"))
+        canonical = next(f for f in OPTS[dest].flags(dest) if f.startswith("--"))
         if self._env_value(dest) is not None:
             return f"{canonical} (from PET_{dest.upper()})"
         return canonical
 
     def _env_value(self, dest: str) -> str | None:
-        if not _OPTS[dest].env:
+        if not OPTS[dest].env:
             return None
         return self._env.get(f"PET_{dest.upper()}") or None
 
@@ -183,7 +118,7 @@ class _Values:
         value = getattr(self._ns, dest)
         if value is None:
             value = self._env_value(dest)
-        return _OPTS[dest].default if value is None else str(value)
+        return OPTS[dest].default if value is None else str(value)
 
     def switch(self, dest: str, default: bool = False) -> bool:
         value = getattr(self._ns, dest)
@@ -390,7 +325,7 @@ def parse_args(argv: Sequence[str] | None = None) -> LaunchConfig:
     parser.argv = sys.argv[1:] if argv is None else argv
     ns = parser.parse_args(parser.argv, namespace=argparse.Namespace(spelling={}))
     values = _Values(ns, os.environ)
-    for dest, opt in _OPTS.items():
+    for dest, opt in OPTS.items():
         if opt.refuse and (values.switch(dest) if opt.switch else values.text(dest) != opt.default):
             values.fail(dest, opt.refuse, "set" if opt.switch else None)
     entrypoint, module, no_python, run_path = _entry(values, ns.training_script)
