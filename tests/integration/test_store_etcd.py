@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from relaunch.errors import ConfigError, StoreTimeoutError
+from relaunch.errors import ConfigError, StoreError, StoreTimeoutError
 from relaunch.rendezvous.api import RendezvousParameters
 from relaunch.rendezvous.handler import DynamicRendezvousHandler
 from relaunch.rendezvous.registry import create_handler
@@ -186,3 +186,29 @@ def test_cluster_member_killed_mid_job(cluster: list[Member]) -> None:
     for h in hs:
         assert h.shutdown()
     assert os.path.exists(ETCD)
+
+
+def test_user_and_password(etcd: Member) -> None:
+    ctl = [str(ETCD.parent / "etcdctl"), f"--endpoints=http://{etcd.endpoint}"]
+    for args in (["user", "add", "root:s3cret"], ["auth", "enable"]):
+        subprocess.run([*ctl, *args], check=True, capture_output=True, timeout=30)
+    store = EtcdStore([("127.0.0.1", etcd.client_port)], user="root", password="s3cret")
+    anonymous = EtcdStore([("127.0.0.1", etcd.client_port)])
+    try:
+        store.set("k", b"v")
+        assert store.get("k") == b"v"
+        assert store.compare_set("k", b"v", b"w") == (b"w", True)
+        with pytest.raises(StoreError):
+            anonymous.get("k")
+        with pytest.raises(ConfigError, match="user and password"):
+            EtcdStore([("127.0.0.1", etcd.client_port)], user="root")
+        with pytest.raises(ConfigError, match="cert and key"):
+            EtcdStore([("127.0.0.1", etcd.client_port)], cert="/nonexistent.pem")
+    finally:
+        store.close()
+        anonymous.close()
+
+
+def test_unknown_conf_key_is_refused(etcd: Member) -> None:
+    with pytest.raises(ConfigError, match=r"'timeout'.*join_timeout"):
+        create_handler(params(etcd.endpoint, 1, 1, timeout="3"))

@@ -12,7 +12,7 @@ Keys, under ``relaunch/rdzv/<run_id>/``:
     The join queue. A joining node takes ticket ``t`` (atomic add on ``req``) and
     writes its request at ``req/<t>``. The node holding the oldest unapplied
     ticket (the *head*) folds every pending request into the state in one
-    compare-and-set, then sets ``ack/<t>`` for each (``a <epoch> <round> <p|->``),
+    compare-and-set, then sets ``ack/<t>`` for each (``a <epoch> <round> <p|-> <c|o>``),
     and ``ack/<next>`` to ``h`` to hand the head over. So N nodes joining at once
     cost O(N) store operations, not the O(N^2) of everyone retrying the same
     compare-and-set, and a node that is not the head never reads the state.
@@ -25,6 +25,7 @@ Keys, under ``relaunch/rdzv/<run_id>/``:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from collections.abc import Callable
@@ -51,20 +52,26 @@ def key_prefix(run_id: str) -> str:
 
 @dataclass(frozen=True)
 class JoinAck:
-    """What the applier of a join request tells its node: ``ack/<t>`` = ``a <epoch> <round> <p|->``."""
+    """What the applier of a join request tells its node, at ``ack/<t>``."""
 
     epoch: int
     round: int
     participant: bool
     """Whether the node is a participant of ``round`` (else: read the state)."""
+    complete: bool
+    """Whether ``round`` was complete in the state that took the node in."""
+
+    def encode(self) -> bytes:
+        where = "p" if self.participant else "-"
+        return f"a {self.epoch} {self.round} {where} {'c' if self.complete else 'o'}".encode()
 
     @classmethod
     def parse(cls, raw: bytes) -> JoinAck | None:
         parts = raw.split()
-        if len(parts) != 4 or parts[0] != b"a":
+        if len(parts) != 5 or parts[0] != b"a":
             return None
         try:
-            return cls(int(parts[1]), int(parts[2]), parts[3] == b"p")
+            return cls(int(parts[1]), int(parts[2]), parts[3] == b"p", parts[4] == b"c")
         except ValueError:
             return None
 
@@ -128,12 +135,7 @@ class StateBackend:
             self._assign_key(state.round, node): f"{rank} {world}".encode()
             for node, rank in state.participants.items()
         }
-        multi_set = getattr(self.store, "multi_set", None)
-        if multi_set is not None:
-            multi_set(items)
-            return
-        for key, value in items.items():
-            self.store.set(key, value)
+        self._multi_set(items)
 
     def assignment(self, round_: int, node: str) -> tuple[int, int] | None:
         """``(rank, world_size)`` of ``node`` in round ``round_`` once it completed, else None."""
@@ -172,13 +174,17 @@ class StateBackend:
         """Queue the join request of ``node``; return once a state includes it.
 
         Returns what the applier reported (no state read), or None when the
-        caller must read the state to learn more.
+        caller must read the state to learn more. A node waiting in the queue
+        takes over the head's work only when the queue stalls, and then in
+        ticket order (one more node per stalled period), never all at once.
         """
         ticket = self.store.add(self.prefix + "req", 1)
         request = {"version": REQUEST_VERSION, "run_id": self.settings.run_id, "node": node}
         self.store.set(f"{self.prefix}req/{ticket}", json.dumps(request).encode())
         ack_key = f"{self.prefix}ack/{ticket}"
+        timeout = min(self.settings.heartbeat_timeout, self.settings.dead_after)
         head = ticket == 1
+        seen, stalls = -1, 0
         while True:
             if head:
                 state, raw = self.load()
@@ -187,9 +193,14 @@ class StateBackend:
                 self._apply_requests(state, raw)
                 head = False
             try:
-                self.store.wait([ack_key], self.settings.heartbeat_timeout)
+                self.store.wait([ack_key], timeout)
             except StoreTimeoutError:
-                head = True  # the head may have died: apply the queue ourselves
+                state, _ = self.load()
+                if state.applied >= ticket:
+                    return None
+                stalls = stalls + 1 if state.applied == seen else 0
+                seen = state.applied
+                head = ticket - state.applied <= 1 + stalls
                 continue
             ack = JoinAck.parse(self.store.get(ack_key) or b"")
             if ack is None:
@@ -197,18 +208,39 @@ class StateBackend:
                 continue
             return ack
 
-    def _read_request(self, ticket: int) -> str | None:
-        key = f"{self.prefix}req/{ticket}"
-        raw = self.store.get(key)
+    def _read_requests(self, first: int, last: int) -> list[str | None]:
+        """The node ids of join requests ``first..last`` (None: missing or refused)."""
+        keys = [f"{self.prefix}req/{t}" for t in range(first, last + 1)]
+        raws = self._multi_get(keys)
+        missing = [key for key, raw in zip(keys, raws, strict=True) if raw is None]
+        if missing:
+            # Taken tickets whose request is being written: wait a moment for them.
+            with contextlib.suppress(StoreTimeoutError):
+                self.store.wait(missing, self.settings.keep_alive_interval)
+            raws = self._multi_get(keys)
+        return [self._parse_request(key, raw) for key, raw in zip(keys, raws, strict=True)]
+
+    def _multi_get(self, keys: list[str]) -> list[bytes | None]:
+        multi_get = getattr(self.store, "multi_get", None)
+        if multi_get is not None and keys:
+            got: list[bytes | None] = multi_get(keys)
+            return got
+        return [self.store.get(key) for key in keys]
+
+    def _multi_set(self, items: dict[str, bytes]) -> None:
+        multi_set = getattr(self.store, "multi_set", None)
+        if multi_set is not None:
+            multi_set(items)
+            return
+        for key, value in items.items():
+            self.store.set(key, value)
+
+    def _parse_request(self, key: str, raw: bytes | None) -> str | None:
         if raw is None:
-            try:
-                self.store.wait([key], self.settings.keep_alive_interval)
-            except StoreTimeoutError:
-                logger.warning("join request %s never written; skipped", key)
-                return None
-            raw = self.store.get(key)
+            logger.warning("join request %s never written; skipped", key)
+            return None
         try:
-            doc = json.loads(raw or b"")
+            doc = json.loads(raw)
             if not isinstance(doc, dict) or doc.get("version") != REQUEST_VERSION:
                 raise ValueError("not a version 1 join request")
             if doc.get("run_id") != self.settings.run_id:
@@ -224,7 +256,7 @@ class StateBackend:
     def _apply_requests(self, state: RendezvousState, raw: bytes | None) -> None:
         last = self.store.add(self.prefix + "req", 0)
         first = state.applied + 1
-        nodes = [self._read_request(t) for t in range(first, last + 1)]
+        nodes = self._read_requests(first, last)
         now = self.clock()
         new, _ = remove_dead(state, now, self.settings)
         new = new.copy()
@@ -234,8 +266,9 @@ class StateBackend:
         new.applied = max(last, state.applied)
         new, _, written = self.commit(state, raw, new)
         if written:
+            acks = {}
             for ticket, node in zip(range(first, last + 1), nodes, strict=True):
-                where = "p" if node in new.participants else "-"
-                ack = f"a {new.epoch} {new.round} {where}".encode()
-                self.store.set(f"{self.prefix}ack/{ticket}", ack)
-            self.store.set(f"{self.prefix}ack/{last + 1}", b"h")
+                ack = JoinAck(new.epoch, new.round, node in new.participants, new.complete)
+                acks[f"{self.prefix}ack/{ticket}"] = ack.encode()
+            acks[f"{self.prefix}ack/{last + 1}"] = b"h"
+            self._multi_set(acks)

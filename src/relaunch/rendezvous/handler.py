@@ -14,6 +14,7 @@ from relaunch.errors import (
     RendezvousError,
     RendezvousGracefulExitError,
     RendezvousTimeoutError,
+    StoreConnectionError,
 )
 from relaunch.rendezvous._backend import StateBackend
 from relaunch.rendezvous._ops import (
@@ -161,8 +162,8 @@ class DynamicRendezvousHandler:
                 ack = self._rdzv.request_join(self._node)
                 if ack is not None and ack.participant:
                     timeout = min(settings.dead_after, deadline - now)
-                    got = self._rdzv.assignment(ack.round, self._node)
-                    if got is None and self._rdzv.wait_epoch(ack.epoch, timeout):
+                    got = None
+                    if ack.complete or self._rdzv.wait_epoch(ack.epoch, timeout):
                         got = self._rdzv.assignment(ack.round, self._node)
                     if got is not None:
                         return self._info(ack.round, *got)
@@ -207,6 +208,14 @@ class DynamicRendezvousHandler:
         return max(timeout, 0.001)
 
     def _fresh_state(self) -> RendezvousState:
+        try:
+            return self._read_fresh_state()
+        except StoreConnectionError as exc:
+            # The agent polls this; one broken connection is retried (the client reconnects).
+            logger.warning("rendezvous store read failed (%s); retrying once", exc)
+            return self._read_fresh_state()
+
+    def _read_fresh_state(self) -> RendezvousState:
         cached = self._cached
         if cached is not None and not self._rdzv.changed_since(cached):
             return cached
