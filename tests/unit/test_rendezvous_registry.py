@@ -1,0 +1,60 @@
+"""create_handler's validation (before any network) and endpoint parsing."""
+
+from __future__ import annotations
+
+import pytest
+
+from relaunch.errors import ConfigError
+from relaunch.rendezvous import RendezvousParameters, create_handler
+from relaunch.rendezvous.registry import _is_local_address, parse_endpoint
+
+
+def params(
+    backend: str = "c10d", endpoint: str = "127.0.0.1:1", **conf: str
+) -> RendezvousParameters:
+    return RendezvousParameters(
+        backend=backend, endpoint=endpoint, run_id="job", min_nodes=1, max_nodes=2, conf=conf
+    )
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("node0:29400", ("node0", 29400)),
+        ("node0", ("node0", 29400)),
+        ("10.0.0.1:5", ("10.0.0.1", 5)),
+        ("[::1]:7", ("::1", 7)),
+        ("[::1]", ("::1", 29400)),
+        ("fe80::1", ("fe80::1", 29400)),
+    ],
+)
+def test_parse_endpoint(text: str, expected: tuple[str, int]) -> None:
+    assert parse_endpoint(text, 29400) == expected
+
+
+@pytest.mark.parametrize("text", ["", "h:0", "h:70000", "h:x", "[::1"])
+def test_bad_endpoint(text: str) -> None:
+    with pytest.raises(ConfigError, match="--rdzv-endpoint"):
+        parse_endpoint(text, 29400)
+
+
+def test_unknown_backend_and_conf_keys_are_refused() -> None:
+    with pytest.raises(ConfigError, match="--rdzv-backend"):
+        create_handler(params(backend="zookeeper"))
+    with pytest.raises(ConfigError, match=r"'timeout'.*is_host.*join_timeout"):
+        create_handler(params(timeout="5"))
+    with pytest.raises(ConfigError, match="is_host"):
+        create_handler(params(is_host="maybe"))
+    with pytest.raises(ConfigError, match="read_timeout"):
+        create_handler(params(read_timeout="0"))
+    with pytest.raises(ConfigError, match="last_call_timeout"):
+        create_handler(params(last_call_timeout="-3"))
+    with pytest.raises(ConfigError, match="protocol"):
+        create_handler(params(backend="etcd", protocol="gopher"))
+
+
+def test_local_address_needs_no_dns() -> None:
+    assert _is_local_address("127.0.0.1", None)
+    assert _is_local_address("node7", "node7")
+    assert not _is_local_address("192.0.2.1", None)  # TEST-NET-1: never ours
+    assert not _is_local_address("some-other-host.invalid", None)
