@@ -416,3 +416,31 @@ def test_public_names_and_no_torch_import() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
     )
     assert out.stdout.strip() == "False"
+
+
+def test_concurrent_waits_of_one_client(server: TCPStoreServer) -> None:
+    with TCPStoreClient("127.0.0.1", server.port, timeout=30) as store:
+        errors: list[BaseException] = []
+
+        def wait(i: int) -> None:
+            try:
+                store.wait([f"key{i}", "all"], timeout=60)
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [
+            threading.Thread(target=wait, args=(i,), name=f"test-wait-{i}") for i in range(16)
+        ]
+        for thread in threads:
+            thread.start()
+        store.multi_set({f"key{i}": b"" for i in range(16)})
+        while server.connection_count < 17:  # every wait has its own connection
+            threading.Event().wait(0.01)
+        store.set("all", b"")
+        for thread in threads:
+            thread.join(60)
+        assert not errors and not any(t.is_alive() for t in threads)
+        # idle wait connections are bounded: the extra ones are closed (the server
+        # notices asynchronously)
+        while server.connection_count > 1 + 4:
+            threading.Event().wait(0.01)

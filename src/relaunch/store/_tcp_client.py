@@ -42,6 +42,7 @@ T = TypeVar("T")
 
 _CONNECT_BACKOFF_START = 0.01
 _CONNECT_BACKOFF_MAX = 0.5
+_MAX_IDLE_WAIT_CONNECTIONS = 4
 
 
 class TCPStoreClient:
@@ -323,7 +324,7 @@ class TCPStoreClient:
     def _return_wait_connection(self, conn: Connection) -> None:
         with self._pool_lock:
             self._busy_waits.discard(conn)
-            if not self._closed:
+            if not self._closed and len(self._idle_waits) < _MAX_IDLE_WAIT_CONNECTIONS:
                 self._idle_waits.append(conn)
                 return
         conn.close()
