@@ -211,3 +211,14 @@ def test_shutdown_does_not_close_for_the_others(store: MemoryStore) -> None:
     with pytest.raises(RendezvousClosedError):
         a.next_rendezvous()
     shut(b)
+
+
+def test_interrupt_ends_a_blocked_next_rendezvous(store: MemoryStore) -> None:
+    h = make(store, 2, 2)
+    with ThreadPoolExecutor(1, thread_name_prefix="test-rdzv") as pool:
+        blocked = pool.submit(h.next_rendezvous)
+        until(lambda: b"participants" in (store.get("relaunch/rdzv/job/state") or b""))
+        h.interrupt()
+        with pytest.raises(RendezvousClosedError, match="interrupted"):
+            blocked.result(timeout=30)
+    shut(h)

@@ -170,7 +170,9 @@ class StateBackend:
 
     # -- the join queue -------------------------------------------------------------
 
-    def request_join(self, node: str) -> JoinAck | None:
+    def request_join(
+        self, node: str, interrupted: Callable[[], bool] = lambda: False
+    ) -> JoinAck | None:
         """Queue the join request of ``node``; return once a state includes it.
 
         Returns what the applier reported (no state read), or None when the
@@ -186,6 +188,8 @@ class StateBackend:
         head = ticket == 1
         seen, stalls = -1, 0
         while True:
+            if interrupted():
+                return None
             if head:
                 state, raw = self.load()
                 if state.applied >= ticket:

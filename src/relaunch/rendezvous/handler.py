@@ -81,6 +81,7 @@ class DynamicRendezvousHandler:
         self._round: int | None = None
         self._cached: RendezvousState | None = None
         self._stop = threading.Event()
+        self._interrupted = threading.Event()
         self._thread: threading.Thread | None = None
         self._shut = False
         self._joined = False
@@ -130,6 +131,8 @@ class DynamicRendezvousHandler:
                 state, raw, _ = self._rdzv.commit(state, raw, new)
         self._joined = True
         while True:
+            if self._interrupted.is_set():
+                raise RendezvousClosedError(f"node {self._node}: next_rendezvous interrupted")
             now = self._clock()
             if state is None:
                 # First call: queue the request at once; its applier decides the placement.
@@ -159,7 +162,7 @@ class DynamicRendezvousHandler:
             if action in JOIN_REQUEST_ACTIONS:
                 if action is Action.REMOVE_FROM_REDUNDANCY_LIST:
                     deadline = now + settings.join_timeout
-                ack = self._rdzv.request_join(self._node)
+                ack = self._rdzv.request_join(self._node, self._interrupted.is_set)
                 if ack is not None and ack.participant:
                     timeout = min(settings.dead_after, deadline - now)
                     got = None
@@ -180,6 +183,15 @@ class DynamicRendezvousHandler:
                 assert state is not None
                 new = apply(action, state, self._node, now, settings)
                 state, raw, _ = self._rdzv.commit(state, raw, new)
+
+    def interrupt(self) -> None:
+        """Make a blocked :meth:`next_rendezvous` raise RendezvousClosedError soon.
+
+        Safe to call from a signal handler (it only sets an event); the call
+        returns within one wait slice (at most ``keep_alive_interval *
+        keep_alive_max_attempt`` seconds, 2 s by default).
+        """
+        self._interrupted.set()
 
     def _info(self, round_: int, rank: int, world_size: int) -> RendezvousInfo:
         self._round = round_
