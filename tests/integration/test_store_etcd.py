@@ -6,6 +6,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -212,3 +213,48 @@ def test_user_and_password(etcd: Member) -> None:
 def test_unknown_conf_key_is_refused(etcd: Member) -> None:
     with pytest.raises(ConfigError, match=r"'timeout'.*join_timeout"):
         create_handler(params(etcd.endpoint, 1, 1, timeout="3"))
+
+
+WORKER = r"""
+import os, time
+print("start", os.environ["GROUP_RANK"], os.environ["GROUP_WORLD_SIZE"], flush=True)
+if os.environ["GROUP_WORLD_SIZE"] != "2":
+    time.sleep(60)  # runs alone until the late node is admitted
+"""
+
+
+def test_agents_on_etcd_late_node_admitted(etcd: Member, tmp_path: Path) -> None:
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def agent(i: int) -> None:
+        cmd = [
+            sys.executable, "-m", "relaunch", "--nnodes=1:2", "--nproc-per-node=1",
+            "--rdzv-backend=etcd", f"--rdzv-endpoint={etcd.endpoint}", "--rdzv-id=job",
+            "--rdzv-conf=last_call_timeout=0.5", f"--log-dir={tmp_path / f'logs{i}'}",
+            str(script),
+        ]  # fmt: skip
+        with open(tmp_path / f"agent{i}.out", "wb") as out:
+            procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT))
+
+    def starts(i: int) -> list[str]:
+        text = (tmp_path / f"agent{i}.out").read_text(errors="replace")
+        return [line for line in text.splitlines() if line.startswith("start ")]
+
+    try:
+        agent(0)
+        end = time.monotonic() + 60
+        while not starts(0):
+            assert time.monotonic() < end and procs[0].poll() is None, starts(0)
+            time.sleep(0.05)
+        assert starts(0) == ["start 0 1"]
+        agent(1)
+        assert procs[0].wait(timeout=60) == 0
+        assert procs[1].wait(timeout=60) == 0
+        assert starts(0)[1:] + starts(1) in (["start 0 2", "start 1 2"], ["start 1 2", "start 0 2"])
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=10)
