@@ -319,11 +319,10 @@ def test_close_with_connected_clients_leaves_nothing() -> None:
         except BaseException as exc:
             errors.append(exc)
 
+    client.set("k", b"v")
+    client.wait(["k"], timeout=10)  # opens the (validated) wait connection the thread reuses
     thread = threading.Thread(target=wait, name="test-blocked-waiter")
     thread.start()
-    client.set("k", b"v")
-    while server.connection_count < 2 and thread.is_alive():  # the wait has its own connection
-        threading.Event().wait(0.01)
     raw = [_raw(server.port) for _ in range(20)]
     server.close()
     server.close()
