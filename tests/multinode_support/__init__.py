@@ -1,0 +1,1 @@
+"""Helpers for the multi-node acceptance tests: real ``relaunch`` agents as processes."""
