@@ -1,0 +1,112 @@
+"""Issue 3 acceptance, faults: a node lost, a spare stepping in, a corrupt rendezvous state.
+
+Real ``relaunch`` agents as separate processes on a c10d TCP store; gloo workers write
+one line per step (see ``tests/multinode_support``).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from relaunch.store.tcp import TCPStoreClient
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from multinode_support.cluster import Cluster, free_port  # noqa: E402
+
+pytestmark = pytest.mark.timeout(180)
+
+STATE_KEY = "relaunch/rdzv/job/state"  # src/relaunch/rendezvous/_backend.py, run id "job"
+HEARTBEAT = "keep_alive_interval=0.25,keep_alive_max_attempt=8"
+
+
+@pytest.fixture
+def c10d(tmp_path: Path) -> Iterator[Cluster]:
+    cluster = Cluster(tmp_path, backend="c10d", endpoint=f"127.0.0.1:{free_port()}")
+    try:
+        yield cluster
+    finally:
+        cluster.close()
+
+
+def read_state(cluster: Cluster) -> dict[str, object] | None:
+    host, port = cluster.endpoint.split(":")
+    try:
+        with TCPStoreClient(host, int(port), timeout=10) as client:
+            raw = client.get(STATE_KEY)
+    except OSError:
+        return None
+    except Exception:  # noqa: BLE001 - the store is not up yet
+        return None
+    doc: dict[str, object] | None = json.loads(raw) if raw else None
+    return doc
+
+
+def test_agent_killed_with_its_workers_survivor_finishes_alone(c10d: Cluster) -> None:
+    for node, host in (("a", 1), ("b", 0)):
+        c10d.start(
+            node, "until_world=1", "steps=3", nnodes="1:2", nproc=1, max_restarts=2,
+            conf=f"is_host={host},{HEARTBEAT}",
+        )  # fmt: skip
+    c10d.wait_for(
+        "both nodes training together",
+        lambda: {r.node for r in c10d.steps() if r.world == 2} == {"a", "b"},
+    )
+    c10d.kill("b")  # no goodbye: its workers die with it
+    assert c10d.wait_exit("a") == 0, c10d.outputs()
+    rows = c10d.steps("a")
+    assert rows[-1].world == 1 and rows[-1].rank == 0 and rows[-1].total == 1
+    names = [e.get("name") for e in c10d.events("a")]
+    assert "membership_changed" in names or "workers_failed" in names, names
+    assert names.count("rendezvous_complete") >= 2  # re-rendezvous after the loss
+    assert "workers_succeeded" in names
+
+
+def test_spare_steps_in_for_a_killed_participant(c10d: Cluster, tmp_path: Path) -> None:
+    go = tmp_path / "go"
+    args = (f"go={go}", "steps=3")
+    for node, host in (("a", 1), ("b", 0)):
+        c10d.start(node, *args, nnodes="2:2", nproc=1, max_restarts=2,
+                   conf=f"is_host={host},{HEARTBEAT}")  # fmt: skip
+    c10d.wait_for(
+        "two nodes training", lambda: {r.node for r in c10d.steps() if r.world == 2} == {"a", "b"}
+    )
+    c10d.start("c", *args, nnodes="2:2", nproc=1, max_restarts=2, conf=f"is_host=0,{HEARTBEAT}")
+
+    def spare_registered() -> bool:
+        state = read_state(c10d)
+        return bool(state and state.get("redundancy_list"))
+
+    c10d.wait_for("the third agent on the redundancy list", spare_registered)
+    assert c10d.steps("c") == []  # a spare: no worker started
+    c10d.kill("b")
+    c10d.wait_for("the spare training", lambda: bool(c10d.steps("c")))
+    go.touch()
+    assert c10d.wait_exit("a") == 0, c10d.outputs()
+    assert c10d.wait_exit("c") == 0, c10d.outputs()  # the spare exits too, with 0
+    last_a, last_c = c10d.steps("a")[-1], c10d.steps("c")[-1]
+    assert last_a.world == last_c.world == 2
+    assert {last_a.rank, last_c.rank} == {0, 1}
+    assert last_a.total == last_c.total == 3
+
+
+def test_corrupt_state_is_one_clear_line(c10d: Cluster) -> None:
+    c10d.start("a", "steps=3", nnodes="2", nproc=1, conf=f"is_host=1,{HEARTBEAT}")
+    c10d.wait_for("the rendezvous state in the store", lambda: read_state(c10d) is not None)
+    host, port = c10d.endpoint.split(":")
+    with TCPStoreClient(host, int(port), timeout=10) as client:
+        client.set(STATE_KEY, b"\x00\xffnot json{")
+    c10d.start("b", "steps=3", nnodes="2", nproc=1, conf=f"is_host=0,{HEARTBEAT}")
+    codes = {node: c10d.wait_exit(node, timeout=60) for node in ("a", "b")}
+    assert all(code != 0 for code in codes.values()), (codes, c10d.outputs())
+    for node in ("a", "b"):
+        text = c10d.output(node)
+        lines = [line for line in text.splitlines() if "RendezvousStateError" in line]
+        assert len(lines) == 1, text
+        assert STATE_KEY in lines[0], text
+        assert "Traceback" not in text, text
+    assert c10d.steps() == []
