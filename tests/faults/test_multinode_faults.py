@@ -16,7 +16,7 @@ import pytest
 from relaunch.store.tcp import TCPStoreClient
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from multinode_support.cluster import Cluster, free_port  # noqa: E402
+from multinode_support.cluster import Cluster, free_port
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -40,7 +40,7 @@ def read_state(cluster: Cluster) -> dict[str, object] | None:
             raw = client.get(STATE_KEY)
     except OSError:
         return None
-    except Exception:  # noqa: BLE001 - the store is not up yet
+    except Exception:
         return None
     doc: dict[str, object] | None = json.loads(raw) if raw else None
     return doc

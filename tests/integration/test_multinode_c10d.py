@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from multinode_support.cluster import Cluster, free_port  # noqa: E402
+from multinode_support.cluster import Cluster, free_port
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -11,6 +11,7 @@ so a test sees who trained, at which world size, after how many restarts.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -191,27 +192,19 @@ class Cluster:
     def kill(self, node: str) -> None:
         """SIGKILL agent ``node`` and its workers (its whole process group)."""
         proc = self.procs[node]
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
         proc.wait(timeout=10)
 
     def close(self) -> None:
         running = [p for p in self.procs.values() if p.poll() is None]
         for proc in running:  # all at once: a hosting agent waits for the others to leave
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
         for proc in running:
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                pass
         for proc in self.procs.values():  # the workers too, whatever the agent did
-            try:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
             proc.wait(timeout=10)
