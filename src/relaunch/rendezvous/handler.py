@@ -220,12 +220,14 @@ class DynamicRendezvousHandler:
         return max(timeout, 0.001)
 
     def _fresh_state(self) -> RendezvousState:
-        try:
-            return self._read_fresh_state()
-        except StoreConnectionError as exc:
-            # The agent polls this; one broken connection is retried (the client reconnects).
-            logger.warning("rendezvous store read failed (%s); retrying once", exc)
-            return self._read_fresh_state()
+        # The agent polls this: a broken connection is retried (the client reconnects).
+        for delay in (0.05, 0.2, 0.5):
+            try:
+                return self._read_fresh_state()
+            except StoreConnectionError as exc:
+                logger.warning("rendezvous store read failed (%s); retrying", exc)
+                time.sleep(delay)
+        return self._read_fresh_state()
 
     def _read_fresh_state(self) -> RendezvousState:
         cached = self._cached
