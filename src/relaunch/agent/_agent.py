@@ -66,6 +66,8 @@ class LocalAgent:
         self._envs: dict[int, dict[str, str]] = {}
         self._error_files: dict[int, str] = {}
         self._result_files: dict[int, str] = {}
+        self._markers: dict[int, str] = {}
+        self._lost: dict[int, ProcessFailure] = {}
         self._started_at = 0.0
         self._worker_store: TCPStoreServer | None = None
         self._info: RendezvousInfo | None = None
@@ -204,26 +206,44 @@ class LocalAgent:
         self._rendezvous_and_start()
 
     def _poll(self) -> tuple[WorkerState, dict[int, ProcessFailure]]:
+        """The group's state. A failed worker of an in-process restart group is *lost*, not
+        a group failure, while in-process peers of it still run: they go on without it."""
         assert self._procs is not None
         codes = self._procs.poll()
         pids = self._procs.pids()
         failures: dict[int, ProcessFailure] = {}
         for worker in self._group.workers:
-            code = codes.get(worker.local_rank)
-            if code is not None and code != 0:
-                failures[worker.global_rank] = ProcessFailure(
-                    local_rank=worker.local_rank,
-                    pid=pids[worker.local_rank],
-                    exitcode=code,
-                    error_file=self._error_files[worker.local_rank],
-                )
+            lr = worker.local_rank
+            code = codes.get(lr)
             if code is not None and self._timer is not None:
-                self._timer.clear_pid(pids[worker.local_rank])
+                self._timer.clear_pid(pids[lr])
+            if code is None or code == 0 or lr in self._lost:
+                continue
+            failure = ProcessFailure(
+                local_rank=lr, pid=pids[lr], exitcode=code, error_file=self._error_files[lr]
+            )
+            if self._peers_restart_in_process(lr, codes):
+                self._lost[worker.global_rank] = failure
+                self._emit("worker_lost", local_rank=lr, exitcode=code, reason=failure.message)
+                continue
+            failures[worker.global_rank] = failure
         if failures:
+            failures.update(self._lost)
             return WorkerState.FAILED, failures
-        if all(code == 0 for code in codes.values()):
+        if all(code is not None for code in codes.values()):
+            if len(self._lost) == len(codes):
+                return WorkerState.FAILED, dict(self._lost)
             return WorkerState.SUCCEEDED, failures
         return WorkerState.HEALTHY, failures
+
+    def _peers_restart_in_process(self, local_rank: int, codes: dict[int, int | None]) -> bool:
+        """Whether the worker ran under relaunch.inprocess, and so do running peers of it."""
+        markers = self._markers
+        return os.path.exists(markers[local_rank]) and any(
+            code is None and os.path.exists(markers[lr])
+            for lr, code in codes.items()
+            if lr != local_rank
+        )
 
     # -- rendezvous and start -------------------------------------------------------
     def _rendezvous_and_start(self) -> None:
@@ -282,6 +302,7 @@ class LocalAgent:
         assert group.master_port is not None and group.group_rank is not None
         assert group.group_world_size is not None
         self._attempt += 1
+        self._lost = {}
         extra: dict[str, str] = {}
         if self._timer is not None:
             extra["TORCHELASTIC_ENABLE_FILE_TIMER"] = "1"
@@ -308,8 +329,12 @@ class LocalAgent:
                 max_restarts=spec.max_restarts,
                 run_id=self._run_id,
                 error_file=error_file,
-                extra=extra,
+                extra={
+                    **extra,
+                    "RELAUNCH_INPROCESS_MARKER": os.path.join(attempt_dir, "inprocess"),
+                },
             )
+            self._markers[lr] = env["RELAUNCH_INPROCESS_MARKER"]
             self._envs[lr] = env
             self._error_files[lr] = error_file
             stdout, stderr, tee = worker_streams(spec, lr, worker.global_rank, attempt_dir)
