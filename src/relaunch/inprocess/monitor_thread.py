@@ -17,6 +17,7 @@ import contextlib
 import ctypes
 import logging
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -80,9 +81,27 @@ class MainThreadControl:
             except RankShouldRestart:
                 continue
 
+    def importing(self) -> bool:
+        """Whether the main thread is inside the import machinery.
+
+        An exception raised asynchronously there can leave a module lock of
+        ``importlib._bootstrap`` in a broken state (later imports of that module
+        spin or deadlock), so the restart exception waits until the import is over.
+        """
+        frame = sys._current_frames().get(self.ident)
+        while frame is not None:
+            if frame.f_code.co_filename.startswith("<frozen importlib"):
+                return True
+            frame = frame.f_back
+        return False
+
     def interrupt(self) -> bool:
-        """Raise RankShouldRestart in the main thread if inside the function (hold the lock)."""
-        if not self.in_fn:
+        """Raise RankShouldRestart in the main thread if inside the function (hold the lock).
+
+        Returns False when nothing was raised (outside the function, or importing:
+        the caller retries).
+        """
+        if not self.in_fn or self.importing():
             return False
         _set_async_exc(self.ident, RankShouldRestart)
         if self.is_main:
@@ -119,6 +138,8 @@ class MonitorThread:
         self.triggered = threading.Event()
         self._stop = threading.Event()
         self._soft_recorded = False
+        self._retry = min(interval, 0.01)
+        self._deferred = False
         self._thread = threading.Thread(
             target=self._run, name=f"relaunch-inprocess-monitor-{iteration}", daemon=True
         )
@@ -128,10 +149,10 @@ class MonitorThread:
 
     def _run(self) -> None:
         try:
-            while not self._stop.wait(self.interval):
+            while not self._stop.wait(self._retry if self._deferred else self.interval):
                 if self.triggered.is_set():
-                    with self.control.lock:  # re-deliver if swallowed
-                        self.control.interrupt()
+                    with self.control.lock:  # re-deliver if swallowed or deferred
+                        self._deferred = self.control.in_fn and not self.control.interrupt()
                     continue
                 if self._interrupted():
                     self._trigger()
@@ -185,7 +206,7 @@ class MonitorThread:
             try:
                 self.abort()
             finally:
-                self.control.interrupt()
+                self._deferred = not self.control.interrupt() and self.control.in_fn
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stop watching (the main thread has left the function). Joins the thread."""

@@ -1,0 +1,237 @@
+"""In-process restart vs process restart: fault -> every surviving rank trains again.
+
+    python bench/inprocess_restart.py [--runs 3] [--faults exception,sigkill,hang]
+                                      [--launcher-a relaunch] [--single-node]
+
+The same 2x2 gloo DDP job (two agents of two workers each on this host, c10d
+rendezvous) and the same fault, injected in rank 1 at step 20, recovered
+(a) by ``relaunch.inprocess`` under the ``relaunch`` launcher (``--launcher-a
+torchrun`` runs the wrapper under torchrun instead), and
+(b) by torchrun's process restart (``--max-restarts 3``), in the same run.
+Reported: seconds from the fault to the moment every surviving rank completed a
+training step again (median of ``--runs``), and the ratio; then the wrapper's
+overhead on a step loop without faults. Run by hand, not in CI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import fmt, in_loopback_netns, median
+
+PY = sys.executable
+LAUNCHERS = {
+    "relaunch": [PY, "-m", "relaunch"],
+    "torchrun": [PY, "-m", "torch.distributed.run"],
+}
+
+TRAIN = textwrap.dedent(
+    """
+    import datetime, json, os, signal, sys, time
+    import torch, torch.distributed as dist
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    mode, fault, out, steps, pg_timeout, soft = sys.argv[1:7]
+    steps, pg_timeout, soft = int(steps), float(pg_timeout), float(soft)
+    rank0 = int(os.environ["RANK"]); attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    log = open(os.path.join(out, f"{rank0}.{os.getpid()}.log"), "a", buffering=1)
+    def emit(kind, **kw):
+        log.write(json.dumps({"kind": kind, "t": time.time(), "attempt": attempt, **kw}) + "\\n")
+    def body(iteration, ping):
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=pg_timeout))
+        torch.manual_seed(0)
+        model = DDP(nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 1)))
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        started = time.perf_counter()
+        for step in range(steps):
+            if fault != "none" and rank0 == 1 and attempt == 0 and iteration == 0 and step == 20:
+                emit("fault")
+                if fault == "exception":
+                    raise RuntimeError("injected")
+                if fault == "sigkill":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                if fault == "hang":
+                    time.sleep(3600)
+            x = torch.randn(64, 256)
+            loss = model(x).pow(2).mean()
+            opt.zero_grad(); loss.backward(); opt.step()
+            if fault != "none":
+                emit("step", step=step, iteration=iteration)
+            ping()
+        emit("loop", seconds=time.perf_counter() - started, steps=steps)
+        dist.destroy_process_group()
+    if mode == "inprocess":
+        from relaunch import inprocess
+        @inprocess.Wrapper(
+            soft_timeout=datetime.timedelta(seconds=soft),
+            hard_timeout=datetime.timedelta(seconds=2 * soft),
+            heartbeat_timeout=datetime.timedelta(seconds=10),
+            barrier_timeout=datetime.timedelta(seconds=60),
+        )
+        def train(call_wrapper: inprocess.CallWrapper | None = None):
+            body(call_wrapper.iteration, call_wrapper.ping)
+        train()
+    else:
+        body(0, lambda: None)
+    """
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _events(out: Path) -> list[dict[str, object]]:
+    rows = []
+    for path in out.glob("*.log"):
+        rank = int(path.name.split(".")[0])
+        for line in path.read_text().splitlines():
+            try:
+                rows.append({**json.loads(line), "rank": rank})
+            except ValueError:
+                continue  # a line being written
+    return rows
+
+
+def _start(
+    launcher: str, args: argparse.Namespace, script: str, argv: list[str]
+) -> list[subprocess.Popen[bytes]]:
+    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1"}
+    if args.single_node:
+        topo = [["--standalone", "--nproc-per-node=4"]]
+    else:
+        port, rid = _free_port(), f"bench{time.monotonic_ns()}"
+        common = ["--nnodes=2", "--nproc-per-node=2", "--rdzv-backend=c10d"]
+        common += [f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={rid}"]
+        topo = [common, common]
+    return [
+        subprocess.Popen(
+            [*LAUNCHERS[launcher], *t, "--max-restarts=3", "--monitor-interval=0.1", script, *argv],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        for t in topo
+    ]
+
+
+def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+    for proc in procs:
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def recovery(launcher: str, mode: str, fault: str, args: argparse.Namespace, script: str) -> float:
+    """Seconds from the fault until every surviving rank completed a step after it."""
+    with tempfile.TemporaryDirectory(prefix="relaunch_bench_") as tmp:
+        out = Path(tmp)
+        argv = [mode, fault, str(out), "100000", str(args.pg_timeout), str(args.soft_timeout)]
+        procs = _start(launcher, args, script, argv)
+        try:
+            deadline = time.monotonic() + args.pg_timeout * 3 + 180
+            while time.monotonic() < deadline:
+                rows = _events(out)
+                faults = [float(r["t"]) for r in rows if r["kind"] == "fault"]  # type: ignore[arg-type]
+                if faults:
+                    t0 = faults[0]
+                    firsts: dict[int, float] = {}
+                    for r in rows:
+                        t, rank = float(r["t"]), int(r["rank"])  # type: ignore[arg-type, call-overload]
+                        if r["kind"] == "step" and t > t0:
+                            firsts[rank] = min(firsts.get(rank, t), t)
+                    survivors = 3 if fault == "sigkill" and mode == "inprocess" else 4
+                    if len(firsts) >= survivors:
+                        return max(sorted(firsts.values())[:survivors]) - t0
+                if all(p.poll() is not None for p in procs):
+                    raise RuntimeError(
+                        f"{launcher}/{mode}/{fault}: the job ended without recovering"
+                    )
+                time.sleep(0.02)
+            raise RuntimeError(f"{launcher}/{mode}/{fault}: no recovery in time")
+        finally:
+            _stop(procs)
+
+
+def overhead(launcher: str, args: argparse.Namespace, script: str) -> dict[str, float]:
+    """Seconds per step of the loop without faults, plain and wrapped (median over ranks)."""
+    result = {}
+    for mode in ("plain", "inprocess"):
+        with tempfile.TemporaryDirectory(prefix="relaunch_bench_") as tmp:
+            out = Path(tmp)
+            argv = [mode, "none", str(out), str(args.overhead_steps), "60", "30"]
+            procs = _start(launcher, args, script, argv)
+            try:
+                for proc in procs:
+                    proc.wait(600)
+            finally:
+                _stop(procs)
+            loops = [r for r in _events(out) if r["kind"] == "loop"]
+            result[mode] = median([float(r["seconds"]) / float(r["steps"]) for r in loops])  # type: ignore[arg-type]
+    return result
+
+
+def main() -> None:
+    in_loopback_netns()
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--faults", default="exception,sigkill,hang")
+    parser.add_argument("--launcher-a", default="relaunch", choices=sorted(LAUNCHERS))
+    parser.add_argument("--single-node", action="store_true", help="one agent of 4 workers")
+    parser.add_argument("--pg-timeout", type=float, default=30.0, help="gloo timeout (s)")
+    parser.add_argument("--soft-timeout", type=float, default=2.0, help="wrapper soft timeout (s)")
+    parser.add_argument("--overhead-steps", type=int, default=2000)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="relaunch_bench_") as tmp:
+        script = os.path.join(tmp, "train.py")
+        Path(script).write_text(TRAIN)
+        cases = {"a": (args.launcher_a, "inprocess"), "b": ("torchrun", "plain")}
+        print(f"fault -> every surviving rank trained a step again (median of {args.runs})")
+        print(
+            f"  (a) relaunch.inprocess under {args.launcher_a}, soft_timeout {args.soft_timeout} s"
+        )
+        print(f"  (b) torchrun process restart, gloo timeout {args.pg_timeout} s")
+        for fault in args.faults.split(","):
+            times: dict[str, list[float]] = {"a": [], "b": []}
+            for _ in range(args.runs):
+                for key, (launcher, mode) in cases.items():  # interleaved
+                    try:
+                        times[key].append(recovery(launcher, mode, fault, args, script))
+                    except RuntimeError as exc:
+                        print(f"    {fault}: ({key}) failed: {exc}")
+            ratio = (
+                median(times["b"]) / median(times["a"])
+                if times["a"] and times["b"]
+                else float("nan")
+            )
+            print(f"  {fault:9s} (a) {fmt(times['a'])}")
+            print(f"  {'':9s} (b) {fmt(times['b'])}   ratio b/a {ratio:.1f}x")
+        per_step = overhead(args.launcher_a, args, script)
+        extra = per_step["inprocess"] / per_step["plain"] - 1
+        print(
+            f"overhead, {args.overhead_steps} steps: plain {per_step['plain'] * 1e3:.3f} ms/step, "
+            f"wrapped {per_step['inprocess'] * 1e3:.3f} ms/step ({extra * 100:+.2f} %)"
+        )
+
+
+if __name__ == "__main__":
+    main()
