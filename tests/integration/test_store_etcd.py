@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -118,6 +119,19 @@ def cluster(tmp_path: Path) -> Iterator[list[Member]]:
         m.stop()
 
 
+def leader(members: list[Member]) -> Member:
+    """The member that leads the cluster now."""
+    for m in members:
+        request = urllib.request.Request(
+            f"http://{m.endpoint}/v3/maintenance/status", data=b"{}", method="POST"
+        )
+        with urllib.request.urlopen(request, timeout=5) as r:
+            status = json.loads(r.read())
+        if status["leader"] == status["header"]["member_id"]:
+            return m
+    raise AssertionError("no leader")
+
+
 def store_for(*members: Member, prefix: str = "t/") -> EtcdStore:
     return EtcdStore([("127.0.0.1", m.client_port) for m in members], prefix=prefix, timeout=5)
 
@@ -175,12 +189,12 @@ def test_two_nodes_rendezvous_over_etcd(etcd: Member) -> None:
 
 def test_cluster_member_killed_mid_job(cluster: list[Member]) -> None:
     endpoint = ",".join(m.endpoint for m in cluster)
-    conf = {"keep_alive_max_attempt": "25", "read_timeout": "2"}
+    conf = {"keep_alive_max_attempt": "40", "read_timeout": "5"}
     hs = [create_handler(params(endpoint, 2, 2, **conf)) for _ in range(2)]
     assert all(isinstance(h, DynamicRendezvousHandler) for h in hs)
     with ThreadPoolExecutor(2, thread_name_prefix="test-etcd") as pool:
         first = list(pool.map(lambda h: h.next_rendezvous(), hs))
-        cluster[0].kill()  # the member every node talks to first
+        leader(cluster).kill()  # an election follows; nodes fail over and retry
         second = list(pool.map(lambda h: h.next_rendezvous(), hs))
     assert {i.round for i in second} == {first[0].round + 1}
     assert sorted(i.rank for i in second) == [0, 1]

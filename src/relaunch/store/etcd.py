@@ -120,6 +120,20 @@ class EtcdStore:
         self._authed.add(index)
 
     def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        """POST to the first endpoint that answers; sweep again (backing off) while the
+        cluster has no leader or no endpoint answers, for up to ``timeout`` seconds."""
+        deadline = time.monotonic() + self._timeout
+        delay = 0.05
+        while True:
+            result, errors = self._sweep(path, body)
+            if result is not None:
+                return result
+            if time.monotonic() + delay > deadline:
+                raise StoreConnectionError("no etcd endpoint answered: " + "; ".join(errors))
+            time.sleep(delay)
+            delay = min(delay * 2, 1.0)
+
+    def _sweep(self, path: str, body: dict[str, Any]) -> tuple[dict[str, Any] | None, list[str]]:
         if self._closed:
             raise StoreClosedError("the etcd store is closed")
         errors = []
@@ -147,8 +161,8 @@ class EtcdStore:
                 logger.info("etcd store: failed over to %s", self._endpoints[index])
                 self._current = index
             result: dict[str, Any] = resp.json()
-            return result
-        raise StoreConnectionError("no etcd endpoint answered: " + "; ".join(errors))
+            return result, errors
+        return None, errors
 
     def _key(self, key: str) -> str:
         return _b64(self._prefix + key)
