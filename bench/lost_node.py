@@ -210,15 +210,31 @@ def budget(name: str, script: str) -> str:
             job.close()
         crash_log = out / "crashes.log"
         times = [float(x.split()[1]) for x in crash_log.read_text().splitlines()]
-        steps = {n: _steps(out, n) for n in ("a", "b")}
-        survived = sum(1 for t in times if all(any(s[2] > t for s in steps[n]) for n in ("a", "b")))
-        after_last = (
-            {n: any(s[2] > times[-1] for s in steps[n]) for n in ("a", "b")} if times else {}
-        )
+        starts = {n: _restarted_steps(out, n) for n in ("a", "b")}
+
+        def trained_after(node: str, t: float) -> set[int]:
+            """World sizes of steps by workers started after ``t`` on ``node``."""
+            return {world for started, world in starts[node] if started > t}
+
+        survived = sum(1 for t in times if trained_after("a", t) and trained_after("b", t))
+        last = {n: sorted(trained_after(n, times[-1])) for n in ("a", "b")} if times else {}
         return (
             f"{len(times)} crashes, {survived} followed by training on both nodes; "
-            f"trained after the last crash: {after_last}; exit codes {codes}"
+            f"world sizes trained after the last crash: {last}; exit codes {codes}"
         )
+
+
+def _restarted_steps(out: Path, node: str) -> list[tuple[float, int]]:
+    """(start time of the worker, world size) of every step of ``node``."""
+    rows = []
+    for path in sorted(out.glob(f"steps_{node}_*.log")):
+        started = 0.0
+        for parts in (line.split() for line in path.read_text().splitlines()):
+            if len(parts) == 5 and parts[0] == "pid":
+                started = float(parts[4])
+            elif len(parts) == 5 and parts[0] == "step":
+                rows.append((started, int(parts[2])))
+    return rows
 
 
 def main() -> None:

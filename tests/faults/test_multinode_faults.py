@@ -46,10 +46,13 @@ def read_state(cluster: Cluster) -> dict[str, object] | None:
     return doc
 
 
-def test_agent_killed_with_its_workers_survivor_finishes_alone(c10d: Cluster) -> None:
+def test_agent_killed_with_its_workers_survivor_finishes_alone(
+    c10d: Cluster, tmp_path: Path
+) -> None:
+    go = tmp_path / "go"  # workers train on until it exists, then 3 more steps
     for node, host in (("a", 1), ("b", 0)):
         c10d.start(
-            node, "until_world=1", "steps=3", nnodes="1:2", nproc=1, max_restarts=2,
+            node, f"go={go}", "steps=3", nnodes="1:2", nproc=1, max_restarts=2,
             conf=f"is_host={host},{HEARTBEAT}",
         )  # fmt: skip
     c10d.wait_for(
@@ -57,6 +60,8 @@ def test_agent_killed_with_its_workers_survivor_finishes_alone(c10d: Cluster) ->
         lambda: {r.node for r in c10d.steps() if r.world == 2} == {"a", "b"},
     )
     c10d.kill("b")  # no goodbye: its workers die with it
+    c10d.wait_for("the survivor training alone", lambda: c10d.steps("a")[-1].world == 1)
+    go.touch()
     assert c10d.wait_exit("a") == 0, c10d.outputs()
     rows = c10d.steps("a")
     assert rows[-1].world == 1 and rows[-1].rank == 0 and rows[-1].total == 1

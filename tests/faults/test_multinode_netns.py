@@ -97,10 +97,11 @@ def net() -> Iterator[Net]:
 
 def test_cut_off_node_noticed_and_the_others_go_on_smaller(net: Net, tmp_path: Path) -> None:
     cluster = Cluster(tmp_path, backend="c10d", endpoint=f"{net.addr(0)}:29433")
+    go = tmp_path / "go"  # workers train on until it exists, then 3 more steps
     try:
         for i, ns in enumerate(net.spaces):
             cluster.start(
-                str(i), "until_world=1", "steps=3", nnodes="1:2", nproc=1, max_restarts=2,
+                str(i), f"go={go}", "steps=3", nnodes="1:2", nproc=1, max_restarts=2,
                 conf=f"is_host={int(i == 0)},{HEARTBEAT}", local_addr=net.addr(i),
                 prefix=("ip", "netns", "exec", ns),
                 extra_env={"GLOO_SOCKET_IFNAME": net.inner(i)},
@@ -110,6 +111,8 @@ def test_cut_off_node_noticed_and_the_others_go_on_smaller(net: Net, tmp_path: P
             lambda: {r.node for r in cluster.steps() if r.world == 2} == {"0", "1"},
         )
         net.cut(1)  # node 0 hosts the store: node 1 is cut off from it and from node 0
+        cluster.wait_for("node 0 training alone", lambda: cluster.steps("0")[-1].world == 1)
+        go.touch()
         assert cluster.wait_exit("0") == 0, cluster.outputs()
         last = cluster.steps("0")[-1]
         assert (last.world, last.rank, last.total) == (1, 0, 1)
