@@ -272,3 +272,40 @@ def test_agents_on_etcd_late_node_admitted(etcd: Member, tmp_path: Path) -> None
             if proc.poll() is None:
                 proc.kill()
                 proc.wait(timeout=10)
+
+
+NODE = r"""
+import json, sys, time
+from relaunch.rendezvous import RendezvousParameters, create_handler
+params = RendezvousParameters(backend="etcd", endpoint=sys.argv[1], run_id="job", min_nodes=2,
+                              max_nodes=3, conf={"last_call_timeout": "600"})
+handler = create_handler(params)
+while True:
+    info = handler.next_rendezvous()
+    print(json.dumps({"round": info.round, "world": info.world_size}), flush=True)
+    while handler.num_nodes_waiting() == 0:
+        time.sleep(0.05)
+"""
+
+
+def test_killed_node_found_dead_by_its_lease(etcd: Member) -> None:
+    procs = [
+        subprocess.Popen([sys.executable, "-c", NODE, etcd.endpoint], stdout=subprocess.PIPE)
+        for _ in range(3)
+    ]
+    try:
+        for p in procs:
+            assert p.stdout is not None
+            assert json.loads(p.stdout.readline())["world"] == 3
+        procs[2].kill()  # its lease is no longer refreshed: etcd drops its key
+        procs[2].wait(timeout=10)
+        for p in procs[:2]:
+            assert p.stdout is not None
+            assert json.loads(p.stdout.readline()) == {"round": 1, "world": 2}
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=10)
+            if p.stdout is not None:
+                p.stdout.close()

@@ -253,3 +253,15 @@ def test_settings_validation_names_the_parameter() -> None:
         run_id="j", min_nodes=1, max_nodes=2, conf={"last_call_timeout": "1.5"}
     )
     assert got.last_call_timeout == 1.5 and got.dead_after == 2.0
+
+
+def test_store_liveness_replaces_heartbeat_times() -> None:
+    s = settings(1, 3)
+    state = joined(["a_1_0", "b_1_0"], s)
+    # fresh heartbeats, but the store (etcd leases) says b is gone: b is dead
+    new, dead = remove_dead(state, T0, s, alive={"a_1_0"})
+    assert dead == ["b_1_0"] and state.round == 0
+    assert new.round == 1 and new.expected == {"a_1_0"}
+    # stale heartbeats, but both leases alive: nobody is dead (no clock involved)
+    same, dead = remove_dead(state, T0 + 1000, s, alive={"a_1_0", "b_1_0"})
+    assert dead == [] and same is state

@@ -19,6 +19,10 @@ Keys, under ``relaunch/rdzv/<run_id>/``:
 ``assign/<r>/<node>``
     ``"<rank> <world_size>"``, written (before the epoch key) by whoever
     completes round ``r``: a participant learns its rank with one small read.
+``alive/<node>``
+    Only with a store that has leases (etcd): the node's liveness key, under its
+    lease. Then a node is dead when its key is gone, as etcd judges it, and the
+    heartbeat times in the state are not used (no clock skew between hosts).
 ``round/<r>/``
     The prefix of the store handed out with round ``r``.
 """
@@ -90,6 +94,27 @@ class StateBackend:
         self.clock = clock
         self.prefix = key_prefix(settings.run_id)
         self.state_key = self.prefix + "state"
+
+    def alive(self) -> set[str] | None:
+        """Nodes the store itself knows alive (etcd: a key under a lease), or None.
+
+        None means the store has no liveness of its own: heartbeats in the state decide.
+        """
+        keys_with_prefix = getattr(self.store, "keys_with_prefix", None)
+        if keys_with_prefix is None:
+            return None
+        cut = len(self.prefix) + len("alive/")
+        return {key[cut:] for key in keys_with_prefix(self.prefix + "alive/")}
+
+    def announce(self, node: str) -> None:
+        """Register ``node``'s liveness key when the store has leases (before joining)."""
+        set_ephemeral = getattr(self.store, "set_ephemeral", None)
+        if set_ephemeral is not None:
+            set_ephemeral(f"{self.prefix}alive/{node}", b"1", self.settings.dead_after)
+
+    def remove_dead(self, state: RendezvousState, now: float) -> tuple[RendezvousState, list[str]]:
+        """:func:`remove_dead` with the store's own liveness when it has one."""
+        return remove_dead(state, now, self.settings, self.alive())
 
     def fresh(self) -> RendezvousState:
         return RendezvousState(run_id=self.settings.run_id)
@@ -262,7 +287,7 @@ class StateBackend:
         first = state.applied + 1
         nodes = self._read_requests(first, last)
         now = self.clock()
-        new, _ = remove_dead(state, now, self.settings)
+        new, _ = self.remove_dead(state, now)
         new = new.copy()
         for node in nodes:
             if node is not None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Collection
 
 from relaunch.rendezvous._settings import RendezvousSettings
 from relaunch.rendezvous._state import RendezvousState, node_sort_key
@@ -261,14 +262,22 @@ def _forget(
 
 
 def remove_dead(
-    state: RendezvousState, now: float, settings: RendezvousSettings
+    state: RendezvousState,
+    now: float,
+    settings: RendezvousSettings,
+    alive: Collection[str] | None = None,
 ) -> tuple[RendezvousState, list[str]]:
-    """Drop nodes whose heartbeat is older than ``settings.dead_after``.
+    """Drop dead nodes: with ``alive`` (the store's own liveness, e.g. etcd leases),
+    every node not in it; else each node whose heartbeat is older than
+    ``settings.dead_after``.
 
     Returns the (possibly unchanged, then identical) state and the dead nodes.
     """
-    limit = now - settings.dead_after
-    dead = sorted(n for n, last in state.last_heartbeats.items() if last < limit)
+    if alive is not None:
+        dead = sorted(n for n in state.last_heartbeats if n not in alive)
+    else:
+        limit = now - settings.dead_after
+        dead = sorted(n for n, last in state.last_heartbeats.items() if last < limit)
     if not dead:
         return state, dead
     new = state.copy()

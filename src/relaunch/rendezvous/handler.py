@@ -28,7 +28,6 @@ from relaunch.rendezvous._ops import (
     decide_leave,
     nodes_waiting,
     record_failure,
-    remove_dead,
 )
 from relaunch.rendezvous._settings import RendezvousSettings
 from relaunch.rendezvous._state import RendezvousState, new_node_id
@@ -116,6 +115,7 @@ class DynamicRendezvousHandler:
             raise RendezvousClosedError("this rendezvous handler was shut down")
         settings = self._settings
         deadline = self._clock() + settings.join_timeout
+        self._rdzv.announce(self._node)
         self._start_keep_alive()
         state: RendezvousState | None = None
         raw: bytes | None = None
@@ -138,7 +138,7 @@ class DynamicRendezvousHandler:
                 # First call: queue the request at once; its applier decides the placement.
                 action = Action.ADD_TO_PARTICIPANTS
             else:
-                cleaned, dead = remove_dead(state, now, settings)
+                cleaned, dead = self._rdzv.remove_dead(state, now)
                 if dead:
                     logger.info("rendezvous %s: removing dead nodes %s", settings.run_id, dead)
                     state, raw, _ = self._rdzv.commit(state, raw, cleaned)
@@ -307,7 +307,7 @@ class DynamicRendezvousHandler:
         state, raw = rdzv.load()
         while not self._stop.is_set():
             now = self._clock()
-            new, dead = remove_dead(state, now, self._settings)
+            new, dead = rdzv.remove_dead(state, now)
             action = decide_keep_alive(new, self._node, now, self._settings, deadline)
             if action is Action.ERROR_TIMEOUT:
                 raise RendezvousTimeoutError(f"heartbeat of {self._node} not written in time")
@@ -377,7 +377,7 @@ class DynamicRendezvousHandler:
         state, raw = self._rdzv.load()
         while True:
             now = self._clock()
-            new, dead = remove_dead(state, now, self._settings)
+            new, dead = self._rdzv.remove_dead(state, now)
             if dead:
                 state, raw, _ = self._rdzv.commit(state, raw, new)
                 continue

@@ -102,6 +102,9 @@ class EtcdStore:
         self._authed: set[int] = set()
         self._lock = threading.Lock()
         self._closed = False
+        self._lease: int | None = None
+        self._lease_stop = threading.Event()
+        self._lease_thread: threading.Thread | None = None
 
     # -- transport -------------------------------------------------------------------
 
@@ -272,10 +275,72 @@ class EtcdStore:
         finally:
             resp.close()
 
+    # -- liveness: one lease per store (per node) -------------------------------------
+
+    def set_ephemeral(self, key: str, value: bytes, ttl: float) -> None:
+        """Set ``key`` under this store's lease (granted at first use with ``ttl`` seconds).
+
+        A named thread refreshes the lease every ``ttl / 3`` s until :meth:`close`,
+        which revokes it: the key vanishes at once on a clean exit and ``ttl``
+        seconds after a crash, as judged by etcd (no clock of ours involved).
+        """
+        with self._lock:
+            if self._lease is None:
+                reply = self._post("/lease/grant", {"TTL": max(1, math.ceil(ttl)), "ID": 0})
+                self._lease = int(reply["ID"])
+            lease = self._lease
+            if self._lease_thread is None:
+                self._lease_thread = threading.Thread(
+                    target=self._refresh_lease,
+                    args=(max(ttl / 3, 0.1),),
+                    name=f"relaunch-etcd-lease-{lease:x}",
+                    daemon=True,
+                )
+                self._lease_thread.start()
+        self._post("/kv/put", {"key": self._key(key), "value": _b64(value), "lease": str(lease)})
+
+    def _refresh_lease(self, interval: float) -> None:
+        while not self._lease_stop.wait(interval):
+            lease = self._lease
+            if lease is None:
+                continue
+            try:
+                reply = self._post("/lease/keepalive", {"ID": str(lease)})
+            except StoreError as exc:
+                logger.warning("etcd lease %x not refreshed: %s", lease, exc)
+                continue
+            if int(reply.get("result", {}).get("TTL", 0)) <= 0:
+                logger.warning("etcd lease %x expired; a new one is granted at next use", lease)
+                with self._lock:
+                    if self._lease == lease:
+                        self._lease = None
+
+    def keys_with_prefix(self, prefix: str) -> list[str]:
+        """The keys that start with ``prefix`` (one range request)."""
+        start = (self._prefix + prefix).encode()
+        end = start[:-1] + bytes([start[-1] + 1]) if start and start[-1] < 0xFF else b"\0"
+        reply = self._post(
+            "/kv/range", {"key": _b64(start), "range_end": _b64(end), "keys_only": True}
+        )
+        cut = len(self._prefix.encode())
+        return [_unb64(kv["key"])[cut:].decode() for kv in reply.get("kvs") or []]
+
     def close(self) -> None:
+        """Stop refreshing and revoke the lease (its keys vanish), then close. Idempotent."""
         with self._lock:
             if self._closed:
                 return
+            thread, self._lease_thread = self._lease_thread, None
+            lease = self._lease
+        self._lease_stop.set()
+        if thread is not None:
+            thread.join(timeout=self._timeout + 1)
+        if lease is not None:
+            try:
+                self._post("/kv/lease/revoke", {"ID": str(lease)})
+            except StoreError as exc:
+                logger.warning("etcd lease %x not revoked (it expires on its own): %s", lease, exc)
+        with self._lock:
             self._closed = True
         for client in self._clients:
             client.session.close()
