@@ -256,7 +256,7 @@ def test_settings_validation_names_the_parameter() -> None:
 
 
 def test_store_liveness_replaces_heartbeat_times() -> None:
-    s = settings(1, 3)
+    s = settings(1, 2)
     state = joined(["a_1_0", "b_1_0"], s)
     # fresh heartbeats, but the store (etcd leases) says b is gone: b is dead
     new, dead = remove_dead(state, T0, s, alive={"a_1_0"})
