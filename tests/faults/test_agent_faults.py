@@ -187,10 +187,12 @@ def test_workers_die_with_a_sigkilled_agent(tmp_path: Path) -> None:
         time.sleep(600)
         """,
     )
+    # A SIGKILLed agent cannot remove its log directory: keep it in tmp_path.
     agent = subprocess.Popen(
-        [PY, "-m", "relaunch", "--standalone", "--nproc-per-node=2", s, str(tmp_path)],
+        [PY, "-m", "relaunch", "--standalone", "--nproc-per-node=2",
+         f"--log-dir={tmp_path / 'logs'}", s, str(tmp_path)],
         stderr=subprocess.DEVNULL,
-    )
+    )  # fmt: skip
     files = [tmp_path / "pid_0", tmp_path / "pid_1"]
     wait_for(lambda: all(f.exists() and f.read_text() for f in files))
     pids = [int(f.read_text()) for f in files]
