@@ -11,7 +11,7 @@ script or module exactly as ``python -u script.py args...`` or
 needed": it exits 0.
 
 A worker may be asked to report the modules it imported (``report_modules``):
-a daemon thread writes the list a few times during its first minute, so the
+a daemon thread keeps the list current during its first two minutes, so the
 standbys of the next attempt can preload what this job really uses.
 
 This file runs by path, outside the relaunch package: it must import nothing of relaunch.
@@ -73,11 +73,22 @@ def _imported_modules() -> list[str]:
     return names
 
 
-def _report_modules(path: str, delays: tuple[float, ...] = (3.0, 10.0, 30.0)) -> None:
+def _report_modules(path: str, period: float = 1.0, duration: float = 120.0) -> None:
+    """Keep ``path`` listing this worker's imports, rewritten whenever it imported more.
+
+    A daemon thread checks ``len(sys.modules)`` once a second for ``duration`` seconds:
+    the standbys that preload the list follow the worker's start closely.
+    """
+
     def run() -> None:
-        start = time.monotonic()
-        for delay in delays:
-            time.sleep(max(0.0, start + delay - time.monotonic()))
+        end = time.monotonic() + duration
+        written = -1
+        while time.monotonic() < end:
+            time.sleep(period)
+            count = len(sys.modules)
+            if count == written:
+                continue
+            written = count
             with contextlib.suppress(OSError):
                 tmp = f"{path}.{os.getpid()}.tmp"
                 with open(tmp, "w") as f:
