@@ -1,0 +1,62 @@
+"""The public surface of the launcher's packages, pinned (a change here is an API change)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import relaunch
+import relaunch.agent
+import relaunch.events
+import relaunch.procs
+import relaunch.rendezvous.static
+
+
+def test_top_level() -> None:
+    assert relaunch.__all__ == ["RelaunchError", "__version__"]
+
+
+def test_agent() -> None:
+    assert sorted(relaunch.agent.__all__) == [
+        "LocalAgent",
+        "RunResult",
+        "Worker",
+        "WorkerGroup",
+        "WorkerSpec",
+        "WorkerState",
+        "build_spec",
+        "create_rendezvous_handler",
+        "launch",
+        "worker_env",
+    ]
+
+
+def test_procs() -> None:
+    assert sorted(relaunch.procs.__all__) == [
+        "Entrypoint",
+        "ProcessSpec",
+        "RunLogDir",
+        "Standby",
+        "TeeTarget",
+        "WorkerProcesses",
+        "set_child_subreaper",
+        "signal_name",
+    ]
+
+
+def test_events_and_static_rendezvous() -> None:
+    assert sorted(relaunch.events.__all__) == ["EVENT_VERSION", "Event", "EventSink"]
+    assert sorted(relaunch.rendezvous.static.__all__) == [
+        "StandaloneRendezvousHandler",
+        "StaticRendezvousHandler",
+        "create_static_handler",
+    ]
+
+
+def test_the_agent_side_never_imports_torch() -> None:
+    code = (
+        "import sys, relaunch, relaunch.agent, relaunch.cli, relaunch.procs, relaunch.store.tcp, "
+        "relaunch.rendezvous.registry, relaunch.timer, relaunch.errors; "
+        "assert 'torch' not in sys.modules, 'torch imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
