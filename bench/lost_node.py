@@ -120,6 +120,7 @@ class Job:
                 "OMP_NUM_THREADS": "1",
                 "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
                 "GLOO_SOCKET_IFNAME": "lo",
+                "TMPDIR": str(out),  # the launchers' default log dirs go with the run's dir
             }
             cmd = [
                 *LAUNCHERS[name], "--nnodes=1:2", "--nproc-per-node=2",
