@@ -5,6 +5,7 @@ state (torchrun 2.13 fails this: pytorch issue 135712)."""
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -140,3 +141,39 @@ def test_restart_budget_is_the_jobs_and_every_node_reports_the_root_cause(tmp_pa
     # 3 attempts in all (2 restarts for the job), every node saw the same restart counts
     for rank in (0, 1, 2):
         assert (tmp_path / f"attempt_{rank}").read_text().split() == ["0", "1", "2"]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("backend", ["static", "c10d"])
+def test_sigterm_ends_an_agent_waiting_in_rendezvous(tmp_path: Path, backend: str) -> None:
+    script = tmp_path / "never.py"
+    script.write_text("raise SystemExit(9)\n")
+    port = free_port()
+    endpoint = ["--master-addr=127.0.0.1", f"--master-port={port}", "--node-rank=0"]
+    if backend == "c10d":
+        endpoint = [f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=lonely"]
+    agent = subprocess.Popen(
+        [PY, "-m", "relaunch", "--nnodes=2", f"--rdzv-backend={backend}", *endpoint,
+         "--local-addr=127.0.0.1", f"--log-dir={tmp_path / 'logs'}", str(script)],
+        stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        # wait until it listens (it hosts the store), i.e. it is inside the rendezvous
+        import socket as _socket
+        import time as _time
+
+        deadline = _time.monotonic() + 30
+        while True:
+            try:
+                _socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert _time.monotonic() < deadline
+                _time.sleep(0.1)
+        agent.send_signal(signal.SIGTERM)
+        _, err = agent.communicate(timeout=30)
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+            agent.wait()
+    assert agent.returncode == 128 + signal.SIGTERM, err

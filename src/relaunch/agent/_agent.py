@@ -92,12 +92,17 @@ class LocalAgent:
         """Ask the run to stop (safe to call from a signal handler: it only sets flags)."""
         self._stop_signal = signum
         self._wake.set()
+        self._handler.interrupt()  # a blocked rendezvous returns soon
 
     def run(self) -> RunResult:
         """Run to the end. Raises RendezvousError or StoreError when the job cannot continue."""
         self._setup()
         try:
             return self._loop()
+        except RendezvousClosedError:
+            if self._stop_signal is None:
+                raise
+            return self._stopped()  # our own interrupt() ended a rendezvous
         finally:
             self._teardown()
 
@@ -168,6 +173,8 @@ class LocalAgent:
                 else:
                     self._maybe_start_standbys()
             except RendezvousClosedError:
+                if self._stop_signal is not None:
+                    return self._stopped()
                 # Another node gave up on the job (or it was closed): we fail with it.
                 self._stop_workers(signal.SIGTERM)
                 self._emit("rendezvous_closed")

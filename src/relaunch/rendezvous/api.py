@@ -100,6 +100,13 @@ class RendezvousHandler(Protocol):
         """The job's run id (``--rdzv-id``)."""
         ...
 
+    def interrupt(self) -> None:
+        """Make a blocked :meth:`next_rendezvous` raise RendezvousClosedError soon.
+
+        Called from the agent's signal handler: it must only set a flag or an event.
+        """
+        ...
+
     def shutdown(self) -> bool:
         """Leave the rendezvous and release resources (threads, connections). Idempotent."""
         ...

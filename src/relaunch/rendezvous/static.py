@@ -10,6 +10,8 @@ node, no network at all.
 from __future__ import annotations
 
 import logging
+import threading
+import time
 import uuid
 
 from relaunch.errors import (
@@ -64,6 +66,9 @@ class StandaloneRendezvousHandler:
     def num_nodes_waiting(self) -> int:
         return 1 if self._closed else 0
 
+    def interrupt(self) -> None:
+        self._closed = True
+
     def record_failure(self, failed_round: int) -> int:
         if failed_round not in self._failed_rounds:
             self._failed_rounds.add(failed_round)
@@ -103,6 +108,7 @@ class StaticRendezvousHandler:
         self._size = num_nodes
         self._timeout = timeout
         self._round = 0
+        self._interrupted = threading.Event()
         self._server: TCPStoreServer | None = None
         if node_rank == 0:
             self._server = TCPStoreServer(host=bind_host, port=port)
@@ -120,14 +126,25 @@ class StaticRendezvousHandler:
         store = PrefixStore(self._client, f"round/{rnd}/")
         if store.add("joined", 1) >= self._size:
             store.set("complete", b"1")
-        try:
-            store.wait(["complete"], timeout=self._timeout)
-        except StoreTimeoutError as exc:
-            raise RendezvousTimeoutError(
-                f"static rendezvous round {rnd}: not all {self._size} nodes joined within "
-                f"{self._timeout:.0f}s"
-            ) from exc
+        deadline = time.monotonic() + self._timeout
+        while True:  # in slices, so that interrupt() is honoured
+            if self._interrupted.is_set():
+                raise RendezvousClosedError(f"rendezvous {self._run_id!r} interrupted")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RendezvousTimeoutError(
+                    f"static rendezvous round {rnd}: not all {self._size} nodes joined within "
+                    f"{self._timeout:.0f}s"
+                )
+            try:
+                store.wait(["complete"], timeout=min(1.0, left))
+                break
+            except StoreTimeoutError:
+                continue
         return RendezvousInfo(store=store, rank=self._rank, world_size=self._size, round=rnd)
+
+    def interrupt(self) -> None:
+        self._interrupted.set()
 
     def is_closed(self) -> bool:
         return self._client.get(_CLOSED_KEY) is not None
