@@ -23,7 +23,14 @@ def test_rendezvous_exports() -> None:
 
 
 def test_store_exports() -> None:
-    assert sorted(relaunch.store.__all__) == ["EtcdStore", "MemoryStore", "PrefixStore", "Store"]
+    assert sorted(relaunch.store.__all__) == [
+        "EtcdStore",
+        "MemoryStore",
+        "PrefixStore",
+        "Store",
+        "TCPStoreClient",
+        "TCPStoreServer",
+    ]
 
 
 def test_import_does_not_pull_torch_or_etcd() -> None:

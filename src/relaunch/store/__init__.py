@@ -8,5 +8,6 @@ from relaunch.store._protocol import Store
 from relaunch.store.etcd import EtcdStore
 from relaunch.store.memory import MemoryStore
 from relaunch.store.prefix import PrefixStore
+from relaunch.store.tcp import TCPStoreClient, TCPStoreServer
 
-__all__ = ["EtcdStore", "MemoryStore", "PrefixStore", "Store"]
+__all__ = ["EtcdStore", "MemoryStore", "PrefixStore", "Store", "TCPStoreClient", "TCPStoreServer"]
