@@ -23,6 +23,7 @@ from relaunch.errors import (
     ProcessFailure,
     RendezvousClosedError,
     RendezvousError,
+    RendezvousGracefulExitError,
     StoreError,
 )
 from relaunch.events import Event, EventSink
@@ -99,10 +100,14 @@ class LocalAgent:
         self._setup()
         try:
             return self._loop()
-        except RendezvousClosedError:
-            if self._stop_signal is None:
-                raise
-            return self._stopped()  # our own interrupt() ended a rendezvous
+        except (RendezvousClosedError, RendezvousGracefulExitError):
+            if self._stop_signal is not None:
+                return self._stopped()  # our own interrupt() ended a rendezvous
+            if self._attempt < 0:
+                # Closed before this node ever ran workers: a spare the job did not need.
+                self._emit("not_needed")
+                return RunResult(state=WorkerState.SUCCEEDED)
+            raise
         finally:
             self._teardown()
 
@@ -424,8 +429,18 @@ class LocalAgent:
         self._emit("workers_stopped", attempt=self._attempt, exitcodes=codes)
 
     def _exit_barrier(self) -> None:
-        if self._info is not None and self._info.world_size > 1:
-            exit_barrier(self._info, self._spec.exit_barrier_timeout)
+        """Wait for the round's other nodes; then the job is over: rank 0 closes the
+        rendezvous, so spares still waiting in it learn that they are not needed."""
+        info = self._info
+        if info is None:
+            return
+        if info.world_size > 1 and not exit_barrier(info, self._spec.exit_barrier_timeout):
+            return
+        if info.rank == 0:
+            try:
+                self._handler.set_closed()
+            except (RendezvousError, StoreError) as exc:
+                log.warning("could not close the rendezvous after success: %s", exc)
 
     def _publish_failures(self, failures: dict[int, ProcessFailure]) -> None:
         if self._info is not None and self._info.world_size > 1:

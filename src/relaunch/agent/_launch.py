@@ -101,20 +101,15 @@ def launch(config: LaunchConfig, environ: Mapping[str, str] | None = None) -> in
     configuration the rendezvous backend refuses.
     """
     environ = os.environ if environ is None else environ
-    try:
-        handler = create_rendezvous_handler(config)
-        spec = build_spec(config, handler, environ)
-    except ConfigError as exc:
-        _error(str(exc))
-        return 2
-    except RelaunchError as exc:
-        _error(str(exc))
-        return 1
-    agent = LocalAgent(spec)
+    received: list[int] = []
+    agents: list[LocalAgent] = []
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
-        agent.request_stop(signum)
+        received.append(signum)
+        for agent_ in agents:
+            agent_.request_stop(signum)
 
+    # Handlers first: from here on a signal is never the default, process-killing one.
     previous = {}
     for sig in config.signals_to_handle:
         try:
@@ -122,10 +117,26 @@ def launch(config: LaunchConfig, environ: Mapping[str, str] | None = None) -> in
         except (OSError, ValueError):
             log.warning("cannot handle signal %s", sig)
     try:
-        result = agent.run()
-    except RelaunchError as exc:
-        _error(f"{type(exc).__name__}: {exc}")
-        return 1
+        try:
+            handler = create_rendezvous_handler(config)
+            spec = build_spec(config, handler, environ)
+        except ConfigError as exc:
+            _error(str(exc))
+            return 2
+        except RelaunchError as exc:
+            _error(str(exc))
+            return 128 + received[0] if received else 1
+        agent = LocalAgent(spec)
+        agents.append(agent)
+        if received:
+            agent.request_stop(received[0])
+        try:
+            result = agent.run()
+        except RelaunchError as exc:
+            if agent.stop_signal is not None:
+                return 128 + agent.stop_signal
+            _error(f"{type(exc).__name__}: {exc}")
+            return 1
     finally:
         for sig, handler_ in previous.items():
             signal.signal(sig, handler_)
@@ -134,6 +145,11 @@ def launch(config: LaunchConfig, environ: Mapping[str, str] | None = None) -> in
     if result.state == WorkerState.STOPPED and agent.stop_signal is not None:
         _error(f"stopped by signal {signal.Signals(agent.stop_signal).name}")
         return 128 + agent.stop_signal
+    if not result.failures:
+        _error(
+            "the job was closed by another node after a failure; no failure record reached this node"
+        )
+        return 1
     failure = ChildFailedError(name=config.entrypoint, failures=dict(result.failures))
     print(failure.format_msg(), file=sys.stderr, flush=True)
     return 1

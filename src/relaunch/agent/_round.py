@@ -96,8 +96,8 @@ def gather_failures(
     return found
 
 
-def exit_barrier(info: RendezvousInfo, timeout: float) -> None:
-    """Wait until every node of the round is done (or ``timeout``). Never raises."""
+def exit_barrier(info: RendezvousInfo, timeout: float) -> bool:
+    """Wait until every node of the round is done; False on timeout or error. Never raises."""
     try:
         if info.store.add(_EXIT_COUNT_KEY, 1) >= info.world_size:
             info.store.set(_EXIT_DONE_KEY, b"1")
@@ -105,3 +105,5 @@ def exit_barrier(info: RendezvousInfo, timeout: float) -> None:
             info.store.wait([_EXIT_DONE_KEY], timeout=timeout)
     except StoreError as exc:
         log.warning("exit barrier: %s (other nodes may still be running)", exc)
+        return False
+    return True
