@@ -157,7 +157,8 @@ def recovery(launcher: str, mode: str, fault: str, args: argparse.Namespace, scr
                     firsts: dict[int, float] = {}
                     for r in rows:
                         t, rank = float(r["t"]), int(r["rank"])  # type: ignore[arg-type, call-overload]
-                        if r["kind"] == "step" and t > t0:
+                        again = int(r.get("iteration", 0)) > 0 or int(r["attempt"]) > 0  # type: ignore[call-overload]
+                        if r["kind"] == "step" and t > t0 and again:
                             firsts[rank] = min(firsts.get(rank, t), t)
                     survivors = 3 if fault == "sigkill" and mode == "inprocess" else 4
                     if len(firsts) >= survivors:
@@ -199,19 +200,21 @@ def main() -> None:
     parser.add_argument("--single-node", action="store_true", help="one agent of 4 workers")
     parser.add_argument("--pg-timeout", type=float, default=30.0, help="gloo timeout (s)")
     parser.add_argument("--soft-timeout", type=float, default=2.0, help="wrapper soft timeout (s)")
-    parser.add_argument("--overhead-steps", type=int, default=2000)
+    parser.add_argument("--overhead-steps", type=int, default=2000, help="0: skip")
+    parser.add_argument("--cases", default="ab", help="which of (a) and (b) to run")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="relaunch_bench_") as tmp:
         script = os.path.join(tmp, "train.py")
         Path(script).write_text(TRAIN)
         cases = {"a": (args.launcher_a, "inprocess"), "b": ("torchrun", "plain")}
+        cases = {key: value for key, value in cases.items() if key in args.cases}
         print(f"fault -> every surviving rank trained a step again (median of {args.runs})")
         print(
             f"  (a) relaunch.inprocess under {args.launcher_a}, soft_timeout {args.soft_timeout} s"
         )
         print(f"  (b) torchrun process restart, gloo timeout {args.pg_timeout} s")
         for fault in args.faults.split(","):
-            times: dict[str, list[float]] = {"a": [], "b": []}
+            times: dict[str, list[float]] = {key: [] for key in cases}
             for _ in range(args.runs):
                 for key, (launcher, mode) in cases.items():  # interleaved
                     try:

@@ -8,6 +8,7 @@ import functools
 import gc
 import logging
 import threading
+import traceback
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
@@ -331,7 +332,6 @@ class CallWrapper:
         train_ex = cause if isinstance(cause, BaseException) else None
         self._abort_once()
         log.debug("rank %s: aborted", me)
-        gc.collect(1)  # the young generations: cheap (a full collection takes ~0.3 s)
         try:
             self.state = run_callbacks(cfg.finalize, self.state, train_ex)
             self.state = run_callbacks(cfg.health_check, self.state, train_ex)
@@ -339,6 +339,8 @@ class CallWrapper:
             log.error("rank %s: health check or finalize failed: %r", me, exc)
             self.coord.record_dead(it, me, Interruption.TERMINATED, f"unhealthy: {exc!r}")
             raise HealthCheckError(f"rank {me}: {exc!r}") from exc
+        _release_frames(train_ex)
+        gc.collect(1)
         self.shared.iteration = it + 1  # a death from now on interrupts the next iteration
         terminated = self.coord.termination_barrier(
             it,
@@ -352,6 +354,20 @@ class CallWrapper:
         if me in terminated:
             raise RestartAbort(f"rank {me} was declared terminated")
         return terminated
+
+
+def _release_frames(exc: BaseException | None) -> None:
+    """Free the locals of the failed iteration's frames (its model, process group, ...).
+
+    The traceback keeps them alive; clearing the frames lets their destructors run
+    here, in the restart procedure, instead of at a random point of the next
+    iteration (a full ``gc.collect()`` would do it too, at ~0.1-0.3 s).
+    """
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        traceback.clear_frames(exc.__traceback__)
+        exc = exc.__cause__ or exc.__context__
 
 
 def replace_state(state: State, **changes: Any) -> State:
