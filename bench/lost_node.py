@@ -219,9 +219,14 @@ def budget(name: str, script: str) -> str:
 
         survived = sum(1 for t in times if trained_after("a", t) and trained_after("b", t))
         last = {n: sorted(trained_after(n, times[-1])) for n in ("a", "b")} if times else {}
+        reports = {
+            n: (out / f"agent_{n}.out").read_text(errors="replace").count("Root Cause")
+            for n in ("a", "b")
+        }
         return (
             f"{len(times)} crashes, {survived} followed by training on both nodes; "
-            f"world sizes trained after the last crash: {last}; exit codes {codes}"
+            f"world sizes trained after the last crash: {last}; exit codes {codes}; "
+            f"'Root Cause' reports per node: {reports}"
         )
 
 
@@ -238,30 +243,35 @@ def _restarted_steps(out: Path, node: str) -> list[tuple[float, int]]:
     return rows
 
 
+def lost_nodes(train: str, runs: int, settle: float) -> None:
+    print("(a/b) 2 nodes x 2 workers, SIGKILL of one node (agent + workers)")
+    noticed: dict[str, list[float]] = {n: [] for n in LAUNCHERS}
+    trained: dict[str, list[float]] = {n: [] for n in LAUNCHERS}
+    for _ in range(runs):
+        for name in LAUNCHERS:  # interleaved, so drift hits both alike
+            n, t = lost_node(name, train, settle)
+            noticed[name].append(n)
+            trained[name].append(t)
+    for name in LAUNCHERS:
+        print(f"    {name:9s} noticed:       {fmt(noticed[name])}")
+        print(f"    {name:9s} trained again: {fmt(trained[name])}")
+    for what, d in (("noticed", noticed), ("trained again", trained)):
+        ratio = median(d["torchrun"]) / median(d["relaunch"])
+        print(f"    {what}: torchrun/relaunch {ratio:.2f}x")
+
+
 def main() -> None:
     in_loopback_netns()
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--runs", type=int, default=3, help="(a/b) runs; 0: skip (a/b)")
     parser.add_argument("--settle", type=float, default=4.0, help="seconds before the kill")
     parser.add_argument("--skip-budget", action="store_true")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="relaunch_bench_") as tmp:
         train = os.path.join(tmp, "train.py")
         Path(train).write_text(TRAIN)
-        print("(a/b) 2 nodes x 2 workers, SIGKILL of one node (agent + workers)")
-        noticed: dict[str, list[float]] = {n: [] for n in LAUNCHERS}
-        trained: dict[str, list[float]] = {n: [] for n in LAUNCHERS}
-        for _ in range(args.runs):
-            for name in LAUNCHERS:  # interleaved, so drift hits both alike
-                n, t = lost_node(name, train, args.settle)
-                noticed[name].append(n)
-                trained[name].append(t)
-        for name in LAUNCHERS:
-            print(f"    {name:9s} noticed:       {fmt(noticed[name])}")
-            print(f"    {name:9s} trained again: {fmt(trained[name])}")
-        for what, d in (("noticed", noticed), ("trained again", trained)):
-            ratio = median(d["torchrun"]) / median(d["relaunch"])
-            print(f"    {what}: torchrun/relaunch {ratio:.2f}x")
+        if args.runs:
+            lost_nodes(train, args.runs, args.settle)
         if not args.skip_budget:
             print("(c) --max-restarts 3, 4 successive worker crashes on one node")
             for name in LAUNCHERS:
