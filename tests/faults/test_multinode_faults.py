@@ -115,16 +115,9 @@ def test_corrupt_state_is_one_clear_line(c10d: Cluster) -> None:
     assert c10d.steps() == []
 
 
-@pytest.mark.xfail(
-    reason="agent/_agent.py Agent._loop: on SUCCEEDED the agent only leaves the rendezvous "
-    "(handler.shutdown() 'without closing it'), so a spare on the redundancy list is never "
-    "told the job ended: it waits until the hosting agent gives up after close_timeout and "
-    "closes the store, then exits 1 with StoreConnectionError instead of 0",
-    strict=False,
-)
 def test_unneeded_spare_exits_with_the_job(c10d: Cluster, tmp_path: Path) -> None:
     go = tmp_path / "go"
-    conf = f"{HEARTBEAT},close_timeout=5"  # bounds the host's wait for the spare (the bug)
+    conf = f"{HEARTBEAT},close_timeout=5"  # were the spare not told, the host waits 5 s only
     for node, host in (("a", 1), ("b", 0), ("c", 0)):
         c10d.start(node, f"go={go}", "steps=3", nnodes="2:2", nproc=1,
                    conf=f"is_host={host},{conf}")  # fmt: skip
