@@ -213,7 +213,7 @@ def main() -> None:
             f"  (a) relaunch.inprocess under {args.launcher_a}, soft_timeout {args.soft_timeout} s"
         )
         print(f"  (b) torchrun process restart, gloo timeout {args.pg_timeout} s")
-        for fault in args.faults.split(","):
+        for fault in [f for f in args.faults.split(",") if f]:
             times: dict[str, list[float]] = {key: [] for key in cases}
             for _ in range(args.runs):
                 for key, (launcher, mode) in cases.items():  # interleaved
@@ -221,13 +221,12 @@ def main() -> None:
                         times[key].append(recovery(launcher, mode, fault, args, script))
                     except RuntimeError as exc:
                         print(f"    {fault}: ({key}) failed: {exc}")
-            ratio = (
-                median(times["b"]) / median(times["a"])
-                if times["a"] and times["b"]
-                else float("nan")
-            )
-            print(f"  {fault:9s} (a) {fmt(times['a'])}")
-            print(f"  {'':9s} (b) {fmt(times['b'])}   ratio b/a {ratio:.1f}x")
+            for key in times:
+                print(f"  {fault:9s} ({key}) {fmt(times[key])}")
+            if times.get("a") and times.get("b"):
+                print(f"  {'':9s} ratio b/a {median(times['b']) / median(times['a']):.1f}x")
+        if not args.overhead_steps:
+            return
         per_step = overhead(args.launcher_a, args, script)
         extra = per_step["inprocess"] / per_step["plain"] - 1
         print(
