@@ -19,6 +19,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -151,7 +152,8 @@ class Cluster:
                 parts = line.split()
                 if len(parts) != 7 or parts[0] != "step":
                     continue  # a line being written
-                row = Step(parts[1], *(int(p) for p in parts[2:]))  # type: ignore[arg-type]
+                restart, rank, world, step, total = (int(p) for p in parts[2:])
+                row = Step(parts[1], restart, rank, world, step, total)
                 if node is None or row.node == node:
                     rows.append(row)
         return rows
@@ -172,9 +174,8 @@ class Cluster:
                     continue
         return docs
 
-    def wait_for(self, what: str, predicate: object, timeout: float = 90) -> None:
+    def wait_for(self, what: str, predicate: Callable[[], bool], timeout: float = 90) -> None:
         """Wait until ``predicate()`` is true; fail naming ``what`` with the agents' output."""
-        assert callable(predicate)
         end = time.monotonic() + timeout
         while not predicate():
             if time.monotonic() > end:

