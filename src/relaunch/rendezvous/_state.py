@@ -177,7 +177,11 @@ def decode_state(raw: bytes, *, key: str, run_id: str) -> RendezvousState:
     The error names the key, so an operator knows what to inspect or delete.
     """
     try:
-        doc = json.loads(raw)
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise _Bad(f"not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+        doc = json.loads(text)
         if not isinstance(doc, dict):
             raise _Bad("not a JSON object")
         if doc.get("version") != STATE_VERSION:
