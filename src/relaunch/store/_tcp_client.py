@@ -42,7 +42,11 @@ T = TypeVar("T")
 
 _CONNECT_BACKOFF_START = 0.01
 _CONNECT_BACKOFF_MAX = 0.5
-_MAX_IDLE_WAIT_CONNECTIONS = 4
+# Idle wait connections kept for reuse. Generous on purpose: closing a wait
+# connection and opening another while other requests are in flight stalls
+# torch's libuv server (it then answers nothing for seconds, so concurrent
+# waits time out with their keys set), and torch's own client never churns.
+_MAX_IDLE_WAIT_CONNECTIONS = 64
 
 
 class TCPStoreClient:
