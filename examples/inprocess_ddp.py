@@ -102,7 +102,7 @@ def make_train(args: argparse.Namespace, ckpt: Checkpoint) -> Any:
                 ckpt.step = step + 1
             call_wrapper.ping()
         dist.destroy_process_group()
-        return float(loss)
+        return float(loss.detach())
 
     return train
 

@@ -11,7 +11,9 @@ from typing import Any
 
 from relaunch.errors import ConfigError
 
-__all__ = ["StoreEndpoint", "namespace", "resolve_store"]
+__all__ = ["StoreEndpoint", "announce_to_agent", "namespace", "resolve_store"]
+
+AGENT_MARKER_ENV = "RELAUNCH_INPROCESS_MARKER"
 
 _calls = itertools.count()
 
@@ -25,6 +27,27 @@ def namespace(env: Mapping[str, str] | None = None) -> str:
     run_id = env.get("TORCHELASTIC_RUN_ID", "standalone")
     attempt = env.get("TORCHELASTIC_RESTART_COUNT", "0")
     return f"/relaunch/inprocess/{run_id}/{attempt}/call{next(_calls)}/"
+
+
+def announce_to_agent(env: Mapping[str, str] | None = None) -> None:
+    """Tell a relaunch agent that this worker restarts in-process.
+
+    The agent names a file in ``RELAUNCH_INPROCESS_MARKER``; while it exists, the
+    death of this worker is not a reason to stop its in-process peers, which go on
+    without it. It stays until the attempt ends (a rank this wrapper terminated
+    must not bring its peers down either). Other launchers do not set the variable.
+    """
+    env = os.environ if env is None else env
+    path = env.get(AGENT_MARKER_ENV)
+    if not path:
+        return
+    try:
+        with open(path, "w") as f:
+            f.write(f'{{"version": 1, "pid": {os.getpid()}}}\n')
+    except OSError as exc:
+        import logging
+
+        logging.getLogger(__name__).warning("cannot write %s=%s: %s", AGENT_MARKER_ENV, path, exc)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

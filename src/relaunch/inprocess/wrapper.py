@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 from relaunch.inprocess import _sockets
-from relaunch.inprocess._env import namespace, resolve_store, tcp_client_factory
+from relaunch.inprocess._env import announce_to_agent, namespace, resolve_store, tcp_client_factory
 from relaunch.inprocess._params import call_wrapper_parameter, run_callbacks
 from relaunch.inprocess._rendezvous import EnvRendezvousPatch
 from relaunch.inprocess.attribution import Interruption, InterruptionRecord
@@ -182,6 +182,7 @@ class CallWrapper:
         world = set(range(self.state.initial_world_size))
         self.control.install()
         self._rdzv.install()
+        announce_to_agent()
         ret: Any = None
         try:
             dead = self.coord.initial_barrier(

@@ -1,0 +1,33 @@
+"""Tiered recovery under the relaunch agent: in-process restart first, and a worker that
+died is not a reason to restart its healthy in-process peers."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "inprocess_ddp.py"
+
+
+@pytest.mark.timeout(240)
+def test_inprocess_job_survives_exception_hang_and_sigkill_under_relaunch(tmp_path: Path) -> None:
+    logs = tmp_path / "logs"
+    r = subprocess.run(
+        [sys.executable, "-m", "relaunch", "--standalone", "--nproc-per-node=3",
+         "--max-restarts=0", f"--log-dir={logs}", str(EXAMPLE)],
+        capture_output=True, text=True, timeout=220, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-4000:]
+    events = [json.loads(x) for x in next(logs.glob("*/events.jsonl")).read_text().splitlines()]
+    names = [e["name"] for e in events]
+    # one attempt only: the survivors were never restarted as processes
+    assert names.count("workers_started") == 1, names
+    lost = [e["metadata"] for e in events if e["name"] == "worker_lost"]
+    assert [(x["local_rank"], x["exitcode"]) for x in lost] == [(1, -9)]
+    assert "workers_succeeded" in names
+    assert r.stderr.count("finished: loss") == 2
