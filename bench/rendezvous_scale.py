@@ -216,7 +216,7 @@ def bench_lost_node() -> None:
             f"{noticed[1]:.2f}); survivors' round of 2 complete after {max(again):.2f} s"
         )
     finally:
-        for p in procs:
+        for p in reversed(procs):  # the store host last: survivors must not see it vanish
             p.kill()
             p.wait(timeout=10)
             if p.stdout is not None:
