@@ -34,6 +34,30 @@ dist.destroy_process_group()
 """
 
 
+def run_nodes(
+    common: list[str], script: Path, out_dir: Path, env: dict[str, str]
+) -> list[tuple[int, str, str]]:
+    """Run node ranks 0 and 1 to the end; (exit code, stdout, stderr) of each. Reaps both."""
+    nodes = [
+        subprocess.Popen(
+            [PY, "-m", "relaunch", *common, f"--node-rank={rank}", str(script), str(out_dir)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        )
+        for rank in (0, 1)
+    ]  # fmt: skip
+    results = []
+    try:
+        for node in nodes:
+            out, err = node.communicate(timeout=140)
+            results.append((node.returncode, out, err))
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                node.kill()
+                node.wait()
+    return results
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -55,29 +79,9 @@ def test_crash_on_one_node_restarts_both_with_clean_state(tmp_path: Path) -> Non
         "--local-addr=127.0.0.1",
         "--rdzv-id=job1",
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    nodes = [
-        subprocess.Popen(
-            [PY, "-m", "relaunch", *common, f"--node-rank={rank}", str(script), str(tmp_path)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=env,
-        )
-        for rank in (0, 1)
-    ]
-    outputs = []
-    try:
-        for node in nodes:
-            out, _ = node.communicate(timeout=140)
-            outputs.append(out)
-    finally:
-        for node in nodes:
-            if node.poll() is None:
-                node.kill()
-                node.wait()
-    for node, out in zip(nodes, outputs, strict=False):
-        assert node.returncode == 0, out[-3000:]
+    results = run_nodes(common, script, tmp_path, {**os.environ, "OMP_NUM_THREADS": "1"})
+    for code, out, err in results:
+        assert code == 0, (out + err)[-3000:]
     done = {p.name: p.read_text() for p in tmp_path.glob("done_*")}
     assert done == {"done_0": "1", "done_1": "1", "done_2": "1", "done_3": "1"}
 
@@ -115,26 +119,9 @@ def test_restart_budget_is_the_jobs_and_every_node_reports_the_root_cause(tmp_pa
         "--rdzv-id=job2",
         "--no-warm-standby",
     ]
-    nodes = [
-        subprocess.Popen(
-            [PY, "-m", "relaunch", *common, f"--node-rank={rank}", str(script), str(tmp_path)],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for rank in (0, 1)
-    ]
-    reports = []
-    try:
-        for node in nodes:
-            _, err = node.communicate(timeout=140)
-            reports.append(err)
-    finally:
-        for node in nodes:
-            if node.poll() is None:
-                node.kill()
-                node.wait()
-    assert [n.returncode for n in nodes] == [1, 1], reports
+    results = run_nodes(common, script, tmp_path, dict(os.environ))
+    reports = [err for _, _, err in results]
+    assert [code for code, _, _ in results] == [1, 1], reports
     for report in reports:
         root = report.split("Root Cause")[1]
         assert "RuntimeError: rank three always fails, attempt 2" in root, report
