@@ -384,6 +384,10 @@ class DynamicRendezvousHandler:
             others = set(state.last_heartbeats) | set(state.participants) | state.wait_list
             others.discard(self._node)
             if not others:
+                # The last node to leave wrote the state, then sets ``epoch/<n>`` to
+                # wake waiters: let that write land before the server goes away.
+                if state.epoch > 0:
+                    self._rdzv.wait_epoch(state.epoch - 1, max(deadline - now, 0.0))
                 return
             if now >= deadline:
                 raise RendezvousError(
