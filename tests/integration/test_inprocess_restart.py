@@ -225,6 +225,26 @@ def test_sigkill_of_a_rank_others_continue_at_n_minus_1() -> None:
 
 
 @pytest.mark.timeout(90)
+def test_rank_stuck_in_the_restart_procedure_is_killed_at_hard_timeout() -> None:
+    # the hard timeout covers the restart procedure, not only the function: the
+    # others do not wait for the stuck rank until the barrier timeout
+    ranks = run_job(
+        3,
+        [{"iteration": 0, "rank": 0, "kind": "exception", "step": 2}],
+        env={"IPX_STUCK_FINALIZE": "[1]"},
+    )
+    report = _report(ranks)
+    assert ranks[1].of("finalize_stuck"), report
+    assert ranks[1].proc.returncode in (-signal.SIGTERM, -signal.SIGKILL), report
+    assert "HARD_TIMEOUT" in ranks[1].stderr, report
+    assert starts(ranks[0]) == [(0, 0, 3), (1, 0, 2)], report
+    assert starts(ranks[2]) == [(0, 2, 3), (1, 1, 2)], report
+    for rank in (ranks[0], ranks[2]):
+        assert rank.proc.returncode == 0, report
+        assert_clean(rank)
+
+
+@pytest.mark.timeout(90)
 def test_spare_rank_is_activated_when_an_active_rank_is_lost() -> None:
     ranks = run_job(
         3,

@@ -52,6 +52,14 @@ class _Hook:
         return state
 
 
+class _StuckFinalize:
+    def __call__(self, state, train_ex=None):  # finalize that blocks in C holding the GIL
+        if state.initial_rank in json.loads(os.environ["IPX_STUCK_FINALIZE"]):
+            _emit(event="finalize_stuck", t=time.time())
+            ctypes.PyDLL(None).pause()
+        return state
+
+
 def main() -> None:
     import torch
     import torch.distributed as dist
@@ -77,6 +85,8 @@ def main() -> None:
         kwargs["rank_filter"] = inprocess.MaxActiveWorldSize(params["max_active_world_size"])
     if os.environ.get("IPX_UNHEALTHY"):
         kwargs["health_check"] = _Hook()
+    if os.environ.get("IPX_STUCK_FINALIZE"):
+        kwargs["finalize"] = _StuckFinalize()
     initial = int(os.environ["RANK"])
     sockets_before = _sockets()
 

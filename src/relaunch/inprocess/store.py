@@ -244,7 +244,9 @@ class CoordinationStore:
         self._wait(barrier, members, timeout, poll, check, None)
         dead = self.dead_ranks() & members
         if dead and last_call_wait > 0:
-            time.sleep(last_call_wait)
+            end = time.monotonic() + last_call_wait
+            while (left := end - time.monotonic()) > 0:  # short sleeps: progress is seen
+                time.sleep(min(left, poll))
             dead = self.dead_ranks() & members
         return self.freeze(f"it{iteration}/terminated", dead)
 

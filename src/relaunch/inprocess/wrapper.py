@@ -85,6 +85,7 @@ class CallWrapper:
         self.shared = SharedProgress()
         self._abort_lock = threading.Lock()
         self._aborted = False
+        self._held_groups: list[Any] = []
         host_port: int | None = None
         kwargs = cfg.store_kwargs or {}
         if cfg.store_factory is None:
@@ -213,6 +214,7 @@ class CallWrapper:
                 self.coord.record_dead(self.state.iteration, me, kind, repr(exc))
             raise
         finally:
+            self.shared.armed = 0
             self._rdzv.uninstall()
             self.control.uninstall()
             with contextlib.suppress(Exception):
@@ -322,6 +324,7 @@ class CallWrapper:
             if self._aborted:
                 return
             self._aborted = True
+            self._held_groups = _process_groups()
         try:
             self.state = run_callbacks(self.config.abort, self.state)
         except Exception:
@@ -331,6 +334,10 @@ class CallWrapper:
         """The restart procedure; returns the frozen set of terminated initial ranks."""
         cfg, me, it = self.config, self.state.initial_rank, self.state.iteration
         train_ex = cause if isinstance(cause, BaseException) else None
+        # The hard timeout covers the restart procedure too (its waits poll in Python):
+        # a rank stuck in C here is killed and the others go on without it.
+        self.shared.reset()
+        self.shared.armed = 1
         self._abort_once()
         log.debug("rank %s: aborted", me)
         try:
@@ -342,6 +349,9 @@ class CallWrapper:
             raise HealthCheckError(f"rank {me}: {exc!r}") from exc
         _release_frames(train_ex)
         gc.collect(1)
+        with self._abort_lock:
+            groups, self._held_groups = self._held_groups, []
+        del groups  # the last references: the groups are destroyed without the GIL
         self.shared.iteration = it + 1  # a death from now on interrupts the next iteration
         terminated = self.coord.termination_barrier(
             it,
@@ -369,6 +379,24 @@ def _release_frames(exc: BaseException | None) -> None:
         seen.add(id(exc))
         traceback.clear_frames(exc.__traceback__)
         exc = exc.__cause__ or exc.__context__
+
+
+def _process_groups() -> list[Any]:
+    """Python references to every live process group, taken before abort destroys them.
+
+    The failed iteration's objects (a DDP reducer holds its process group in C++)
+    are freed with the GIL held; if the reducer held the last reference, the group's
+    destructor would join gloo's worker threads under the GIL while one of them
+    needs it to free a finished work: a deadlock (seen ~1 restart in 100 with DDP).
+    Torch destroys a ``ProcessGroup`` whose last reference is a Python one without
+    the GIL, so the wrapper holds these until the failed iteration is released.
+    """
+    try:
+        from torch.distributed import distributed_c10d as c10d
+    except ImportError:
+        return []
+    world = getattr(c10d, "_world", None)
+    return list(getattr(world, "pg_map", None) or {})
 
 
 def replace_state(state: State, **changes: Any) -> State:
