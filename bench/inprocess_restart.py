@@ -26,6 +26,7 @@ import tempfile
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import fmt, in_loopback_netns, median
@@ -77,7 +78,7 @@ TRAIN = textwrap.dedent(
             soft_timeout=datetime.timedelta(seconds=soft),
             hard_timeout=datetime.timedelta(seconds=2 * soft),
             heartbeat_timeout=datetime.timedelta(seconds=10),
-            barrier_timeout=datetime.timedelta(seconds=60),
+            barrier_timeout=datetime.timedelta(seconds=max(60, 4 * soft)),
         )
         def train(call_wrapper: inprocess.CallWrapper | None = None):
             body(call_wrapper.iteration, call_wrapper.ping)
@@ -94,21 +95,58 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _events(out: Path) -> list[dict[str, object]]:
-    rows = []
-    for path in out.glob("*.log"):
-        rank = int(path.name.split(".")[0])
-        for line in path.read_text().splitlines():
-            try:
-                rows.append({**json.loads(line), "rank": rank})
-            except ValueError:
-                continue  # a line being written
-    return rows
+class _Events:
+    """The JSON lines the ranks append to ``<rank>.<pid>.log``, read incrementally.
+
+    Each poll parses only what was appended since the last one, so watching a job
+    that logs every step costs the watcher (and the cores the workers share) little.
+    """
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self.rows: list[dict[str, Any]] = []
+        self._offsets: dict[Path, int] = {}
+        self._partial: dict[Path, bytes] = {}
+
+    def poll(self) -> list[dict[str, Any]]:
+        for path in sorted(self.out.glob("*.log")):
+            rank, pid = (int(x) for x in path.name.split(".")[:2])
+            with path.open("rb") as f:
+                f.seek(self._offsets.get(path, 0))
+                chunk = self._partial.pop(path, b"") + f.read()
+                self._offsets[path] = f.tell()
+            *lines, rest = chunk.split(b"\n")
+            if rest:
+                self._partial[path] = rest  # a line being written
+            for line in lines:
+                if line:
+                    self.rows.append({**json.loads(line), "rank": rank, "pid": pid})
+        return self.rows
+
+
+def _trained_again(rows: list[dict[str, Any]], t0: float) -> dict[int, float]:
+    """Per rank, the first step after the fault at ``t0`` by a recovered worker.
+
+    Recovered: a later in-process iteration, or a process that started after the
+    fault (under torchrun the node whose worker did not fail restarts its workers
+    as a membership change: their restart count stays 0).
+    """
+    born: dict[int, float] = {}
+    for r in rows:
+        born[r["pid"]] = min(born.get(r["pid"], r["t"]), r["t"])
+    firsts: dict[int, float] = {}
+    for r in rows:
+        t, rank = float(r["t"]), int(r["rank"])
+        again = int(r.get("iteration", 0)) > 0 or born[r["pid"]] > t0
+        if r["kind"] == "step" and t > t0 and again:
+            firsts[rank] = min(firsts.get(rank, t), t)
+    return firsts
 
 
 def _start(
-    launcher: str, args: argparse.Namespace, script: str, argv: list[str]
+    launcher: str, args: argparse.Namespace, script: str, argv: list[str], out: Path
 ) -> list[subprocess.Popen[bytes]]:
+    """Start the launcher(s); each one's stdout and stderr go to ``out/launcher<i>.txt``."""
     env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1"}
     if args.single_node:
         topo = [["--standalone", "--nproc-per-node=4"]]
@@ -117,16 +155,29 @@ def _start(
         common = ["--nnodes=2", "--nproc-per-node=2", "--rdzv-backend=c10d"]
         common += [f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={rid}"]
         topo = [common, common]
-    return [
-        subprocess.Popen(
-            [*LAUNCHERS[launcher], *t, "--max-restarts=3", "--monitor-interval=0.1", script, *argv],
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-        for t in topo
-    ]
+    flags = ["--max-restarts=3", "--monitor-interval=0.1"]
+    procs = []
+    for i, t in enumerate(topo):
+        with (out / f"launcher{i}.txt").open("wb") as log:
+            procs.append(
+                subprocess.Popen(
+                    [*LAUNCHERS[launcher], *t, *flags, script, *argv],
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
+    return procs
+
+
+def _tails(out: Path, lines: int = 15) -> str:
+    """The last lines of each launcher's output (for a failed run)."""
+    parts = []
+    for path in sorted(out.glob("launcher*.txt")):
+        tail = path.read_text(errors="replace").splitlines()[-lines:]
+        parts.append(f"--- {path.name}\n" + "\n".join(tail))
+    return "\n".join(parts)
 
 
 def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
@@ -146,29 +197,25 @@ def recovery(launcher: str, mode: str, fault: str, args: argparse.Namespace, scr
     with tempfile.TemporaryDirectory(prefix="relaunch_bench_") as tmp:
         out = Path(tmp)
         argv = [mode, fault, str(out), "100000", str(args.pg_timeout), str(args.soft_timeout)]
-        procs = _start(launcher, args, script, argv)
+        procs = _start(launcher, args, script, argv, out)
         try:
             deadline = time.monotonic() + args.pg_timeout * 3 + 180
+            events = _Events(out)
+            survivors = 3 if fault == "sigkill" and mode == "inprocess" else 4
             while time.monotonic() < deadline:
-                rows = _events(out)
-                faults = [float(r["t"]) for r in rows if r["kind"] == "fault"]  # type: ignore[arg-type]
+                rows = events.poll()
+                faults = [float(r["t"]) for r in rows if r["kind"] == "fault"]
                 if faults:
-                    t0 = faults[0]
-                    firsts: dict[int, float] = {}
-                    for r in rows:
-                        t, rank = float(r["t"]), int(r["rank"])  # type: ignore[arg-type, call-overload]
-                        again = int(r.get("iteration", 0)) > 0 or int(r["attempt"]) > 0  # type: ignore[call-overload]
-                        if r["kind"] == "step" and t > t0 and again:
-                            firsts[rank] = min(firsts.get(rank, t), t)
-                    survivors = 3 if fault == "sigkill" and mode == "inprocess" else 4
+                    firsts = _trained_again(rows, faults[0])
                     if len(firsts) >= survivors:
-                        return max(sorted(firsts.values())[:survivors]) - t0
+                        return max(sorted(firsts.values())[:survivors]) - faults[0]
                 if all(p.poll() is not None for p in procs):
                     raise RuntimeError(
-                        f"{launcher}/{mode}/{fault}: the job ended without recovering"
+                        f"{launcher}/{mode}/{fault}: the job ended without recovering\n"
+                        + _tails(out)
                     )
-                time.sleep(0.02)
-            raise RuntimeError(f"{launcher}/{mode}/{fault}: no recovery in time")
+                time.sleep(0.05)
+            raise RuntimeError(f"{launcher}/{mode}/{fault}: no recovery in time\n" + _tails(out))
         finally:
             _stop(procs)
 
@@ -180,14 +227,14 @@ def overhead(launcher: str, args: argparse.Namespace, script: str) -> dict[str, 
         with tempfile.TemporaryDirectory(prefix="relaunch_bench_") as tmp:
             out = Path(tmp)
             argv = [mode, "none", str(out), str(args.overhead_steps), "60", "30"]
-            procs = _start(launcher, args, script, argv)
+            procs = _start(launcher, args, script, argv, out)
             try:
                 for proc in procs:
                     proc.wait(600)
             finally:
                 _stop(procs)
-            loops = [r for r in _events(out) if r["kind"] == "loop"]
-            result[mode] = median([float(r["seconds"]) / float(r["steps"]) for r in loops])  # type: ignore[arg-type]
+            loops = [r for r in _Events(out).poll() if r["kind"] == "loop"]
+            result[mode] = median([float(r["seconds"]) / float(r["steps"]) for r in loops])
     return result
 
 
