@@ -1,0 +1,146 @@
+"""Soak: many consecutive in-process restarts of a DDP job, under the relaunch launcher.
+
+    python bench/inprocess_soak.py [--ranks 3] [--restarts 40] [--runs 3] [--load 1]
+
+One node, ``--ranks`` gloo DDP workers wrapped by ``relaunch.inprocess``; rank 1
+raises at step 5 of each of the first ``--restarts`` iterations. ``--load N`` runs
+N busy loops beside the job (contention makes races show). Soft timeout 20 s, hard
+timeout 40 s: a restart that takes seconds is a stall, one that kills a rank (the
+world shrinks) is a hang that only the hard timeout ended.
+
+Prints, per run: the restart latencies (fault -> every rank completed a step of
+the next iteration) as median / max, how many took over 1 s, ranks lost, and the
+launcher's exit code. Run by hand, not in CI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import in_loopback_netns, median
+
+TRAIN = textwrap.dedent(
+    """
+    import datetime, json, os, sys, time
+    import torch, torch.distributed as dist
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from relaunch import inprocess
+    out, restarts = sys.argv[1], int(sys.argv[2])
+    rank0 = int(os.environ["RANK"])
+    log = open(os.path.join(out, f"{rank0}.log"), "a", buffering=1)
+    def emit(**kw):
+        log.write(json.dumps({"t": time.time(), **kw}) + "\\n")
+    @inprocess.Wrapper(
+        soft_timeout=datetime.timedelta(seconds=20),
+        hard_timeout=datetime.timedelta(seconds=40),
+        barrier_timeout=datetime.timedelta(seconds=120),
+    )
+    def train(call_wrapper: inprocess.CallWrapper | None = None):
+        it = call_wrapper.iteration
+        dist.init_process_group("gloo")
+        world = dist.get_world_size()
+        model = DDP(nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 1)))
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        for step in range(10):
+            if rank0 == 1 and it < restarts and step == 5:
+                emit(ev="fault", it=it)
+                raise RuntimeError("injected")
+            loss = model(torch.randn(64, 256)).pow(2).mean()
+            opt.zero_grad(); loss.backward(); opt.step()
+            emit(ev="step", it=it, world=world)
+            call_wrapper.ping()
+        dist.destroy_process_group()
+    train()
+    """
+)
+
+
+def _rows(out: Path) -> list[dict[str, float]]:
+    rows = []
+    for path in out.glob("*.log"):
+        rank = int(path.stem)
+        for line in path.read_text().splitlines():
+            rows.append({**json.loads(line), "rank": rank})
+    return rows
+
+
+def _latencies(rows: list[dict[str, float]], ranks: int) -> tuple[list[float], int]:
+    """Per fault: seconds until every rank of the next iteration stepped; ranks lost."""
+    faults = {int(r["it"]): r["t"] for r in rows if r["ev"] == "fault"}
+    first: dict[tuple[int, int], float] = {}
+    worlds: dict[int, int] = {}
+    for r in rows:
+        if r["ev"] == "step":
+            key = (int(r["it"]), int(r["rank"]))
+            first[key] = min(first.get(key, r["t"]), r["t"])
+            worlds[int(r["it"])] = int(r["world"])
+    out = []
+    for it, t0 in sorted(faults.items()):
+        nxt = [t for (i, _), t in first.items() if i == it + 1]
+        if nxt and len(nxt) == worlds.get(it + 1, 0):
+            out.append(max(nxt) - t0)
+    lost = ranks - min(worlds.values(), default=ranks)
+    return out, lost
+
+
+def run(args: argparse.Namespace, script: str) -> None:
+    with tempfile.TemporaryDirectory(prefix="relaunch_soak_") as tmp:
+        out = Path(tmp)
+        cmd = [sys.executable, "-m", "relaunch", "--standalone"]
+        cmd += [f"--nproc-per-node={args.ranks}", "--max-restarts=0", "--monitor-interval=0.1"]
+        cmd += [script, str(out), str(args.restarts)]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        started = time.monotonic()
+        try:
+            proc = subprocess.run(
+                cmd, env=env, capture_output=True, text=True, timeout=args.restarts * 5 + 240
+            )
+            code: int | str = proc.returncode
+            tail = proc.stderr.splitlines()[-5:] if proc.returncode else []
+        except subprocess.TimeoutExpired:
+            code, tail = "timeout", []
+        lat, lost = _latencies(_rows(out), args.ranks)
+        slow = sum(x > 1.0 for x in lat)
+        print(
+            f"  {len(lat)}/{args.restarts} restarts in {time.monotonic() - started:.0f} s: "
+            f"median {median(lat) * 1e3:.0f} ms, max {max(lat, default=0) * 1e3:.0f} ms, "
+            f">1 s: {slow}, ranks lost: {lost}, exit {code}"
+        )
+        for line in tail:
+            print(f"    {line}")
+
+
+def main() -> None:
+    in_loopback_netns()
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--ranks", type=int, default=3)
+    parser.add_argument("--restarts", type=int, default=40)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--load", type=int, default=0, help="busy loops beside the job")
+    args = parser.parse_args()
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.load)]
+    try:
+        with tempfile.TemporaryDirectory(prefix="relaunch_soak_") as tmp:
+            script = os.path.join(tmp, "train.py")
+            Path(script).write_text(TRAIN)
+            print(f"{args.ranks} DDP ranks, {args.restarts} exception restarts per run")
+            for _ in range(args.runs):
+                run(args, script)
+    finally:
+        for proc in busy:
+            proc.kill()
+            proc.wait()
+
+
+if __name__ == "__main__":
+    main()
