@@ -4,9 +4,15 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
+from types import FrameType
+
+
+def _exit_on(signum: int, frame: FrameType | None) -> None:
+    raise SystemExit(128 + signum)  # run the benchmark's finally blocks: stop its launchers
 
 
 def in_loopback_netns() -> None:
@@ -14,8 +20,11 @@ def in_loopback_netns() -> None:
 
     torch's TCPStore does a reverse DNS lookup per connection; on some machines one
     in ~25 stalls for 5 s. A loopback-only namespace removes that noise. Skipped
-    when not permitted or when RELAUNCH_BENCH_NETNS=0.
+    when not permitted or when RELAUNCH_BENCH_NETNS=0. SIGTERM and SIGINT end the
+    benchmark through its cleanup (the outer process forwards them to the inner one),
+    so no launcher or worker is left behind.
     """
+    signal.signal(signal.SIGTERM, _exit_on)
     if os.environ.get("RELAUNCH_BENCH_NETNS") in ("0", "done") or not shutil.which("unshare"):
         return
     probe = subprocess.run(["unshare", "-n", "true"], capture_output=True)
@@ -33,7 +42,14 @@ def in_loopback_netns() -> None:
         sys.executable,
         *sys.argv,
     ]
-    raise SystemExit(subprocess.call(cmd, env=env))
+    proc = subprocess.Popen(cmd, env=env)  # unshare and sh exec: proc is the benchmark
+
+    def forward(signum: int, frame: FrameType | None) -> None:
+        proc.send_signal(signum)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    raise SystemExit(proc.wait())
 
 
 def median(values: list[float]) -> float:

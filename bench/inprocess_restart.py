@@ -10,7 +10,8 @@ torchrun`` runs the wrapper under torchrun instead), and
 (b) by torchrun's process restart (``--max-restarts 3``), in the same run.
 Reported: seconds from the fault to the moment every surviving rank completed a
 training step again (median of ``--runs``), and the ratio; then the wrapper's
-overhead on a step loop without faults. Run by hand, not in CI.
+overhead on a step loop without faults (``--overhead-runs`` interleaved pairs; the
+spread of the runs is the noise floor). Run by hand, not in CI.
 """
 
 from __future__ import annotations
@@ -71,6 +72,7 @@ TRAIN = textwrap.dedent(
                 emit("step", step=step, iteration=iteration)
             ping()
         emit("loop", seconds=time.perf_counter() - started, steps=steps)
+        del model, opt  # free DDP before its process group (a gloo teardown deadlock)
         dist.destroy_process_group()
     if mode == "inprocess":
         from relaunch import inprocess
@@ -220,21 +222,31 @@ def recovery(launcher: str, mode: str, fault: str, args: argparse.Namespace, scr
             _stop(procs)
 
 
-def overhead(launcher: str, args: argparse.Namespace, script: str) -> dict[str, float]:
-    """Seconds per step of the loop without faults, plain and wrapped (median over ranks)."""
-    result = {}
-    for mode in ("plain", "inprocess"):
-        with tempfile.TemporaryDirectory(prefix="relaunch_bench_") as tmp:
-            out = Path(tmp)
-            argv = [mode, "none", str(out), str(args.overhead_steps), "60", "30"]
-            procs = _start(launcher, args, script, argv, out)
-            try:
-                for proc in procs:
-                    proc.wait(600)
-            finally:
-                _stop(procs)
-            loops = [r for r in _Events(out).poll() if r["kind"] == "loop"]
-            result[mode] = median([float(r["seconds"]) / float(r["steps"]) for r in loops])
+def _loop_seconds_per_step(
+    launcher: str, mode: str, args: argparse.Namespace, script: str
+) -> float:
+    """One fault-free run: seconds per step of the training loop (median over ranks)."""
+    with tempfile.TemporaryDirectory(prefix="relaunch_bench_") as tmp:
+        out = Path(tmp)
+        argv = [mode, "none", str(out), str(args.overhead_steps), "60", "30"]
+        procs = _start(launcher, args, script, argv, out)
+        try:
+            for proc in procs:
+                proc.wait(600)
+        finally:
+            _stop(procs)
+        loops = [r for r in _Events(out).poll() if r["kind"] == "loop"]
+        if not loops:
+            raise RuntimeError(f"{launcher}/{mode}: no training loop finished\n" + _tails(out))
+        return median([float(r["seconds"]) / float(r["steps"]) for r in loops])
+
+
+def overhead(launcher: str, args: argparse.Namespace, script: str) -> dict[str, list[float]]:
+    """Seconds per step without faults, plain and wrapped, over interleaved runs."""
+    result: dict[str, list[float]] = {"plain": [], "inprocess": []}
+    for _ in range(args.overhead_runs):
+        for mode in result:
+            result[mode].append(_loop_seconds_per_step(launcher, mode, args, script))
     return result
 
 
@@ -248,6 +260,7 @@ def main() -> None:
     parser.add_argument("--pg-timeout", type=float, default=30.0, help="gloo timeout (s)")
     parser.add_argument("--soft-timeout", type=float, default=2.0, help="wrapper soft timeout (s)")
     parser.add_argument("--overhead-steps", type=int, default=2000, help="0: skip")
+    parser.add_argument("--overhead-runs", type=int, default=5, help="interleaved pairs")
     parser.add_argument("--cases", default="ab", help="which of (a) and (b) to run")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="relaunch_bench_") as tmp:
@@ -275,11 +288,12 @@ def main() -> None:
         if not args.overhead_steps:
             return
         per_step = overhead(args.launcher_a, args, script)
-        extra = per_step["inprocess"] / per_step["plain"] - 1
-        print(
-            f"overhead, {args.overhead_steps} steps: plain {per_step['plain'] * 1e3:.3f} ms/step, "
-            f"wrapped {per_step['inprocess'] * 1e3:.3f} ms/step ({extra * 100:+.2f} %)"
-        )
+        plain, wrapped = median(per_step["plain"]), median(per_step["inprocess"])
+        print(f"overhead, {args.overhead_steps} steps, {args.overhead_runs} interleaved runs each:")
+        for mode, label in (("plain", "plain  "), ("inprocess", "wrapped")):
+            runs = ", ".join(f"{x * 1e3:.2f}" for x in per_step[mode])
+            print(f"  {label} median {median(per_step[mode]) * 1e3:.3f} ms/step  (runs: {runs})")
+        print(f"  wrapped/plain {(wrapped / plain - 1) * 100:+.2f} %")
 
 
 if __name__ == "__main__":

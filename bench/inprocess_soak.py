@@ -59,6 +59,7 @@ TRAIN = textwrap.dedent(
             opt.zero_grad(); loss.backward(); opt.step()
             emit(ev="step", it=it, world=world)
             call_wrapper.ping()
+        del model, opt  # free DDP before its process group (a gloo teardown deadlock)
         dist.destroy_process_group()
     train()
     """

@@ -69,6 +69,7 @@ TRAIN = textwrap.dedent(
         if crashes and step >= 60:
             break
         time.sleep(0.02)
+    del model, opt  # free DDP before its process group (a gloo teardown deadlock)
     dist.destroy_process_group()
     """
 )

@@ -101,6 +101,7 @@ def make_train(args: argparse.Namespace, ckpt: Checkpoint) -> Any:
                 ckpt.optimizer_state = copy.deepcopy(optimizer.state_dict())
                 ckpt.step = step + 1
             call_wrapper.ping()
+        del model, optimizer  # free DDP before its process group (see train_ddp.py)
         dist.destroy_process_group()
         return float(loss.detach())
 

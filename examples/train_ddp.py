@@ -92,6 +92,9 @@ def main() -> None:
         )
         if os.path.exists(path) and not args.checkpoint:
             os.remove(path)
+    # Free DDP before its process group: if its reducer held the group's last
+    # reference, gloo's threads would be joined under the GIL (a rare deadlock).
+    del model, opt
     dist.destroy_process_group()
 
 

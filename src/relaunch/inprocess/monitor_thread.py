@@ -1,8 +1,9 @@
 """The monitor thread: notice an interruption anywhere, abort, interrupt the main thread.
 
-Every ``interval`` it (1) checks this rank's progress against ``soft_timeout`` and
-records a soft timeout, (2) reads the iteration's interruption records and the dead
-ranks from the store in one round trip. On any interruption it takes the atomic
+Every ``interval`` it (1) takes references to the live process groups (see
+``_groups``), (2) checks this rank's progress against ``soft_timeout`` and records a
+soft timeout, (3) reads the iteration's interruption records and the dead ranks from
+the store in one round trip. On any interruption it takes the atomic
 lock (so an ``atomic()`` section finishes first), calls ``abort`` once, and raises
 :class:`RankShouldRestart` in the main thread with ``PyThreadState_SetAsyncExc``,
 then sends the main thread a signal so a GIL-releasing call (``time.sleep``, a
@@ -23,6 +24,7 @@ import time
 from collections.abc import Callable
 from types import FrameType
 
+from relaunch.inprocess._groups import GroupRefs
 from relaunch.inprocess.attribution import Interruption, InterruptionRecord
 from relaunch.inprocess.exception import RankShouldRestart
 from relaunch.inprocess.progress_watchdog import SharedProgress
@@ -125,6 +127,7 @@ class MonitorThread:
         shared: SharedProgress,
         control: MainThreadControl,
         abort: Callable[[], None],
+        groups: GroupRefs | None = None,
     ) -> None:
         self.coord = coord
         self.iteration = iteration
@@ -135,6 +138,7 @@ class MonitorThread:
         self.shared = shared
         self.control = control
         self.abort = abort
+        self.groups = groups
         self.triggered = threading.Event()
         self._stop = threading.Event()
         self._soft_recorded = False
@@ -154,6 +158,8 @@ class MonitorThread:
                     with self.control.lock:  # re-deliver if swallowed or deferred
                         self._deferred = self.control.in_fn and not self.control.interrupt()
                     continue
+                if self.groups is not None:
+                    self.groups.take()  # see _groups: released after the iteration
                 if self._interrupted():
                     self._trigger()
         except Exception:

@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 
 from relaunch.inprocess import _sockets
 from relaunch.inprocess._env import announce_to_agent, namespace, resolve_store, tcp_client_factory
+from relaunch.inprocess._groups import GroupRefs
 from relaunch.inprocess._params import call_wrapper_parameter, run_callbacks
 from relaunch.inprocess._rendezvous import EnvRendezvousPatch
 from relaunch.inprocess.attribution import Interruption, InterruptionRecord
@@ -85,7 +86,7 @@ class CallWrapper:
         self.shared = SharedProgress()
         self._abort_lock = threading.Lock()
         self._aborted = False
-        self._held_groups: list[Any] = []
+        self.groups = GroupRefs()
         host_port: int | None = None
         kwargs = cfg.store_kwargs or {}
         if cfg.store_factory is None:
@@ -168,6 +169,7 @@ class CallWrapper:
         self.monitor_process.shutdown(float("inf") if self._hosting else grace + 5.0)
         self._coord = None
         self._thread_coord = None
+        self.groups.release()
         gc.collect()  # drops the store connections
         self.shared.close()
         log.debug("rank %s: closed", self.state.initial_rank)
@@ -279,6 +281,7 @@ class CallWrapper:
             shared=self.shared,
             control=self.control,
             abort=self._abort_once,
+            groups=self.groups,
         )
         monitor.start()
         try:
@@ -296,6 +299,7 @@ class CallWrapper:
             return False, value
         if kind == "restart":
             return False, value
+        self.groups.release()  # the function's frame is gone: so are its DDP reducers
         completion = cfg.seconds("completion_timeout")
         return coord.completion(it, me, active, completion, _POLL), value
 
@@ -324,7 +328,7 @@ class CallWrapper:
             if self._aborted:
                 return
             self._aborted = True
-            self._held_groups = _process_groups()
+        self.groups.take()  # before abort destroys them
         try:
             self.state = run_callbacks(self.config.abort, self.state)
         except Exception:
@@ -349,9 +353,7 @@ class CallWrapper:
             raise HealthCheckError(f"rank {me}: {exc!r}") from exc
         _release_frames(train_ex)
         gc.collect(1)
-        with self._abort_lock:
-            groups, self._held_groups = self._held_groups, []
-        del groups  # the last references: the groups are destroyed without the GIL
+        self.groups.release()  # the last references: groups are destroyed without the GIL
         self.shared.iteration = it + 1  # a death from now on interrupts the next iteration
         terminated = self.coord.termination_barrier(
             it,
@@ -379,24 +381,6 @@ def _release_frames(exc: BaseException | None) -> None:
         seen.add(id(exc))
         traceback.clear_frames(exc.__traceback__)
         exc = exc.__cause__ or exc.__context__
-
-
-def _process_groups() -> list[Any]:
-    """Python references to every live process group, taken before abort destroys them.
-
-    The failed iteration's objects (a DDP reducer holds its process group in C++)
-    are freed with the GIL held; if the reducer held the last reference, the group's
-    destructor would join gloo's worker threads under the GIL while one of them
-    needs it to free a finished work: a deadlock (seen ~1 restart in 100 with DDP).
-    Torch destroys a ``ProcessGroup`` whose last reference is a Python one without
-    the GIL, so the wrapper holds these until the failed iteration is released.
-    """
-    try:
-        from torch.distributed import distributed_c10d as c10d
-    except ImportError:
-        return []
-    world = getattr(c10d, "_world", None)
-    return list(getattr(world, "pg_map", None) or {})
 
 
 def replace_state(state: State, **changes: Any) -> State:

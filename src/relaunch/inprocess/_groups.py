@@ -1,0 +1,62 @@
+"""Keep the process groups of an iteration alive until the iteration's objects are gone.
+
+A DDP ``Reducer`` holds its process group in C++, and is freed with the GIL held
+(when the function returns or its frames are cleared for a restart). If it held the
+*last* reference, ``~ProcessGroupGloo`` joins gloo's worker threads under the GIL
+while one of them needs the GIL to free a finished work: a deadlock (seen with
+py-spy in ~1 restart in 100, and in plain DDP scripts that destroy the group before
+the model). Torch destroys a ``ProcessGroup`` whose last reference is a Python one
+*without* the GIL, so the wrapper takes Python references to every group it sees
+during the iteration and drops them once the function's objects are released.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+__all__ = ["GroupRefs"]
+
+
+def _live_groups() -> list[Any]:
+    """The process groups torch.distributed knows now (its ``pg_map``)."""
+    try:
+        from torch.distributed import distributed_c10d as c10d
+    except ImportError:
+        return []
+    pg_map = getattr(getattr(c10d, "_world", None), "pg_map", None)
+    if not pg_map:
+        return []
+    try:
+        return list(pg_map)
+    except RuntimeError:  # changed size while read from another thread: next time
+        return []
+
+
+class GroupRefs:
+    """Python references to process groups, taken from any thread, dropped by one."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._held: dict[int, Any] = {}
+
+    def take(self) -> None:
+        """Add every live process group (cheap: called by the monitor thread each poll)."""
+        groups = _live_groups()
+        if not groups:
+            return
+        with self._lock:
+            for group in groups:
+                self._held.setdefault(id(group), group)
+
+    def release(self) -> int:
+        """Drop the references (groups no one else holds are destroyed here, GIL released).
+
+        Call it once the iteration's objects (its frames, a DDP model) are freed.
+        Returns how many references were dropped.
+        """
+        with self._lock:
+            held, self._held = self._held, {}
+        count = len(held)
+        held.clear()
+        return count
