@@ -10,8 +10,9 @@ torchrun`` runs the wrapper under torchrun instead), and
 (b) by torchrun's process restart (``--max-restarts 3``), in the same run.
 Reported: seconds from the fault to the moment every surviving rank completed a
 training step again (median of ``--runs``), and the ratio; then the wrapper's
-overhead on a step loop without faults (``--overhead-runs`` interleaved pairs; the
-spread of the runs is the noise floor). Run by hand, not in CI.
+overhead on a step loop without faults (one node of ``--overhead-workers``, the
+2x2 job's step time varies too much between runs; ``--overhead-runs`` interleaved
+pairs; the spread of the runs is the noise floor). Run by hand, not in CI.
 """
 
 from __future__ import annotations
@@ -50,7 +51,18 @@ TRAIN = textwrap.dedent(
     log = open(os.path.join(out, f"{rank0}.{os.getpid()}.log"), "a", buffering=1)
     def emit(kind, **kw):
         log.write(json.dumps({"kind": kind, "t": time.time(), "attempt": attempt, **kw}) + "\\n")
-    def body(iteration, ping):
+    def machinery_cpu(cw):
+        # CPU seconds used by the wrapper's threads and monitor process so far
+        import threading
+        def cpu(path):
+            fields = open(path).read().rsplit(")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        total = sum(cpu(f"/proc/self/task/{t.native_id}/stat") for t in threading.enumerate()
+                    if t.name.startswith("relaunch-inprocess"))
+        if cw.monitor_process.pid:
+            total += cpu(f"/proc/{cw.monitor_process.pid}/stat")
+        return total
+    def body(iteration, ping, cw=None):
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=pg_timeout))
         torch.manual_seed(0)
         model = DDP(nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 1)))
@@ -71,7 +83,8 @@ TRAIN = textwrap.dedent(
             if fault != "none":
                 emit("step", step=step, iteration=iteration)
             ping()
-        emit("loop", seconds=time.perf_counter() - started, steps=steps)
+        cpu = machinery_cpu(cw) if cw is not None else 0.0
+        emit("loop", seconds=time.perf_counter() - started, steps=steps, machinery_cpu=cpu)
         del model, opt  # free DDP before its process group (a gloo teardown deadlock)
         dist.destroy_process_group()
     if mode == "inprocess":
@@ -83,7 +96,7 @@ TRAIN = textwrap.dedent(
             barrier_timeout=datetime.timedelta(seconds=max(60, 4 * soft)),
         )
         def train(call_wrapper: inprocess.CallWrapper | None = None):
-            body(call_wrapper.iteration, call_wrapper.ping)
+            body(call_wrapper.iteration, call_wrapper.ping, call_wrapper)
         train()
     else:
         body(0, lambda: None)
@@ -146,11 +159,21 @@ def _trained_again(rows: list[dict[str, Any]], t0: float) -> dict[int, float]:
 
 
 def _start(
-    launcher: str, args: argparse.Namespace, script: str, argv: list[str], out: Path
+    launcher: str,
+    args: argparse.Namespace,
+    script: str,
+    argv: list[str],
+    out: Path,
+    workers: int | None = None,
 ) -> list[subprocess.Popen[bytes]]:
-    """Start the launcher(s); each one's stdout and stderr go to ``out/launcher<i>.txt``."""
+    """Start the launcher(s); each one's stdout and stderr go to ``out/launcher<i>.txt``.
+
+    ``workers``: one node of that many workers (else the topology of the options).
+    """
     env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1"}
-    if args.single_node:
+    if workers is not None:
+        topo = [["--standalone", f"--nproc-per-node={workers}"]]
+    elif args.single_node:
         topo = [["--standalone", "--nproc-per-node=4"]]
     else:
         port, rid = _free_port(), f"bench{time.monotonic_ns()}"
@@ -224,12 +247,13 @@ def recovery(launcher: str, mode: str, fault: str, args: argparse.Namespace, scr
 
 def _loop_seconds_per_step(
     launcher: str, mode: str, args: argparse.Namespace, script: str
-) -> float:
-    """One fault-free run: seconds per step of the training loop (median over ranks)."""
+) -> tuple[float, float]:
+    """One fault-free run: seconds per step of the training loop and the CPU share of
+    the wrapper's machinery (CPU seconds per second of loop, per rank), medians over ranks."""
     with tempfile.TemporaryDirectory(prefix="relaunch_bench_") as tmp:
         out = Path(tmp)
         argv = [mode, "none", str(out), str(args.overhead_steps), "60", "30"]
-        procs = _start(launcher, args, script, argv, out)
+        procs = _start(launcher, args, script, argv, out, workers=args.overhead_workers)
         try:
             for proc in procs:
                 proc.wait(600)
@@ -238,16 +262,25 @@ def _loop_seconds_per_step(
         loops = [r for r in _Events(out).poll() if r["kind"] == "loop"]
         if not loops:
             raise RuntimeError(f"{launcher}/{mode}: no training loop finished\n" + _tails(out))
-        return median([float(r["seconds"]) / float(r["steps"]) for r in loops])
+        per_step = median([float(r["seconds"]) / float(r["steps"]) for r in loops])
+        share = median([float(r.get("machinery_cpu", 0.0)) / float(r["seconds"]) for r in loops])
+        return per_step, share
 
 
-def overhead(launcher: str, args: argparse.Namespace, script: str) -> dict[str, list[float]]:
-    """Seconds per step without faults, plain and wrapped, over interleaved runs."""
+def overhead(
+    launcher: str, args: argparse.Namespace, script: str
+) -> tuple[dict[str, list[float]], list[float]]:
+    """Seconds per step without faults, plain and wrapped, over interleaved runs; and the
+    wrapped runs' machinery CPU share."""
     result: dict[str, list[float]] = {"plain": [], "inprocess": []}
+    shares: list[float] = []
     for _ in range(args.overhead_runs):
         for mode in result:
-            result[mode].append(_loop_seconds_per_step(launcher, mode, args, script))
-    return result
+            per_step, share = _loop_seconds_per_step(launcher, mode, args, script)
+            result[mode].append(per_step)
+            if mode == "inprocess":
+                shares.append(share)
+    return result, shares
 
 
 def main() -> None:
@@ -259,7 +292,10 @@ def main() -> None:
     parser.add_argument("--single-node", action="store_true", help="one agent of 4 workers")
     parser.add_argument("--pg-timeout", type=float, default=30.0, help="gloo timeout (s)")
     parser.add_argument("--soft-timeout", type=float, default=2.0, help="wrapper soft timeout (s)")
-    parser.add_argument("--overhead-steps", type=int, default=2000, help="0: skip")
+    parser.add_argument("--overhead-steps", type=int, default=5000, help="0: skip")
+    parser.add_argument(
+        "--overhead-workers", type=int, default=2, help="one node of N workers, for the overhead"
+    )
     parser.add_argument("--overhead-runs", type=int, default=5, help="interleaved pairs")
     parser.add_argument("--cases", default="ab", help="which of (a) and (b) to run")
     args = parser.parse_args()
@@ -287,13 +323,21 @@ def main() -> None:
                 print(f"  {'':9s} ratio b/a {median(times['b']) / median(times['a']):.1f}x")
         if not args.overhead_steps:
             return
-        per_step = overhead(args.launcher_a, args, script)
+        per_step, shares = overhead(args.launcher_a, args, script)
         plain, wrapped = median(per_step["plain"]), median(per_step["inprocess"])
-        print(f"overhead, {args.overhead_steps} steps, {args.overhead_runs} interleaved runs each:")
+        print(
+            f"overhead, {args.overhead_workers} workers on one node, {args.overhead_steps} "
+            f"steps, {args.overhead_runs} interleaved runs each:"
+        )
         for mode, label in (("plain", "plain  "), ("inprocess", "wrapped")):
             runs = ", ".join(f"{x * 1e3:.2f}" for x in per_step[mode])
             print(f"  {label} median {median(per_step[mode]) * 1e3:.3f} ms/step  (runs: {runs})")
         print(f"  wrapped/plain {(wrapped / plain - 1) * 100:+.2f} %")
+        runs = ", ".join(f"{x * 100:.2f}" for x in shares)
+        print(
+            f"  wrapper machinery (its threads + monitor process), CPU per rank: "
+            f"median {median(shares) * 100:.2f} % of a core  (runs: {runs})"
+        )
 
 
 if __name__ == "__main__":

@@ -10,7 +10,10 @@ world shrinks) is a hang that only the hard timeout ended.
 
 Prints, per run: the restart latencies (fault -> every rank completed a step of
 the next iteration) as median / max, how many took over 1 s, ranks lost, and the
-launcher's exit code. Run by hand, not in CI.
+launcher's exit code. With ``--dump-dir``, a stall (no rank stepped for 5 s) has
+every worker's stacks written there (``py-spy dump --native`` and gdb's
+``thread apply all bt``, when installed): the way to see what a hang is. Run by hand,
+not in CI.
 """
 
 from __future__ import annotations
@@ -18,12 +21,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import in_loopback_netns, median
@@ -39,7 +44,7 @@ TRAIN = textwrap.dedent(
     rank0 = int(os.environ["RANK"])
     log = open(os.path.join(out, f"{rank0}.log"), "a", buffering=1)
     def emit(**kw):
-        log.write(json.dumps({"t": time.time(), **kw}) + "\\n")
+        log.write(json.dumps({"t": time.time(), "pid": os.getpid(), **kw}) + "\\n")
     @inprocess.Wrapper(
         soft_timeout=datetime.timedelta(seconds=20),
         hard_timeout=datetime.timedelta(seconds=40),
@@ -66,7 +71,7 @@ TRAIN = textwrap.dedent(
 )
 
 
-def _rows(out: Path) -> list[dict[str, float]]:
+def _rows(out: Path) -> list[dict[str, Any]]:
     rows = []
     for path in out.glob("*.log"):
         rank = int(path.stem)
@@ -75,7 +80,7 @@ def _rows(out: Path) -> list[dict[str, float]]:
     return rows
 
 
-def _latencies(rows: list[dict[str, float]], ranks: int) -> tuple[list[float], int]:
+def _latencies(rows: list[dict[str, Any]], ranks: int) -> tuple[list[float], int]:
     """Per fault: seconds until every rank of the next iteration stepped; ranks lost."""
     faults = {int(r["it"]): r["t"] for r in rows if r["ev"] == "fault"}
     first: dict[tuple[int, int], float] = {}
@@ -94,6 +99,23 @@ def _latencies(rows: list[dict[str, float]], ranks: int) -> tuple[list[float], i
     return out, lost
 
 
+def _dump_stacks(pids: set[int], dump_dir: Path) -> None:
+    """Every worker's Python and native stacks (gloo's threads need gdb) into files."""
+    dump_dir.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%H%M%S")
+    for pid in sorted(pids):
+        tools = {
+            "py-spy": ["py-spy", "dump", "--native", "--pid", str(pid)],
+            "gdb": ["gdb", "-p", str(pid), "-batch", "-ex", "thread apply all bt 30"],
+        }
+        for name, cmd in tools.items():
+            if shutil.which(cmd[0]) is None:
+                continue
+            with (dump_dir / f"{stamp}_{pid}.{name}.txt").open("w") as f:
+                subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=120, check=False)
+    print(f"    stall: stacks of {sorted(pids)} in {dump_dir}")
+
+
 def run(args: argparse.Namespace, script: str) -> None:
     with tempfile.TemporaryDirectory(prefix="relaunch_soak_") as tmp:
         out = Path(tmp)
@@ -102,14 +124,32 @@ def run(args: argparse.Namespace, script: str) -> None:
         cmd += [script, str(out), str(args.restarts)]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         started = time.monotonic()
-        try:
-            proc = subprocess.run(
-                cmd, env=env, capture_output=True, text=True, timeout=args.restarts * 5 + 240
-            )
-            code: int | str = proc.returncode
-            tail = proc.stderr.splitlines()[-5:] if proc.returncode else []
-        except subprocess.TimeoutExpired:
-            code, tail = "timeout", []
+        deadline = started + args.restarts * 5 + 240
+        code: int | str = "timeout"
+        tail: list[str] = []
+        dumped = False
+        with (out / "launcher.txt").open("w+") as log:
+            proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+            try:
+                while proc.poll() is None and time.monotonic() < deadline:
+                    time.sleep(0.5)
+                    logs = list(out.glob("*.log"))
+                    if args.dump_dir is None or dumped or not logs:
+                        continue
+                    if time.time() - max(p.stat().st_mtime for p in logs) > 5:
+                        dumped = True
+                        pids = {int(r["pid"]) for r in _rows(out)}
+                        _dump_stacks(
+                            {p for p in pids if os.path.exists(f"/proc/{p}")}, args.dump_dir
+                        )
+            finally:
+                if proc.poll() is None:
+                    proc.terminate()
+                    proc.wait(60)
+                else:
+                    code = proc.returncode
+            log.seek(0)
+            tail = log.read().splitlines()[-5:] if code != 0 else []
         lat, lost = _latencies(_rows(out), args.ranks)
         slow = sum(x > 1.0 for x in lat)
         print(
@@ -128,6 +168,7 @@ def main() -> None:
     parser.add_argument("--restarts", type=int, default=40)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--load", type=int, default=0, help="busy loops beside the job")
+    parser.add_argument("--dump-dir", type=Path, help="write the workers' stacks here on a stall")
     args = parser.parse_args()
     busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.load)]
     try:
