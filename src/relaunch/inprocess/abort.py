@@ -7,6 +7,7 @@ collective; it must make that call return.
 from __future__ import annotations
 
 import abc
+import datetime
 import logging
 
 from relaunch.inprocess import _sockets
@@ -31,9 +32,10 @@ class AbortTorchDistributed(Abort):
     NCCL communicators are aborted. For Gloo (and for a rendezvous still waiting on
     the store), the TCP connections opened by this iteration are shut down, which
     makes a pending collective fail at once (measured: ~2 ms) and closes the
-    connection the peers wait on. Connections opened before the iteration (the
-    wrapper's own store clients) are kept; other sockets the function opened in
-    this iteration are shut down too.
+    connection the peers wait on; gloo backends get a 1 ms timeout first, so a
+    collective started after the abort fails too. Connections opened before the
+    iteration (the wrapper's own store clients) are kept; other sockets the function
+    opened in this iteration are shut down too.
     """
 
     def __init__(self, *, shutdown_sockets: bool = True) -> None:
@@ -46,6 +48,7 @@ class AbortTorchDistributed(Abort):
             return state
         if dist.is_initialized():
             _abort_nccl(dist)
+            _expire_gloo()
         if self.shutdown_sockets:
             count = _sockets.shutdown_new_connections()
             log.debug("rank %s: shut down %s connections", state.initial_rank, count)
@@ -58,6 +61,32 @@ class AbortTorchDistributed(Abort):
 
     def __repr__(self) -> str:
         return f"AbortTorchDistributed(shutdown_sockets={self.shutdown_sockets})"
+
+
+_EXPIRED = datetime.timedelta(milliseconds=1)
+
+
+def _expire_gloo() -> None:
+    """Give every gloo backend a 1 ms timeout, so collectives started *after* the abort
+    fail at once.
+
+    The socket shutdown releases the collectives already waiting. But the main thread
+    may still be inside C++ (a DDP backward) and enqueue another bucket's allreduce on
+    the broken pairs; gloo then waits for it up to the group's timeout (30 min by
+    default), and the restart exception, which needs bytecode to run, never lands
+    (seen ~1 in 500 DDP restarts under load: a rank stuck in ``finalize_backward``
+    until its hard timeout). With the timeout expired, that allreduce fails in ms.
+    """
+    from torch.distributed import distributed_c10d as c10d
+
+    for group in list(getattr(getattr(c10d, "_world", None), "pg_map", {}) or {}):
+        for device in getattr(group, "_device_types", ()):
+            try:
+                backend = group._get_backend(device)
+                if type(backend).__name__ == "ProcessGroupGloo":
+                    backend._set_default_timeout(_EXPIRED)
+            except Exception as exc:  # best effort: the socket shutdown still applies
+                log.debug("cannot expire the gloo timeout of %r: %s", group, exc)
 
 
 def _abort_nccl(dist: object) -> None:

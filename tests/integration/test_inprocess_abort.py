@@ -1,0 +1,87 @@
+"""AbortTorchDistributed on a real gloo group of two processes.
+
+A collective started *after* the abort (as a DDP backward still running in C++ does
+when it enqueues its next bucket) must fail at once, not wait for the group's
+timeout (120 s here). The abort expires the gloo backend's timeout for that: in the
+race seen under load (~1 in 500 DDP restarts, `bench/inprocess_soak.py`) such an
+allreduce otherwise waited in ``UnboundBuffer::waitSend``. The race itself needs
+timing a test cannot force, so the test checks the expired timeout directly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+RANK = r"""
+import datetime, json, os, sys, time
+import torch, torch.distributed as dist
+from relaunch.inprocess import AbortTorchDistributed, State
+from relaunch.inprocess import _sockets
+
+rank = int(os.environ["RANK"])
+_sockets.mark_baseline()
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+group = dist.group.WORLD
+dist.all_reduce(torch.ones(1))  # the pairs are connected and work
+if rank == 1:
+    sys.stdin.read()  # stays in the job, never joins another collective
+    sys.exit(0)
+AbortTorchDistributed()(State(rank=0, world_size=2, initial_rank=0, initial_world_size=2))
+started = time.monotonic()
+try:
+    group.allreduce([torch.ones(1)]).wait()
+    outcome = "returned"
+except RuntimeError as exc:
+    outcome = "failed"
+timeout = group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+print(json.dumps({"outcome": outcome, "gloo_timeout": timeout}), flush=True)
+_sockets.clear_baseline()
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.timeout(60)
+def test_collective_started_after_abort_fails_at_once() -> None:
+    port = _free_port()
+    procs = []
+    try:
+        for rank in (0, 1):
+            env = dict(
+                os.environ,
+                RANK=str(rank),
+                WORLD_SIZE="2",
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port),
+                OMP_NUM_THREADS="1",
+            )
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-c", RANK],
+                    env=env,
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                )
+            )
+        out, err = procs[0].communicate(timeout=45)
+        assert procs[0].returncode == 0, err[-3000:]
+        result = json.loads(out.strip().splitlines()[-1])
+        assert result["outcome"] == "failed", result
+        assert result["gloo_timeout"] <= 0.01, result  # was 120 s before the abort
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.communicate()
