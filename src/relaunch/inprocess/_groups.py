@@ -15,10 +15,10 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-__all__ = ["GroupRefs"]
+__all__ = ["GroupRefs", "live_groups"]
 
 
-def _live_groups() -> list[Any]:
+def live_groups() -> list[Any]:
     """The process groups torch.distributed knows now (its ``pg_map``)."""
     try:
         from torch.distributed import distributed_c10d as c10d
@@ -42,7 +42,7 @@ class GroupRefs:
 
     def take(self) -> None:
         """Add every live process group (cheap: called by the monitor thread each poll)."""
-        groups = _live_groups()
+        groups = live_groups()
         if not groups:
             return
         with self._lock:

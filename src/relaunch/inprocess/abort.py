@@ -11,6 +11,7 @@ import datetime
 import logging
 
 from relaunch.inprocess import _sockets
+from relaunch.inprocess._groups import live_groups
 from relaunch.inprocess.state import State
 
 __all__ = ["Abort", "AbortTorchDistributed"]
@@ -77,9 +78,7 @@ def _expire_gloo() -> None:
     (seen ~1 in 500 DDP restarts under load: a rank stuck in ``finalize_backward``
     until its hard timeout). With the timeout expired, that allreduce fails in ms.
     """
-    from torch.distributed import distributed_c10d as c10d
-
-    for group in list(getattr(getattr(c10d, "_world", None), "pg_map", {}) or {}):
+    for group in live_groups():
         for device in getattr(group, "_device_types", ()):
             try:
                 backend = group._get_backend(device)
@@ -92,8 +91,7 @@ def _expire_gloo() -> None:
 def _abort_nccl(dist: object) -> None:
     from torch.distributed import distributed_c10d as c10d
 
-    groups = list(getattr(getattr(c10d, "_world", None), "pg_map", {}) or {})
-    for group in groups:
+    for group in live_groups():
         try:
             backend = str(c10d.get_backend(group))
         except Exception:
