@@ -140,6 +140,18 @@ def assert_clean(rank: Rank) -> None:
     assert ret["sockets"] == 0, ret
 
 
+def assert_rank_1_killed_others_shift(ranks: list[Rank]) -> None:
+    """Of 3 ranks, rank 1 was killed at its hard timeout; 0 and 2 went on at world size 2."""
+    report = _report(ranks)
+    assert ranks[1].proc.returncode in (-signal.SIGTERM, -signal.SIGKILL), report
+    assert "HARD_TIMEOUT" in ranks[1].stderr, report
+    assert starts(ranks[0]) == [(0, 0, 3), (1, 0, 2)], report
+    assert starts(ranks[2]) == [(0, 2, 3), (1, 1, 2)], report
+    for rank in (ranks[0], ranks[2]):
+        assert rank.proc.returncode == 0, report
+        assert_clean(rank)
+
+
 def starts(rank: Rank) -> list[tuple[int, int, int]]:
     """(iteration, rank, world size) of each call of the function."""
     return [(e["iteration"], e["rank"], e["world"]) for e in rank.of("start")]
@@ -202,14 +214,7 @@ def test_sleep_hang_is_woken_at_soft_timeout_not_killed() -> None:
 @pytest.mark.timeout(90)
 def test_rank_holding_the_gil_is_killed_at_hard_timeout_others_shift() -> None:
     ranks = run_job(3, [{"iteration": 0, "rank": 1, "kind": "gil", "step": 2}])
-    report = _report(ranks)
-    assert ranks[1].proc.returncode in (-signal.SIGTERM, -signal.SIGKILL), report
-    assert "HARD_TIMEOUT" in ranks[1].stderr, report
-    assert starts(ranks[0]) == [(0, 0, 3), (1, 0, 2)], report
-    assert starts(ranks[2]) == [(0, 2, 3), (1, 1, 2)], report
-    for rank in (ranks[0], ranks[2]):
-        assert rank.proc.returncode == 0, report
-        assert_clean(rank)
+    assert_rank_1_killed_others_shift(ranks)
 
 
 @pytest.mark.timeout(90)
@@ -233,15 +238,8 @@ def test_rank_stuck_in_the_restart_procedure_is_killed_at_hard_timeout() -> None
         [{"iteration": 0, "rank": 0, "kind": "exception", "step": 2}],
         env={"IPX_STUCK_FINALIZE": "[1]"},
     )
-    report = _report(ranks)
-    assert ranks[1].of("finalize_stuck"), report
-    assert ranks[1].proc.returncode in (-signal.SIGTERM, -signal.SIGKILL), report
-    assert "HARD_TIMEOUT" in ranks[1].stderr, report
-    assert starts(ranks[0]) == [(0, 0, 3), (1, 0, 2)], report
-    assert starts(ranks[2]) == [(0, 2, 3), (1, 1, 2)], report
-    for rank in (ranks[0], ranks[2]):
-        assert rank.proc.returncode == 0, report
-        assert_clean(rank)
+    assert ranks[1].of("finalize_stuck"), _report(ranks)
+    assert_rank_1_killed_others_shift(ranks)
 
 
 @pytest.mark.timeout(90)
