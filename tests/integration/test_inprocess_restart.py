@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -43,6 +44,12 @@ class Rank:
         return [e for e in self.events if e["event"] == name]
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def _marked_pids(token: str) -> list[int]:
     pids = []
     for entry in os.listdir("/proc"):
@@ -73,6 +80,7 @@ def run_job(
     token = f"IPX_TOKEN_{uuid.uuid4().hex}"
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     port = server.port
+    standalone_port = _free_port()
     ranks = []
     try:
         for r in range(world):
@@ -94,8 +102,8 @@ def run_job(
             )
             if agent_store:
                 rank_env.update(MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True")
-            else:
-                rank_env.update(MASTER_PORT=str(port + 0))
+            else:  # rank 0's monitor process hosts the store on MASTER_PORT + 1
+                rank_env.update(MASTER_PORT=str(standalone_port - 1))
                 rank_env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
             proc = subprocess.Popen(
                 [sys.executable, str(WORKER)],
