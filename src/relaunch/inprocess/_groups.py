@@ -49,14 +49,11 @@ class GroupRefs:
             for group in groups:
                 self._held.setdefault(id(group), group)
 
-    def release(self) -> int:
+    def release(self) -> None:
         """Drop the references (groups no one else holds are destroyed here, GIL released).
 
         Call it once the iteration's objects (its frames, a DDP model) are freed.
-        Returns how many references were dropped.
         """
         with self._lock:
             held, self._held = self._held, {}
-        count = len(held)
         held.clear()
-        return count

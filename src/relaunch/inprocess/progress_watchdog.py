@@ -84,6 +84,11 @@ class SharedProgress:
         self.auto_ts = time.monotonic()
         self.ping_ts = 0.0
 
+    def arm(self) -> None:
+        """Progress timeouts apply from now on, counted from now."""
+        self.reset()
+        self.armed = 1
+
     def close(self) -> None:
         self._map.close()
 

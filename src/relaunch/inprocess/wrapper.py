@@ -268,8 +268,7 @@ class CallWrapper:
             log.debug("rank %s is a spare at iteration %s", me, it)
             return coord.completion(it, None, active, None, _POLL), None
         _sockets.mark_baseline()
-        self.shared.reset()
-        self.shared.armed = 1
+        self.shared.arm()
         assert self._thread_coord is not None
         monitor = MonitorThread(
             coord=self._thread_coord,
@@ -340,8 +339,7 @@ class CallWrapper:
         train_ex = cause if isinstance(cause, BaseException) else None
         # The hard timeout covers the restart procedure too (its waits poll in Python):
         # a rank stuck in C here is killed and the others go on without it.
-        self.shared.reset()
-        self.shared.armed = 1
+        self.shared.arm()
         self._abort_once()
         log.debug("rank %s: aborted", me)
         try:
