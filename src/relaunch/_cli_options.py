@@ -68,6 +68,8 @@ OPTS: dict[str, Opt] = {
     "exit_barrier_timeout": Opt("300", "Seconds a finished node waits for the others."),
     "log_line_prefix_template": Opt(None, "Console line prefix, e.g. '[${role_name}${rank}]:' "
                                      "(default: TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE)."),
-    "warm_standby": Opt(None, "Keep a warm interpreter with torch imported per local rank: "
-                         "fast restarts (default).", switch=True),
+    "warm_standby": Opt(None, "Fork replacement workers from a fork server that has imported "
+                         "what the workers import: fast restarts (default).", switch=True),
+    "hang_timeout": Opt("0", "Seconds without Python code running in a worker's main thread "
+                         "after which it is declared hung and the group restarts (0: off)."),
 }  # fmt: skip

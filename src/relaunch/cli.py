@@ -78,7 +78,7 @@ def _parser() -> _Parser:
             help=opt.help + hint,
         )  # fmt: skip
     parser.add_argument("--no-warm-standby", "--no_warm_standby", dest="warm_standby",
-                        action=_Store, nargs=0, const=False, help="Start every worker cold.")  # fmt: skip
+                        action=_Store, nargs=0, const=False, help="No fork server: start every worker cold.")  # fmt: skip
     parser.add_argument("training_script", nargs="?", help="Script, module or binary to run.")
     parser.add_argument("training_script_args", nargs=argparse.REMAINDER)
     parser.set_defaults(**dict.fromkeys(OPTS))
@@ -363,6 +363,7 @@ def parse_args(argv: Sequence[str] | None = None) -> LaunchConfig:
         watchdog=os.environ.get("TORCHELASTIC_ENABLE_FILE_TIMER", "").strip() == "1",
         watchdog_file=os.environ.get("TORCHELASTIC_TIMER_FILE", "").strip() or None,
         warm_standby=values.switch("warm_standby", default=True),
+        hang_timeout=values.number("hang_timeout", positive=False),
         log_line_prefix_template=_template(values),
         signals_to_handle=values.parsed("signals_to_handle", parse_signals),
         # Last: the file system, then counting devices (may import torch).

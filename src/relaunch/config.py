@@ -314,6 +314,8 @@ class LaunchConfig:
     """Serve the worker watchdog's named pipe (``TORCHELASTIC_ENABLE_FILE_TIMER=1``)."""
     watchdog_file: str | None = None
     """The named pipe's path (``TORCHELASTIC_TIMER_FILE``); a temporary one if None."""
+    hang_timeout: float = 0.0
+    """Seconds without Python progress in a worker's main thread that make it hung; 0: off."""
 
     def __post_init__(self) -> None:
         _check_int("min_nodes", self.min_nodes, 1)
@@ -374,6 +376,7 @@ class LaunchConfig:
         timeout = _check_float("exit_barrier_timeout", self.exit_barrier_timeout, positive=False)
         self._set("exit_barrier_timeout", timeout)
         grace = _check_float("shutdown_timeout", self.shutdown_timeout, positive=False)
+        self._set("hang_timeout", _check_float("hang_timeout", self.hang_timeout, positive=False))
         self._set("shutdown_timeout", grace)
         _check_bool("watchdog", self.watchdog)
         _check_text("watchdog_file", self.watchdog_file, optional=True)

@@ -126,7 +126,7 @@ def test_watchdog_kills_an_overdue_worker(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(90)
-def test_warm_standby_runs_the_script_like_a_fresh_interpreter(tmp_path: Path) -> None:
+def test_forked_worker_runs_the_script_like_a_fresh_interpreter(tmp_path: Path) -> None:
     script(
         tmp_path,
         "probe.py",
@@ -148,7 +148,7 @@ def test_warm_standby_runs_the_script_like_a_fresh_interpreter(tmp_path: Path) -
         with open(os.path.join(out, name), "w") as f:
             json.dump(state, f)
         if attempt == "0":
-            time.sleep(5)  # the standbys start while we run
+            time.sleep(5)  # the fork server starts while we run
             sys.exit(1)
         """,
     )
@@ -167,7 +167,7 @@ def test_warm_standby_runs_the_script_like_a_fresh_interpreter(tmp_path: Path) -
     assert r.returncode == 0, r.stderr
     ev = [json.loads(x) for x in next(logs.glob("*/events.jsonl")).read_text().splitlines()]
     started = [e for e in ev if e["name"] == "workers_started"]
-    assert started[1]["metadata"]["warm"] == [0, 1]
+    assert started[1]["metadata"]["forked"] == [0, 1]
     expected = json.loads((tmp_path / "state_plain_0.json").read_text())
     for lr in (0, 1):
         first = json.loads((tmp_path / f"state_0_{lr}.json").read_text())

@@ -34,11 +34,13 @@ def test_agent() -> None:
 def test_procs() -> None:
     assert sorted(relaunch.procs.__all__) == [
         "Entrypoint",
+        "ForkServer",
         "ProcessSpec",
         "RunLogDir",
         "Standby",
         "TeeTarget",
         "WorkerProcesses",
+        "is_stopped",
         "set_child_subreaper",
         "signal_name",
     ]

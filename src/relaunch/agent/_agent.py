@@ -9,8 +9,17 @@ import signal
 import socket
 import threading
 import time
+from dataclasses import dataclass
 
+from relaunch.agent._contract import AttemptFiles
 from relaunch.agent._env import substitute_local_rank, worker_env, worker_streams
+from relaunch.agent._observe import (
+    announced_exit,
+    collect_stacks,
+    last_progress,
+    oldest_hung,
+    record_hang,
+)
 from relaunch.agent._round import (
     exit_barrier,
     gather_failures,
@@ -28,9 +37,9 @@ from relaunch.errors import (
 )
 from relaunch.events import Event, EventSink
 from relaunch.procs import (
+    ForkServer,
     ProcessSpec,
     RunLogDir,
-    Standby,
     WorkerProcesses,
     set_child_subreaper,
 )
@@ -43,10 +52,22 @@ __all__ = ["LocalAgent"]
 log = logging.getLogger(__name__)
 
 
+@dataclass
+class _Slot:
+    """One local rank's worker of the current attempt: its environment and files."""
+
+    env: dict[str, str]
+    files: AttemptFiles
+    started: float
+    """Wall-clock start (hang detection counts from it before the first progress)."""
+    lost: ProcessFailure | None = None
+    """Set when the worker died and its in-process peers went on without it."""
+
+
 class LocalAgent:
     """Runs one role's workers on this node until they succeed, fail for good, or a signal.
 
-    Owns: the worker processes, the warm standbys, the workers' store (on the
+    Owns: the worker processes, the fork server, the workers' store (on the
     rank-0 node), the timer server, the run log directory. :meth:`run` releases
     all of them before it returns.
     """
@@ -63,12 +84,10 @@ class LocalAgent:
             spec=spec, workers=[Worker(local_rank=i) for i in range(spec.local_world_size)]
         )
         self._procs: WorkerProcesses | None = None
-        self._standbys: dict[int, Standby] = {}
-        self._envs: dict[int, dict[str, str]] = {}
-        self._error_files: dict[int, str] = {}
-        self._result_files: dict[int, str] = {}
-        self._markers: dict[int, str] = {}
-        self._lost: dict[int, ProcessFailure] = {}
+        self._fork_server: ForkServer | None = None
+        self._fork_refused: str | None = None
+        self._fork_server_ready = False
+        self._slots: dict[int, _Slot] = {}
         self._started_at = 0.0
         self._worker_store: TCPStoreServer | None = None
         self._info: RendezvousInfo | None = None
@@ -125,9 +144,9 @@ class LocalAgent:
     def _teardown(self) -> None:
         sig = self._stop_signal or signal.SIGTERM
         self._stop_workers(sig)
-        for standby in self._standbys.values():
-            standby.discard()
-        self._standbys.clear()
+        if self._fork_server is not None:
+            self._fork_server.close()
+            self._fork_server = None
         if self._worker_store is not None:
             self._worker_store.close()
             self._worker_store = None
@@ -176,7 +195,7 @@ class LocalAgent:
                     self._emit("membership_changed")
                     self._restart()
                 else:
-                    self._maybe_start_standbys()
+                    self._maybe_start_fork_server()
             except RendezvousClosedError:
                 if self._stop_signal is not None:
                     return self._stopped()
@@ -218,41 +237,78 @@ class LocalAgent:
         self._rendezvous_and_start()
 
     def _poll(self) -> tuple[WorkerState, dict[int, ProcessFailure]]:
-        """The group's state. A failed worker of an in-process restart group is *lost*, not
-        a group failure, while in-process peers of it still run: they go on without it."""
+        """The group's state. A worker has failed once its runner announced a non-zero exit
+        (before its teardown), once it exited non-zero, or once it hung. A failed worker of
+        an in-process restart group is *lost*, not a group failure, while in-process peers
+        of it still run: they go on without it."""
         assert self._procs is not None
         codes = self._procs.poll()
         pids = self._procs.pids()
         failures: dict[int, ProcessFailure] = {}
         for worker in self._group.workers:
-            lr = worker.local_rank
+            lr, slot = worker.local_rank, self._slots[worker.local_rank]
             code = codes.get(lr)
             if code is not None and self._timer is not None:
                 self._timer.clear_pid(pids[lr])
-            if code is None or code == 0 or lr in self._lost:
+            if code is None:
+                code = codes[lr] = announced_exit(slot.files)
+            if code is None or code == 0 or slot.lost is not None:
                 continue
             failure = ProcessFailure(
-                local_rank=lr, pid=pids[lr], exitcode=code, error_file=self._error_files[lr]
+                local_rank=lr, pid=pids[lr], exitcode=code, error_file=slot.files.error_file
             )
             if self._peers_restart_in_process(lr, codes):
-                self._lost[worker.global_rank] = failure
+                slot.lost = failure
                 self._emit("worker_lost", local_rank=lr, exitcode=code, reason=failure.message)
                 continue
             failures[worker.global_rank] = failure
+        lost = {
+            w.global_rank: s.lost
+            for w in self._group.workers
+            if (s := self._slots[w.local_rank]).lost
+        }
+        if not failures and self._spec.hang_timeout:
+            failures = self._hung(codes, pids)
         if failures:
-            failures.update(self._lost)
+            failures.update(lost)
             return WorkerState.FAILED, failures
         if all(code is not None for code in codes.values()):
-            if len(self._lost) == len(codes):
-                return WorkerState.FAILED, dict(self._lost)
+            if len(lost) == len(codes):
+                return WorkerState.FAILED, lost
             return WorkerState.SUCCEEDED, failures
         return WorkerState.HEALTHY, failures
 
+    def _hung(
+        self, codes: dict[int, int | None], pids: dict[int, int]
+    ) -> dict[int, ProcessFailure]:
+        """The worker hung longest, as a failure with its stacks, if one passed --hang-timeout."""
+        timeout = self._spec.hang_timeout
+        if not timeout or not self._spec.entrypoint.is_python:
+            return {}
+        progress = {
+            lr: last_progress(slot.files, slot.started)
+            for lr, slot in self._slots.items()
+            if codes.get(lr) is None and not os.path.exists(slot.files.marker)
+        }
+        lr = oldest_hung(progress, time.time(), timeout)
+        if lr is None:
+            return {}
+        files = self._slots[lr].files
+        stacks = collect_stacks(pids[lr], files)
+        message = record_hang(files, since=progress[lr], timeout=timeout, stacks=stacks)
+        self._emit("worker_hung", local_rank=lr, pid=pids[lr], reason=message, stacks=stacks)
+        log.error("local rank %s (pid %s): %s; its stacks:\n%s", lr, pids[lr], message, stacks)
+        worker = self._group.workers[lr]
+        failure = ProcessFailure(
+            local_rank=lr, pid=pids[lr], exitcode=-signal.SIGKILL, error_file=files.error_file
+        )
+        return {worker.global_rank: failure}
+
     def _peers_restart_in_process(self, local_rank: int, codes: dict[int, int | None]) -> bool:
         """Whether the worker ran under relaunch.inprocess, and so do running peers of it."""
-        markers = self._markers
-        return os.path.exists(markers[local_rank]) and any(
-            code is None and os.path.exists(markers[lr])
+        slots = self._slots
+        return os.path.exists(slots[local_rank].files.marker) and any(
+            code is None and os.path.exists(slots[lr].files.marker)
             for lr, code in codes.items()
             if lr != local_rank
         )
@@ -314,7 +370,7 @@ class LocalAgent:
         assert group.master_port is not None and group.group_rank is not None
         assert group.group_world_size is not None
         self._attempt += 1
-        self._lost = {}
+        self._slots = {}
         extra: dict[str, str] = {}
         if self._timer is not None:
             extra["TORCHELASTIC_ENABLE_FILE_TIMER"] = "1"
@@ -323,7 +379,7 @@ class LocalAgent:
         for worker in group.workers:
             lr = worker.local_rank
             attempt_dir = self._logdir.attempt_dir(self._attempt, lr)
-            error_file = os.path.join(attempt_dir, "error.json")
+            files = AttemptFiles.in_dir(attempt_dir)
             env = worker_env(
                 base=spec.base_env,
                 local_rank=lr,
@@ -340,46 +396,48 @@ class LocalAgent:
                 restart_count=self._restart_count,
                 max_restarts=spec.max_restarts,
                 run_id=self._run_id,
-                error_file=error_file,
-                extra={
-                    **extra,
-                    "RELAUNCH_INPROCESS_MARKER": os.path.join(attempt_dir, "inprocess"),
-                },
+                error_file=files.error_file,
+                extra={**extra, **files.env(spec.hang_timeout)},
             )
-            self._markers[lr] = env["RELAUNCH_INPROCESS_MARKER"]
-            self._envs[lr] = env
-            self._error_files[lr] = error_file
+            self._slots[lr] = _Slot(env=env, files=files, started=time.time())
             stdout, stderr, tee = worker_streams(spec, lr, worker.global_rank, attempt_dir)
             args = substitute_local_rank(spec.args, lr)
             is_function = spec.entrypoint.kind == "function"
-            self._result_files[lr] = os.path.join(attempt_dir, "result.json")
             specs.append(
                 ProcessSpec(
                     local_rank=lr,
                     env=env,
                     args=() if is_function else tuple(str(a) for a in args),
                     call_args=args if is_function else (),
-                    result_file=self._result_files[lr] if is_function else None,
+                    result_file=files.result_file if is_function else None,
                     stdout=stdout,
                     stderr=stderr,
                     tee=tee,
                 )
             )
-        standbys, self._standbys = self._standbys, {}
         warm = spec.warm_standby and spec.entrypoint.is_python
         report = {}
         if warm and not os.path.exists(self._modules_file):
             report[0] = self._modules_file
+        server = self._fork_server
         procs = WorkerProcesses(
             spec.entrypoint,
             specs,
-            standbys=standbys,
-            via_runner=warm,
+            fork_server=server if server is not None and server.alive() else None,
             report_modules=report,
             name=spec.role,
         )
         self._procs = procs
         procs.start()
+        if procs.fork_refused is not None and server is not None:
+            self._fork_refused = procs.fork_refused
+            log.warning(
+                "the fork server cannot fork workers (%s): starting fresh interpreters from now on",
+                procs.fork_refused,
+            )
+            self._emit("fork_server_refused", reason=procs.fork_refused)
+            server.close()
+            self._fork_server = None
         self._started_at = time.monotonic()
         pids = procs.pids()
         for worker in group.workers:
@@ -391,31 +449,40 @@ class LocalAgent:
             "workers_started",
             attempt=self._attempt,
             pids=pids,
-            warm=sorted(standbys),
+            forked=sorted(procs.forked),
             master_addr=group.master_addr,
             master_port=group.master_port,
         )
 
-    def _maybe_start_standbys(self) -> None:
-        spec = self._spec
+    def _maybe_start_fork_server(self) -> None:
+        spec, server = self._spec, self._fork_server
+        if server is not None and not self._fork_server_ready:
+            server.pump(0.0)
+            if server.ready:
+                self._fork_server_ready = True
+                self._emit("fork_server_ready", pid=server.pid)
         if (
             not spec.warm_standby
             or not spec.entrypoint.is_python
             or self._remaining_restarts <= 0
-            or self._standbys
+            or self._fork_server is not None
+            or self._fork_refused is not None
+            or self._logdir is None
         ):
             return
         running = time.monotonic() - self._started_at
         # Wait until the workers told us what they import (or for long enough), so the
-        # standbys preload exactly that, and do not compete with the workers' own start.
+        # server preloads exactly that, and does not compete with the workers' own start.
         if running < spec.standby_delay or (
             not os.path.exists(self._modules_file) and running < 30.0
         ):
             return
-        preload = self._modules_file if os.path.exists(self._modules_file) else None
-        for lr, env in self._envs.items():
-            self._standbys[lr] = Standby(env=env, cwd=os.getcwd(), preload_file=preload)
-        self._emit("standbys_started", pids={lr: s.pid for lr, s in self._standbys.items()})
+        self._fork_server = ForkServer(
+            env=self._slots[0].env,
+            preload_file=self._modules_file,
+            log_file=os.path.join(self._logdir.path, "fork_server.log"),
+        )
+        self._emit("fork_server_started", pid=self._fork_server.pid)
 
     def _stop_workers(self, sig: int) -> None:
         procs, self._procs = self._procs, None
@@ -459,7 +526,7 @@ class LocalAgent:
         for worker in self._group.workers:
             value: object = None
             try:
-                with open(self._result_files[worker.local_rank]) as f:
+                with open(self._slots[worker.local_rank].files.result_file) as f:
                     data = json.load(f)
                 if isinstance(data, dict) and data.get("version") == 1:
                     value = data.get("value")

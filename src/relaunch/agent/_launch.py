@@ -82,6 +82,7 @@ def build_spec(
         log_dir=config.log_dir,
         exit_barrier_timeout=config.exit_barrier_timeout,
         warm_standby=config.warm_standby,
+        hang_timeout=config.hang_timeout or None,
         stop_grace=config.shutdown_timeout,
         watchdog=config.watchdog,
         watchdog_file=config.watchdog_file,

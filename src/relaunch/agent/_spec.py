@@ -64,9 +64,11 @@ class WorkerSpec:
     log_dir: str | None = None
     exit_barrier_timeout: float = 300.0
     warm_standby: bool = True
-    """Keep an interpreter per local rank with torch imported, to replace a failed worker fast."""
+    """Fork replacement workers from a fork server that imported what the workers import."""
     standby_delay: float = 2.0
-    """Seconds after workers start before the standbys are started (not to slow the start)."""
+    """Seconds after workers start before the fork server starts (not to slow their start)."""
+    hang_timeout: float | None = None
+    """Seconds without Python code in a worker's main thread after which it is hung."""
     stop_grace: float = 30.0
     """Seconds between SIGTERM and SIGKILL when stopping workers."""
     watchdog: bool = False
@@ -89,6 +91,8 @@ class WorkerSpec:
             )
         if self.stop_grace < 0:
             raise ConfigError(f"stop_grace: expected >= 0, got {self.stop_grace}")
+        if self.hang_timeout is not None and not self.hang_timeout > 0:
+            raise ConfigError(f"hang_timeout: expected > 0 or None, got {self.hang_timeout}")
         if self.standby_delay < 0:
             raise ConfigError(f"standby_delay: expected >= 0, got {self.standby_delay}")
         if self.master_port is not None and not 0 <= self.master_port <= 65535:

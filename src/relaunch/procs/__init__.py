@@ -1,17 +1,20 @@
-"""Starting, watching and stopping worker processes; logs; warm standby interpreters."""
+"""Starting, watching and stopping worker processes; logs; the fork server."""
 
 from relaunch.procs._context import Entrypoint, ProcessSpec, WorkerProcesses
+from relaunch.procs._forkserver import ForkServer
 from relaunch.procs._logs import RunLogDir, TeeTarget
 from relaunch.procs._standby import Standby
-from relaunch.procs._sys import set_child_subreaper, signal_name
+from relaunch.procs._sys import is_stopped, set_child_subreaper, signal_name
 
 __all__ = [
     "Entrypoint",
+    "ForkServer",
     "ProcessSpec",
     "RunLogDir",
     "Standby",
     "TeeTarget",
     "WorkerProcesses",
+    "is_stopped",
     "set_child_subreaper",
     "signal_name",
 ]

@@ -11,20 +11,22 @@ import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Protocol
 
 from relaunch.errors import ConfigError, WorkerError
+from relaunch.procs._forkserver import ForkServer
 from relaunch.procs._logs import TeeTailer, TeeTarget
 from relaunch.procs._standby import Standby
 from relaunch.procs._sys import (
     descendants,
+    is_stopped,
     kill_group,
     members,
     reap_orphans,
     set_parent_death_signal,
 )
 
-__all__ = ["Entrypoint", "ProcessSpec", "WorkerProcesses"]
+__all__ = ["Entrypoint", "ProcessSpec", "WorkerProcesses", "runner_request"]
 
 log = logging.getLogger(__name__)
 
@@ -110,13 +112,44 @@ def _open_out(path: str | None) -> int | None:
     return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
 
 
+class _Process(Protocol):
+    """What the agent needs of a worker process: a ``Popen`` or a forked worker."""
+
+    pid: int
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+
+def runner_request(
+    entry: Entrypoint, spec: ProcessSpec, report_modules: str | None
+) -> dict[str, object]:
+    """The request that turns a runner (``_warm.py``) into the worker ``spec`` describes."""
+    return {
+        "version": 1,
+        "cwd": os.getcwd(),
+        "env": dict(spec.env),
+        "kind": entry.kind,
+        "target": entry.target,
+        "args": list(spec.args),
+        "stdout": spec.stdout,
+        "stderr": spec.stderr,
+        "report_modules": report_modules,
+        "call_args": list(spec.call_args),
+        "result_file": spec.result_file,
+    }
+
+
 class WorkerProcesses:
     """The worker processes of one attempt on this node, owned until :meth:`close`.
 
     Each worker runs in a session (and process group) of its own, gets SIGKILL
-    when the agent dies (parent-death signal), and is stopped with its whole
-    group: SIGTERM, a grace period, then SIGKILL; descendants that left the
-    group are found in /proc and killed too.
+    when the agent dies (parent-death signal; through the fork server for a
+    forked worker), and is stopped with its whole group: SIGTERM, a grace period,
+    then SIGKILL (at once for a stopped process); descendants that left the group
+    are found in /proc and killed too. Python workers run through the runner
+    (``_warm.py``): forked from ``fork_server`` when one is given, else fresh.
     """
 
     def __init__(
@@ -124,53 +157,57 @@ class WorkerProcesses:
         entry: Entrypoint,
         specs: Sequence[ProcessSpec],
         *,
-        standbys: Mapping[int, Standby] | None = None,
-        via_runner: bool = False,
+        fork_server: ForkServer | None = None,
         report_modules: Mapping[int, str] | None = None,
         name: str = "",
     ) -> None:
         self._entry = entry
         self._specs = list(specs)
-        self._standbys = dict(standbys or {})
-        self._via_runner = via_runner or entry.run_path or entry.kind == "function"
+        self._fork_server = fork_server
         self._report_modules = dict(report_modules or {})
-        self._procs: dict[int, subprocess.Popen[bytes]] = {}
+        self._procs: dict[int, _Process] = {}
         self._exitcodes: dict[int, int] = {}
         self._tailer = TeeTailer([t for s in self._specs for t in s.tee], name=name)
         self._closed = False
+        self.forked: list[int] = []
+        """Local ranks whose worker was forked from the fork server."""
+        self.fork_refused: str | None = None
+        """Why the fork server did not fork (a worker then started fresh), if it did not."""
 
     # -- starting ---------------------------------------------------------------
     def start(self) -> None:
         """Start every worker. Raises WorkerError (and stops those started) when one cannot start."""
         try:
+            forked = self._fork()
             for spec in self._specs:
-                self._procs[spec.local_rank] = self._start_one(spec)
+                proc = forked.get(spec.local_rank)
+                self._procs[spec.local_rank] = proc if proc is not None else self._start_one(spec)
         except BaseException:
             self.close(grace=0.0)
             raise
         self._tailer.start()
 
-    def _start_one(self, spec: ProcessSpec) -> subprocess.Popen[bytes]:
-        standby = self._standbys.pop(spec.local_rank, None)
-        if standby is None and self._via_runner and self._entry.is_python:
-            # Same program as a standby, activated at once: runpy in an interpreter we start.
-            standby = Standby(env=spec.env, cwd=os.getcwd())
-        if standby is not None:
-            proc = standby.activate(
-                env=spec.env,
-                kind=self._entry.kind,
-                target=self._entry.target,
-                args=spec.args,
-                stdout=spec.stdout,
-                stderr=spec.stderr,
-                report_modules=self._report_modules.get(spec.local_rank),
-                call_args=spec.call_args,
-                result_file=spec.result_file,
-            )
+    def _request(self, spec: ProcessSpec) -> dict[str, object]:
+        return runner_request(self._entry, spec, self._report_modules.get(spec.local_rank))
+
+    def _fork(self) -> dict[int, _Process]:
+        server = self._fork_server
+        if server is None or not self._entry.is_python or not server.alive():
+            return {}
+        replies = server.fork({s.local_rank: self._request(s) for s in self._specs})
+        out: dict[int, _Process] = {}
+        for rank, reply in replies.items():
+            if isinstance(reply, str):
+                self.fork_refused = reply
+            else:
+                out[rank] = reply
+                self.forked.append(rank)
+        return out
+
+    def _start_one(self, spec: ProcessSpec) -> _Process:
+        if self._entry.is_python:
+            proc = Standby(env=spec.env, cwd=os.getcwd()).activate(self._request(spec))
             if proc is not None:
-                log.debug(
-                    "local rank %s: warm standby %s became the worker", spec.local_rank, proc.pid
-                )
                 return proc
         out, err = _open_out(spec.stdout), _open_out(spec.stderr)
         try:
@@ -211,14 +248,13 @@ class WorkerProcesses:
         if self._closed:
             return dict(self._exitcodes)
         self._closed = True
-        for standby in self._standbys.values():
-            standby.discard()
-        self._standbys.clear()
         sessions = {p.pid for p in self._procs.values()}
         strays = {d for pid in sessions for d in descendants(pid)}
         live = [p for p in self._procs.values() if p.poll() is None]
         for proc in live:
-            kill_group(proc.pid, sig)
+            # A stopped process cannot act on SIGTERM: no grace for it.
+            kill_group(proc.pid, signal.SIGKILL if is_stopped(proc.pid) else sig)
+            kill_group(proc.pid, signal.SIGCONT)
         deadline = time.monotonic() + grace
         for proc in live:
             with contextlib.suppress(subprocess.TimeoutExpired):

@@ -1,4 +1,4 @@
-"""Warm standby interpreters: a replacement worker that does not pay ``import torch`` again."""
+"""A fresh runner interpreter (``_warm.py``) that becomes a worker on :meth:`Standby.activate`."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import logging
 import os
 import subprocess
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
+from typing import Any
 
 from relaunch.errors import WorkerError
 from relaunch.procs._sys import set_parent_death_signal
@@ -22,17 +23,15 @@ _MAX_REQUEST = 60 * 1024  # below the pipe's capacity: writing never blocks
 
 
 class Standby:
-    """One idle interpreter, started with ``env``, that becomes a worker on :meth:`activate`.
+    """One runner interpreter, started with ``env``, that becomes a worker on :meth:`activate`.
 
-    The agent owns it: either :meth:`activate` hands the process over as a
-    worker (the caller then owns the returned Popen), or :meth:`discard` ends it.
+    The caller owns it: either :meth:`activate` hands the process over as a worker
+    (the caller then owns the returned Popen), or :meth:`discard` ends it.
     """
 
     def __init__(
         self, *, env: Mapping[str, str], cwd: str, preload_file: str | None = None
     ) -> None:
-        self._env = dict(env)
-        self._cwd = cwd
         read_fd, self._write_fd = os.pipe()
         try:
             self._proc: subprocess.Popen[bytes] | None = subprocess.Popen(
@@ -43,7 +42,7 @@ class Standby:
                     str(read_fd),
                     *([preload_file] if preload_file else []),
                 ],
-                env=self._env,
+                env=dict(env),
                 cwd=cwd,
                 pass_fds=(read_fd,),
                 start_new_session=True,
@@ -62,45 +61,19 @@ class Standby:
     def alive(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 
-    def activate(
-        self,
-        *,
-        env: Mapping[str, str],
-        kind: str,
-        target: str,
-        args: Sequence[str],
-        stdout: str | None,
-        stderr: str | None,
-        report_modules: str | None = None,
-        call_args: Sequence[object] = (),
-        result_file: str | None = None,
-    ) -> subprocess.Popen[bytes] | None:
-        """Turn the standby into a worker; ``None`` if it cannot (the caller spawns afresh)."""
+    def activate(self, request: Mapping[str, Any]) -> subprocess.Popen[bytes] | None:
+        """Turn the runner into a worker; ``None`` if it cannot (the caller spawns afresh)."""
         proc = self._proc
-        if proc is None or proc.poll() is not None or kind not in ("script", "module", "function"):
+        if proc is None or proc.poll() is not None:
             self.discard()
             return None
-        request = {
-            "version": 1,
-            "cwd": os.getcwd(),
-            "env_set": {k: v for k, v in env.items() if self._env.get(k) != v},
-            "env_unset": [k for k in self._env if k not in env],
-            "kind": kind,
-            "target": target,
-            "args": list(args),
-            "stdout": stdout,
-            "stderr": stderr,
-            "report_modules": report_modules,
-            "call_args": list(call_args),
-            "result_file": result_file,
-        }
         try:
-            data = json.dumps(request).encode()
+            data = json.dumps(dict(request)).encode()
         except (TypeError, ValueError) as exc:
             self.discard()
             raise WorkerError(f"function arguments must be JSON data: {exc}") from exc
         if len(data) > _MAX_REQUEST:
-            log.info("standby request too large (%d bytes); starting a fresh worker", len(data))
+            log.info("runner request too large (%d bytes); starting a plain worker", len(data))
             self.discard()
             return None
         try:
@@ -114,7 +87,7 @@ class Standby:
         return proc
 
     def discard(self, timeout: float = 5.0) -> None:
-        """End the standby (end of file tells it to exit; killed if it lingers). Idempotent."""
+        """End the runner (end of file tells it to exit; killed if it lingers). Idempotent."""
         if self._write_fd >= 0:
             with contextlib.suppress(OSError):
                 os.close(self._write_fd)
@@ -122,10 +95,9 @@ class Standby:
         proc, self._proc = self._proc, None
         if proc is None:
             return
-        # It may still be importing torch: do not wait for that, kill it.
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, 9)
         try:
             proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL did not work
-            log.warning("standby %s did not exit after SIGKILL", proc.pid)
+            log.warning("runner %s did not exit after SIGKILL", proc.pid)

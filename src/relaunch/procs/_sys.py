@@ -11,6 +11,7 @@ import signal
 
 __all__ = [
     "descendants",
+    "is_stopped",
     "kill_group",
     "members",
     "reap_orphans",
@@ -63,6 +64,17 @@ def kill_group(pgid: int, sig: int) -> bool:
         log.warning("not allowed to signal process group %s", pgid)
         return False
     return True
+
+
+def is_stopped(pid: int) -> bool:
+    """Whether ``pid`` is in the stopped state (``T``: SIGSTOP, SIGTSTP) or traced."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    rest = stat[stat.rfind(b")") + 2 :]
+    return rest[:1] in (b"T", b"t")
 
 
 def _proc_table() -> list[tuple[int, int, int, int, bool]]:

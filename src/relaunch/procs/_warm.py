@@ -1,18 +1,31 @@
-"""The program of a warm standby interpreter: ``python -u _warm.py FD [PRELOAD_FILE]``.
+"""The runner of every Python worker: ``python -u _warm.py FD [PRELOAD_FILE]``.
 
-It imports the modules listed in PRELOAD_FILE (one per line: what a worker of
-this job imported from installed packages) ahead of time, then blocks reading
-file descriptor FD. The agent writes one request
-(versioned JSON: environment changes, working directory, output files, what to
-run) and closes the pipe; the interpreter then becomes that worker, running the
-script or module exactly as ``python -u script.py args...`` or
-``python -u -m module args...`` would: same ``sys.argv``, ``__main__``,
-``sys.path[0]`` and environment. End of file without a request means "not
-needed": it exits 0.
+The agent starts it (or forks it from the fork server, ``_zygote.py``) and writes
+one request (versioned JSON: environment, working directory, output files, what to
+run) on file descriptor FD; the interpreter then becomes that worker, running the
+script or module exactly as ``python -u script.py args...`` or ``python -u -m
+module args...`` would: same ``sys.argv``, ``__main__``, ``sys.path[0]``,
+environment and tracebacks. End of file without a request means "not needed": it
+exits 0. With PRELOAD_FILE (one module per line: what a worker of this job imported
+from installed packages) it imports those modules while it waits.
 
-A worker may be asked to report the modules it imported (``report_modules``):
-a daemon thread keeps the list current during its first two minutes, so the
-standbys of the next attempt can preload what this job really uses.
+What the runner adds to a plain ``python script.py`` (the worker contract; the
+variables are set by the agent, see ``relaunch/agent/_contract.py``):
+
+- ``RELAUNCH_EXIT_FILE``: when the script raises (or exits non-zero), the runner
+  writes the exit code there *before* the interpreter tears down (atexit handlers,
+  gloo threads: seconds), so the agent restarts the group at once. It also writes
+  the error file (``TORCHELASTIC_ERROR_FILE``) with the traceback when the script
+  did not (no ``@record``).
+- Process groups are kept alive to the end of the process: torch's teardown of a
+  DDP model whose process group was destroyed first deadlocks under the GIL
+  (``~Reducer -> ~ProcessGroupGloo -> join`` while a gloo thread waits for the GIL).
+- ``RELAUNCH_PROGRESS_FILE``: a daemon thread touches it whenever the main thread
+  runs Python code (checked with a pending call, like the in-process watchdog), so
+  the agent can find a hung worker; ``RELAUNCH_STACK_FILE`` receives the Python
+  stacks (faulthandler) when the agent sends ``RELAUNCH_STACK_SIGNAL``.
+- ``report_modules``: a daemon thread keeps a list of the modules this worker
+  imported current during its first two minutes, for the fork server to preload.
 
 This file runs by path, outside the relaunch package: it must import nothing of relaunch.
 """
@@ -21,7 +34,11 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import ctypes
+import faulthandler
+import functools
 import importlib
+import importlib.abc
 import importlib.machinery
 import json
 import os
@@ -31,10 +48,13 @@ import sys
 import sysconfig
 import threading
 import time
+import traceback
 import types
 import zipfile
+from typing import Any
 
 REQUEST_VERSION = 1
+EXIT_FILE_VERSION = 1
 
 
 def _read_all(fd: int) -> bytes:
@@ -54,6 +74,20 @@ def _redirect(path: str | None, target_fd: int) -> None:
     os.close(fd)
 
 
+def set_parent_death_signal(sig: int = 9) -> None:
+    """SIGKILL this process when its parent dies (``prctl(PR_SET_PDEATHSIG)``)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, sig, 0, 0, 0)
+
+
+def _write_atomic(path: str, data: str) -> None:
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
+# -- the modules a worker imports ---------------------------------------------------
 def _installed_roots() -> tuple[str, ...]:
     paths = sysconfig.get_paths()
     roots = {paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib") if k in paths}
@@ -74,11 +108,7 @@ def _imported_modules() -> list[str]:
 
 
 def _report_modules(path: str, period: float = 1.0, duration: float = 120.0) -> None:
-    """Keep ``path`` listing this worker's imports, rewritten whenever it imported more.
-
-    A daemon thread checks ``len(sys.modules)`` once a second for ``duration`` seconds:
-    the standbys that preload the list follow the worker's start closely.
-    """
+    """Keep ``path`` listing this worker's imports, rewritten whenever it imported more."""
 
     def run() -> None:
         end = time.monotonic() + duration
@@ -90,59 +120,196 @@ def _report_modules(path: str, period: float = 1.0, duration: float = 120.0) -> 
                 continue
             written = count
             with contextlib.suppress(OSError):
-                tmp = f"{path}.{os.getpid()}.tmp"
-                with open(tmp, "w") as f:
-                    f.write("\n".join(_imported_modules()) + "\n")
-                os.replace(tmp, path)
+                _write_atomic(path, "\n".join(_imported_modules()) + "\n")
 
     threading.Thread(target=run, name="relaunch-report-modules", daemon=True).start()
 
 
-def _preload(path: str) -> None:
+def read_module_list(path: str) -> list[str]:
     try:
         with open(path) as f:
-            names = [line.strip() for line in f if line.strip()]
+            return [line.strip() for line in f if line.strip()]
     except OSError:
+        return []
+
+
+def _preload(path: str) -> None:
+    for name in read_module_list(path):
+        if name not in sys.modules:
+            with contextlib.suppress(BaseException):
+                importlib.import_module(name)
+
+
+# -- process groups kept alive -------------------------------------------------------
+_kept_groups: dict[int, Any] = {}
+
+
+def _live_groups() -> list[Any]:
+    c10d = sys.modules.get("torch.distributed.distributed_c10d")
+    pg_map = getattr(getattr(c10d, "_world", None), "pg_map", None)
+    try:
+        return list(pg_map) if pg_map else []
+    except RuntimeError:  # changed size while read from another thread
+        return []
+
+
+def _keep_live_groups() -> None:
+    for group in _live_groups():
+        _kept_groups.setdefault(id(group), group)
+
+
+def _patch_destroy(module: Any) -> None:
+    """Make ``module.destroy_process_group`` keep a reference to the groups it destroys."""
+    original = getattr(module, "destroy_process_group", None)
+    if original is None or getattr(original, "__relaunch_keeps_groups__", False):
         return
-    for name in names:
-        if name in sys.modules:
-            continue
-        with contextlib.suppress(BaseException):
-            importlib.import_module(name)
+
+    @functools.wraps(original)
+    def destroy_process_group(*args: Any, **kwargs: Any) -> Any:
+        _keep_live_groups()
+        return original(*args, **kwargs)
+
+    destroy_process_group.__relaunch_keeps_groups__ = True  # type: ignore[attr-defined]
+    module.destroy_process_group = destroy_process_group
 
 
-def _become_worker(request: dict[str, object]) -> None:
+class _GroupKeeper(importlib.abc.MetaPathFinder):
+    """Patches torch.distributed's ``destroy_process_group`` as soon as it is imported."""
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+        if name != "torch.distributed.distributed_c10d":
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is not None and spec.loader is not None:
+                exec_module = spec.loader.exec_module
+
+                def patched(module: types.ModuleType, _exec: Any = exec_module) -> None:
+                    _exec(module)
+                    _patch_destroy(module)
+
+                spec.loader.exec_module = patched  # type: ignore[method-assign]
+                return spec
+        return None
+
+
+def install_group_keeper() -> None:
+    """Keep every process group alive until the process exits (see the module docstring)."""
+    c10d = sys.modules.get("torch.distributed.distributed_c10d")
+    if c10d is not None:
+        _patch_destroy(c10d)
+        _patch_destroy(sys.modules.get("torch.distributed"))
+    elif not any(isinstance(f, _GroupKeeper) for f in sys.meta_path):
+        sys.meta_path.insert(0, _GroupKeeper())
+
+
+def _immortalize_groups() -> None:
+    """Never destroy the groups seen: the process is ending, the OS frees them."""
+    _keep_live_groups()
+    for group in _kept_groups.values():
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
+
+
+# -- progress (hang detection) -------------------------------------------------------
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+def _start_progress(path: str, timeout: float, probe: float = 0.02) -> None:
+    """Keep ``path``'s mtime at the last time the main thread ran Python code.
+
+    A daemon thread queues a pending call (libc's ``sem_post``: the interpreter runs
+    it between two bytecodes of the main thread) every ``probe`` seconds. While the
+    main thread answers, the mtime is refreshed every ``timeout / 10`` seconds; when
+    it stops answering, the mtime is set once to its last answer, precise to
+    ``probe``: of ranks blocked together, the one that stopped first is the cause.
+    """
+    libc = ctypes.CDLL(None, use_errno=True)
+    sem = ctypes.create_string_buffer(64)  # sem_t is 32 bytes on 64-bit Linux
+    if libc.sem_init(sem, 0, 0) != 0:
+        return
+    add_pending = ctypes.pythonapi.Py_AddPendingCall
+    add_pending.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    add_pending.restype = ctypes.c_int
+    post = ctypes.cast(libc.sem_post, ctypes.c_void_p).value
+    refresh = min(1.0, max(probe, timeout / 10))
+    with contextlib.suppress(OSError):
+        open(path, "a").close()
+
+    def stamp(when: float) -> None:
+        with contextlib.suppress(OSError):
+            os.utime(path, (when, when))
+
+    def run() -> None:
+        queued = False
+        last_ok = written = time.time()
+        stalled = False
+        while True:
+            if not queued:
+                queued = add_pending(post, ctypes.addressof(sem)) == 0
+            deadline = time.time() + probe
+            spec = _Timespec(int(deadline), int((deadline % 1) * 1e9))
+            now = time.time()
+            if queued and libc.sem_timedwait(sem, ctypes.byref(spec)) == 0:
+                queued, stalled, last_ok = False, False, time.time()
+                if last_ok - written >= refresh:
+                    stamp(last_ok)
+                    written = last_ok
+                time.sleep(max(0.0, deadline - time.time()))
+            elif not stalled and now - last_ok >= 5 * probe:
+                stalled = True
+                stamp(last_ok)
+                written = last_ok
+
+    threading.Thread(target=run, name="relaunch-progress", daemon=True).start()
+
+
+def _install_worker_hooks() -> None:
+    progress = os.environ.get("RELAUNCH_PROGRESS_FILE")
+    if progress:
+        with contextlib.suppress(ValueError):
+            _start_progress(progress, float(os.environ.get("RELAUNCH_HANG_TIMEOUT", "0")))
+    stack_file, stack_signal = (
+        os.environ.get("RELAUNCH_STACK_FILE"),
+        os.environ.get("RELAUNCH_STACK_SIGNAL"),
+    )
+    if stack_file and stack_signal:
+        with contextlib.suppress(OSError, ValueError, RuntimeError):
+            out = open(stack_file, "w")  # noqa: SIM115 - kept open for the signal handler
+            faulthandler.register(int(stack_signal), file=out, all_threads=True, chain=False)
+
+
+# -- becoming the worker -------------------------------------------------------------
+def become_worker(request: dict[str, object]) -> None:
+    """Run the request's script, module or function in this process (see the module doc)."""
     if request.get("version") != REQUEST_VERSION:
-        raise SystemExit(
-            f"relaunch standby: unsupported request version {request.get('version')!r}"
-        )
-    cwd = request["cwd"]
-    env_set = request["env_set"]
-    env_unset = request["env_unset"]
-    kind = request["kind"]
-    target = request["target"]
-    args = request["args"]
+        raise SystemExit(f"relaunch runner: unsupported request version {request.get('version')!r}")
+    cwd, env = request.get("cwd"), request.get("env")
+    kind, target, args = request.get("kind"), request.get("target"), request.get("args")
     if not (
         isinstance(cwd, str)
-        and isinstance(env_set, dict)
-        and isinstance(env_unset, list)
+        and isinstance(env, dict)
         and kind in ("script", "module", "function")
         and isinstance(target, str)
         and isinstance(args, list)
     ):
-        raise SystemExit("relaunch standby: malformed request")
+        raise SystemExit("relaunch runner: malformed request")
     os.chdir(cwd)
-    for key in env_unset:
-        os.environ.pop(str(key), None)
-    for key, value in env_set.items():
-        os.environ[str(key)] = str(value)
-    stdout = request.get("stdout")
-    stderr = request.get("stderr")
+    for key in [k for k in os.environ if k not in env]:
+        del os.environ[key]
+    for key, value in env.items():
+        if os.environ.get(str(key)) != str(value):
+            os.environ[str(key)] = str(value)
+    stdout, stderr = request.get("stdout"), request.get("stderr")
     _redirect(stdout if isinstance(stdout, str) else None, 1)
     _redirect(stderr if isinstance(stderr, str) else None, 2)
     report = request.get("report_modules")
     if isinstance(report, str):
         _report_modules(report)
+    _install_worker_hooks()
+    install_group_keeper()
     argv = [str(a) for a in args]
     if kind == "script":
         sys.argv = [target, *argv]
@@ -201,6 +368,69 @@ def _call_function(target: str, request: dict[str, object]) -> None:
             f.write(data)
 
 
+def _exit_code(exc: SystemExit) -> int:
+    code = exc.code
+    if code is None:
+        return 0
+    return code if isinstance(code, int) else 1
+
+
+def _announce_exit(code: int) -> None:
+    """Tell the agent this worker is done with ``code`` before the slow interpreter teardown."""
+    path = os.environ.get("RELAUNCH_EXIT_FILE")
+    if not path or code == 0:
+        return
+    with contextlib.suppress(OSError):
+        data = {"version": EXIT_FILE_VERSION, "exitcode": code, "time": time.time()}
+        _write_atomic(path, json.dumps(data))
+
+
+def _write_error_file(exc: BaseException, tb: types.TracebackType | None) -> None:
+    """The error file in torch's layout, unless the script wrote one (``@record``)."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path or os.path.exists(path):
+        return
+    now = time.time()
+    data = {
+        "message": {
+            "message": f"{type(exc).__name__}: {exc}",
+            "extraInfo": {
+                "py_callstack": "".join(traceback.format_exception(type(exc), exc, tb)),
+                "timestamp": str(int(now)),
+                "relaunch_time": now,
+            },
+        }
+    }
+    with contextlib.suppress(OSError, TypeError, ValueError):
+        _write_atomic(path, json.dumps(data))
+
+
+def run_request(request: dict[str, object]) -> None:
+    """Become the worker; report how it ended; exit as ``python script.py`` would."""
+    try:
+        become_worker(request)
+    except KeyboardInterrupt:
+        _announce_exit(1)
+        _immortalize_groups()
+        raise
+    except SystemExit as exc:
+        _announce_exit(_exit_code(exc))
+        _immortalize_groups()
+        raise
+    except BaseException as exc:
+        # Print it as `python script.py` would: without this runner's and runpy's frames.
+        tb = exc.__traceback__
+        ours = (__file__, runpy.__file__, "<frozen runpy>")
+        while tb is not None and tb.tb_frame.f_code.co_filename in ours:
+            tb = tb.tb_next
+        _write_error_file(exc, tb)
+        _announce_exit(1)
+        sys.excepthook(type(exc), exc.with_traceback(tb), tb)
+        _immortalize_groups()
+        sys.exit(1)
+    _immortalize_groups()
+
+
 def main() -> None:
     fd = int(sys.argv[1])
     del sys.path[0]  # this file's directory: the worker gets its own sys.path[0]
@@ -223,21 +453,9 @@ def main() -> None:
         return
     request = json.loads(data)
     if not isinstance(request, dict):
-        raise SystemExit("relaunch standby: malformed request")
-    # Drop what this module added so the worker starts from a clean slate.
-    sys.argv = sys.argv[:1]
-    try:
-        _become_worker(request)
-    except (SystemExit, KeyboardInterrupt):
-        raise
-    except BaseException as exc:
-        # Print it as `python script.py` would: without this runner's and runpy's frames.
-        tb = exc.__traceback__
-        ours = (__file__, runpy.__file__, "<frozen runpy>")
-        while tb is not None and tb.tb_frame.f_code.co_filename in ours:
-            tb = tb.tb_next
-        sys.excepthook(type(exc), exc.with_traceback(tb), tb)
-        sys.exit(1)
+        raise SystemExit("relaunch runner: malformed request")
+    sys.argv = sys.argv[:1]  # drop what this module got: the worker starts from a clean slate
+    run_request(request)
 
 
 if __name__ == "__main__":

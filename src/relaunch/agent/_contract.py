@@ -1,0 +1,79 @@
+"""The worker contract beyond torchrun's variables: the files an attempt's worker and the
+agent share, named in the worker's environment and written by the runner (``_warm.py``).
+
+- ``TORCHELASTIC_ERROR_FILE``: torch's error file (``@record``, or the runner when the
+  script raised without it).
+- ``RELAUNCH_EXIT_FILE``: ``{"version": 1, "exitcode": N, "time": T}``, written by the
+  runner when the script ended with a non-zero status, before the interpreter tears
+  down: the agent treats the worker as exited with N from then on.
+- ``RELAUNCH_INPROCESS_MARKER``: exists while the worker runs under
+  ``relaunch.inprocess`` (its peers go on without a lost rank).
+- ``RELAUNCH_PROGRESS_FILE`` (with ``--hang-timeout``): its mtime is the last time the
+  worker's main thread ran Python code; ``RELAUNCH_STACK_FILE`` receives its Python
+  stacks when the agent sends ``RELAUNCH_STACK_SIGNAL`` (faulthandler).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from dataclasses import dataclass
+
+__all__ = ["STACK_SIGNAL", "AttemptFiles", "read_exit_file"]
+
+EXIT_FILE_VERSION = 1
+STACK_SIGNAL = signal.SIGRTMIN + 4
+"""The signal that makes a runner write its Python stacks (not one torch or SLURM uses)."""
+
+
+@dataclass(frozen=True)
+class AttemptFiles:
+    """The files of one worker of one attempt, in its attempt directory."""
+
+    error_file: str
+    result_file: str
+    marker: str
+    exit_file: str
+    progress_file: str
+    stack_file: str
+
+    @classmethod
+    def in_dir(cls, attempt_dir: str) -> AttemptFiles:
+        join = os.path.join
+        return cls(
+            error_file=join(attempt_dir, "error.json"),
+            result_file=join(attempt_dir, "result.json"),
+            marker=join(attempt_dir, "inprocess"),
+            exit_file=join(attempt_dir, "exit.json"),
+            progress_file=join(attempt_dir, "progress"),
+            stack_file=join(attempt_dir, "stack.txt"),
+        )
+
+    def env(self, hang_timeout: float | None) -> dict[str, str]:
+        """The variables that name these files (error file excepted: torchrun's own)."""
+        env = {"RELAUNCH_INPROCESS_MARKER": self.marker, "RELAUNCH_EXIT_FILE": self.exit_file}
+        if hang_timeout:
+            env.update(
+                RELAUNCH_PROGRESS_FILE=self.progress_file,
+                RELAUNCH_HANG_TIMEOUT=str(hang_timeout),
+                RELAUNCH_STACK_FILE=self.stack_file,
+                RELAUNCH_STACK_SIGNAL=str(int(STACK_SIGNAL)),
+            )
+        return env
+
+
+def read_exit_file(path: str) -> int | None:
+    """The exit code a runner announced, or None (no file, or not a valid one: the
+    process's real exit is awaited then)."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict) or data.get("version") != EXIT_FILE_VERSION:
+        return None
+    code = data.get("exitcode")
+    if isinstance(code, bool) or not isinstance(code, int) or code == 0:
+        return None
+    return code

@@ -1,0 +1,98 @@
+"""What the agent reads of a running worker: an announced exit, its progress, its stacks.
+
+These are the worker-contract files (``_contract.py``); everything here takes the
+time as an argument and returns facts, so the agent loop stays a loop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+from collections.abc import Mapping
+
+from relaunch.agent._contract import STACK_SIGNAL, AttemptFiles, read_exit_file
+from relaunch.errors import ErrorRecord, read_error_file, write_error_file
+from relaunch.procs import is_stopped
+
+__all__ = ["announced_exit", "collect_stacks", "last_progress", "oldest_hung", "record_hang"]
+
+
+def announced_exit(files: AttemptFiles) -> int | None:
+    """The exit code of a worker that is still tearing down but has failed already.
+
+    The runner's exit file says so; without a runner, a complete error file (``@record``)
+    does. In-process workers (marker present) are left to their own restarts.
+    """
+    if os.path.exists(files.marker):
+        return None
+    code = read_exit_file(files.exit_file)
+    if code is not None:
+        return code
+    if os.path.exists(files.error_file) and isinstance(
+        read_error_file(files.error_file), ErrorRecord
+    ):
+        return 1
+    return None
+
+
+def last_progress(files: AttemptFiles, started: float) -> float:
+    """Wall-clock time the worker's main thread last ran Python code (its start at least)."""
+    try:
+        return max(started, os.stat(files.progress_file).st_mtime)
+    except OSError:
+        return started
+
+
+def oldest_hung(progress: Mapping[int, float], now: float, timeout: float) -> int | None:
+    """The local rank hung longest (no progress for ``timeout``), or None.
+
+    Peers blocked in a collective with a hung rank stop progressing too, a little
+    later: the rank that stopped first is the cause.
+    """
+    hung = {lr: t for lr, t in progress.items() if now - t >= timeout}
+    return min(hung, key=lambda lr: (hung[lr], lr)) if hung else None
+
+
+def collect_stacks(pid: int, files: AttemptFiles, wait: float = 1.0) -> str:
+    """The worker's Python stacks, written by faulthandler on ``STACK_SIGNAL``."""
+    stopped = is_stopped(pid)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.kill(pid, STACK_SIGNAL)
+        if stopped:
+            os.kill(pid, signal.SIGCONT)  # it must run to write them; it is killed next
+    deadline = time.monotonic() + wait
+    text = ""
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError), open(files.stack_file, errors="replace") as f:
+            text = f.read()
+        if text.strip() and text.endswith("\n"):
+            time.sleep(0.05)  # let it finish the other threads
+            with contextlib.suppress(OSError), open(files.stack_file, errors="replace") as f:
+                text = f.read()
+            break
+        time.sleep(0.02)
+    note = "the process was stopped (SIGSTOP); " if stopped else ""
+    return note + (text.strip() or "no Python stack could be collected")
+
+
+def record_hang(files: AttemptFiles, *, since: float, timeout: float, stacks: str) -> str:
+    """Write the hung worker's error file (its report); return its one-line message."""
+    message = (
+        f"Hang: no Python code ran in the main thread for {time.time() - since:.1f}s "
+        f"(--hang-timeout {timeout:g})"
+    )
+    data = {
+        "message": {
+            "message": message,
+            "extraInfo": {
+                "py_callstack": stacks,
+                "timestamp": str(int(since)),
+                "relaunch_time": since,
+            },
+        }
+    }
+    with contextlib.suppress(OSError):
+        write_error_file(files.error_file, data)
+    return message

@@ -1,0 +1,213 @@
+"""The agent's side of the fork server (``_zygote.py``): replacement workers in milliseconds."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from relaunch.procs._sys import set_parent_death_signal
+
+__all__ = ["ForkServer", "ForkedProcess"]
+
+log = logging.getLogger(__name__)
+
+_ZYGOTE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_zygote.py")
+_VERSION = 1
+
+
+class ForkedProcess:
+    """A worker forked by the fork server: the parts of ``Popen`` the agent uses.
+
+    Its exit code comes from the server, which reaps it (the process is the server's
+    child, not ours).
+    """
+
+    def __init__(self, server: ForkServer, pid: int) -> None:
+        self._server = server
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self._server.pump(0.0)
+            self.returncode = self._server.exitcode(self.pid)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise subprocess.TimeoutExpired(str(self.pid), timeout or 0.0)
+            self._server.pump(0.05 if left is None else min(0.05, left))
+        assert self.returncode is not None
+        return self.returncode
+
+
+class ForkServer:
+    """One fork server per node and job, owned by the agent until :meth:`close`.
+
+    It preloads the modules listed in ``preload_file`` (and those added later), and
+    forks replacement workers on :meth:`fork`. Its own output goes to ``log_file``;
+    the workers it forks write to the agent's stdout/stderr unless redirected.
+    """
+
+    def __init__(self, *, env: Mapping[str, str], preload_file: str, log_file: str) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock = ours
+        self._buffer = b""
+        self._exits: dict[int, int] = {}
+        self._replies: dict[int, dict[str, Any]] = {}
+        self._next_id = 0
+        self._dead = False
+        self.ready = False
+        self._log_file = log_file
+        out = os.dup(1)
+        err = os.dup(2)
+        log_fd = os.open(log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        try:
+            fds = (theirs.fileno(), out, err)
+            self._proc: subprocess.Popen[bytes] | None = subprocess.Popen(
+                [sys.executable, "-u", _ZYGOTE, *(str(fd) for fd in fds), preload_file],
+                env=dict(env),
+                stdin=subprocess.DEVNULL,
+                stdout=log_fd,
+                stderr=log_fd,
+                pass_fds=fds,
+                start_new_session=True,
+                preexec_fn=set_parent_death_signal,
+            )
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+            for fd in (out, err, log_fd):
+                os.close(fd)
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    def alive(self) -> bool:
+        return not self._dead and self._proc is not None and self._proc.poll() is None
+
+    # -- messages -----------------------------------------------------------------
+    def pump(self, timeout: float) -> None:
+        """Read what the server said within ``timeout`` seconds (exit codes, replies)."""
+        if self._dead:
+            return
+        ready, _, _ = select.select([self._sock], [], [], timeout)
+        if not ready:
+            return
+        try:
+            chunk = self._sock.recv(1 << 16)
+        except OSError:
+            chunk = b""
+        if not chunk:
+            self._on_death()
+            return
+        self._buffer += chunk
+        *lines, self._buffer = self._buffer.split(b"\n")
+        for line in lines:
+            try:
+                message = json.loads(line)
+            except ValueError:
+                log.warning("fork server: unreadable message %r", line[:200])
+                continue
+            if not isinstance(message, dict) or message.get("version") != _VERSION:
+                log.warning("fork server: unexpected message %r", line[:200])
+                continue
+            event = message.get("event")
+            if event == "exited" and isinstance(message.get("pid"), int):
+                code = message.get("exitcode")
+                self._exits[message["pid"]] = code if isinstance(code, int) else 1
+            elif event in ("forked", "refused") and isinstance(message.get("id"), int):
+                self._replies[message["id"]] = message
+            elif event == "ready":
+                self.ready = True
+
+    def _on_death(self) -> None:
+        """The server died: its children got SIGKILL and were reparented to us (subreaper)."""
+        self._dead = True
+        log.warning("the fork server (pid %s) exited; its workers were killed", self.pid)
+
+    def exitcode(self, pid: int) -> int | None:
+        code = self._exits.get(pid)
+        if code is not None or not self._dead:
+            return code
+        try:
+            got, status = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            got, status = pid, -1
+        if got == 0:
+            return None
+        self._exits[pid] = os.waitstatus_to_exitcode(status) if status >= 0 else -signal.SIGKILL
+        return self._exits[pid]
+
+    # -- forking ------------------------------------------------------------------
+    def fork(
+        self, requests: Mapping[int, dict[str, Any]], timeout: float = 60.0
+    ) -> dict[int, ForkedProcess | str]:
+        """Fork one worker per request (by local rank): a process, or why it was refused."""
+        ids: dict[int, int] = {}
+        payload = b""
+        for rank, request in requests.items():
+            self._next_id += 1
+            ids[rank] = self._next_id
+            message = {"version": _VERSION, "op": "fork", "id": self._next_id, "request": request}
+            payload += json.dumps(message).encode() + b"\n"
+        try:
+            self._sock.sendall(payload)
+        except OSError as exc:
+            return {rank: f"fork server unreachable: {exc}" for rank in requests}
+        deadline = time.monotonic() + timeout
+        while not self._dead and not all(i in self._replies for i in ids.values()):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            self.pump(min(left, 0.5))
+        out: dict[int, ForkedProcess | str] = {}
+        for rank, i in ids.items():
+            reply = self._replies.pop(i, None)
+            if reply is None:
+                out[rank] = "no answer from the fork server"
+            elif reply.get("event") == "forked" and isinstance(reply.get("pid"), int):
+                out[rank] = ForkedProcess(self, reply["pid"])
+            else:
+                out[rank] = str(reply.get("reason", "refused"))
+        return out
+
+    def log_tail(self, limit: int = 2000) -> str:
+        try:
+            with open(self._log_file, "rb") as f:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(0, f.tell() - limit))
+                return f.read().decode(errors="replace")
+        except OSError:
+            return ""
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the server (its remaining children die with it). Idempotent."""
+        proc, self._proc = self._proc, None
+        with contextlib.suppress(OSError):
+            self._sock.close()
+        self._dead = True
+        if proc is None:
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL did not work
+            log.warning("fork server %s did not exit after SIGKILL", proc.pid)
