@@ -26,6 +26,7 @@ import argparse
 import contextlib
 import os
 import random
+import shutil
 import signal
 import socket
 import statistics
@@ -142,19 +143,23 @@ class Job:
         path = self.out / f"steps_{me}.log"
         return [line.split() for line in path.read_text().splitlines()] if path.exists() else []
 
-    def latest(self, me: str) -> tuple[int, str] | None:
-        """(pid, attempt) of the rank's current worker."""
+    def latest(self, me: str) -> int:
+        """The pid of the rank's current worker (0 before it started)."""
         pids = [r for r in self.rows(me) if r[0] == "pid" and len(r) == 5]
-        return (int(pids[-1][1]), pids[-1][2]) if pids else None
+        return int(pids[-1][1]) if pids else 0
 
-    def stepped_since(self, me: str, t0: float, not_attempt: str | None, world: str) -> bool:
+    def stepped_since(self, me: str, t0: float, old_pid: int | None, world: str) -> bool:
+        """A worker other than ``old_pid`` completed a step in ``world`` after ``t0``."""
+        rows = self.rows(me)
+        starts = [i for i, r in enumerate(rows) if r[0] == "pid" and len(r) == 5]
+        if not starts or int(rows[starts[-1]][1]) == old_pid:
+            return False
         return any(
-            r[0] == "step" and len(r) == 5 and float(r[4]) > t0 and r[1] != not_attempt
-            and r[2] == world
-            for r in self.rows(me)
-        )  # fmt: skip
+            r[0] == "step" and len(r) == 5 and float(r[4]) > t0 and r[2] == world
+            for r in rows[starts[-1] :]
+        )
 
-    def wait_world(self, ranks: list[str], world: str, t0: float, before: dict[str, str | None],
+    def wait_world(self, ranks: list[str], world: str, t0: float, before: dict[str, int],
                    timeout: float) -> float | None:  # fmt: skip
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -203,7 +208,12 @@ def run(name: str, args: argparse.Namespace) -> dict[str, object]:
     kinds = args.kinds.split(",")
     times: dict[str, list[float]] = {k: [] for k in kinds}
     failed: list[str] = []
-    with tempfile.TemporaryDirectory(prefix="relaunch_chaos_") as tmp:
+    with contextlib.ExitStack() as stack:
+        tmp = tempfile.mkdtemp(prefix="relaunch_chaos_")
+        if args.keep:
+            print(f"    {name}: files kept in {tmp}")
+        else:
+            stack.callback(shutil.rmtree, tmp, True)
         out = Path(tmp)
         (out / "train.py").write_text(TRAIN)
         job = Job(name, args, out)
@@ -216,8 +226,8 @@ def run(name: str, args: argparse.Namespace) -> dict[str, object]:
                 kind = rng.choice(kinds)
                 target = rng.choice(ranks)
                 time.sleep(rng.uniform(lo, hi))
-                before = {me: (job.latest(me) or (0, None))[1] for me in ranks}
-                pid = (job.latest(target) or (0, ""))[0]
+                before = {me: job.latest(me) for me in ranks}
+                pid = before[target]
                 t0 = time.time()
                 if kind == "kill":
                     os.kill(pid, signal.SIGKILL)
@@ -229,7 +239,7 @@ def run(name: str, args: argparse.Namespace) -> dict[str, object]:
                     os.killpg(job.procs["b"].pid, signal.SIGKILL)
                     for me in ("b_0", "b_1"):
                         with contextlib.suppress(ProcessLookupError):
-                            os.kill((job.latest(me) or (0, ""))[0], signal.SIGKILL)
+                            os.kill(job.latest(me), signal.SIGKILL)
                     job.procs["b"].wait()
                 survivors = ["a_0", "a_1"] if kind == "node" else ranks
                 world = "2" if kind == "node" else "4"
@@ -248,14 +258,12 @@ def run(name: str, args: argparse.Namespace) -> dict[str, object]:
                         failed.append(f"fault {i}: node b did not rejoin")
                         break
             completed = not failed and job.finish(120)
-            done = all(any(r[0] == "done" for r in job.rows(me)) for me in ranks)
+            completed &= all(any(r[0] == "done" for r in job.rows(me)) for me in ranks)
+            # Left behind by launchers that exited on their own (not counted after a kill).
+            orphans: list[int] | None = job.orphans() if completed else None
         finally:
-            for proc in job.procs.values():
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    proc.wait(5)
-            orphans = job.orphans()
             job.close()
-    return {"times": times, "failed": failed, "completed": completed and done, "orphans": orphans}
+    return {"times": times, "failed": failed, "completed": completed, "orphans": orphans}
 
 
 def _stats(values: list[float]) -> str:
@@ -277,6 +285,7 @@ def main() -> None:
     p.add_argument("--fault-timeout", type=float, default=240.0)
     p.add_argument("--settle", type=float, default=3.0)
     p.add_argument("--launchers", default="relaunch,torchrun")
+    p.add_argument("--keep", action="store_true", help="keep the run's files (logs, steps)")
     args = p.parse_args()
     bad = set(args.kinds.split(",")) - {"kill", "raise", "stop", "node"}
     if bad:
@@ -300,7 +309,7 @@ def main() -> None:
         times: dict[str, list[float]] = r["times"]  # type: ignore[assignment]
         n = sum(len(v) for v in times.values())
         print(f"{name}: recovered {n}/{args.faults}, completed: {r['completed']}, "
-              f"orphans: {len(r['orphans'])}")  # type: ignore[arg-type]  # fmt: skip
+              f"orphans: {'n/a' if r['orphans'] is None else len(r['orphans'])}")  # type: ignore[arg-type]  # fmt: skip
         for kind, values in times.items():
             print(f"    {kind:5s} {_stats(values)}")
         for line in r["failed"]:  # type: ignore[attr-defined]

@@ -71,6 +71,27 @@ def test_agent_killed_with_its_workers_survivor_finishes_alone(
     assert "workers_succeeded" in names
 
 
+def test_losing_the_store_host_ends_the_job_with_one_clear_line(
+    c10d: Cluster, tmp_path: Path
+) -> None:
+    go = tmp_path / "go"  # never created: the job trains until the store host is lost
+    for node, host in (("a", 1), ("b", 0)):
+        c10d.start(
+            node, f"go={go}", nnodes="1:2", nproc=2, max_restarts=2, warm=True,
+            conf=f"is_host={host},{HEARTBEAT},heartbeat_timeout=2",
+        )  # fmt: skip
+    c10d.wait_for(
+        "both nodes training together",
+        lambda: {r.node for r in c10d.steps() if r.world == 4} == {"a", "b"},
+    )
+    c10d.kill("a")  # the node hosting the c10d store
+    assert c10d.wait_exit("b", timeout=60) == 1, c10d.outputs()
+    out = c10d.output("b")
+    assert "the node hosting the c10d rendezvous store was lost" in out, out
+    assert "--rdzv-backend etcd" in out
+    assert "store_lost" in [e.get("name") for e in c10d.events("b")]
+
+
 def test_spare_steps_in_for_a_killed_participant(c10d: Cluster, tmp_path: Path) -> None:
     go = tmp_path / "go"
     args = (f"go={go}", "steps=3")

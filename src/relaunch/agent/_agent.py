@@ -175,6 +175,30 @@ class LocalAgent:
 
     # -- the loop -----------------------------------------------------------------
     def _loop(self) -> RunResult:
+        try:
+            return self._loop_once_started()
+        except StoreError as exc:
+            if self._stop_signal is not None:
+                return self._stopped()
+            return self._store_lost(exc)
+
+    def _store_lost(self, exc: StoreError) -> RunResult:
+        """The rendezvous store is unreachable: the job cannot go on; say why, and stop."""
+        failures: dict[int, ProcessFailure] = {}
+        if self._procs is not None:
+            _, failures = self._poll()
+        self._stop_workers(signal.SIGTERM)
+        if self._handler.get_backend() == "c10d":
+            reason = (
+                f"the node hosting the c10d rendezvous store was lost ({exc}); the job cannot "
+                "go on without it (--rdzv-backend etcd survives the loss of any node)"
+            )
+        else:
+            reason = f"the rendezvous store cannot be reached ({exc})"
+        self._emit("store_lost", reason=reason)
+        return RunResult(state=WorkerState.FAILED, failures=failures, reason=reason)
+
+    def _loop_once_started(self) -> RunResult:
         self._rendezvous_and_start()
         spec = self._spec
         while True:
@@ -184,8 +208,8 @@ class LocalAgent:
             self._group.state = state
             if state == WorkerState.SUCCEEDED:
                 self._emit("workers_succeeded", attempt=self._attempt)
-                self._exit_barrier()
-                return RunResult(state=state, return_values=self._return_values())
+                note = self._exit_barrier()
+                return RunResult(state=state, return_values=self._return_values(), reason=note)
             try:
                 if state == WorkerState.FAILED:
                     result = self._on_failure(failures)
@@ -495,19 +519,27 @@ class LocalAgent:
                 self._timer.clear_pid(pid)
         self._emit("workers_stopped", attempt=self._attempt, exitcodes=codes)
 
-    def _exit_barrier(self) -> None:
+    def _exit_barrier(self) -> str | None:
         """Wait for the round's other nodes; then the job is over: rank 0 closes the
-        rendezvous, so spares still waiting in it learn that they are not needed."""
+        rendezvous, so spares still waiting in it learn that they are not needed.
+        Returns what to tell the user when the other nodes did not all arrive."""
         info = self._info
         if info is None:
-            return
+            return None
         if info.world_size > 1 and not exit_barrier(info, self._spec.exit_barrier_timeout):
-            return
+            note = (
+                f"this node's workers succeeded, but not every node of the round (world size "
+                f"{info.world_size}) reached the exit barrier within "
+                f"{self._spec.exit_barrier_timeout:g} s: the other nodes' outcome is unknown"
+            )
+            self._emit("exit_barrier_timeout", world_size=info.world_size)
+            return note
         if info.rank == 0:
             try:
                 self._handler.set_closed()
             except (RendezvousError, StoreError) as exc:
                 log.warning("could not close the rendezvous after success: %s", exc)
+        return None
 
     def _publish_failures(self, failures: dict[int, ProcessFailure]) -> None:
         if self._info is not None and self._info.world_size > 1:

@@ -142,11 +142,17 @@ def launch(config: LaunchConfig, environ: Mapping[str, str] | None = None) -> in
         for sig, handler_ in previous.items():
             signal.signal(sig, handler_)
     if result.state == WorkerState.SUCCEEDED:
+        if result.reason:
+            print(f"relaunch: warning: {result.reason}", file=sys.stderr, flush=True)
         return 0
+    if result.reason:
+        _error(result.reason)
     if result.state == WorkerState.STOPPED and agent.stop_signal is not None:
         _error(f"stopped by signal {signal.Signals(agent.stop_signal).name}")
         return 128 + agent.stop_signal
     if not result.failures:
+        if result.reason:
+            return 1
         _error(
             "the job was closed by another node after a failure; no failure record reached this node"
         )

@@ -133,6 +133,9 @@ class RunResult:
     state: WorkerState
     return_values: Mapping[int, object] = field(default_factory=dict)
     failures: Mapping[int, ProcessFailure] = field(default_factory=dict)
+    reason: str | None = None
+    """Why the run ended when no worker's failure says it all (the store was lost, the
+    exit barrier timed out): one line for the user."""
 
     def is_failed(self) -> bool:
         return self.state == WorkerState.FAILED

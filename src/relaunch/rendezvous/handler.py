@@ -220,13 +220,12 @@ class DynamicRendezvousHandler:
         return max(timeout, 0.001)
 
     def _fresh_state(self) -> RendezvousState:
-        # The agent polls this: a broken connection is retried (the client reconnects).
-        for delay in (0.05, 0.2, 0.5):
-            try:
-                return self._read_fresh_state()
-            except StoreConnectionError as exc:
-                logger.warning("rendezvous store read failed (%s); retrying", exc)
-                time.sleep(delay)
+        # The agent polls this: a broken connection is retried once (the client's own
+        # reconnection retries are bounded); a store still unreachable then is gone.
+        try:
+            return self._read_fresh_state()
+        except StoreConnectionError as exc:
+            logger.warning("rendezvous store read failed (%s); retrying", exc)
         return self._read_fresh_state()
 
     def _read_fresh_state(self) -> RendezvousState:

@@ -152,7 +152,13 @@ def _create_c10d(params: RendezvousParameters) -> DynamicRendezvousHandler:
         else:
             logger.info("hosting the c10d rendezvous store on port %d", server.port)
     try:
-        store = TCPStoreClient("127.0.0.1" if is_host else host, port, timeout=read_timeout)
+        # Once connected, a store that stays unreachable for a heartbeat timeout is lost.
+        store = TCPStoreClient(
+            "127.0.0.1" if is_host else host,
+            port,
+            timeout=read_timeout,
+            reconnect_timeout=min(read_timeout, settings.heartbeat_timeout),
+        )
     except StoreConnectionError as exc:
         if server is not None:
             server.close()

@@ -53,7 +53,10 @@ class TCPStoreClient:
     """A :class:`relaunch.store.Store` speaking torch's TCPStore protocol. Thread-safe.
 
     Connects at construction, retrying until ``timeout`` seconds have passed (the
-    server may start a moment later). ``timeout`` also bounds every reply.
+    server may start a moment later). ``timeout`` also bounds every reply. A later
+    reconnection (after the server broke a connection) retries for
+    ``reconnect_timeout`` seconds (default: ``timeout``): a client that must notice a
+    lost server soon sets it short.
     :meth:`wait` runs on a separate connection, so a long wait never blocks the
     other calls of other threads.
 
@@ -62,7 +65,15 @@ class TCPStoreClient:
     and :class:`relaunch.errors.StoreClosedError` after :meth:`close`.
     """
 
-    def __init__(self, host: str, port: int, *, timeout: float = 30.0, prefix: str = "") -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        *,
+        timeout: float = 30.0,
+        prefix: str = "",
+        reconnect_timeout: float | None = None,
+    ) -> None:
         if not isinstance(host, str) or not host:
             raise ConfigError(f"host: expected a non-empty address string, got {host!r}")
         if isinstance(port, bool) or not isinstance(port, int) or not 0 < port <= 65535:
@@ -76,6 +87,15 @@ class TCPStoreClient:
             raise ConfigError(f"timeout: expected a positive number of seconds, got {timeout!r}")
         if not isinstance(prefix, str):
             raise ConfigError(f"prefix: expected a string, got {prefix!r}")
+        if reconnect_timeout is not None and (
+            isinstance(reconnect_timeout, bool)
+            or not isinstance(reconnect_timeout, int | float)
+            or not math.isfinite(reconnect_timeout)
+            or reconnect_timeout <= 0
+        ):
+            raise ConfigError(
+                f"reconnect_timeout: expected a positive number of seconds, got {reconnect_timeout!r}"
+            )
         self._host = host
         self._port = port
         self._timeout = float(timeout)
@@ -86,7 +106,9 @@ class TCPStoreClient:
         self._idle_waits: list[Connection] = []
         self._busy_waits: set[Connection] = set()
         self._closed = False
+        self._connect_timeout = self._timeout
         self._main: Connection | None = self._connect()
+        self._connect_timeout = float(reconnect_timeout or timeout)
 
     # ------------------------------------------------------------------ public
 
@@ -339,8 +361,8 @@ class TCPStoreClient:
         conn.close()
 
     def _connect(self) -> Connection:
-        """Connect and validate, retrying until ``timeout``; StoreConnectionError after."""
-        deadline = time.monotonic() + self._timeout
+        """Connect and validate, retrying for the connect timeout; StoreConnectionError after."""
+        deadline = time.monotonic() + self._connect_timeout
         delay = _CONNECT_BACKOFF_START
         attempt = 0
         while True:
@@ -353,7 +375,7 @@ class TCPStoreClient:
                 if remaining <= 0 or self._closed:
                     raise StoreConnectionError(
                         f"cannot connect to the TCP store at {self._host}:{self._port} "
-                        f"after {attempt} attempts in {self._timeout}s: {exc}"
+                        f"after {attempt} attempts in {self._connect_timeout}s: {exc}"
                     ) from exc
                 log.debug("TCP store %s:%s not reachable yet: %s", self._host, self._port, exc)
                 time.sleep(min(delay, remaining))
