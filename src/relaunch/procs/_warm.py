@@ -410,7 +410,7 @@ def run_request(request: dict[str, object]) -> None:
     try:
         become_worker(request)
     except KeyboardInterrupt:
-        _announce_exit(1)
+        _announce_exit(-2)  # Python exits by SIGINT then
         _immortalize_groups()
         raise
     except SystemExit as exc:
