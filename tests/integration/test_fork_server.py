@@ -1,0 +1,136 @@
+"""The fork server: forked workers, exit codes, fork safety and the fallback to fresh
+interpreters, and nothing left behind when it (or its agent) goes away."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import textwrap
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from relaunch.procs import Entrypoint, ForkServer, ProcessSpec, WorkerProcesses
+
+pytestmark = pytest.mark.timeout(90)
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.02)
+
+
+def server_for(tmp_path: Path, modules: list[str]) -> ForkServer:
+    preload = tmp_path / "modules.txt"
+    preload.write_text("\n".join(modules) + "\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    server = ForkServer(env=env, preload_file=str(preload), log_file=str(tmp_path / "fs.log"))
+    wait_for(lambda: (server.pump(0.05), server.ready)[1])
+    return server
+
+
+def job(tmp_path: Path, body: str, n: int = 2) -> tuple[Entrypoint, list[ProcessSpec]]:
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent(body))
+    specs = [
+        ProcessSpec(
+            local_rank=i,
+            env={**os.environ, "LOCAL_RANK": str(i), "OUT": str(tmp_path)},
+            stdout=str(tmp_path / f"out_{i}.log"),
+            stderr=str(tmp_path / f"err_{i}.log"),
+        )
+        for i in range(n)
+    ]
+    return Entrypoint(kind="script", target=str(script)), specs
+
+
+SCRIPT = """
+import os, sys
+rank = os.environ["LOCAL_RANK"]
+print("preloaded" if "json" in sys.modules and "email.mime.text" in sys.modules else "cold")
+sys.exit(int(rank) * 3)
+"""
+
+
+def test_forked_workers_run_with_the_preloaded_modules_and_report_exit_codes(
+    tmp_path: Path,
+) -> None:
+    server = server_for(tmp_path, ["json", "email.mime.text"])
+    try:
+        entry, specs = job(tmp_path, SCRIPT)
+        procs = WorkerProcesses(entry, specs, fork_server=server)
+        procs.start()
+        assert procs.forked == [0, 1] and procs.fork_refused is None
+        wait_for(lambda: all(c is not None for c in procs.poll().values()))
+        assert procs.close() == {0: 0, 1: 3}
+        for i in (0, 1):
+            assert (tmp_path / f"out_{i}.log").read_text().strip() == "preloaded"
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize(
+    ("module", "why"),
+    [
+        ("threader", "importing threader started 1 thread"),
+        ("opener", "a socket is open"),
+    ],
+)
+def test_a_fork_unsafe_server_refuses_and_workers_start_fresh(
+    tmp_path: Path, module: str, why: str
+) -> None:
+    (tmp_path / "threader.py").write_text(
+        "import threading, time\n"
+        "threading.Thread(target=time.sleep, args=(600,), daemon=True).start()\n"
+    )
+    (tmp_path / "opener.py").write_text("import socket\nkept = socket.socket()\n")
+    server = server_for(tmp_path, ["json", module])
+    try:
+        entry, specs = job(tmp_path, SCRIPT)
+        procs = WorkerProcesses(entry, specs, fork_server=server)
+        procs.start()
+        assert procs.forked == []
+        assert procs.fork_refused is not None and why in procs.fork_refused
+        wait_for(lambda: all(c is not None for c in procs.poll().values()))
+        assert procs.close() == {0: 0, 1: 3}
+        assert (tmp_path / "out_0.log").read_text().strip() == "cold"
+    finally:
+        server.close()
+
+
+def test_forked_workers_die_with_the_server(tmp_path: Path) -> None:
+    server = server_for(tmp_path, ["json"])
+    entry, specs = job(tmp_path, "import time\ntime.sleep(600)\n")
+    procs = WorkerProcesses(entry, specs, fork_server=server)
+    try:
+        procs.start()
+        pids = list(procs.pids().values())
+        assert server.pid is not None
+        os.kill(server.pid, signal.SIGKILL)
+        # Reparented to us (a subreaper would get them; here: their exit is reaped by the
+        # ForkServer handle), they died with the server.
+        wait_for(lambda: all(c is not None for c in procs.poll().values()))
+        assert set(procs.poll().values()) == {-signal.SIGKILL}
+        for pid in pids:
+            assert not os.path.exists(f"/proc/{pid}") or _zombie(pid)
+    finally:
+        procs.close(grace=0)
+        server.close()
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return True
+    return stat[stat.rfind(b")") + 2 :][:1] in (b"Z", b"X")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(pytest.main([__file__]))
