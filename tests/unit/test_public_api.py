@@ -41,6 +41,7 @@ def test_procs() -> None:
         "TeeTarget",
         "WorkerProcesses",
         "is_stopped",
+        "process_state",
         "set_child_subreaper",
         "signal_name",
     ]

@@ -4,7 +4,7 @@ from relaunch.procs._context import Entrypoint, ProcessSpec, WorkerProcesses
 from relaunch.procs._forkserver import ForkServer
 from relaunch.procs._logs import RunLogDir, TeeTarget
 from relaunch.procs._standby import Standby
-from relaunch.procs._sys import is_stopped, set_child_subreaper, signal_name
+from relaunch.procs._sys import is_stopped, process_state, set_child_subreaper, signal_name
 
 __all__ = [
     "Entrypoint",
@@ -15,6 +15,7 @@ __all__ = [
     "TeeTarget",
     "WorkerProcesses",
     "is_stopped",
+    "process_state",
     "set_child_subreaper",
     "signal_name",
 ]

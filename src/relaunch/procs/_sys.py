@@ -14,6 +14,7 @@ __all__ = [
     "is_stopped",
     "kill_group",
     "members",
+    "process_state",
     "reap_orphans",
     "set_child_subreaper",
     "set_parent_death_signal",
@@ -66,15 +67,19 @@ def kill_group(pgid: int, sig: int) -> bool:
     return True
 
 
-def is_stopped(pid: int) -> bool:
-    """Whether ``pid`` is in the stopped state (``T``: SIGSTOP, SIGTSTP) or traced."""
+def process_state(pid: int) -> str | None:
+    """The state letter of ``pid`` in /proc (``R``, ``S``, ``T``, ``Z``...); None if gone."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()
     except OSError:
-        return False
-    rest = stat[stat.rfind(b")") + 2 :]
-    return rest[:1] in (b"T", b"t")
+        return None
+    return stat[stat.rfind(b")") + 2 :][:1].decode() or None
+
+
+def is_stopped(pid: int) -> bool:
+    """Whether ``pid`` is in the stopped state (``T``: SIGSTOP, SIGTSTP) or traced."""
+    return process_state(pid) in ("T", "t")
 
 
 def _proc_table() -> list[tuple[int, int, int, int, bool]]:
