@@ -36,6 +36,7 @@ import tempfile
 import textwrap
 import time
 import uuid
+from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -86,6 +87,15 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+@dataclass
+class _Rank:
+    offset: int = 0
+    pid: int = 0
+    steps: list[tuple[float, str]] = field(default_factory=list)
+    """(time, world) of the current worker's last steps."""
+    done: bool = False
+
+
 class Job:
     """Two agents of one launcher; ``close()`` stops both and everything they started."""
 
@@ -94,6 +104,7 @@ class Job:
         self.marker = uuid.uuid4().hex
         self.port = free_port()
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.ranks: dict[str, _Rank] = {}
         for node in NODES:
             self.start(node)
             if node == "a":
@@ -138,26 +149,41 @@ class Job:
             time.sleep(0.05)
         raise RuntimeError(f"{self.name}: the first agent never listened")
 
-    # -- what the workers wrote ------------------------------------------------------
-    def rows(self, me: str) -> list[list[str]]:
+    # -- what the workers wrote (read incrementally: the logs grow all run long) ---------
+    def _scan(self, me: str) -> _Rank:
+        rank = self.ranks.setdefault(me, _Rank())
         path = self.out / f"steps_{me}.log"
-        return [line.split() for line in path.read_text().splitlines()] if path.exists() else []
+        try:
+            with open(path, "rb") as f:
+                f.seek(rank.offset)
+                data = f.read()
+        except OSError:
+            return rank
+        end = data.rfind(b"\n") + 1
+        rank.offset += end
+        for line in data[:end].decode().splitlines():
+            r = line.split()
+            if len(r) != 5:
+                continue
+            if r[0] == "pid":
+                rank.pid, rank.steps = int(r[1]), []
+            elif r[0] == "step":
+                rank.steps.append((float(r[4]), r[2]))
+                del rank.steps[:-50]
+            elif r[0] == "done":
+                rank.done = True
+        return rank
 
     def latest(self, me: str) -> int:
         """The pid of the rank's current worker (0 before it started)."""
-        pids = [r for r in self.rows(me) if r[0] == "pid" and len(r) == 5]
-        return int(pids[-1][1]) if pids else 0
+        return self._scan(me).pid
 
     def stepped_since(self, me: str, t0: float, old_pid: int | None, world: str) -> bool:
         """A worker other than ``old_pid`` completed a step in ``world`` after ``t0``."""
-        rows = self.rows(me)
-        starts = [i for i, r in enumerate(rows) if r[0] == "pid" and len(r) == 5]
-        if not starts or int(rows[starts[-1]][1]) == old_pid:
+        rank = self._scan(me)
+        if rank.pid in (0, old_pid):
             return False
-        return any(
-            r[0] == "step" and len(r) == 5 and float(r[4]) > t0 and r[2] == world
-            for r in rows[starts[-1] :]
-        )
+        return any(t > t0 and w == world for t, w in rank.steps)
 
     def wait_world(self, ranks: list[str], world: str, t0: float, before: dict[str, int],
                    timeout: float) -> float | None:  # fmt: skip
@@ -258,7 +284,7 @@ def run(name: str, args: argparse.Namespace) -> dict[str, object]:
                         failed.append(f"fault {i}: node b did not rejoin")
                         break
             completed = not failed and job.finish(120)
-            completed &= all(any(r[0] == "done" for r in job.rows(me)) for me in ranks)
+            completed &= all(job._scan(me).done for me in ranks)
             # Left behind by launchers that exited on their own (not counted after a kill).
             orphans: list[int] | None = job.orphans() if completed else None
         finally:
