@@ -279,3 +279,24 @@ def test_ddp_teardown_after_destroy_process_group_never_hangs(tmp_path: Path) ->
     code, _, err = run.finish(timeout=260)
     assert code == 0, err
     assert len(named(run.events(), "restart")) == 30
+
+
+@pytest.mark.timeout(180)
+def test_fork_server_and_forked_workers_die_with_a_sigkilled_agent(tmp_path: Path) -> None:
+    train = write(tmp_path, "train.py", TRAIN)
+    run = Run(tmp_path, "--nproc-per-node=2", "--max-restarts=2", train, str(tmp_path))
+    try:
+        wait_for(lambda: bool(named(run.events(), "fork_server_ready")), timeout=120)
+        wait_for(lambda: stepped(tmp_path, 0, 0) and stepped(tmp_path, 0, 1))
+        info = started(tmp_path, 0, 0)
+        assert info is not None
+        os.kill(info[0], signal.SIGKILL)
+        wait_for(lambda: stepped(tmp_path, 1, 0) and stepped(tmp_path, 1, 1))
+        assert named(run.events(), "workers_started")[-1]["metadata"]["forked"] == [0, 1]
+        assert len(marked(run.marker)) >= 4  # the agent, the fork server, two workers
+        run.proc.kill()
+        run.proc.wait(10)
+        wait_for(lambda: not marked(run.marker), timeout=10)
+    finally:
+        run.proc.kill()
+        run.proc.communicate()
