@@ -23,8 +23,8 @@ from dataclasses import dataclass
 __all__ = ["STACK_SIGNAL", "AttemptFiles", "read_exit_file"]
 
 EXIT_FILE_VERSION = 1
-STACK_SIGNAL = signal.SIGRTMIN + 4
-"""The signal that makes a runner write its Python stacks (not one torch or SLURM uses)."""
+STACK_SIGNAL = signal.SIGRTMIN + 5
+"""The signal that makes a runner write its Python stacks (relaunch.inprocess uses +4)."""
 
 
 @dataclass(frozen=True)

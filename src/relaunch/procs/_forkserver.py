@@ -140,7 +140,13 @@ class ForkServer:
     def _on_death(self) -> None:
         """The server died: its children got SIGKILL and were reparented to us (subreaper)."""
         self._dead = True
-        log.warning("the fork server (pid %s) exited; its workers were killed", self.pid)
+        tail = self.log_tail().strip()
+        log.warning(
+            "the fork server (pid %s) exited; its workers were killed; workers start fresh "
+            "from now on.%s",
+            self.pid,
+            f" Its last output:\n{tail}" if tail else "",
+        )
 
     def exitcode(self, pid: int) -> int | None:
         code = self._exits.get(pid)
