@@ -310,9 +310,11 @@ class LocalAgent:
         if not timeout or not self._spec.entrypoint.is_python:
             return {}
         progress = {
-            lr: last_progress(slot.files, slot.started)
+            lr: t
             for lr, slot in self._slots.items()
-            if codes.get(lr) is None and not os.path.exists(slot.files.marker)
+            if codes.get(lr) is None
+            and not os.path.exists(slot.files.marker)
+            and (t := last_progress(slot.files, slot.started)) is not None
         }
         lr = oldest_hung(progress, time.time(), timeout)
         if lr is None:

@@ -37,12 +37,14 @@ def announced_exit(files: AttemptFiles) -> int | None:
     return None
 
 
-def last_progress(files: AttemptFiles, started: float) -> float:
-    """Wall-clock time the worker's main thread last ran Python code (its start at least)."""
+def last_progress(files: AttemptFiles, started: float) -> float | None:
+    """Wall-clock time the worker's main thread last ran Python code (its start at least);
+    None while its runner has not created the progress file (not watched: a worker not
+    started through the runner never creates it)."""
     try:
         return max(started, os.stat(files.progress_file).st_mtime)
     except OSError:
-        return started
+        return None
 
 
 def oldest_hung(progress: Mapping[int, float], now: float, timeout: float) -> int | None:
