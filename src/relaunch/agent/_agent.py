@@ -454,7 +454,9 @@ class LocalAgent:
             name=spec.role,
         )
         self._procs = procs
+        t0 = time.monotonic()
         procs.start()
+        start_seconds = round(time.monotonic() - t0, 4)
         if procs.fork_refused is not None and server is not None:
             self._fork_refused = procs.fork_refused
             log.warning(
@@ -476,6 +478,7 @@ class LocalAgent:
             attempt=self._attempt,
             pids=pids,
             forked=sorted(procs.forked),
+            seconds=start_seconds,
             master_addr=group.master_addr,
             master_port=group.master_port,
         )

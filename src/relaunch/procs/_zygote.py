@@ -35,6 +35,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from typing import Any
 
 import _warm  # type: ignore[import-not-found]  # beside this file, on sys.path[0] here
@@ -125,6 +126,7 @@ class Server:
         names = [n for n in _warm.read_module_list(self.preload) if n not in self.imported]
         if not names:
             return True
+        t0 = time.monotonic()
         for name in names:
             self.imported.add(name)
             if name in sys.modules:
@@ -141,6 +143,7 @@ class Server:
             if not self.serve(0.0):
                 return False
         self.send(event="ready", modules=len(self.imported))
+        print(f"imported {len(names)} modules in {time.monotonic() - t0:.2f} s", flush=True)
         return True
 
     # -- forking ----------------------------------------------------------------------
@@ -179,12 +182,14 @@ class Server:
             if reason is not None:
                 self.send(event="refused", id=message.get("id"), reason=reason)
                 continue
+            t0 = time.monotonic()
             gc.freeze()
             pid = os.fork()
             if pid == 0:
                 self.become_child(message["request"])  # never returns
             self.children.add(pid)
             self.send(event="forked", id=message.get("id"), pid=pid)
+            print(f"forked {pid} in {time.monotonic() - t0:.3f} s", flush=True)
         return True
 
     def become_child(self, request: dict[str, Any]) -> None:
