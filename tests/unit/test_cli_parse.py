@@ -158,6 +158,16 @@ def test_env_defaults_and_precedence(script: str, monkeypatch: pytest.MonkeyPatc
     assert parse_args([script]).standalone is True
 
 
+def test_hang_timeout_from_flag_or_environment(
+    script: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert parse_args([script]).hang_timeout == 0.0
+    assert parse_args(["--hang-timeout", "2.5", script]).hang_timeout == 2.5
+    monkeypatch.setenv("PET_HANG_TIMEOUT", "7")
+    assert parse_args([script]).hang_timeout == 7.0
+    assert parse_args(["--hang_timeout=3", script]).hang_timeout == 3.0
+
+
 def test_warm_standby_flags(script: str) -> None:
     assert parse_args(["--no-warm-standby", script]).warm_standby is False
     assert parse_args(["--no_warm_standby", script]).warm_standby is False
@@ -202,6 +212,8 @@ def test_log_line_prefix_template_from_torchelastic_env(
         (["--max_restarts", "-1"], "--max_restarts: expected an integer >= 0, got '-1'"),
         (["--rdzv-backend", "zk"], "--rdzv-backend: expected one of static, c10d, etcd, got 'zk'"),
         (["--monitor-interval", "nan"], "--monitor-interval: expected a finite number > 0"),
+        (["--hang-timeout", "-1"], "--hang-timeout: expected a finite number >= 0"),
+        (["--hang_timeout", "soon"], "--hang_timeout: expected a finite number >= 0"),
         (["--nnodes", "2", "--node-rank", "2"], "--node-rank: expected a rank below"),
         (["--nnodes", "1:2"], "--nnodes: expected N (the static backend"),
         (["--rdzv-backend", "c10d", "--rdzv-endpoint", "h:99999"], "--rdzv-endpoint: expected"),

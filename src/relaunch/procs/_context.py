@@ -22,8 +22,8 @@ from relaunch.procs._sys import (
     is_stopped,
     kill_group,
     members,
+    parent_death_signal,
     reap_orphans,
-    set_parent_death_signal,
 )
 
 __all__ = ["Entrypoint", "ProcessSpec", "WorkerProcesses", "runner_request"]
@@ -217,7 +217,7 @@ class WorkerProcesses:
                 stdout=out,
                 stderr=err,
                 start_new_session=True,
-                preexec_fn=set_parent_death_signal,
+                preexec_fn=parent_death_signal(),
             )
         except OSError as exc:
             raise WorkerError(

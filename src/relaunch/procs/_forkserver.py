@@ -15,7 +15,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from relaunch.procs._sys import set_parent_death_signal
+from relaunch.procs._sys import parent_death_signal
 
 __all__ = ["ForkServer", "ForkedProcess"]
 
@@ -80,12 +80,11 @@ class ForkServer:
             self._proc: subprocess.Popen[bytes] | None = subprocess.Popen(
                 [sys.executable, "-u", _ZYGOTE, *(str(fd) for fd in fds), preload_file],
                 env=dict(env),
-                stdin=subprocess.DEVNULL,
                 stdout=log_fd,
                 stderr=log_fd,
                 pass_fds=fds,
                 start_new_session=True,
-                preexec_fn=set_parent_death_signal,
+                preexec_fn=parent_death_signal(),
             )
         except BaseException:
             ours.close()

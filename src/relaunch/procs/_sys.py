@@ -5,15 +5,18 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import functools
 import logging
 import os
 import signal
+from collections.abc import Callable
 
 __all__ = [
     "descendants",
     "is_stopped",
     "kill_group",
     "members",
+    "parent_death_signal",
     "process_state",
     "reap_orphans",
     "set_child_subreaper",
@@ -35,19 +38,28 @@ def _prctl(option: int, arg: int) -> bool:
             _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
         except OSError:
             return False
-    return bool(_libc.prctl(option, arg, 0, 0, 0) == 0)
+    # prctl is variadic: pass full unsigned long words, not C ints (undefined upper half).
+    word = ctypes.c_ulong
+    return bool(_libc.prctl(ctypes.c_int(option), word(arg), word(0), word(0), word(0)) == 0)
 
 
-def set_parent_death_signal(sig: int = signal.SIGKILL) -> None:
+def set_parent_death_signal(sig: int = signal.SIGKILL, *, parent: int | None = None) -> None:
     """Ask the kernel to send ``sig`` to this process when its parent thread dies.
 
-    Runs in the child between fork and exec. If the parent is already gone
-    (we were reparented before the call took effect), exit at once.
+    Runs in the child between fork and exec. If the parent is already gone (we were
+    reparented before the call took effect), exit at once. ``parent``: the parent's
+    pid read *before* the fork (see :func:`parent_death_signal`); without it the
+    check only covers a parent that dies during the call.
     """
-    parent = os.getppid()
+    expected = os.getppid() if parent is None else parent
     _prctl(_PR_SET_PDEATHSIG, int(sig))
-    if os.getppid() != parent:
+    if os.getppid() != expected:
         os._exit(1)
+
+
+def parent_death_signal(sig: int = signal.SIGKILL) -> Callable[[], None]:
+    """A ``preexec_fn`` that sets the parent-death signal, checked against this process."""
+    return functools.partial(set_parent_death_signal, sig, parent=os.getpid())
 
 
 def set_child_subreaper() -> bool:

@@ -74,10 +74,19 @@ def _redirect(path: str | None, target_fd: int) -> None:
     os.close(fd)
 
 
-def set_parent_death_signal(sig: int = 9) -> None:
-    """SIGKILL this process when its parent dies (``prctl(PR_SET_PDEATHSIG)``)."""
+def set_parent_death_signal(sig: int = 9) -> bool:
+    """SIGKILL this process when its parent dies (``prctl(PR_SET_PDEATHSIG)``).
+
+    prctl is variadic: its arguments must be passed as full ``unsigned long`` words
+    (a plain int leaves the register's upper half undefined, and the call may fail).
+    Returns whether the signal is set (read back with ``PR_GET_PDEATHSIG``).
+    """
     libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(1, sig, 0, 0, 0)
+    word = ctypes.c_ulong
+    libc.prctl(ctypes.c_int(1), word(sig), word(0), word(0), word(0))
+    got = ctypes.c_int(0)
+    libc.prctl(ctypes.c_int(2), ctypes.byref(got), word(0), word(0), word(0))
+    return got.value == sig
 
 
 def _write_atomic(path: str, data: str) -> None:

@@ -74,6 +74,7 @@ class Server:
         signal.set_wakeup_fd(self.wake_w)
         signal.signal(signal.SIGCHLD, lambda *_: None)
         self.children: set[int] = set()
+        self.pid = os.getpid()
 
     # -- messages -------------------------------------------------------------------
     def send(self, **message: Any) -> None:
@@ -197,11 +198,10 @@ class Server:
         try:
             signal.set_wakeup_fd(-1)
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-            parent = os.getppid()
             os.setsid()
-            _warm.set_parent_death_signal()
-            if os.getppid() != parent:
-                os._exit(1)
+            # The server may have died since fork(): compare with its pid from before.
+            if not _warm.set_parent_death_signal() or os.getppid() != self.pid:
+                os._exit(1)  # it could outlive the server (and the agent): never run it
             for fd in (self.wake_r, self.wake_w):
                 os.close(fd)
             self.ctrl.close()
