@@ -105,11 +105,13 @@ def test_a_fork_unsafe_server_refuses_and_workers_start_fresh(
 
 def test_forked_workers_die_with_the_server(tmp_path: Path) -> None:
     server = server_for(tmp_path, ["json"])
-    entry, specs = job(tmp_path, "import time\ntime.sleep(600)\n")
+    body = "import os, time\nopen(os.environ['OUT'] + '/up_' + os.environ['LOCAL_RANK'], 'w')\n"
+    entry, specs = job(tmp_path, body + "time.sleep(600)\n")
     procs = WorkerProcesses(entry, specs, fork_server=server)
     try:
         procs.start()
         pids = list(procs.pids().values())
+        wait_for(lambda: all((tmp_path / f"up_{i}").exists() for i in (0, 1)))
         assert server.pid is not None
         os.kill(server.pid, signal.SIGKILL)
         # Reparented to us (a subreaper would get them; here: their exit is reaped by the
