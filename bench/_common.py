@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -58,3 +59,10 @@ def median(values: list[float]) -> float:
 
 def fmt(values: list[float]) -> str:
     return f"median {median(values):6.2f} s  (runs: {', '.join(f'{v:.2f}' for v in values)})"
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

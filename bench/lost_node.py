@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import fmt, in_loopback_netns, median
+from _common import fmt, free_port, in_loopback_netns, median
 
 PY = sys.executable
 LAUNCHERS = {
@@ -73,12 +73,6 @@ TRAIN = textwrap.dedent(
     dist.destroy_process_group()
     """
 )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _lines(out: Path, node: str) -> list[list[str]]:

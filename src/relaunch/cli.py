@@ -17,11 +17,12 @@ import re
 import shutil
 import sys
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from importlib.machinery import PathFinder
-from typing import Any, NoReturn, TypeVar
+from typing import TypeVar
 
 from relaunch._cli_options import OPTS
+from relaunch._cli_values import Values, build_parser
 from relaunch.config import (
     BACKENDS,
     START_METHODS,
@@ -46,127 +47,14 @@ _ETCD_PORT = 2379
 _STATIC_PORT = 29500
 
 
-class _Store(argparse.Action):
-    """Store the value and remember which spelling was used (for error messages)."""
-
-    def __call__(self, parser: Any, ns: Any, values: Any, option_string: Any = None) -> None:
-        setattr(ns, self.dest, self.const if self.nargs == 0 else values)
-        ns.spelling[self.dest] = option_string
-
-
-class _Parser(argparse.ArgumentParser):
-    argv: Sequence[str] = ()
-
-    def error(self, message: str) -> NoReturn:
-        """One line naming the flag as the user spelled it, instead of usage + error + exit."""
-        match = re.match(r"argument ([^: ]+): (.*)", message)
-        if match is None:
-            raise ConfigError(message)
-        flags = match[1].split("/")
-        used = [f for f in flags if any(a == f or a.startswith(f + "=") for a in self.argv)]
-        raise ConfigError(f"{(used or flags)[0]}: {match[2]}")
-
-
-def _parser() -> _Parser:
-    parser = _Parser(prog="relaunch", description="Fault-tolerant drop-in for torchrun.")
-    for dest, opt in OPTS.items():
-        nargs = 0 if opt.switch else None
-        const = True if opt.switch else None
-        hint = f" [PET_{dest.upper()}]" if opt.env else ""
-        parser.add_argument(
-            *opt.flags(dest), dest=dest, action=_Store, nargs=nargs, const=const,
-            help=opt.help + hint,
-        )  # fmt: skip
-    parser.add_argument("--no-warm-standby", "--no_warm_standby", dest="warm_standby",
-                        action=_Store, nargs=0, const=False, help="No fork server: start every worker cold.")  # fmt: skip
-    parser.add_argument("training_script", nargs="?", help="Script, module or binary to run.")
-    parser.add_argument("training_script_args", nargs=argparse.REMAINDER)
-    parser.set_defaults(**dict.fromkeys(OPTS))
-    return parser
-
-
-class _Values:
-    """Each setting with its source: flag > PET_<DEST> environment variable > default."""
-
-    def __init__(self, ns: argparse.Namespace, env: Mapping[str, str]) -> None:
-        self._ns = ns
-        self._env = env
-
-    def label(self, dest: str) -> str:
-        """The flag as the user spelled it, or its canonical spelling and the PET_ variable."""
-        spelling: str | None = self._ns.spelling.get(dest)
-        if spelling is not None:
-            return spelling
-        canonical = next(f for f in OPTS[dest].flags(dest) if f.startswith("--"))
-        if self._env_value(dest) is not None:
-            return f"{canonical} (from PET_{dest.upper()})"
-        return canonical
-
-    def _env_value(self, dest: str) -> str | None:
-        if not OPTS[dest].env:
-            return None
-        return self._env.get(f"PET_{dest.upper()}") or None
-
-    def given(self, dest: str) -> bool:
-        return getattr(self._ns, dest) is not None or self._env_value(dest) is not None
-
-    def stripped(self, dest: str) -> str:
-        """The value, stripped; "" when there is none."""
-        return (self.text(dest) or "").strip()
-
-    def text(self, dest: str) -> str | None:
-        value = getattr(self._ns, dest)
-        if value is None:
-            value = self._env_value(dest)
-        return OPTS[dest].default if value is None else str(value)
-
-    def switch(self, dest: str, default: bool = False) -> bool:
-        value = getattr(self._ns, dest)
-        if value is not None:
-            return bool(value)
-        text = self._env_value(dest)
-        if text is None:
-            return default
-        if not re.fullmatch(r"\s*\d+\s*", text):
-            raise ConfigError(f"PET_{dest.upper()}: expected 0 or 1, got {text!r}")
-        return int(text) != 0
-
-    def fail(self, dest: str, expected: str, got: object = None) -> NoReturn:
-        got = self.text(dest) if got is None else got
-        raise ConfigError(f"{self.label(dest)}: expected {expected}, got {got!r}")
-
-    def integer(self, dest: str, low: int, high: int | None = None) -> int:
-        text = self.stripped(dest)
-        ok = re.fullmatch(r"[+-]?\d+", text) is not None
-        if not ok or int(text) < low or (high is not None and int(text) > high):
-            self.fail(
-                dest, f"an integer >= {low}" + (f" and <= {high}" if high is not None else "")
-            )
-        return int(text)
-
-    def number(self, dest: str, *, positive: bool) -> float:
-        text = self.stripped(dest)
-        try:
-            value = float(text)
-        except ValueError:
-            value = float("nan")
-        if not (value > 0 if positive else value >= 0) or value == float("inf"):
-            self.fail(dest, "a finite number " + ("> 0" if positive else ">= 0"))
-        return value
-
-    def parsed(self, dest: str, parse: Callable[..., _T], *args: Any) -> _T:
-        """Run a config parser, renaming the field in its error to the flag used."""
-        return parse(self.text(dest) or "", *args, self.label(dest))
-
-
-def _check_host(values: _Values, dest: str) -> str | None:
+def _check_host(values: Values, dest: str) -> str | None:
     host = values.text(dest)
     if host is not None and not re.fullmatch(r"\[[\w.:-]+\]|[\w.:-]+", host.strip()):
         values.fail(dest, "a host name or IP address (IPv6 in brackets)")
     return None if host is None else host.strip()
 
 
-def _nproc(values: _Values) -> int | str:
+def _nproc(values: Values) -> int | str:
     text = values.stripped("nproc_per_node")
     if re.fullmatch(r"[+-]?\d+", text) and int(text) >= 1:
         return int(text)
@@ -180,7 +68,7 @@ def _cpu_count() -> int:
     return len(affinity(0)) if affinity is not None else os.cpu_count() or 1
 
 
-def _resolve_nproc(values: _Values, kind: int | str) -> int:
+def _resolve_nproc(values: Values, kind: int | str) -> int:
     if isinstance(kind, int):
         return kind
     if kind == "cpu":
@@ -220,14 +108,14 @@ def _module_exists(name: str) -> bool:
     return spec is not None
 
 
-def _std(values: _Values, dest: str, nproc: int) -> dict[int, Std]:
+def _std(values: Values, dest: str, nproc: int) -> dict[int, Std]:
     parsed = values.parsed(dest, Std.parse)
     if isinstance(parsed, dict) and any(rank >= nproc for rank in parsed):
         logger.warning("%s: local ranks >= %s do not exist; ignored", values.label(dest), nproc)
     return Std.to_map(parsed, nproc)
 
 
-def _ranks_filter(values: _Values) -> frozenset[int] | None:
+def _ranks_filter(values: Values) -> frozenset[int] | None:
     text = values.stripped("local_ranks_filter")
     if not text:
         return None
@@ -236,7 +124,7 @@ def _ranks_filter(values: _Values) -> frozenset[int] | None:
     return frozenset(int(item) for item in text.split(","))
 
 
-def _rendezvous(values: _Values, nnodes: tuple[int, int]) -> tuple[str, str, str, tuple[int, int]]:
+def _rendezvous(values: Values, nnodes: tuple[int, int]) -> tuple[str, str, str, tuple[int, int]]:
     """(backend, endpoint, run id, (min, max)) after --standalone and torchrun's fallbacks."""
     backend = values.stripped("rdzv_backend")
     if backend not in BACKENDS:
@@ -275,7 +163,7 @@ def _rendezvous(values: _Values, nnodes: tuple[int, int]) -> tuple[str, str, str
     return backend, ",".join(normalized), run_id, nnodes
 
 
-def _entry(values: _Values, script: str | None) -> tuple[str, bool, bool, bool]:
+def _entry(values: Values, script: str | None) -> tuple[str, bool, bool, bool]:
     """(entrypoint, module, no_python, run_path) from the flags."""
     module, no_python, run_path = (values.switch(d) for d in ("module", "no_python", "run_path"))
     if not script:
@@ -306,7 +194,7 @@ def _check_exists(script: str, module: bool, no_python: bool) -> str:
     return script
 
 
-def _template(values: _Values) -> str | None:
+def _template(values: Values) -> str | None:
     template = values.text("log_line_prefix_template")
     label = values.label("log_line_prefix_template")
     if template is None:
@@ -321,10 +209,10 @@ def parse_args(argv: Sequence[str] | None = None) -> LaunchConfig:
     Raises ConfigError with a one-line message naming the flag, the value and what was
     expected. Imports torch only to resolve ``--nproc-per-node auto|gpu|xpu``.
     """
-    parser = _parser()
+    parser = build_parser()
     parser.argv = sys.argv[1:] if argv is None else argv
     ns = parser.parse_args(parser.argv, namespace=argparse.Namespace(spelling={}))
-    values = _Values(ns, os.environ)
+    values = Values(ns, os.environ)
     for dest, opt in OPTS.items():
         if opt.refuse and (values.switch(dest) if opt.switch else values.text(dest) != opt.default):
             values.fail(dest, opt.refuse, "set" if opt.switch else None)
@@ -373,7 +261,7 @@ def parse_args(argv: Sequence[str] | None = None) -> LaunchConfig:
     )  # fmt: skip
 
 
-def _shutdown_timeout(values: _Values) -> float:
+def _shutdown_timeout(values: Values) -> float:
     if values.given("shutdown_timeout"):
         return values.number("shutdown_timeout", positive=False)
     text = os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "").strip() or "30"

@@ -84,6 +84,15 @@ class Run:
     def events(self) -> list[dict[str, Any]]:
         return events(self.logs)
 
+    def __enter__(self) -> Run:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc.returncode is None:  # a failed test: nothing left running
+            self.proc.kill()
+        if self.proc.stdout is not None and not self.proc.stdout.closed:
+            self.proc.communicate()
+
     def finish(self, timeout: float) -> tuple[int, str, str]:
         out, err = self.proc.communicate(timeout=timeout)
         wait_for(lambda: not marked(self.marker), timeout=10)
@@ -131,8 +140,7 @@ def test_five_kills_one_second_apart_are_replaced_by_forks_that_import_nothing(
     tmp_path: Path,
 ) -> None:
     train = write(tmp_path, "train.py", TRAIN)
-    run = Run(tmp_path, "--nproc-per-node=2", "--max-restarts=5", train, str(tmp_path))
-    try:
+    with Run(tmp_path, "--nproc-per-node=2", "--max-restarts=5", train, str(tmp_path)) as run:
         wait_for(lambda: bool(named(run.events(), "fork_server_ready")), timeout=120)
         wait_for(lambda: stepped(tmp_path, 0, 0) and stepped(tmp_path, 0, 1))
         for attempt in range(5):
@@ -144,8 +152,6 @@ def test_five_kills_one_second_apart_are_replaced_by_forks_that_import_nothing(
         wait_for(lambda: stepped(tmp_path, 5, 0) and stepped(tmp_path, 5, 1))
         (tmp_path / "finish").write_text("")
         code, _, err = run.finish(timeout=60)
-    finally:
-        run.proc.kill()
     assert code == 0, err
     for attempt in range(1, 6):
         for rank in (0, 1):
@@ -223,11 +229,10 @@ def test_hang_timeout_restarts_the_group_and_names_the_hung_rank(tmp_path: Path)
 @pytest.mark.timeout(120)
 def test_a_sigstopped_worker_is_found_by_hang_timeout_and_replaced(tmp_path: Path) -> None:
     train = write(tmp_path, "train.py", TRAIN)
-    run = Run(
+    with Run(
         tmp_path, "--nproc-per-node=2", "--max-restarts=1", "--hang-timeout=2",
         "--shutdown-timeout=600", train, str(tmp_path),
-    )  # fmt: skip
-    try:
+    ) as run:  # fmt: skip
         wait_for(lambda: stepped(tmp_path, 0, 0) and stepped(tmp_path, 0, 1), timeout=90)
         info = started(tmp_path, 0, 1)
         assert info is not None
@@ -235,8 +240,6 @@ def test_a_sigstopped_worker_is_found_by_hang_timeout_and_replaced(tmp_path: Pat
         wait_for(lambda: stepped(tmp_path, 1, 0) and stepped(tmp_path, 1, 1), timeout=60)
         (tmp_path / "finish").write_text("")
         code, _, err = run.finish(timeout=60)
-    finally:
-        run.proc.kill()
     assert code == 0, err
     hung = named(run.events(), "worker_hung")
     assert hung and hung[0]["metadata"]["pid"] == info[0]
@@ -284,8 +287,7 @@ def test_ddp_teardown_after_destroy_process_group_never_hangs(tmp_path: Path) ->
 @pytest.mark.timeout(180)
 def test_fork_server_and_forked_workers_die_with_a_sigkilled_agent(tmp_path: Path) -> None:
     train = write(tmp_path, "train.py", TRAIN)
-    run = Run(tmp_path, "--nproc-per-node=2", "--max-restarts=2", train, str(tmp_path))
-    try:
+    with Run(tmp_path, "--nproc-per-node=2", "--max-restarts=2", train, str(tmp_path)) as run:
         wait_for(lambda: bool(named(run.events(), "fork_server_ready")), timeout=120)
         wait_for(lambda: stepped(tmp_path, 0, 0) and stepped(tmp_path, 0, 1))
         info = started(tmp_path, 0, 0)
@@ -297,6 +299,3 @@ def test_fork_server_and_forked_workers_die_with_a_sigkilled_agent(tmp_path: Pat
         run.proc.kill()
         run.proc.wait(10)
         wait_for(lambda: not marked(run.marker), timeout=10)
-    finally:
-        run.proc.kill()
-        run.proc.communicate()

@@ -2,32 +2,25 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
 import socket
 import threading
 import time
-from dataclasses import dataclass
 
-from relaunch.agent._contract import AttemptFiles
-from relaunch.agent._env import substitute_local_rank, worker_env, worker_streams
-from relaunch.agent._observe import (
-    announced_exit,
-    collect_stacks,
-    last_progress,
-    oldest_hung,
-    record_hang,
-)
+from relaunch.agent._attempt import Slot, attempt_workers, return_values
+from relaunch.agent._forking import NodeForkServer
 from relaunch.agent._round import (
     exit_barrier,
     gather_failures,
     publish_failures,
     publish_worker_store,
     read_worker_store,
+    store_lost_reason,
 )
 from relaunch.agent._spec import RunResult, Worker, WorkerGroup, WorkerSpec, WorkerState
+from relaunch.agent._watch import poll_group
 from relaunch.errors import (
     ProcessFailure,
     RendezvousClosedError,
@@ -37,8 +30,6 @@ from relaunch.errors import (
 )
 from relaunch.events import Event, EventSink
 from relaunch.procs import (
-    ForkServer,
-    ProcessSpec,
     RunLogDir,
     WorkerProcesses,
     set_child_subreaper,
@@ -50,18 +41,6 @@ from relaunch.timer import TimerExpiry, TimerServer
 __all__ = ["LocalAgent"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class _Slot:
-    """One local rank's worker of the current attempt: its environment and files."""
-
-    env: dict[str, str]
-    files: AttemptFiles
-    started: float
-    """Wall-clock start (hang detection counts from it before the first progress)."""
-    lost: ProcessFailure | None = None
-    """Set when the worker died and its in-process peers went on without it."""
 
 
 class LocalAgent:
@@ -84,10 +63,8 @@ class LocalAgent:
             spec=spec, workers=[Worker(local_rank=i) for i in range(spec.local_world_size)]
         )
         self._procs: WorkerProcesses | None = None
-        self._fork_server: ForkServer | None = None
-        self._fork_refused: str | None = None
-        self._fork_server_ready = False
-        self._slots: dict[int, _Slot] = {}
+        self._forking: NodeForkServer | None = None
+        self._slots: dict[int, Slot] = {}
         self._started_at = 0.0
         self._worker_store: TCPStoreServer | None = None
         self._info: RendezvousInfo | None = None
@@ -95,7 +72,6 @@ class LocalAgent:
         self._stop_signal: int | None = None
         self._logdir: RunLogDir | None = None
         self._events = EventSink(None)
-        self._modules_file = ""
         self._timer: TimerServer | None = None
 
     # -- public -------------------------------------------------------------------
@@ -135,7 +111,12 @@ class LocalAgent:
         set_child_subreaper()
         self._logdir = RunLogDir(self._spec.log_dir, self._run_id)
         self._events = EventSink(os.path.join(self._logdir.path, "events.jsonl"))
-        self._modules_file = os.path.join(self._logdir.path, "worker_modules.txt")
+        self._forking = NodeForkServer(
+            modules_file=os.path.join(self._logdir.path, "worker_modules.txt"),
+            log_dir=self._logdir.path,
+            delay=self._spec.standby_delay,
+            emit=self._emit,
+        )
         if self._spec.watchdog:
             timer = TimerServer(path=self._spec.watchdog_file, on_expiry=self._on_timer_expiry)
             timer.start()
@@ -144,9 +125,8 @@ class LocalAgent:
     def _teardown(self) -> None:
         sig = self._stop_signal or signal.SIGTERM
         self._stop_workers(sig)
-        if self._fork_server is not None:
-            self._fork_server.close()
-            self._fork_server = None
+        if self._forking is not None:
+            self._forking.close()
         if self._worker_store is not None:
             self._worker_store.close()
             self._worker_store = None
@@ -188,13 +168,7 @@ class LocalAgent:
         if self._procs is not None:
             _, failures = self._poll()
         self._stop_workers(signal.SIGTERM)
-        if self._handler.get_backend() == "c10d":
-            reason = (
-                f"the node hosting the c10d rendezvous store was lost ({exc}); the job cannot "
-                "go on without it (--rdzv-backend etcd survives the loss of any node)"
-            )
-        else:
-            reason = f"the rendezvous store cannot be reached ({exc})"
+        reason = store_lost_reason(self._handler.get_backend(), exc)
         self._emit("store_lost", reason=reason)
         return RunResult(state=WorkerState.FAILED, failures=failures, reason=reason)
 
@@ -209,7 +183,8 @@ class LocalAgent:
             if state == WorkerState.SUCCEEDED:
                 self._emit("workers_succeeded", attempt=self._attempt)
                 note = self._exit_barrier()
-                return RunResult(state=state, return_values=self._return_values(), reason=note)
+                values = return_values(self._spec, self._group.workers, self._slots)
+                return RunResult(state=state, return_values=values, reason=note)
             try:
                 if state == WorkerState.FAILED:
                     result = self._on_failure(failures)
@@ -236,7 +211,8 @@ class LocalAgent:
             attempt=self._attempt,
             failures={r: f.exitcode for r, f in failures.items()},
         )
-        self._publish_failures(failures)
+        if self._info is not None:
+            publish_failures(self._info, failures)
         total = self._handler.record_failure(self._info.round)
         if total > self._spec.max_restarts:
             self._stop_workers(signal.SIGTERM)
@@ -261,82 +237,21 @@ class LocalAgent:
         self._rendezvous_and_start()
 
     def _poll(self) -> tuple[WorkerState, dict[int, ProcessFailure]]:
-        """The group's state. A worker has failed once its runner announced a non-zero exit
-        (before its teardown), once it exited non-zero, or once it hung. A failed worker of
-        an in-process restart group is *lost*, not a group failure, while in-process peers
-        of it still run: they go on without it."""
+        """The group's state and its failures (see ``_watch.poll_group``)."""
         assert self._procs is not None
         codes = self._procs.poll()
         pids = self._procs.pids()
-        failures: dict[int, ProcessFailure] = {}
-        for worker in self._group.workers:
-            lr, slot = worker.local_rank, self._slots[worker.local_rank]
-            code = codes.get(lr)
-            if code is not None and self._timer is not None:
-                self._timer.clear_pid(pids[lr])
-            if code is None:
-                code = codes[lr] = announced_exit(slot.files)
-            if code is None or code == 0 or slot.lost is not None:
-                continue
-            failure = ProcessFailure(
-                local_rank=lr, pid=pids[lr], exitcode=code, error_file=slot.files.error_file
-            )
-            if self._peers_restart_in_process(lr, codes):
-                slot.lost = failure
-                self._emit("worker_lost", local_rank=lr, exitcode=code, reason=failure.message)
-                continue
-            failures[worker.global_rank] = failure
-        lost = {
-            w.global_rank: s.lost
-            for w in self._group.workers
-            if (s := self._slots[w.local_rank]).lost
-        }
-        if not failures and self._spec.hang_timeout:
-            failures = self._hung(codes, pids)
-        if failures:
-            failures.update(lost)
-            return WorkerState.FAILED, failures
-        if all(code is not None for code in codes.values()):
-            if len(lost) == len(codes):
-                return WorkerState.FAILED, lost
-            return WorkerState.SUCCEEDED, failures
-        return WorkerState.HEALTHY, failures
-
-    def _hung(
-        self, codes: dict[int, int | None], pids: dict[int, int]
-    ) -> dict[int, ProcessFailure]:
-        """The worker hung longest, as a failure with its stacks, if one passed --hang-timeout."""
-        timeout = self._spec.hang_timeout
-        if not timeout or not self._spec.entrypoint.is_python:
-            return {}
-        progress = {
-            lr: t
-            for lr, slot in self._slots.items()
-            if codes.get(lr) is None
-            and not os.path.exists(slot.files.marker)
-            and (t := last_progress(slot.files, slot.started)) is not None
-        }
-        lr = oldest_hung(progress, time.time(), timeout)
-        if lr is None:
-            return {}
-        files = self._slots[lr].files
-        stacks = collect_stacks(pids[lr], files)
-        message = record_hang(files, since=progress[lr], timeout=timeout, stacks=stacks)
-        self._emit("worker_hung", local_rank=lr, pid=pids[lr], reason=message, stacks=stacks)
-        log.error("local rank %s (pid %s): %s; its stacks:\n%s", lr, pids[lr], message, stacks)
-        worker = self._group.workers[lr]
-        failure = ProcessFailure(
-            local_rank=lr, pid=pids[lr], exitcode=-signal.SIGKILL, error_file=files.error_file
-        )
-        return {worker.global_rank: failure}
-
-    def _peers_restart_in_process(self, local_rank: int, codes: dict[int, int | None]) -> bool:
-        """Whether the worker ran under relaunch.inprocess, and so do running peers of it."""
-        slots = self._slots
-        return os.path.exists(slots[local_rank].files.marker) and any(
-            code is None and os.path.exists(slots[lr].files.marker)
-            for lr, code in codes.items()
-            if lr != local_rank
+        if self._timer is not None:
+            for lr, code in codes.items():
+                if code is not None:
+                    self._timer.clear_pid(pids[lr])
+        return poll_group(
+            self._group.workers,
+            self._slots,
+            codes,
+            pids,
+            hang_timeout=self._spec.hang_timeout if self._spec.entrypoint.is_python else None,
+            emit=self._emit,
         )
 
     # -- rendezvous and start -------------------------------------------------------
@@ -366,13 +281,6 @@ class LocalAgent:
             worker.world_size = worker.role_world_size = world
         self._start_workers()
 
-    def _advertised_addr(self, world_size: int) -> str:
-        if self._spec.master_addr:
-            return self._spec.master_addr
-        if self._spec.local_addr:
-            return self._spec.local_addr
-        return "127.0.0.1" if world_size == 1 else self._host
-
     def _publish_worker_store(self, info: RendezvousInfo) -> tuple[str, int]:
         """Rank 0 hosts a fresh store for this round's workers; the others read its address."""
         if self._worker_store is not None:
@@ -380,7 +288,8 @@ class LocalAgent:
             self._worker_store = None
         if info.rank != 0:
             return read_worker_store(info, timeout=max(60.0, self._spec.exit_barrier_timeout))
-        addr = self._advertised_addr(info.world_size)
+        local = "127.0.0.1" if info.world_size == 1 else self._host
+        addr = self._spec.master_addr or self._spec.local_addr or local
         bind = "127.0.0.1" if addr.startswith("127.") else "0.0.0.0"
         port = self._spec.master_port if info.world_size == 1 and self._spec.master_port else 0
         server = TCPStoreServer(host=bind, port=port)
@@ -396,60 +305,28 @@ class LocalAgent:
         assert group.master_port is not None and group.group_rank is not None
         assert group.group_world_size is not None
         self._attempt += 1
-        self._slots = {}
         extra: dict[str, str] = {}
         if self._timer is not None:
             extra["TORCHELASTIC_ENABLE_FILE_TIMER"] = "1"
             extra["TORCHELASTIC_TIMER_FILE"] = self._timer.path
-        specs: list[ProcessSpec] = []
-        for worker in group.workers:
-            lr = worker.local_rank
-            attempt_dir = self._logdir.attempt_dir(self._attempt, lr)
-            files = AttemptFiles.in_dir(attempt_dir)
-            env = worker_env(
-                base=spec.base_env,
-                local_rank=lr,
-                global_rank=worker.global_rank,
-                role_rank=worker.role_rank,
-                role=spec.role,
-                local_world_size=spec.local_world_size,
-                world_size=worker.world_size,
-                role_world_size=worker.role_world_size,
-                group_rank=group.group_rank,
-                group_world_size=group.group_world_size,
-                master_addr=group.master_addr,
-                master_port=group.master_port,
-                restart_count=self._restart_count,
-                max_restarts=spec.max_restarts,
-                run_id=self._run_id,
-                error_file=files.error_file,
-                extra={**extra, **files.env(spec.hang_timeout)},
-            )
-            self._slots[lr] = _Slot(env=env, files=files, started=time.time())
-            stdout, stderr, tee = worker_streams(spec, lr, worker.global_rank, attempt_dir)
-            args = substitute_local_rank(spec.args, lr)
-            is_function = spec.entrypoint.kind == "function"
-            specs.append(
-                ProcessSpec(
-                    local_rank=lr,
-                    env=env,
-                    args=() if is_function else tuple(str(a) for a in args),
-                    call_args=args if is_function else (),
-                    result_file=files.result_file if is_function else None,
-                    stdout=stdout,
-                    stderr=stderr,
-                    tee=tee,
-                )
-            )
+        self._slots, specs = attempt_workers(
+            spec,
+            group,
+            self._logdir,
+            self._attempt,
+            restart_count=self._restart_count,
+            run_id=self._run_id,
+            extra=extra,
+        )
+        assert self._forking is not None
         warm = spec.warm_standby and spec.entrypoint.is_python
-        report = {}
-        if warm and not os.path.exists(self._modules_file):
-            report[0] = self._modules_file
-        server = self._fork_server
+        modules = self._forking.modules_file
+        report = {0: modules} if warm and not os.path.exists(modules) else {}
+        server = self._forking.usable()
         procs = WorkerProcesses(
             spec.entrypoint,
             specs,
-            fork_server=server if server is not None and server.alive() else None,
+            fork_server=server,
             report_modules=report,
             name=spec.role,
         )
@@ -458,14 +335,7 @@ class LocalAgent:
         procs.start()
         start_seconds = round(time.monotonic() - t0, 4)
         if procs.fork_refused is not None and server is not None:
-            self._fork_refused = procs.fork_refused
-            log.warning(
-                "the fork server cannot fork workers (%s): starting fresh interpreters from now on",
-                procs.fork_refused,
-            )
-            self._emit("fork_server_refused", reason=procs.fork_refused)
-            server.close()
-            self._fork_server = None
+            self._forking.refused(procs.fork_refused)
         self._started_at = time.monotonic()
         pids = procs.pids()
         for worker in group.workers:
@@ -484,34 +354,15 @@ class LocalAgent:
         )
 
     def _maybe_start_fork_server(self) -> None:
-        spec, server = self._spec, self._fork_server
-        if server is not None and not self._fork_server_ready:
-            server.pump(0.0)
-            if server.ready:
-                self._fork_server_ready = True
-                self._emit("fork_server_ready", pid=server.pid)
-        if (
-            not spec.warm_standby
-            or not spec.entrypoint.is_python
-            or self._remaining_restarts <= 0
-            or self._fork_server is not None
-            or self._fork_refused is not None
-            or self._logdir is None
-        ):
-            return
-        running = time.monotonic() - self._started_at
-        # Wait until the workers told us what they import (or for long enough), so the
-        # server preloads exactly that, and does not compete with the workers' own start.
-        if running < spec.standby_delay or (
-            not os.path.exists(self._modules_file) and running < 30.0
-        ):
-            return
-        self._fork_server = ForkServer(
-            env=self._slots[0].env,
-            preload_file=self._modules_file,
-            log_file=os.path.join(self._logdir.path, "fork_server.log"),
-        )
-        self._emit("fork_server_started", pid=self._fork_server.pid)
+        spec = self._spec
+        if self._forking is not None and self._slots:
+            self._forking.tick(
+                wanted=spec.warm_standby
+                and spec.entrypoint.is_python
+                and self._remaining_restarts > 0,
+                running_for=time.monotonic() - self._started_at,
+                env=self._slots[0].env,
+            )
 
     def _stop_workers(self, sig: int) -> None:
         procs, self._procs = self._procs, None
@@ -531,12 +382,8 @@ class LocalAgent:
         info = self._info
         if info is None:
             return None
-        if info.world_size > 1 and not exit_barrier(info, self._spec.exit_barrier_timeout):
-            note = (
-                f"this node's workers succeeded, but not every node of the round (world size "
-                f"{info.world_size}) reached the exit barrier within "
-                f"{self._spec.exit_barrier_timeout:g} s: the other nodes' outcome is unknown"
-            )
+        note = exit_barrier(info, self._spec.exit_barrier_timeout)
+        if note is not None:
             self._emit("exit_barrier_timeout", world_size=info.world_size)
             return note
         if info.rank == 0:
@@ -546,31 +393,8 @@ class LocalAgent:
                 log.warning("could not close the rendezvous after success: %s", exc)
         return None
 
-    def _publish_failures(self, failures: dict[int, ProcessFailure]) -> None:
-        if self._info is not None and self._info.world_size > 1:
-            publish_failures(self._info, failures)
-
     def _job_failures(self, own: dict[int, ProcessFailure]) -> dict[int, ProcessFailure]:
-        if self._info is None or self._info.world_size <= 1:
-            return dict(own)
-        return gather_failures(self._info, own)
-
-    def _return_values(self) -> dict[int, object]:
-        """Return values of a function entrypoint, by global rank (None if unreadable)."""
-        if self._spec.entrypoint.kind != "function":
-            return {}
-        values: dict[int, object] = {}
-        for worker in self._group.workers:
-            value: object = None
-            try:
-                with open(self._slots[worker.local_rank].files.result_file) as f:
-                    data = json.load(f)
-                if isinstance(data, dict) and data.get("version") == 1:
-                    value = data.get("value")
-            except (OSError, ValueError) as exc:
-                log.warning("local rank %s: no readable return value: %s", worker.local_rank, exc)
-            values[worker.global_rank] = value
-        return values
+        return gather_failures(self._info, own) if self._info is not None else dict(own)
 
     def _on_timer_expiry(self, expiry: TimerExpiry) -> None:
         self._emit("watchdog_expired", pid=expiry.pid, scope=expiry.scope_id, signal=expiry.signal)

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 
 from relaunch.agent._contract import STACK_SIGNAL, AttemptFiles, read_exit_file
 from relaunch.errors import ErrorRecord, read_error_file, write_error_file
+from relaunch.errors._file import error_data
 from relaunch.procs import is_stopped
 
 __all__ = ["announced_exit", "collect_stacks", "last_progress", "oldest_hung", "record_hang"]
@@ -85,16 +86,6 @@ def record_hang(files: AttemptFiles, *, since: float, timeout: float, stacks: st
         f"Hang: no Python code ran in the main thread for {time.time() - since:.1f}s "
         f"(--hang-timeout {timeout:g})"
     )
-    data = {
-        "message": {
-            "message": message,
-            "extraInfo": {
-                "py_callstack": stacks,
-                "timestamp": str(int(since)),
-                "relaunch_time": since,
-            },
-        }
-    }
     with contextlib.suppress(OSError):
-        write_error_file(files.error_file, data)
+        write_error_file(files.error_file, error_data(message, stacks, now=since))
     return message

@@ -24,6 +24,7 @@ __all__ = [
     "publish_failures",
     "publish_worker_store",
     "read_worker_store",
+    "store_lost_reason",
 ]
 
 log = logging.getLogger(__name__)
@@ -54,6 +55,8 @@ def read_worker_store(info: RendezvousInfo, timeout: float) -> tuple[str, int]:
 
 def publish_failures(info: RendezvousInfo, failures: dict[int, ProcessFailure]) -> None:
     """Put this node's failures (by global rank) in the round store. Never raises."""
+    if info.world_size <= 1:
+        return
     record = {str(rank): f.to_json() for rank, f in failures.items()}
     try:
         info.store.set(
@@ -73,6 +76,8 @@ def gather_failures(
     a corrupt record is logged and skipped. Never raises.
     """
     found = dict(own)
+    if info.world_size <= 1:
+        return found
     deadline = time.monotonic() + wait
     pending = set(range(info.world_size)) - {info.rank}
     while pending:
@@ -96,8 +101,11 @@ def gather_failures(
     return found
 
 
-def exit_barrier(info: RendezvousInfo, timeout: float) -> bool:
-    """Wait until every node of the round is done; False on timeout or error. Never raises."""
+def exit_barrier(info: RendezvousInfo, timeout: float) -> str | None:
+    """Wait until every node of the round is done. Never raises: returns what to tell the
+    user when they did not all arrive (timeout or store error), else None."""
+    if info.world_size <= 1:
+        return None
     try:
         if info.store.add(_EXIT_COUNT_KEY, 1) >= info.world_size:
             info.store.set(_EXIT_DONE_KEY, b"1")
@@ -105,5 +113,19 @@ def exit_barrier(info: RendezvousInfo, timeout: float) -> bool:
             info.store.wait([_EXIT_DONE_KEY], timeout=timeout)
     except StoreError as exc:
         log.warning("exit barrier: %s (other nodes may still be running)", exc)
-        return False
-    return True
+        return (
+            f"this node's workers succeeded, but not every node of the round (world size "
+            f"{info.world_size}) reached the exit barrier within {timeout:g} s: the other "
+            "nodes' outcome is unknown"
+        )
+    return None
+
+
+def store_lost_reason(backend: str, exc: BaseException) -> str:
+    """The one line that ends a job whose rendezvous store cannot be reached."""
+    if backend == "c10d":
+        return (
+            f"the node hosting the c10d rendezvous store was lost ({exc}); the job cannot "
+            "go on without it (--rdzv-backend etcd survives the loss of any node)"
+        )
+    return f"the rendezvous store cannot be reached ({exc})"

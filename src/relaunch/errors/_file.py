@@ -105,11 +105,16 @@ class ErrorRecord:
 
 def build_error_data(exc: BaseException, *, now: float | None = None) -> dict[str, Any]:
     """Return the error-file JSON object (torch layout) for ``exc`` and its traceback."""
-    when = time.time() if now is None else now
     callstack = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    return error_data(f"{type(exc).__name__}: {exc}", callstack, now=now)
+
+
+def error_data(message: str, callstack: str, *, now: float | None = None) -> dict[str, Any]:
+    """The error-file JSON object (torch layout) for a message and a call stack."""
+    when = time.time() if now is None else now
     return {
         "message": {
-            "message": f"{type(exc).__name__}: {exc}",
+            "message": message,
             "extraInfo": {
                 "py_callstack": callstack,
                 "timestamp": str(int(when)),
