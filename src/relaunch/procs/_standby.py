@@ -29,19 +29,11 @@ class Standby:
     (the caller then owns the returned Popen), or :meth:`discard` ends it.
     """
 
-    def __init__(
-        self, *, env: Mapping[str, str], cwd: str, preload_file: str | None = None
-    ) -> None:
+    def __init__(self, *, env: Mapping[str, str], cwd: str) -> None:
         read_fd, self._write_fd = os.pipe()
         try:
             self._proc: subprocess.Popen[bytes] | None = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-u",
-                    _WARM,
-                    str(read_fd),
-                    *([preload_file] if preload_file else []),
-                ],
+                [sys.executable, "-u", _WARM, str(read_fd)],
                 env=dict(env),
                 cwd=cwd,
                 pass_fds=(read_fd,),

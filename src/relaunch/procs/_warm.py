@@ -1,4 +1,4 @@
-"""The runner of every Python worker: ``python -u _warm.py FD [PRELOAD_FILE]``.
+"""The runner of every Python worker: ``python -u _warm.py FD``.
 
 The agent starts it (or forks it from the fork server, ``_zygote.py``) and writes
 one request (versioned JSON: environment, working directory, output files, what to
@@ -6,8 +6,7 @@ run) on file descriptor FD; the interpreter then becomes that worker, running th
 script or module exactly as ``python -u script.py args...`` or ``python -u -m
 module args...`` would: same ``sys.argv``, ``__main__``, ``sys.path[0]``,
 environment and tracebacks. End of file without a request means "not needed": it
-exits 0. With PRELOAD_FILE (one module per line: what a worker of this job imported
-from installed packages) it imports those modules while it waits.
+exits 0.
 
 What the runner adds to a plain ``python script.py`` (the worker contract; the
 variables are set by the agent, see ``relaunch/agent/_contract.py``):
@@ -36,12 +35,10 @@ import builtins
 import contextlib
 import ctypes
 import importlib
-import importlib.abc
 import importlib.machinery
 import json
 import os
 import runpy
-import select
 import sys
 import sysconfig
 import threading
@@ -139,13 +136,6 @@ def read_module_list(path: str) -> list[str]:
             return [line.strip() for line in f if line.strip()]
     except OSError:
         return []
-
-
-def _preload(path: str) -> None:
-    for name in read_module_list(path):
-        if name not in sys.modules:
-            with contextlib.suppress(BaseException):
-                importlib.import_module(name)
 
 
 # -- becoming the worker -------------------------------------------------------------
@@ -301,19 +291,6 @@ def run_request(request: dict[str, object]) -> None:
 def main() -> None:
     fd = int(sys.argv[1])
     del sys.path[0]  # this file's directory: the worker gets its own sys.path[0]
-    preload = sys.argv[2] if len(sys.argv) > 2 else None
-    seen = -1.0
-    while True:
-        # Preload what the job's workers import; take in later reports while idle.
-        if preload is not None:
-            with contextlib.suppress(OSError):
-                mtime = os.stat(preload).st_mtime
-                if mtime != seen:
-                    seen = mtime
-                    _preload(preload)
-        ready, _, _ = select.select([fd], [], [], 1.0)
-        if ready:
-            break
     data = _read_all(fd)
     os.close(fd)
     if not data:
