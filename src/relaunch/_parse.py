@@ -9,7 +9,9 @@ import re
 import signal
 from string import Template
 
+from relaunch._endpoint import join_endpoint, split_endpoint
 from relaunch.errors import ConfigError
+from relaunch.procs import Std
 
 __all__ = [
     "bad",
@@ -19,11 +21,11 @@ __all__ = [
     "parse_nnodes",
     "parse_rdzv_conf",
     "parse_signals",
+    "parse_std",
     "signal_number",
 ]
 
 _UNHANDLEABLE = frozenset({signal.SIGKILL, signal.SIGSTOP})
-_HOST_RE = re.compile(r"^[\w.:-]+$")
 _RUN_ID_RE = re.compile(r"[\w.:-]+")
 _PREFIX_KEYS = {"role_name": "role", "rank": 0, "local_rank": 0}
 
@@ -95,32 +97,11 @@ def parse_signals(text: str, name: str = "--signals-to-handle") -> tuple[int, ..
 
 
 def parse_endpoint(text: str, default_port: int | None, name: str = "--rdzv-endpoint") -> str:
-    """Validate ``host[:port]`` and return ``host:port`` (IPv6 hosts stay in brackets).
+    """Validate ``host[:port]`` and return ``host:port`` (IPv6 hosts in brackets).
 
     ``default_port=None`` makes the port mandatory.
     """
-    expected = "HOST:PORT" if default_port is None else "HOST[:PORT]"
-    expected += " with a port in 0..65535 (IPv6 in brackets: [::1]:PORT)"
-    text = text.strip()
-    if text.startswith("["):
-        close = text.find("]")
-        host, rest = text[: close + 1], text[close + 1 :]
-        if close < 0 or (rest and not rest.startswith(":")):
-            raise bad(name, expected, text)
-        port_text = rest[1:] if rest else None
-    elif ":" in text:
-        host, _, port_text = text.rpartition(":")
-    else:
-        host, port_text = text, None
-    if port_text is None and default_port is not None:
-        port = default_port
-    elif port_text and port_text.isdigit() and int(port_text) <= 65535:
-        port = int(port_text)
-    else:
-        raise bad(name, expected, text)
-    if not _HOST_RE.match(host.removeprefix("[").removesuffix("]")):
-        raise bad(name, expected, text)
-    return f"{host}:{port}"
+    return join_endpoint(*split_endpoint(text, default_port, name=name))
 
 
 def check_run_id(run_id: str, name: str = "--rdzv-id") -> str:
@@ -138,3 +119,23 @@ def check_template(template: str, name: str = "--log-line-prefix-template") -> s
     except (KeyError, ValueError, TypeError, AttributeError):
         raise bad(name, expected, template) from None
     return template
+
+
+def parse_std(text: str, name: str = "std") -> Std | dict[int, Std]:
+    """``"3"`` (every local rank) or ``"0:1,1:2"`` (local rank -> value), like torch.
+
+    Raises ConfigError naming ``name`` when ``text`` is neither.
+    """
+    expected = "0-3 or LOCAL_RANK:0-3,... (e.g. 0:1,1:2)"
+    text = text.strip()
+    if re.fullmatch(r"[0-3]", text):
+        return Std(int(text))
+    if not re.fullmatch(r"\d+:[0-3](,\d+:[0-3])*", text):
+        raise bad(name, expected, text)
+    result: dict[int, Std] = {}
+    for item in text.split(","):
+        rank, value = item.split(":")
+        if int(rank) in result:
+            raise bad(name, f"{expected} with each local rank once", text)
+        result[int(rank)] = Std(int(value))
+    return result

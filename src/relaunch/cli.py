@@ -23,6 +23,7 @@ from typing import TypeVar
 
 from relaunch._cli_options import OPTS
 from relaunch._cli_values import Values, build_parser
+from relaunch._endpoint import C10D_PORT, ETCD_PORT
 from relaunch.config import (
     BACKENDS,
     START_METHODS,
@@ -34,6 +35,7 @@ from relaunch.config import (
     parse_nnodes,
     parse_rdzv_conf,
     parse_signals,
+    parse_std,
 )
 from relaunch.errors import ConfigError
 
@@ -42,8 +44,6 @@ __all__ = ["main", "parse_args"]
 logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
-_C10D_PORT = 29400
-_ETCD_PORT = 2379
 _STATIC_PORT = 29500
 
 
@@ -109,7 +109,7 @@ def _module_exists(name: str) -> bool:
 
 
 def _std(values: Values, dest: str, nproc: int) -> dict[int, Std]:
-    parsed = values.parsed(dest, Std.parse)
+    parsed = values.parsed(dest, parse_std)
     if isinstance(parsed, dict) and any(rank >= nproc for rank in parsed):
         logger.warning("%s: local ranks >= %s do not exist; ignored", values.label(dest), nproc)
     return Std.to_map(parsed, nproc)
@@ -154,7 +154,7 @@ def _rendezvous(values: Values, nnodes: tuple[int, int]) -> tuple[str, str, str,
             port = values.integer("master_port", 0, 65535) if values.given("master_port") else None
             return backend, f"{addr}:{_STATIC_PORT if port is None else port}", run_id, nnodes
         return backend, values.parsed("rdzv_endpoint", parse_endpoint, None), run_id, nnodes
-    default_port = _C10D_PORT if backend == "c10d" else _ETCD_PORT
+    default_port = C10D_PORT if backend == "c10d" else ETCD_PORT
     items = endpoint.split(",") if backend == "etcd" and endpoint else [endpoint or "127.0.0.1"]
     label = values.label("rdzv_endpoint")
     if backend == "c10d" and "," in endpoint:
@@ -296,6 +296,6 @@ def main(argv: list[str] | None = None) -> int:
         message = str(exc).replace("\r", "\\r").replace("\n", "\\n")
         print(f"relaunch: error: {message}", file=sys.stderr, flush=True)
         return 2
-    agent = importlib.import_module("relaunch.agent")  # lazily: parsing never needs it
-    launch: Callable[[LaunchConfig], int] = agent.launch
+    launcher = importlib.import_module("relaunch.launcher")  # lazily: parsing never needs it
+    launch: Callable[[LaunchConfig], int] = launcher.launch
     return launch(config)

@@ -11,9 +11,7 @@ This module never reads the environment and never imports torch.
 
 from __future__ import annotations
 
-import enum
 import math
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -27,8 +25,10 @@ from relaunch._parse import (
     parse_nnodes,
     parse_rdzv_conf,
     parse_signals,
+    parse_std,
     signal_number,
 )
+from relaunch.procs import Std
 
 if TYPE_CHECKING:
     from relaunch.rendezvous import RendezvousParameters
@@ -45,6 +45,7 @@ __all__ = [
     "parse_nnodes",
     "parse_rdzv_conf",
     "parse_signals",
+    "parse_std",
 ]
 
 BACKENDS = ("static", "c10d", "etcd")
@@ -53,42 +54,6 @@ START_METHODS = ("spawn", "fork", "forkserver")
 """The multiprocessing start methods torchrun accepts."""
 DEFAULT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
 """torchrun's default ``--signals-to-handle``."""
-
-
-class Std(enum.IntFlag):
-    """Which standard streams of a worker go to its log files (redirect) or to both (tee)."""
-
-    NONE = 0
-    OUT = 1
-    ERR = 2
-    ALL = 3
-
-    @classmethod
-    def parse(cls, text: str, name: str = "std") -> Std | dict[int, Std]:
-        """Parse ``"3"`` (every local rank) or ``"0:1,1:2"`` (local rank -> value), like torch.
-
-        Raises ConfigError naming ``name`` when ``text`` is neither.
-        """
-        expected = "0-3 or LOCAL_RANK:0-3,... (e.g. 0:1,1:2)"
-        text = text.strip()
-        if re.fullmatch(r"[0-3]", text):
-            return cls(int(text))
-        if not re.fullmatch(r"\d+:[0-3](,\d+:[0-3])*", text):
-            raise _bad(name, expected, text)
-        result: dict[int, Std] = {}
-        for item in text.split(","):
-            rank, value = item.split(":")
-            if int(rank) in result:
-                raise _bad(name, f"{expected} with each local rank once", text)
-            result[int(rank)] = cls(int(value))
-        return result
-
-    @classmethod
-    def to_map(cls, value: Std | Mapping[int, Std], nproc_per_node: int) -> dict[int, Std]:
-        """One entry per local rank ``0..nproc_per_node-1``; ranks not in a mapping get NONE."""
-        if isinstance(value, Std):
-            return dict.fromkeys(range(nproc_per_node), value)
-        return {rank: cls(value.get(rank, cls.NONE)) for rank in range(nproc_per_node)}
 
 
 def _check_int(name: str, value: object, low: int, high: int | None = None) -> None:

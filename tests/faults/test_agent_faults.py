@@ -13,8 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from relaunch.agent import LocalAgent, WorkerState, build_spec, create_rendezvous_handler
+from multinode_support.waiting import wait_for
+from relaunch.agent import LocalAgent, WorkerState
 from relaunch.cli import parse_args
+from relaunch.launcher import build_spec, create_rendezvous_handler
 
 PY = sys.executable
 
@@ -23,13 +25,6 @@ def script(tmp_path: Path, name: str, body: str) -> str:
     path = tmp_path / name
     path.write_text(textwrap.dedent(body))
     return str(path)
-
-
-def wait_for(predicate, timeout: float = 30.0) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.05)
 
 
 def alive(pid: int) -> bool:

@@ -7,16 +7,13 @@ one line per step (see ``tests/multinode_support``).
 from __future__ import annotations
 
 import json
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from relaunch.store.tcp import TCPStoreClient
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from multinode_support.cluster import Cluster, free_port
+from relaunch.store.tcp import TCPStoreClient
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -10,89 +10,23 @@ removed, even on failure.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from multinode_support.cluster import Cluster
+from multinode_support.netns import Net, network
 
 pytestmark = [pytest.mark.netns, pytest.mark.timeout(180)]
 
 HEARTBEAT = "keep_alive_interval=0.25,keep_alive_max_attempt=8"
 
 
-def sh(*args: str) -> None:
-    subprocess.run(args, check=True, capture_output=True, timeout=30)
-
-
-class Net:
-    """A bridge and ``n`` namespaces, each with a veth pair into the bridge."""
-
-    def __init__(self, n: int) -> None:
-        tag = f"{os.getpid() % 100000}"
-        self.subnet = f"10.214.{os.getpid() % 250}"
-        self.bridge = f"mnbr{tag}"
-        self.spaces = [f"mnns{tag}_{i}" for i in range(n)]
-        self.links = [f"mnv{tag}{i}" for i in range(n)]
-        self.created: list[tuple[str, str]] = []
-        try:
-            self._build()
-        except BaseException:
-            self.remove()
-            raise
-
-    def _build(self) -> None:
-        sh("ip", "link", "add", self.bridge, "type", "bridge")
-        self.created.append(("link", self.bridge))
-        sh("ip", "link", "set", self.bridge, "up")
-        for i, (ns, link) in enumerate(zip(self.spaces, self.links, strict=True)):
-            sh("ip", "netns", "add", ns)
-            self.created.append(("netns", ns))
-            sh("ip", "link", "add", link, "type", "veth", "peer", "name", self.inner(i))
-            self.created.append(("link", link))
-            sh("ip", "link", "set", self.inner(i), "netns", ns)
-            sh("ip", "link", "set", link, "master", self.bridge)
-            sh("ip", "link", "set", link, "up")
-            run = ("ip", "netns", "exec", ns)
-            sh(*run, "ip", "addr", "add", f"{self.addr(i)}/24", "dev", self.inner(i))
-            sh(*run, "ip", "link", "set", self.inner(i), "up")
-            sh(*run, "ip", "link", "set", "lo", "up")
-
-    def inner(self, i: int) -> str:
-        return f"{self.links[i]}p"
-
-    def addr(self, i: int) -> str:
-        return f"{self.subnet}.{i + 1}"
-
-    def cut(self, i: int) -> None:
-        sh("ip", "link", "set", self.links[i], "down")
-
-    def remove(self) -> None:
-        for kind, name in reversed(self.created):
-            cmd = ["ip", "netns", "del", name] if kind == "netns" else ["ip", "link", "del", name]
-            subprocess.run(cmd, capture_output=True, timeout=30)
-        self.created.clear()
-
-
 @pytest.fixture
 def net() -> Iterator[Net]:
-    if os.geteuid() != 0:
-        pytest.skip("network namespaces need root (CAP_NET_ADMIN)")
-    probe = f"mnprobe{os.getpid()}"
-    result = subprocess.run(["ip", "netns", "add", probe], capture_output=True, timeout=30)
-    if result.returncode != 0:
-        pytest.skip(f"cannot create network namespaces here: {result.stderr.decode().strip()}")
-    subprocess.run(["ip", "netns", "del", probe], capture_output=True, timeout=30)
-    network = Net(2)
-    try:
-        yield network
-    finally:
-        network.remove()
+    with network(2, tag="mn", octet=214) as created:
+        yield created
 
 
 def test_cut_off_node_noticed_and_the_others_go_on_smaller(net: Net, tmp_path: Path) -> None:

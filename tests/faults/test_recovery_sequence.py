@@ -11,12 +11,12 @@ import sys
 import textwrap
 import time
 import uuid
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from multinode_support.waiting import wait_for
 from relaunch.procs import Entrypoint, ProcessSpec, WorkerProcesses, is_stopped
 
 PY = sys.executable
@@ -26,13 +26,6 @@ def write(tmp_path: Path, name: str, body: str) -> str:
     path = tmp_path / name
     path.write_text(textwrap.dedent(body))
     return str(path)
-
-
-def wait_for(predicate: Callable[[], bool], timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.05)
 
 
 def events(logs: Path) -> list[dict[str, Any]]:

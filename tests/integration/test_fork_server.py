@@ -7,22 +7,14 @@ import os
 import signal
 import sys
 import textwrap
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
+from multinode_support.waiting import wait_for
 from relaunch.procs import Entrypoint, ForkServer, ProcessSpec, WorkerProcesses, process_state
 
 pytestmark = pytest.mark.timeout(90)
-
-
-def wait_for(predicate: Callable[[], bool], timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.02)
 
 
 def server_for(tmp_path: Path, modules: list[str]) -> ForkServer:

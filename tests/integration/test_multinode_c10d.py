@@ -6,13 +6,11 @@ all_reduce jobs that write one line per step (see ``tests/multinode_support``).
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from multinode_support.cluster import Cluster, free_port
 
 pytestmark = pytest.mark.timeout(180)

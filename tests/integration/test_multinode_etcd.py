@@ -4,13 +4,11 @@
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from multinode_support.cluster import Cluster
 from multinode_support.etcd import Member, etcd_binary, start_cluster
 

@@ -19,6 +19,8 @@ from typing import Any
 
 import pytest
 
+from multinode_support.netns import Net, network
+
 pytestmark = pytest.mark.netns
 
 NODE = r"""
@@ -45,64 +47,10 @@ while True:
 """
 
 
-def sh(*args: str) -> None:
-    subprocess.run(args, check=True, capture_output=True, timeout=30)
-
-
-class Net:
-    """A bridge and ``n`` namespaces, each with a veth into the bridge."""
-
-    def __init__(self, n: int) -> None:
-        tag = f"{os.getpid() % 100000}"
-        self.subnet = f"10.213.{os.getpid() % 250}"
-        self.bridge = f"rlbr{tag}"
-        self.spaces = [f"rlns{tag}_{i}" for i in range(n)]
-        self.links = [f"rlv{tag}{i}" for i in range(n)]
-        self.created: list[tuple[str, str]] = []
-        sh("ip", "link", "add", self.bridge, "type", "bridge")
-        self.created.append(("link", self.bridge))
-        sh("ip", "link", "set", self.bridge, "up")
-        for i, (ns, link) in enumerate(zip(self.spaces, self.links, strict=True)):
-            sh("ip", "netns", "add", ns)
-            self.created.append(("netns", ns))
-            sh("ip", "link", "add", link, "type", "veth", "peer", "name", f"{link}p")
-            self.created.append(("link", link))
-            sh("ip", "link", "set", f"{link}p", "netns", ns)
-            sh("ip", "link", "set", link, "master", self.bridge)
-            sh("ip", "link", "set", link, "up")
-            run = ("ip", "netns", "exec", ns)
-            sh(*run, "ip", "addr", "add", f"{self.addr(i)}/24", "dev", f"{link}p")
-            sh(*run, "ip", "link", "set", f"{link}p", "up")
-            sh(*run, "ip", "link", "set", "lo", "up")
-
-    def addr(self, i: int) -> str:
-        return f"{self.subnet}.{i + 1}"
-
-    def cut(self, i: int) -> None:
-        sh("ip", "link", "set", self.links[i], "down")
-
-    def remove(self) -> None:
-        for kind, name in reversed(self.created):
-            if kind == "netns":
-                subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
-            else:
-                subprocess.run(["ip", "link", "del", name], capture_output=True, timeout=30)
-
-
 @pytest.fixture
 def net() -> Iterator[Net]:
-    if os.geteuid() != 0:
-        pytest.skip("network namespaces need root (CAP_NET_ADMIN)")
-    probe = f"rlprobe{os.getpid()}"
-    result = subprocess.run(["ip", "netns", "add", probe], capture_output=True, timeout=30)
-    if result.returncode != 0:
-        pytest.skip(f"cannot create network namespaces here: {result.stderr.decode().strip()}")
-    subprocess.run(["ip", "netns", "del", probe], capture_output=True, timeout=30)
-    network = Net(3)
-    try:
-        yield network
-    finally:
-        network.remove()
+    with network(3, tag="rl", octet=213) as created:
+        yield created
 
 
 class Node:

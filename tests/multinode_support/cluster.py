@@ -18,10 +18,11 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+from multinode_support.waiting import wait_for
 
 __all__ = ["WORKER", "Cluster", "Step", "free_port", "free_ports"]
 
@@ -176,11 +177,7 @@ class Cluster:
 
     def wait_for(self, what: str, predicate: Callable[[], bool], timeout: float = 90) -> None:
         """Wait until ``predicate()`` is true; fail naming ``what`` with the agents' output."""
-        end = time.monotonic() + timeout
-        while not predicate():
-            if time.monotonic() > end:
-                raise AssertionError(f"timed out waiting for {what}\n{self.outputs()}")
-            time.sleep(0.05)
+        wait_for(predicate, timeout, what=what, detail=self.outputs)
 
     def wait_exit(self, node: str, timeout: float = 90) -> int:
         try:

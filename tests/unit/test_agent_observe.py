@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from relaunch.agent._contract import AttemptFiles, read_exit_file
-from relaunch.agent._observe import announced_exit, last_progress, oldest_hung
+from relaunch.agent._core import oldest_hung
+from relaunch.agent._observe import announced_exit, last_progress
 
 
 @pytest.fixture

@@ -16,6 +16,7 @@ from relaunch.config import (
     parse_nnodes,
     parse_rdzv_conf,
     parse_signals,
+    parse_std,
 )
 from relaunch.errors import ConfigError
 
@@ -123,13 +124,13 @@ def test_invalid_field_is_named(overrides: dict[str, Any], field: str) -> None:
 
 
 def test_std_parse() -> None:
-    assert Std.parse("3") is Std.ALL
-    assert Std.parse("0:1,1:2,12:3") == {0: Std.OUT, 1: Std.ERR, 12: Std.ALL}
+    assert parse_std("3") is Std.ALL
+    assert parse_std("0:1,1:2,12:3") == {0: Std.OUT, 1: Std.ERR, 12: Std.ALL}
     assert Std.to_map(Std.OUT, 2) == {0: Std.OUT, 1: Std.OUT}
     assert Std.to_map({1: Std.ERR, 5: Std.ALL}, 2) == {0: Std.NONE, 1: Std.ERR}
     for bad in ("4", "a", "0:1,", "0:4", "0:1,0:2", "", "-1"):
         with pytest.raises(ConfigError, match=r"^-r: expected 0-3 or LOCAL_RANK:0-3"):
-            Std.parse(bad, "-r")
+            parse_std(bad, "-r")
 
 
 def test_parse_nnodes() -> None:

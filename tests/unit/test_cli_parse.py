@@ -292,6 +292,7 @@ def test_public_names() -> None:
             "parse_nnodes",
             "parse_rdzv_conf",
             "parse_signals",
+            "parse_std",
         ]
     )
 

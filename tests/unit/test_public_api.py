@@ -8,6 +8,7 @@ import sys
 import relaunch
 import relaunch.agent
 import relaunch.events
+import relaunch.launcher
 import relaunch.procs
 import relaunch.rendezvous.static
 
@@ -24,10 +25,15 @@ def test_agent() -> None:
         "WorkerGroup",
         "WorkerSpec",
         "WorkerState",
+        "worker_env",
+    ]
+
+
+def test_launcher() -> None:
+    assert sorted(relaunch.launcher.__all__) == [
         "build_spec",
         "create_rendezvous_handler",
         "launch",
-        "worker_env",
     ]
 
 
@@ -38,12 +44,13 @@ def test_procs() -> None:
         "ProcessSpec",
         "RunLogDir",
         "Standby",
+        "Std",
         "TeeTarget",
         "WorkerProcesses",
         "is_stopped",
         "process_state",
         "set_child_subreaper",
-        "signal_name",
+        "terminate",
     ]
 
 

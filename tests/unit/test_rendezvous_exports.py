@@ -24,7 +24,10 @@ def test_rendezvous_exports() -> None:
 
 def test_store_exports() -> None:
     assert sorted(relaunch.store.__all__) == [
+        "BatchStore",
         "EtcdStore",
+        "LeasePrefixStore",
+        "LeaseStore",
         "MemoryStore",
         "PrefixStore",
         "Store",

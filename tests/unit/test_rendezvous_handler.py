@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 import pytest
 
+from multinode_support.waiting import wait_for
 from relaunch.errors import (
     RendezvousClosedError,
     RendezvousGracefulExitError,
@@ -55,10 +55,7 @@ def together(*calls: Callable[[], T]) -> list[T]:
 
 
 def until(check: Callable[[], bool], timeout: float = 30.0) -> None:
-    end = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < end, "condition not reached in time"
-        time.sleep(0.01)
+    wait_for(check, timeout, interval=0.01)
 
 
 def shut(*handlers: DynamicRendezvousHandler) -> None:

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from relaunch._endpoint import split_endpoint
 from relaunch.errors import ConfigError
 from relaunch.rendezvous import RendezvousParameters, create_handler
-from relaunch.rendezvous.registry import _is_local_address, parse_endpoint
+from relaunch.rendezvous.registry import _is_local_address
 
 
 def params(
@@ -29,13 +30,13 @@ def params(
     ],
 )
 def test_parse_endpoint(text: str, expected: tuple[str, int]) -> None:
-    assert parse_endpoint(text, 29400) == expected
+    assert split_endpoint(text, 29400, min_port=1) == expected
 
 
 @pytest.mark.parametrize("text", ["", "h:0", "h:70000", "h:x", "[::1"])
 def test_bad_endpoint(text: str) -> None:
     with pytest.raises(ConfigError, match="--rdzv-endpoint"):
-        parse_endpoint(text, 29400)
+        split_endpoint(text, 29400, min_port=1)
 
 
 def test_unknown_backend_and_conf_keys_are_refused() -> None:

@@ -64,3 +64,33 @@ def test_prefix_store() -> None:
     view.close()  # does not close the underlying store
     assert store.get("round/1/n") == b"1"
     store.close()
+
+
+def test_a_prefix_store_batches_and_keeps_leases_only_where_the_store_has_them() -> None:
+    from relaunch.store import BatchStore, LeasePrefixStore, LeaseStore
+
+    store = MemoryStore()
+    view = PrefixStore.over(store, "round/1/")
+    assert isinstance(view, BatchStore) and not isinstance(view, LeaseStore)
+    view.multi_set({"a": b"1", "b": b"2"})
+    assert store.get("round/1/a") == b"1"
+    assert view.multi_get(["a", "b", "c"]) == [b"1", b"2", None]
+
+    class Leases(MemoryStore):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ttls: dict[str, float] = {}
+
+        def set_ephemeral(self, key: str, value: bytes, ttl: float) -> None:
+            self.set(key, value)
+            self.ttls[key] = ttl
+
+        def keys_with_prefix(self, prefix: str) -> list[str]:
+            return [k for k in ("round/1/alive/n1", "other") if k.startswith(prefix)]
+
+    leases = Leases()
+    lview = PrefixStore.over(leases, "round/1/")
+    assert isinstance(lview, LeasePrefixStore) and isinstance(lview, LeaseStore)
+    lview.set_ephemeral("alive/n1", b"1", 5.0)
+    assert leases.ttls == {"round/1/alive/n1": 5.0}
+    assert lview.keys_with_prefix("alive/") == ["alive/n1"]

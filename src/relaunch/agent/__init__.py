@@ -2,7 +2,6 @@
 
 from relaunch.agent._agent import LocalAgent
 from relaunch.agent._env import worker_env
-from relaunch.agent._launch import build_spec, create_rendezvous_handler, launch
 from relaunch.agent._spec import RunResult, Worker, WorkerGroup, WorkerSpec, WorkerState
 
 __all__ = [
@@ -12,8 +11,5 @@ __all__ = [
     "WorkerGroup",
     "WorkerSpec",
     "WorkerState",
-    "build_spec",
-    "create_rendezvous_handler",
-    "launch",
     "worker_env",
 ]

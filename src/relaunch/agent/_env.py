@@ -7,8 +7,7 @@ from collections.abc import Mapping
 from string import Template
 from typing import TYPE_CHECKING
 
-from relaunch.config import Std
-from relaunch.procs import TeeTarget
+from relaunch.procs import Std, TeeTarget
 
 if TYPE_CHECKING:
     from relaunch.agent._spec import WorkerSpec

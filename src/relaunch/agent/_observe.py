@@ -10,14 +10,13 @@ import contextlib
 import os
 import signal
 import time
-from collections.abc import Mapping
 
 from relaunch.agent._contract import STACK_SIGNAL, AttemptFiles, read_exit_file
 from relaunch.errors import ErrorRecord, read_error_file, write_error_file
 from relaunch.errors._file import error_data
 from relaunch.procs import is_stopped
 
-__all__ = ["announced_exit", "collect_stacks", "last_progress", "oldest_hung", "record_hang"]
+__all__ = ["announced_exit", "collect_stacks", "last_progress", "record_hang"]
 
 
 def announced_exit(files: AttemptFiles) -> int | None:
@@ -46,16 +45,6 @@ def last_progress(files: AttemptFiles, started: float) -> float | None:
         return max(started, os.stat(files.progress_file).st_mtime)
     except OSError:
         return None
-
-
-def oldest_hung(progress: Mapping[int, float], now: float, timeout: float) -> int | None:
-    """The local rank hung longest (no progress for ``timeout``), or None.
-
-    Peers blocked in a collective with a hung rank stop progressing too, a little
-    later: the rank that stopped first is the cause.
-    """
-    hung = {lr: t for lr, t in progress.items() if now - t >= timeout}
-    return min(hung, key=lambda lr: (hung[lr], lr)) if hung else None
 
 
 def collect_stacks(pid: int, files: AttemptFiles, wait: float = 1.0) -> str:

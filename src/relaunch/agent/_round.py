@@ -14,9 +14,14 @@ from __future__ import annotations
 import json
 import logging
 import time
+from typing import TYPE_CHECKING
 
 from relaunch.errors import FailureFormatError, ProcessFailure, RendezvousError, StoreError
 from relaunch.rendezvous import RendezvousInfo
+from relaunch.store.tcp import TCPStoreServer
+
+if TYPE_CHECKING:
+    from relaunch.agent._spec import WorkerSpec
 
 __all__ = [
     "exit_barrier",
@@ -25,6 +30,7 @@ __all__ = [
     "publish_worker_store",
     "read_worker_store",
     "store_lost_reason",
+    "worker_store",
 ]
 
 log = logging.getLogger(__name__)
@@ -129,3 +135,26 @@ def store_lost_reason(backend: str, exc: BaseException) -> str:
             "go on without it (--rdzv-backend etcd survives the loss of any node)"
         )
     return f"the rendezvous store cannot be reached ({exc})"
+
+
+def worker_store(
+    info: RendezvousInfo, spec: WorkerSpec, host: str
+) -> tuple[TCPStoreServer | None, str, int]:
+    """The round's store for the workers (``MASTER_ADDR:MASTER_PORT``): rank 0 starts it
+    and publishes its address; the others read it. Returns (server or None, addr, port)."""
+    if info.rank != 0:
+        addr, port = read_worker_store(info, timeout=max(60.0, spec.exit_barrier_timeout))
+        return None, addr, port
+    local = "127.0.0.1" if info.world_size == 1 else host
+    addr = spec.master_addr or spec.local_addr or local
+    bind = "127.0.0.1" if addr.startswith("127.") else "0.0.0.0"
+    port = spec.master_port if info.world_size == 1 and spec.master_port else 0
+    server = TCPStoreServer(host=bind, port=port)
+    server.start()
+    if info.world_size > 1:
+        try:
+            publish_worker_store(info, addr, server.port)
+        except BaseException:
+            server.close()
+            raise
+    return server, addr, server.port

@@ -7,9 +7,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from relaunch.config import Std
 from relaunch.errors import ConfigError
-from relaunch.procs import Entrypoint
+from relaunch.procs import Entrypoint, Std
 from relaunch.rendezvous import RendezvousHandler
 from relaunch.store import Store
 

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from relaunch.inprocess.attribution import Interruption
 from relaunch.inprocess.progress_watchdog import SharedProgress
 from relaunch.inprocess.store import CoordinationStore, TorchStore
+from relaunch.procs import terminate
 
 __all__ = ["MonitorProcess", "MonitorSettings"]
 
@@ -109,18 +110,13 @@ class MonitorProcess:
         deadline = time.monotonic() + timeout
         while self.alive() and time.monotonic() < deadline:
             time.sleep(0.01)
-        for sig, grace in (
-            (signal.SIGTERM, self.settings.termination_grace_time),
-            (signal.SIGKILL, 5.0),
-        ):
-            if self.pid is None or not self.alive():
-                return
-            log.warning("monitor process %s did not exit: sending %s", self.pid, sig.name)
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, sig)
-            end = time.monotonic() + grace
-            while self.alive() and time.monotonic() < end:
-                time.sleep(0.01)
+        if self.pid is not None and self.alive():
+            terminate(
+                self.pid,
+                lambda: not self.alive(),
+                grace=self.settings.termination_grace_time,
+                what="monitor process (did not exit)",
+            )
 
 
 def _open_pidfd(pid: int) -> int | None:
@@ -236,14 +232,12 @@ class _Loop:
             "rank %s: hard timeout (%.1f s without progress): killing", self.s.initial_rank, idle
         )
         self.shared.killed = 1
-        for sig, grace in ((signal.SIGTERM, self.s.termination_grace_time), (signal.SIGKILL, 0.0)):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.parent, sig)
-            end = time.monotonic() + grace
-            while time.monotonic() < end and not _parent_dead(self.parent, self.pidfd):
-                time.sleep(0.01)
-            if _parent_dead(self.parent, self.pidfd):
-                return
+        terminate(
+            self.parent,
+            lambda: _parent_dead(self.parent, self.pidfd),
+            grace=self.s.termination_grace_time,
+            what=f"rank {self.s.initial_rank}",
+        )
 
     def _check_others(self) -> None:
         now = time.monotonic()

@@ -2,9 +2,9 @@
 
 from relaunch.procs._context import Entrypoint, ProcessSpec, WorkerProcesses
 from relaunch.procs._forkserver import ForkServer
-from relaunch.procs._logs import RunLogDir, TeeTarget
+from relaunch.procs._logs import RunLogDir, Std, TeeTarget
 from relaunch.procs._standby import Standby
-from relaunch.procs._sys import is_stopped, process_state, set_child_subreaper, signal_name
+from relaunch.procs._sys import is_stopped, process_state, set_child_subreaper, terminate
 
 __all__ = [
     "Entrypoint",
@@ -12,10 +12,11 @@ __all__ = [
     "ProcessSpec",
     "RunLogDir",
     "Standby",
+    "Std",
     "TeeTarget",
     "WorkerProcesses",
     "is_stopped",
     "process_state",
     "set_child_subreaper",
-    "signal_name",
+    "terminate",
 ]

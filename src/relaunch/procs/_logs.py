@@ -3,16 +3,34 @@
 from __future__ import annotations
 
 import contextlib
+import enum
 import logging
 import os
 import shutil
 import tempfile
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["RunLogDir", "TeeTailer", "TeeTarget"]
+__all__ = ["RunLogDir", "Std", "TeeTailer", "TeeTarget"]
 
 log = logging.getLogger(__name__)
+
+
+class Std(enum.IntFlag):
+    """Which standard streams of a worker go to its log files (redirect) or to both (tee)."""
+
+    NONE = 0
+    OUT = 1
+    ERR = 2
+    ALL = 3
+
+    @classmethod
+    def to_map(cls, value: Std | Mapping[int, Std], nproc_per_node: int) -> dict[int, Std]:
+        """One entry per local rank ``0..nproc_per_node-1``; ranks not in a mapping get NONE."""
+        if isinstance(value, Std):
+            return dict.fromkeys(range(nproc_per_node), value)
+        return {rank: cls(value.get(rank, cls.NONE)) for rank in range(nproc_per_node)}
 
 
 class RunLogDir:

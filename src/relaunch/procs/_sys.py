@@ -9,6 +9,7 @@ import functools
 import logging
 import os
 import signal
+import time
 from collections.abc import Callable
 
 __all__ = [
@@ -21,7 +22,7 @@ __all__ = [
     "reap_orphans",
     "set_child_subreaper",
     "set_parent_death_signal",
-    "signal_name",
+    "terminate",
 ]
 
 log = logging.getLogger(__name__)
@@ -157,9 +158,27 @@ def reap_orphans(owned: set[int]) -> None:
             os.waitpid(pid, os.WNOHANG)
 
 
-def signal_name(signum: int) -> str:
-    """``SIGKILL`` for 9; ``signal 99`` for numbers without a name."""
-    try:
-        return signal.Signals(signum).name
-    except ValueError:
-        return f"signal {signum}"
+def terminate(
+    pid: int,
+    gone: Callable[[], bool],
+    *,
+    grace: float,
+    sig: int = signal.SIGTERM,
+    kill_wait: float = 5.0,
+    what: str = "process",
+) -> bool:
+    """Stop one process: ``sig``, up to ``grace`` seconds for it to go, then SIGKILL and up
+    to ``kill_wait`` more. ``gone()`` tells whether it is gone (reaped, or its pidfd
+    readable); a stopped process gets SIGKILL at once. Returns whether it went."""
+    for signum, wait in ((sig, grace), (signal.SIGKILL, kill_wait)):
+        if gone():
+            return True
+        if signum != signal.SIGKILL and is_stopped(pid):
+            continue  # a stopped process cannot act on SIGTERM: no grace for it
+        log.warning("%s %s: sending %s", what, pid, signal.Signals(signum).name)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signum)
+        end = time.monotonic() + wait
+        while not gone() and time.monotonic() < end:
+            time.sleep(0.01)
+    return gone()

@@ -39,7 +39,7 @@ from relaunch.errors import StoreTimeoutError
 from relaunch.rendezvous._ops import needs_wake, place, remove_dead
 from relaunch.rendezvous._settings import RendezvousSettings
 from relaunch.rendezvous._state import RendezvousState, decode_state, encode_state
-from relaunch.store import Store
+from relaunch.store import BatchStore, LeaseStore, Store
 
 __all__ = ["REQUEST_VERSION", "JoinAck", "StateBackend", "key_prefix"]
 
@@ -100,17 +100,15 @@ class StateBackend:
 
         None means the store has no liveness of its own: heartbeats in the state decide.
         """
-        keys_with_prefix = getattr(self.store, "keys_with_prefix", None)
-        if keys_with_prefix is None:
+        if not isinstance(self.store, LeaseStore):
             return None
         cut = len(self.prefix) + len("alive/")
-        return {key[cut:] for key in keys_with_prefix(self.prefix + "alive/")}
+        return {key[cut:] for key in self.store.keys_with_prefix(self.prefix + "alive/")}
 
     def announce(self, node: str) -> None:
         """Register ``node``'s liveness key when the store has leases (before joining)."""
-        set_ephemeral = getattr(self.store, "set_ephemeral", None)
-        if set_ephemeral is not None:
-            set_ephemeral(f"{self.prefix}alive/{node}", b"1", self.settings.dead_after)
+        if isinstance(self.store, LeaseStore):
+            self.store.set_ephemeral(f"{self.prefix}alive/{node}", b"1", self.settings.dead_after)
 
     def remove_dead(self, state: RendezvousState, now: float) -> tuple[RendezvousState, list[str]]:
         """:func:`remove_dead` with the store's own liveness when it has one."""
@@ -250,16 +248,13 @@ class StateBackend:
         return [self._parse_request(key, raw) for key, raw in zip(keys, raws, strict=True)]
 
     def _multi_get(self, keys: list[str]) -> list[bytes | None]:
-        multi_get = getattr(self.store, "multi_get", None)
-        if multi_get is not None and keys:
-            got: list[bytes | None] = multi_get(keys)
-            return got
+        if isinstance(self.store, BatchStore) and keys:
+            return self.store.multi_get(keys)
         return [self.store.get(key) for key in keys]
 
     def _multi_set(self, items: dict[str, bytes]) -> None:
-        multi_set = getattr(self.store, "multi_set", None)
-        if multi_set is not None:
-            multi_set(items)
+        if isinstance(self.store, BatchStore):
+            self.store.multi_set(items)
             return
         for key, value in items.items():
             self.store.set(key, value)

@@ -205,7 +205,7 @@ class DynamicRendezvousHandler:
             world_size,
         )
         return RendezvousInfo(
-            store=PrefixStore(self._store, f"{self._rdzv.prefix}round/{round_}/"),
+            store=PrefixStore.over(self._store, f"{self._rdzv.prefix}round/{round_}/"),
             rank=rank,
             world_size=world_size,
             round=round_,

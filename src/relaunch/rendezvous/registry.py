@@ -28,16 +28,17 @@ import math
 import socket
 from collections.abc import Mapping
 
+from relaunch._endpoint import C10D_PORT, ETCD_PORT, split_endpoint
 from relaunch.errors import ConfigError, RendezvousError, StoreConnectionError
 from relaunch.rendezvous._settings import COMMON_CONF_KEYS, check_conf_keys, settings_from_conf
 from relaunch.rendezvous.api import RendezvousHandler, RendezvousParameters
 from relaunch.rendezvous.handler import DynamicRendezvousHandler
 
-__all__ = ["C10D_CONF_KEYS", "DEFAULT_PORT", "ETCD_CONF_KEYS", "create_handler", "parse_endpoint"]
+__all__ = ["C10D_CONF_KEYS", "DEFAULT_PORT", "ETCD_CONF_KEYS", "create_handler"]
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_PORT = 29400
+DEFAULT_PORT = C10D_PORT
 """The c10d endpoint port when none is given (torchrun's)."""
 
 C10D_CONF_KEYS = (*COMMON_CONF_KEYS, "is_host", "read_timeout")
@@ -51,30 +52,6 @@ ETCD_CONF_KEYS = (
     "password",
     "read_timeout",
 )
-
-
-def parse_endpoint(endpoint: str, default_port: int) -> tuple[str, int]:
-    """``host``, ``host:port``, ``[v6]:port`` or a bare IPv6 address -> (host, port)."""
-    text = endpoint.strip()
-    if not text:
-        raise ConfigError("--rdzv-endpoint: expected host[:port], got an empty string")
-    host, port_text = text, ""
-    if text.startswith("["):
-        host, sep, rest = text[1:].partition("]")
-        if not sep or (rest and not rest.startswith(":")):
-            raise ConfigError(f"--rdzv-endpoint: malformed IPv6 endpoint {endpoint!r}")
-        port_text = rest[1:]
-    elif text.count(":") == 1:
-        host, _, port_text = text.partition(":")
-    if not port_text:
-        return host, default_port
-    try:
-        port = int(port_text)
-    except ValueError:
-        port = -1
-    if not 0 < port <= 65535:
-        raise ConfigError(f"--rdzv-endpoint: expected a port in 1..65535 in {endpoint!r}")
-    return host, port
 
 
 def _flag(conf: Mapping[str, str], key: str) -> bool | None:
@@ -129,7 +106,7 @@ def _create_c10d(params: RendezvousParameters) -> DynamicRendezvousHandler:
     settings = settings_from_conf(
         run_id=params.run_id, min_nodes=params.min_nodes, max_nodes=params.max_nodes, conf=conf
     )
-    host, port = parse_endpoint(params.endpoint, DEFAULT_PORT)
+    host, port = split_endpoint(params.endpoint, DEFAULT_PORT, min_port=1)
     read_timeout = _seconds(conf, "read_timeout", 60.0)
     explicit = _flag(conf, "is_host")
     is_host = _is_local_address(host, params.local_addr) if explicit is None else explicit
@@ -183,7 +160,9 @@ def _create_etcd(params: RendezvousParameters) -> DynamicRendezvousHandler:
     settings = settings_from_conf(
         run_id=params.run_id, min_nodes=params.min_nodes, max_nodes=params.max_nodes, conf=conf
     )
-    endpoints = [parse_endpoint(e, 2379) for e in params.endpoint.split(",") if e.strip()]
+    endpoints = [
+        split_endpoint(e, ETCD_PORT, min_port=1) for e in params.endpoint.split(",") if e.strip()
+    ]
     if not endpoints:
         raise ConfigError("--rdzv-endpoint: expected host:port[,host:port...] for etcd")
     protocol = conf.get("protocol", "http")

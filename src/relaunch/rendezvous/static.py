@@ -14,6 +14,7 @@ import threading
 import time
 import uuid
 
+from relaunch._endpoint import split_endpoint
 from relaunch.errors import (
     ConfigError,
     RendezvousClosedError,
@@ -194,16 +195,12 @@ def create_static_handler(params: RendezvousParameters) -> RendezvousHandler:
             f"--nnodes: the static backend needs a fixed node count, got "
             f"{params.min_nodes}:{params.max_nodes}"
         )
-    host, _, port_text = params.endpoint.rpartition(":")
-    try:
-        port = int(port_text)
-    except ValueError:
-        raise ConfigError(f"--rdzv-endpoint: expected host:port, got {params.endpoint!r}") from None
+    host, port = split_endpoint(params.endpoint, None)
     timeout = float(params.conf.get("join_timeout", "600"))
     bind = params.local_addr if params.local_addr else "0.0.0.0"
     return StaticRendezvousHandler(
         run_id=params.run_id,
-        host=host.strip("[]") or "127.0.0.1",
+        host=host,
         port=port,
         node_rank=params.node_rank,
         num_nodes=params.max_nodes,

@@ -4,10 +4,20 @@
 (``etcd3gw``, the ``relaunch[etcd]`` extra) only when one is created.
 """
 
-from relaunch.store._protocol import Store
+from relaunch.store._protocol import BatchStore, LeaseStore, Store
 from relaunch.store.etcd import EtcdStore
 from relaunch.store.memory import MemoryStore
-from relaunch.store.prefix import PrefixStore
+from relaunch.store.prefix import LeasePrefixStore, PrefixStore
 from relaunch.store.tcp import TCPStoreClient, TCPStoreServer
 
-__all__ = ["EtcdStore", "MemoryStore", "PrefixStore", "Store", "TCPStoreClient", "TCPStoreServer"]
+__all__ = [
+    "BatchStore",
+    "EtcdStore",
+    "LeasePrefixStore",
+    "LeaseStore",
+    "MemoryStore",
+    "PrefixStore",
+    "Store",
+    "TCPStoreClient",
+    "TCPStoreServer",
+]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
-__all__ = ["Store"]
+__all__ = ["BatchStore", "LeaseStore", "Store"]
 
 
 @runtime_checkable
@@ -49,4 +49,31 @@ class Store(Protocol):
 
     def close(self) -> None:
         """Release the connection. Idempotent."""
+        ...
+
+
+@runtime_checkable
+class BatchStore(Store, Protocol):
+    """A store that reads and writes many keys in one round trip (the TCP store)."""
+
+    def multi_get(self, keys: list[str]) -> list[bytes | None]:
+        """The value of each key now (None where unset), in order. Never waits."""
+        ...
+
+    def multi_set(self, items: dict[str, bytes]) -> None:
+        """Set every key to its value."""
+        ...
+
+
+@runtime_checkable
+class LeaseStore(Store, Protocol):
+    """A store with liveness of its own: keys that vanish when their writer stops
+    renewing them (etcd leases), and listing by prefix."""
+
+    def set_ephemeral(self, key: str, value: bytes, ttl: float) -> None:
+        """Set ``key`` under a lease of ``ttl`` seconds, kept alive while this client lives."""
+        ...
+
+    def keys_with_prefix(self, prefix: str) -> list[str]:
+        """Every key that starts with ``prefix``."""
         ...

@@ -31,8 +31,8 @@ from relaunch.store._tcp_conn import (
     next_nonce,
     one_key,
     open_connection,
+    resolve_host,
 )
-from relaunch.store._tcp_server import resolve_host
 
 __all__ = ["TCPStoreClient"]
 

@@ -1,12 +1,15 @@
-"""The client side of one connection to a TCPStore server (blocking socket + buffer)."""
+"""Reaching a TCPStore server: address resolution (shared with the server, which binds
+what it resolves) and the client side of one connection (blocking socket + buffer)."""
 
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import itertools
 import os
 import socket
 
+from relaunch.errors import StoreConnectionError
 from relaunch.store import _tcp_wire as wire
 
 __all__ = [
@@ -16,6 +19,7 @@ __all__ = [
     "next_nonce",
     "one_key",
     "open_connection",
+    "resolve_host",
 ]
 
 _nonces = itertools.count(os.getpid() & 0xFFFF)
@@ -110,3 +114,20 @@ def open_connection(
         sock.close()
         raise
     return conn
+
+
+def resolve_host(host: str, port: int) -> tuple[socket.AddressFamily, str]:
+    """Return (family, numeric address) of ``host``; a name is resolved here, once."""
+    try:
+        literal = ipaddress.ip_address(host)
+    except ValueError:
+        pass
+    else:
+        family = socket.AF_INET6 if literal.version == 6 else socket.AF_INET
+        return family, host
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as exc:
+        raise StoreConnectionError(f"cannot resolve store host {host!r}: {exc}") from exc
+    family, _, _, _, sockaddr = infos[0]
+    return socket.AddressFamily(family), str(sockaddr[0])

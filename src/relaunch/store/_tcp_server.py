@@ -9,7 +9,6 @@ rendezvous backend.
 from __future__ import annotations
 
 import contextlib
-import ipaddress
 import logging
 import selectors
 import socket
@@ -19,6 +18,7 @@ from types import TracebackType
 from relaunch.errors import ConfigError, StoreClosedError, StoreConnectionError
 from relaunch.store import _tcp_handlers as handlers
 from relaunch.store import _tcp_wire as wire
+from relaunch.store._tcp_conn import resolve_host
 from relaunch.store._tcp_handlers import Client
 from relaunch.store._tcp_state import StoreState
 
@@ -31,23 +31,6 @@ _HIGH_WATER = 16 * 1024 * 1024  # stop reading a client whose replies pile up pa
 _ACCEPTS_PER_EVENT = 512
 _BACKLOG = 4096
 _JOIN_TIMEOUT = 10.0
-
-
-def resolve_host(host: str, port: int) -> tuple[socket.AddressFamily, str]:
-    """Return (family, numeric address) of ``host``; a name is resolved here, once."""
-    try:
-        literal = ipaddress.ip_address(host)
-    except ValueError:
-        pass
-    else:
-        family = socket.AF_INET6 if literal.version == 6 else socket.AF_INET
-        return family, host
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except OSError as exc:
-        raise StoreConnectionError(f"cannot resolve store host {host!r}: {exc}") from exc
-    family, _, _, _, sockaddr = infos[0]
-    return socket.AddressFamily(family), str(sockaddr[0])
 
 
 class _Conn:

@@ -2,16 +2,25 @@
 
 from __future__ import annotations
 
-from relaunch.store._protocol import Store
+from relaunch.store._protocol import BatchStore, LeaseStore, Store
 
-__all__ = ["PrefixStore"]
+__all__ = ["LeasePrefixStore", "PrefixStore"]
 
 
 class PrefixStore:
     """Prefix every key with ``prefix`` before it reaches ``store``.
 
-    :meth:`close` does not close the underlying store (its owner does).
+    :meth:`close` does not close the underlying store (its owner does). A PrefixStore
+    is a :class:`~relaunch.store.BatchStore` (one round trip when the underlying store
+    batches, one per key otherwise); :meth:`over` keeps leases when the store has them.
     """
+
+    @staticmethod
+    def over(store: Store, prefix: str) -> PrefixStore:
+        """The prefixed view with every capability ``store`` has."""
+        if isinstance(store, LeaseStore):
+            return LeasePrefixStore(store, prefix)
+        return PrefixStore(store, prefix)
 
     def __init__(self, store: Store, prefix: str) -> None:
         self.store = store
@@ -38,5 +47,35 @@ class PrefixStore:
     def wait(self, keys: list[str], timeout: float) -> None:
         self.store.wait([self._key(key) for key in keys], timeout)
 
+    def multi_get(self, keys: list[str]) -> list[bytes | None]:
+        full = [self._key(key) for key in keys]
+        if isinstance(self.store, BatchStore):
+            return self.store.multi_get(full)
+        return [self.store.get(key) for key in full]
+
+    def multi_set(self, items: dict[str, bytes]) -> None:
+        full = {self._key(key): value for key, value in items.items()}
+        if isinstance(self.store, BatchStore):
+            self.store.multi_set(full)
+            return
+        for key, value in full.items():
+            self.store.set(key, value)
+
     def close(self) -> None:
         """Do nothing: the underlying store belongs to someone else."""
+
+
+class LeasePrefixStore(PrefixStore):
+    """A :class:`PrefixStore` over a :class:`~relaunch.store.LeaseStore`: leases and
+    listing go through, with the prefix added (and removed from listed keys)."""
+
+    def __init__(self, store: LeaseStore, prefix: str) -> None:
+        super().__init__(store, prefix)
+        self._leases = store
+
+    def set_ephemeral(self, key: str, value: bytes, ttl: float) -> None:
+        self._leases.set_ephemeral(self._key(key), value, ttl)
+
+    def keys_with_prefix(self, prefix: str) -> list[str]:
+        cut = len(self.prefix)
+        return [key[cut:] for key in self._leases.keys_with_prefix(self._key(prefix))]

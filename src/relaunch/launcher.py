@@ -1,4 +1,11 @@
-"""``launch(config)``: what the ``relaunch`` command does after parsing its flags."""
+"""The composition root: from a parsed command line to a running agent.
+
+``launch(config)`` is what the ``relaunch`` command does after parsing its flags:
+it installs the signal handlers, builds the rendezvous handler and the agent's
+:class:`~relaunch.agent.WorkerSpec` from the :class:`~relaunch.config.LaunchConfig`,
+runs the agent and turns its result into an exit code and the root-cause report.
+The agent knows the WorkerSpec only; everything about flags lives on this side.
+"""
 
 from __future__ import annotations
 
@@ -9,8 +16,7 @@ import sys
 from collections.abc import Mapping
 from types import FrameType
 
-from relaunch.agent._agent import LocalAgent
-from relaunch.agent._spec import WorkerSpec, WorkerState
+from relaunch.agent import LocalAgent, WorkerSpec, WorkerState
 from relaunch.config import LaunchConfig
 from relaunch.errors import ChildFailedError, ConfigError, RelaunchError
 from relaunch.procs import Entrypoint

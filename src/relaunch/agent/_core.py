@@ -1,0 +1,215 @@
+"""The agent's decisions, pure: what was observed goes in, the next action comes out.
+
+Nothing here reads a file, a clock or a process: the loop (``_agent.py``) observes
+(``_watch.observe``), calls :func:`decide` and acts; after a group failure it records
+the failure in the rendezvous and asks :func:`after_failure` whether the job's restart
+budget allows another attempt. ``agent/README.md`` follows one failure through it.
+
+The actions, in the order :func:`decide` considers them:
+
+- :class:`Stop`: a signal asked the agent to stop;
+- :class:`RestartGroup` with ``failed``: a worker failed (or hung) -- the group restarts;
+- :class:`DropRanks`: in-process workers died while in-process peers of theirs run on:
+  the peers restart in their own processes, the group goes on without the dead ones;
+- :class:`ExitBarrier`: every worker exited and at least one succeeded;
+- :class:`RestartGroup` without ``failed``: nodes wait to join -- a new round admits them;
+- :class:`Monitor`: nothing to do but watch (and start the fork server when it is time).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+__all__ = [
+    "Action",
+    "DropRanks",
+    "ExitBarrier",
+    "GiveUp",
+    "Hang",
+    "Monitor",
+    "Observation",
+    "Policy",
+    "RankView",
+    "RestartGroup",
+    "Stop",
+    "after_failure",
+    "decide",
+    "oldest_hung",
+    "remaining_restarts",
+    "wants_fork_server",
+]
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankView:
+    """What one poll saw of one local rank's worker."""
+
+    local_rank: int
+    exitcode: int | None
+    """Its exit code (or the code its runner announced before tearing down); None while
+    it runs."""
+    inprocess: bool = False
+    """It runs under ``relaunch.inprocess`` (it wrote the in-process marker)."""
+    progress: float | None = None
+    """Wall-clock time its main thread last ran Python code; None when not watched."""
+    lost: bool = False
+    """Dropped earlier in this attempt: it died and its in-process peers went on."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Observation:
+    """One poll of the node: the workers, the time, a stop request, nodes waiting."""
+
+    ranks: Sequence[RankView]
+    now: float
+    """Wall-clock time of the poll (progress times are wall-clock)."""
+    stop_signal: int | None = None
+    nodes_waiting: int = 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class Policy:
+    """The parts of the WorkerSpec that decisions depend on."""
+
+    hang_timeout: float | None = None
+    max_restarts: int = 0
+    fork_server: bool = True
+    """The user wants replacement workers forked (``--no-warm-standby`` turns it off)."""
+
+
+@dataclass(frozen=True)
+class Monitor:
+    """Keep watching."""
+
+
+@dataclass(frozen=True)
+class Stop:
+    """A signal asked the agent to stop: stop the workers with it, end the run."""
+
+    signal: int
+
+
+@dataclass(frozen=True)
+class Hang:
+    """A worker that made no progress for the hang timeout."""
+
+    local_rank: int
+    since: float
+    """When its main thread last ran Python code (wall clock)."""
+
+
+@dataclass(frozen=True)
+class RestartGroup:
+    """Stop every worker of the node and go to the next rendezvous round.
+
+    ``failed`` names the local ranks whose failure caused it (the lost ones included,
+    for the report); empty for a membership change.
+    """
+
+    failed: tuple[int, ...] = ()
+    hang: Hang | None = None
+    reason: Literal["failure", "membership"] = "failure"
+
+
+@dataclass(frozen=True)
+class DropRanks:
+    """These in-process workers died; their peers restart in-process without them."""
+
+    local_ranks: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ExitBarrier:
+    """The workers are done: wait for the other nodes, then end the run with success."""
+
+
+@dataclass(frozen=True)
+class GiveUp:
+    """The job's restart budget is spent: stop, close the rendezvous, report."""
+
+    restarts: int
+    """Restarts the job used."""
+
+
+Action = Monitor | Stop | RestartGroup | DropRanks | ExitBarrier
+
+
+def _failed(view: RankView) -> bool:
+    return view.exitcode is not None and view.exitcode != 0 and not view.lost
+
+
+def oldest_hung(progress: Mapping[int, float], now: float, timeout: float) -> int | None:
+    """The local rank hung longest (no progress for ``timeout``), or None.
+
+    Peers blocked in a collective with a hung rank stop progressing too, a little
+    later: the rank that stopped first is the cause.
+    """
+    hung = {lr: t for lr, t in progress.items() if now - t >= timeout}
+    return min(hung, key=lambda lr: (hung[lr], lr)) if hung else None
+
+
+def _hang(obs: Observation, timeout: float) -> Hang | None:
+    """The running, non-in-process worker hung longest past the timeout, if any.
+
+    In-process workers are watched by their own wrapper (soft and hard timeouts)."""
+    progress = {
+        v.local_rank: v.progress
+        for v in obs.ranks
+        if v.exitcode is None and not v.inprocess and v.progress is not None
+    }
+    lr = oldest_hung(progress, obs.now, timeout)
+    return Hang(local_rank=lr, since=progress[lr]) if lr is not None else None
+
+
+def decide(obs: Observation, policy: Policy) -> Action:
+    """The next action after one poll (see the module docstring for the order)."""
+    if obs.stop_signal is not None:
+        return Stop(obs.stop_signal)
+    failed = [v for v in obs.ranks if _failed(v)]
+    running_inprocess = {v.local_rank for v in obs.ranks if v.exitcode is None and v.inprocess}
+    dropped = tuple(
+        v.local_rank for v in failed if v.inprocess and running_inprocess - {v.local_rank}
+    )
+    group_failed = tuple(v.local_rank for v in failed if v.local_rank not in dropped)
+    lost = tuple(v.local_rank for v in obs.ranks if v.lost)
+    if group_failed:
+        return RestartGroup(failed=tuple(sorted(group_failed + lost)))
+    if not dropped and policy.hang_timeout:
+        hang = _hang(obs, policy.hang_timeout)
+        if hang is not None:
+            return RestartGroup(failed=tuple(sorted((hang.local_rank, *lost))), hang=hang)
+    if dropped:
+        return DropRanks(dropped)
+    if obs.ranks and all(v.exitcode is not None for v in obs.ranks):
+        if len(lost) == len(obs.ranks):
+            return RestartGroup(failed=lost)  # every worker died, none is left to finish
+        return ExitBarrier()
+    if obs.nodes_waiting > 0:
+        return RestartGroup(reason="membership")
+    return Monitor()
+
+
+def after_failure(failures_recorded: int, max_restarts: int) -> RestartGroup | GiveUp:
+    """Whether the job restarts after its ``failures_recorded``-th group failure.
+
+    The count lives in the rendezvous state (shared by every node), so a job's budget
+    is ``max_restarts`` whichever nodes fail."""
+    if failures_recorded > max_restarts:
+        return GiveUp(restarts=failures_recorded - 1)
+    return RestartGroup()
+
+
+def remaining_restarts(restart_count: int, max_restarts: int) -> int:
+    """Restarts the job has left after ``restart_count`` of them."""
+    return max(0, max_restarts - restart_count)
+
+
+def wants_fork_server(policy: Policy, *, is_python: bool, restart_count: int) -> bool:
+    """Whether a fork server is worth keeping: Python workers that may still restart."""
+    return (
+        policy.fork_server
+        and is_python
+        and remaining_restarts(restart_count, policy.max_restarts) > 0
+    )

@@ -1,0 +1,141 @@
+"""This node's worker processes across attempts, with the servers they use.
+
+:class:`NodeWorkers` starts an attempt's workers (forked from the node's fork server
+when one is ready), polls and stops them, and owns the fork server and the timer
+server (``--watchdog``) until :meth:`NodeWorkers.close`. The agent's loop calls it to
+act; it decides nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+
+from relaunch.agent._attempt import Slot, attempt_workers
+from relaunch.agent._forking import NodeForkServer
+from relaunch.agent._spec import WorkerGroup, WorkerSpec, WorkerState
+from relaunch.procs import RunLogDir, WorkerProcesses
+from relaunch.timer import TimerExpiry, TimerServer
+
+__all__ = ["NodeWorkers"]
+
+
+class NodeWorkers:
+    """The running attempt's processes and slots; the fork and timer servers."""
+
+    def __init__(self, spec: WorkerSpec, logdir: RunLogDir, emit: Callable[..., None]) -> None:
+        self._spec = spec
+        self._logdir = logdir
+        self._emit = emit
+        self.slots: dict[int, Slot] = {}
+        self._procs: WorkerProcesses | None = None
+        self._started_at = 0.0
+        self._forking = NodeForkServer(
+            modules_file=os.path.join(logdir.path, "worker_modules.txt"),
+            log_dir=logdir.path,
+            delay=spec.standby_delay,
+            emit=emit,
+        )
+        self._timer: TimerServer | None = None
+        if spec.watchdog:
+            timer = TimerServer(path=spec.watchdog_file, on_expiry=self._on_timer_expiry)
+            timer.start()
+            self._timer = timer
+
+    @property
+    def running(self) -> bool:
+        """Whether an attempt's processes are up (started and not stopped)."""
+        return self._procs is not None
+
+    def start(self, group: WorkerGroup, attempt: int, *, restart_count: int, run_id: str) -> None:
+        """Start this attempt's workers (``group`` holds their ranks and store address)."""
+        spec = self._spec
+        extra: dict[str, str] = {}
+        if self._timer is not None:
+            extra["TORCHELASTIC_ENABLE_FILE_TIMER"] = "1"
+            extra["TORCHELASTIC_TIMER_FILE"] = self._timer.path
+        self.slots, specs = attempt_workers(
+            spec,
+            group,
+            self._logdir,
+            attempt,
+            restart_count=restart_count,
+            run_id=run_id,
+            extra=extra,
+        )
+        warm = spec.warm_standby and spec.entrypoint.is_python
+        modules = self._forking.modules_file
+        report = {0: modules} if warm and not os.path.exists(modules) else {}
+        server = self._forking.usable()
+        procs = WorkerProcesses(
+            spec.entrypoint, specs, fork_server=server, report_modules=report, name=spec.role
+        )
+        self._procs = procs
+        t0 = time.monotonic()
+        procs.start()
+        seconds = round(time.monotonic() - t0, 4)
+        if procs.fork_refused is not None and server is not None:
+            self._forking.refused(procs.fork_refused)
+        self._started_at = time.monotonic()
+        pids = procs.pids()
+        for worker in group.workers:
+            worker.id = pids[worker.local_rank]
+        if self._timer is not None:
+            self._timer.watch_pids(set(pids.values()))
+        group.state = WorkerState.HEALTHY
+        self._emit(
+            "workers_started",
+            attempt=attempt,
+            pids=pids,
+            forked=sorted(procs.forked),
+            seconds=seconds,
+            master_addr=group.master_addr,
+            master_port=group.master_port,
+        )
+
+    def poll(self) -> dict[int, int | None]:
+        """Exit code per local rank, None while running (exited ones leave the timer)."""
+        assert self._procs is not None
+        codes = self._procs.poll()
+        if self._timer is not None:
+            pids = self._procs.pids()
+            for lr, code in codes.items():
+                if code is not None:
+                    self._timer.clear_pid(pids[lr])
+        return codes
+
+    def pids(self) -> dict[int, int]:
+        assert self._procs is not None
+        return self._procs.pids()
+
+    def tick(self, *, wanted: bool) -> None:
+        """While the workers run: start the fork server when it is due."""
+        if self.slots:
+            self._forking.tick(
+                wanted=wanted,
+                running_for=time.monotonic() - self._started_at,
+                env=self.slots[0].env,
+            )
+
+    def stop(self, sig: int, attempt: int) -> None:
+        """Stop the attempt's workers (``sig``, then SIGKILL after the grace)."""
+        procs, self._procs = self._procs, None
+        if procs is None:
+            return
+        codes = procs.close(sig, grace=self._spec.stop_grace)
+        if self._timer is not None:
+            for pid in procs.pids().values():
+                self._timer.clear_pid(pid)
+        self._emit("workers_stopped", attempt=attempt, exitcodes=codes)
+
+    def close(self, sig: int, attempt: int) -> None:
+        """Stop the workers, then the fork server and the timer server."""
+        self.stop(sig, attempt)
+        self._forking.close()
+        if self._timer is not None:
+            self._timer.close()
+            self._timer = None
+
+    def _on_timer_expiry(self, expiry: TimerExpiry) -> None:
+        self._emit("watchdog_expired", pid=expiry.pid, scope=expiry.scope_id, signal=expiry.signal)

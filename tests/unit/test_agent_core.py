@@ -1,0 +1,239 @@
+"""The agent's decision core, driven through every action with a fake clock (no
+sleeps, no processes); and the loop's bookkeeping of lost ranks around it."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import pytest
+
+from relaunch.agent import Worker
+from relaunch.agent._attempt import Slot
+from relaunch.agent._contract import AttemptFiles
+from relaunch.agent._core import (
+    DropRanks,
+    ExitBarrier,
+    GiveUp,
+    Hang,
+    Monitor,
+    Observation,
+    Policy,
+    RankView,
+    RestartGroup,
+    Stop,
+    after_failure,
+    decide,
+    remaining_restarts,
+    wants_fork_server,
+)
+from relaunch.agent._watch import drop, observe
+
+T0 = 1_000_000.0
+POLICY = Policy(max_restarts=3)
+
+
+def running(n: int, **kw: object) -> list[RankView]:
+    return [RankView(local_rank=i, exitcode=None, **kw) for i in range(n)]  # type: ignore[arg-type]
+
+
+def obs(ranks: list[RankView], now: float = T0, **kw: object) -> Observation:
+    return Observation(ranks=ranks, now=now, **kw)  # type: ignore[arg-type]
+
+
+def with_rank(ranks: list[RankView], view: RankView) -> list[RankView]:
+    return [view if r.local_rank == view.local_rank else r for r in ranks]
+
+
+# -- monitor, stop, success ------------------------------------------------------------
+def test_running_workers_are_monitored() -> None:
+    assert decide(obs(running(4)), POLICY) == Monitor()
+
+
+def test_a_stop_signal_wins_over_everything() -> None:
+    ranks = with_rank(running(2), RankView(local_rank=0, exitcode=1))
+    assert decide(obs(ranks, stop_signal=signal.SIGTERM), POLICY) == Stop(signal.SIGTERM)
+
+
+def test_all_exited_zero_is_the_exit_barrier() -> None:
+    ranks = [RankView(local_rank=i, exitcode=0) for i in range(3)]
+    assert decide(obs(ranks), POLICY) == ExitBarrier()
+
+
+def test_some_exited_zero_others_running_is_monitored() -> None:
+    ranks = with_rank(running(3), RankView(local_rank=1, exitcode=0))
+    assert decide(obs(ranks), POLICY) == Monitor()
+
+
+# -- failures --------------------------------------------------------------------------
+def test_a_failed_worker_restarts_the_group() -> None:
+    ranks = with_rank(running(4), RankView(local_rank=2, exitcode=-signal.SIGKILL))
+    assert decide(obs(ranks), POLICY) == RestartGroup(failed=(2,))
+
+
+def test_several_failures_are_reported_together() -> None:
+    ranks = [
+        RankView(local_rank=0, exitcode=1),
+        RankView(local_rank=1, exitcode=None),
+        RankView(local_rank=2, exitcode=-signal.SIGSEGV),
+    ]
+    assert decide(obs(ranks), POLICY) == RestartGroup(failed=(0, 2))
+
+
+def test_a_failure_beats_waiting_nodes() -> None:
+    ranks = with_rank(running(2), RankView(local_rank=0, exitcode=1))
+    assert decide(obs(ranks, nodes_waiting=2), POLICY) == RestartGroup(failed=(0,))
+
+
+def test_waiting_nodes_restart_a_healthy_group_for_membership() -> None:
+    assert decide(obs(running(2), nodes_waiting=1), POLICY) == RestartGroup(reason="membership")
+
+
+# -- in-process workers ----------------------------------------------------------------
+def test_a_dead_inprocess_worker_with_running_inprocess_peers_is_dropped() -> None:
+    ranks = with_rank(
+        running(3, inprocess=True), RankView(local_rank=1, exitcode=-9, inprocess=True)
+    )
+    assert decide(obs(ranks), POLICY) == DropRanks((1,))
+
+
+def test_a_dropped_worker_is_not_dropped_again() -> None:
+    ranks = with_rank(
+        running(3, inprocess=True),
+        RankView(local_rank=1, exitcode=-9, inprocess=True, lost=True),
+    )
+    assert decide(obs(ranks), POLICY) == Monitor()
+
+
+def test_the_last_inprocess_worker_dying_is_a_group_failure() -> None:
+    ranks = [RankView(local_rank=0, exitcode=-9, inprocess=True)]
+    assert decide(obs(ranks), POLICY) == RestartGroup(failed=(0,))
+
+
+def test_a_dead_inprocess_worker_without_inprocess_peers_fails_the_group() -> None:
+    ranks = [
+        RankView(local_rank=0, exitcode=-9, inprocess=True),
+        RankView(local_rank=1, exitcode=None, inprocess=False),
+    ]
+    assert decide(obs(ranks), POLICY) == RestartGroup(failed=(0,))
+
+
+def test_a_group_failure_reports_the_lost_workers_too() -> None:
+    ranks = [
+        RankView(local_rank=0, exitcode=-9, inprocess=True, lost=True),
+        RankView(local_rank=1, exitcode=1, inprocess=False),
+        RankView(local_rank=2, exitcode=None, inprocess=True),
+    ]
+    assert decide(obs(ranks), POLICY) == RestartGroup(failed=(0, 1))
+
+
+def test_lost_workers_and_the_rest_succeeding_is_success() -> None:
+    ranks = [
+        RankView(local_rank=0, exitcode=-9, inprocess=True, lost=True),
+        RankView(local_rank=1, exitcode=0, inprocess=True),
+    ]
+    assert decide(obs(ranks), POLICY) == ExitBarrier()
+
+
+def test_every_worker_lost_is_a_group_failure() -> None:
+    ranks = [RankView(local_rank=i, exitcode=-9, inprocess=True, lost=True) for i in range(2)]
+    assert decide(obs(ranks), POLICY) == RestartGroup(failed=(0, 1))
+
+
+# -- hangs -----------------------------------------------------------------------------
+HANGS = Policy(hang_timeout=5.0, max_restarts=3)
+
+
+def test_no_hang_before_the_timeout() -> None:
+    ranks = [RankView(local_rank=i, exitcode=None, progress=T0 - 4.9) for i in range(2)]
+    assert decide(obs(ranks), HANGS) == Monitor()
+
+
+def test_the_worker_that_stopped_first_is_the_hung_one() -> None:
+    ranks = [
+        RankView(local_rank=0, exitcode=None, progress=T0 - 6.0),
+        RankView(local_rank=1, exitcode=None, progress=T0 - 7.0),
+        RankView(local_rank=2, exitcode=None, progress=T0 - 0.1),
+    ]
+    assert decide(obs(ranks), HANGS) == RestartGroup(failed=(1,), hang=Hang(1, T0 - 7.0))
+
+
+def test_the_clock_decides_when_a_worker_is_hung() -> None:
+    ranks = [RankView(local_rank=0, exitcode=None, progress=T0)]
+    assert decide(obs(ranks, now=T0 + 4.99), HANGS) == Monitor()
+    assert decide(obs(ranks, now=T0 + 5.0), HANGS) == RestartGroup(failed=(0,), hang=Hang(0, T0))
+
+
+def test_hangs_are_not_watched_without_a_timeout() -> None:
+    ranks = [RankView(local_rank=0, exitcode=None, progress=T0 - 1e6)]
+    assert decide(obs(ranks), POLICY) == Monitor()
+
+
+def test_inprocess_and_unwatched_workers_are_never_hung() -> None:
+    ranks = [
+        RankView(local_rank=0, exitcode=None, progress=T0 - 100, inprocess=True),
+        RankView(local_rank=1, exitcode=None, progress=None),
+    ]
+    assert decide(obs(ranks), HANGS) == Monitor()
+
+
+def test_a_failure_is_reported_before_a_hang() -> None:
+    ranks = [
+        RankView(local_rank=0, exitcode=None, progress=T0 - 100),
+        RankView(local_rank=1, exitcode=3),
+    ]
+    assert decide(obs(ranks), HANGS) == RestartGroup(failed=(1,))
+
+
+# -- the restart budget -------------------------------------------------------------------
+@pytest.mark.parametrize(("recorded", "max_restarts"), [(1, 1), (1, 3), (3, 3)])
+def test_failures_within_the_budget_restart(recorded: int, max_restarts: int) -> None:
+    assert after_failure(recorded, max_restarts) == RestartGroup()
+
+
+@pytest.mark.parametrize(("recorded", "max_restarts"), [(1, 0), (4, 3)])
+def test_a_failure_past_the_budget_gives_up(recorded: int, max_restarts: int) -> None:
+    assert after_failure(recorded, max_restarts) == GiveUp(restarts=recorded - 1)
+
+
+def test_remaining_restarts_never_go_negative() -> None:
+    assert remaining_restarts(0, 3) == 3
+    assert remaining_restarts(3, 3) == 0
+    assert remaining_restarts(5, 3) == 0
+
+
+def test_a_fork_server_is_wanted_for_python_workers_with_restarts_left() -> None:
+    assert wants_fork_server(POLICY, is_python=True, restart_count=0)
+    assert not wants_fork_server(POLICY, is_python=False, restart_count=0)
+    assert not wants_fork_server(POLICY, is_python=True, restart_count=3)
+    off = Policy(max_restarts=3, fork_server=False)
+    assert not wants_fork_server(off, is_python=True, restart_count=0)
+
+
+# -- the loop's bookkeeping of lost workers ------------------------------------------------
+def test_a_lost_worker_on_a_node_of_group_rank_1_is_lost_once(tmp_path: Path) -> None:
+    """The reviewer's ``_lost`` bug: lost workers were recorded by global rank and
+    looked up by local rank, so on a node whose global ranks are not its local ranks a
+    lost worker was "lost" again on every poll. Slots are keyed and marked by local rank.
+    """
+    n = 2
+    workers = [Worker(local_rank=lr, global_rank=n * 1 + lr) for lr in range(n)]
+    slots: dict[int, Slot] = {}
+    for lr in range(n):
+        files = AttemptFiles.in_dir(str(tmp_path / str(lr)))
+        Path(files.marker).parent.mkdir(parents=True)
+        Path(files.marker).write_text("")
+        slots[lr] = Slot(env={}, files=files, started=T0)
+    pids = {0: 1000, 1: 1001}
+    codes: dict[int, int | None] = {0: None, 1: -signal.SIGKILL}
+
+    first = observe(slots, codes, watch_progress=False, stop_signal=None, nodes_waiting=0)
+    action = decide(first, POLICY)
+    assert action == DropRanks((1,))
+    dropped = drop(action.local_ranks, first, workers, slots, pids)
+    assert [(f.local_rank, f.exitcode, f.pid) for f in dropped] == [(1, -signal.SIGKILL, 1001)]
+    assert slots[1].lost is not None and slots[0].lost is None
+
+    for _ in range(3):  # every later poll: nothing new
+        later = observe(slots, codes, watch_progress=False, stop_signal=None, nodes_waiting=0)
+        assert decide(later, POLICY) == Monitor()
