@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from relaunch._contract import AttemptFiles
 from relaunch.agent import Worker
 from relaunch.agent._attempt import Slot
-from relaunch.agent._contract import AttemptFiles
 from relaunch.agent._core import (
     DropRanks,
     ExitBarrier,

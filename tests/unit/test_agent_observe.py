@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from relaunch.agent._contract import AttemptFiles, read_exit_file
+from relaunch._contract import AttemptFiles, read_exit_file
 from relaunch.agent._core import oldest_hung
 from relaunch.agent._observe import announced_exit, last_progress
 

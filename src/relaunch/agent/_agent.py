@@ -39,6 +39,7 @@ from relaunch.errors import (
     RendezvousError,
     RendezvousGracefulExitError,
     StoreError,
+    WorkerError,
 )
 from relaunch.events import Event, EventSink
 from relaunch.procs import (
@@ -70,6 +71,7 @@ class LocalAgent:
             hang_timeout=spec.hang_timeout if spec.entrypoint.is_python else None,
             max_restarts=spec.max_restarts,
             fork_server=spec.warm_standby,
+            max_respawns=spec.max_restarts if spec.entrypoint.is_python else 0,
         )
         self._restart_count = 0
         self._attempt = -1
@@ -238,6 +240,11 @@ class LocalAgent:
                     exitcode=failure.exitcode,
                     reason=failure.message,
                 )
+            for lr in action.respawn:
+                try:
+                    ws.respawn(lr, self._attempt)
+                except WorkerError as exc:  # its peers go on without it
+                    log.warning("cannot start a replacement for local rank %s: %s", lr, exc)
             return None
         if isinstance(action, ExitBarrier):
             self._group.state = WorkerState.SUCCEEDED

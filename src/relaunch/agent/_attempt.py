@@ -2,19 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+import os
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from relaunch.agent._contract import AttemptFiles
+from relaunch._contract import INCARNATION_ENV, AttemptFiles
 from relaunch.agent._env import substitute_local_rank, worker_env, worker_streams
 from relaunch.agent._spec import Worker, WorkerGroup, WorkerSpec
 from relaunch.errors import ProcessFailure
 from relaunch.procs import ProcessSpec, RunLogDir
 
-__all__ = ["Slot", "attempt_workers", "return_values"]
+__all__ = ["Slot", "attempt_workers", "replacement", "return_values"]
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +31,8 @@ class Slot:
     """Wall-clock start (hang detection counts from it before the first progress)."""
     lost: ProcessFailure | None = None
     """Set when the worker died and its in-process peers went on without it."""
+    respawns: int = 0
+    """Replacement processes this local rank had in this attempt (its incarnation)."""
 
 
 def attempt_workers(
@@ -86,6 +90,30 @@ def attempt_workers(
             )
         )
     return slots, specs
+
+
+def replacement(
+    slot: Slot, spec: ProcessSpec, hang_timeout: float | None
+) -> tuple[Slot, ProcessSpec]:
+    """The slot and process spec of local rank's next replacement process: same
+    environment, ranks and output files; its own contract files (in a subdirectory of
+    the attempt's) and ``RELAUNCH_INPROCESS_INCARNATION``."""
+    incarnation = slot.respawns + 1
+    attempt_dir = os.path.dirname(slot.files.error_file)
+    if slot.respawns:
+        attempt_dir = os.path.dirname(attempt_dir)  # the rank's directory, not a replacement's
+    directory = os.path.join(attempt_dir, f"replacement{incarnation}")
+    os.makedirs(directory, exist_ok=True)
+    files = AttemptFiles.in_dir(directory)
+    env = {
+        **slot.env,
+        **files.env(hang_timeout),
+        "TORCHELASTIC_ERROR_FILE": files.error_file,
+        INCARNATION_ENV: str(incarnation),
+    }
+    new_slot = Slot(env=env, files=files, started=time.time(), respawns=incarnation)
+    result_file = files.result_file if spec.result_file is not None else None
+    return new_slot, dataclasses.replace(spec, env=env, result_file=result_file)
 
 
 def return_values(

@@ -10,7 +10,9 @@ The actions, in the order :func:`decide` considers them:
 - :class:`Stop`: a signal asked the agent to stop;
 - :class:`RestartGroup` with ``failed``: a worker failed (or hung) -- the group restarts;
 - :class:`DropRanks`: in-process workers died while in-process peers of theirs run on:
-  the peers restart in their own processes, the group goes on without the dead ones;
+  the peers restart in their own processes; the dead ones are replaced by new
+  processes that join the peers (``respawn``, while the rank's replacements are
+  within the restart budget) or the group goes on without them;
 - :class:`ExitBarrier`: every worker exited and at least one succeeded;
 - :class:`RestartGroup` without ``failed``: nodes wait to join -- a new round admits them;
 - :class:`Monitor`: nothing to do but watch (and start the fork server when it is time).
@@ -56,6 +58,8 @@ class RankView:
     """Wall-clock time its main thread last ran Python code; None when not watched."""
     lost: bool = False
     """Dropped earlier in this attempt: it died and its in-process peers went on."""
+    respawns: int = 0
+    """Replacement processes this local rank had in this attempt."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -77,6 +81,9 @@ class Policy:
     max_restarts: int = 0
     fork_server: bool = True
     """The user wants replacement workers forked (``--no-warm-standby`` turns it off)."""
+    max_respawns: int = 0
+    """Replacement processes allowed per local rank and attempt for in-process workers
+    (the agent uses ``max_restarts``); 0: the group goes on without a dead rank."""
 
 
 @dataclass(frozen=True)
@@ -115,9 +122,11 @@ class RestartGroup:
 
 @dataclass(frozen=True)
 class DropRanks:
-    """These in-process workers died; their peers restart in-process without them."""
+    """These in-process workers died; their peers restart in-process. Those in
+    ``respawn`` get a replacement process that joins the peers' next iteration."""
 
     local_ranks: tuple[int, ...]
+    respawn: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -181,7 +190,9 @@ def decide(obs: Observation, policy: Policy) -> Action:
         if hang is not None:
             return RestartGroup(failed=tuple(sorted((hang.local_rank, *lost))), hang=hang)
     if dropped:
-        return DropRanks(dropped)
+        views = {v.local_rank: v for v in obs.ranks}
+        respawn = tuple(lr for lr in dropped if views[lr].respawns < policy.max_respawns)
+        return DropRanks(dropped, respawn)
     if obs.ranks and all(v.exitcode is not None for v in obs.ranks):
         if len(lost) == len(obs.ranks):
             return RestartGroup(failed=lost)  # every worker died, none is left to finish

@@ -11,7 +11,7 @@ import os
 import signal
 import time
 
-from relaunch.agent._contract import STACK_SIGNAL, AttemptFiles, read_exit_file
+from relaunch._contract import STACK_SIGNAL, AttemptFiles, read_exit_file
 from relaunch.errors import ErrorRecord, read_error_file, write_error_file
 from relaunch.errors._file import error_data
 from relaunch.procs import is_stopped

@@ -46,6 +46,7 @@ def observe(
                 inprocess=os.path.exists(slot.files.marker),
                 progress=last_progress(slot.files, slot.started) if watch_progress else None,
                 lost=slot.lost is not None,
+                respawns=slot.respawns,
             )
         )
     return Observation(

@@ -12,10 +12,10 @@ import os
 import time
 from collections.abc import Callable
 
-from relaunch.agent._attempt import Slot, attempt_workers
+from relaunch.agent._attempt import Slot, attempt_workers, replacement
 from relaunch.agent._forking import NodeForkServer
 from relaunch.agent._spec import WorkerGroup, WorkerSpec, WorkerState
-from relaunch.procs import RunLogDir, WorkerProcesses
+from relaunch.procs import ProcessSpec, RunLogDir, WorkerProcesses
 from relaunch.timer import TimerExpiry, TimerServer
 
 __all__ = ["NodeWorkers"]
@@ -29,6 +29,7 @@ class NodeWorkers:
         self._logdir = logdir
         self._emit = emit
         self.slots: dict[int, Slot] = {}
+        self._specs: dict[int, ProcessSpec] = {}
         self._procs: WorkerProcesses | None = None
         self._started_at = 0.0
         self._forking = NodeForkServer(
@@ -64,6 +65,7 @@ class NodeWorkers:
             run_id=run_id,
             extra=extra,
         )
+        self._specs = {s.local_rank: s for s in specs}
         warm = spec.warm_standby and spec.entrypoint.is_python
         modules = self._forking.modules_file
         report = {0: modules} if warm and not os.path.exists(modules) else {}
@@ -92,6 +94,31 @@ class NodeWorkers:
             seconds=seconds,
             master_addr=group.master_addr,
             master_port=group.master_port,
+        )
+
+    def respawn(self, local_rank: int, attempt: int) -> None:
+        """Start a replacement process for ``local_rank`` (an in-process worker that
+        died while its peers run on): it joins the peers' next iteration."""
+        assert self._procs is not None
+        old = self.slots[local_rank]
+        slot, spec = replacement(old, self._specs[local_rank], self._spec.hang_timeout)
+        server = self._forking.usable()
+        t0 = time.monotonic()
+        pid = self._procs.replace(spec, fork_server=server)
+        seconds = round(time.monotonic() - t0, 4)
+        if self._procs.fork_refused is not None and server is not None:
+            self._forking.refused(self._procs.fork_refused)
+        self.slots[local_rank], self._specs[local_rank] = slot, spec
+        if self._timer is not None:
+            self._timer.watch_pids({pid})
+        self._emit(
+            "worker_respawned",
+            attempt=attempt,
+            local_rank=local_rank,
+            pid=pid,
+            incarnation=slot.respawns,
+            forked=local_rank in self._procs.forked and server is not None,
+            seconds=seconds,
         )
 
     def poll(self) -> dict[int, int | None]:

@@ -35,6 +35,7 @@ from relaunch.inprocess.exception import (
     RestartAbort,
     RestartError,
 )
+from relaunch.inprocess.peer_state import broadcast_state
 from relaunch.inprocess.rank_assignment import FillGaps, RankAssignment, ShiftRanks
 from relaunch.inprocess.rank_filter import (
     ActivateAllRanks,
@@ -74,6 +75,7 @@ __all__ = [
     "Status",
     "Wrapper",
     "WrapperConfig",
+    "broadcast_state",
     "rank_assignment",
     "rank_filter",
 ]

@@ -9,11 +9,12 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from relaunch._contract import MARKER_ENV
 from relaunch.errors import ConfigError
 
 __all__ = ["StoreEndpoint", "announce_to_agent", "namespace", "resolve_store"]
 
-AGENT_MARKER_ENV = "RELAUNCH_INPROCESS_MARKER"
+AGENT_MARKER_ENV = MARKER_ENV
 
 _calls = itertools.count()
 

@@ -13,9 +13,10 @@ during the iteration and drops them once the function's objects are released.
 from __future__ import annotations
 
 import threading
+import traceback
 from typing import Any
 
-__all__ = ["GroupRefs", "live_groups"]
+__all__ = ["GroupRefs", "live_groups", "release_frames"]
 
 
 def live_groups() -> list[Any]:
@@ -57,3 +58,17 @@ class GroupRefs:
         with self._lock:
             held, self._held = self._held, {}
         held.clear()
+
+
+def release_frames(exc: BaseException | None) -> None:
+    """Free the locals of the failed iteration's frames (its model, process group, ...).
+
+    The traceback keeps them alive; clearing the frames lets their destructors run
+    here, in the restart procedure, instead of at a random point of the next
+    iteration (a full ``gc.collect()`` would do it too, at ~0.1-0.3 s).
+    """
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        traceback.clear_frames(exc.__traceback__)
+        exc = exc.__cause__ or exc.__context__

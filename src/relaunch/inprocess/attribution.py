@@ -31,6 +31,9 @@ class Interruption(enum.Enum):
     """No heartbeat for ``heartbeat_timeout``: the rank is declared missing."""
     TERMINATED = "terminated"
     """The rank's process ended (killed, crashed) or a health check failed."""
+    JOINED = "joined"
+    """A replacement process of a rank that died asks to join (relaunch's tiered
+    recovery): not a fault, the ranks restart to take it in."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,6 +48,10 @@ class InterruptionRecord:
     """A short human-readable explanation (exception text)."""
     timestamp: float = field(default_factory=time.time)
     """Wall-clock time of the record (seconds since the epoch)."""
+    incarnation: int = 0
+    """Which process of the rank it is about: 0 for the first, ``k`` for its k-th
+    replacement. A death record of an earlier incarnation does not make a replacement
+    dead."""
 
     def encode(self) -> str:
         """One JSON line (with its trailing newline)."""
@@ -54,6 +61,7 @@ class InterruptionRecord:
             "interruption": self.interruption.value,
             "message": self.message[:2000],
             "timestamp": self.timestamp,
+            "incarnation": self.incarnation,
         }
         return json.dumps(doc, separators=(",", ":")) + "\n"
 
@@ -67,11 +75,15 @@ class InterruptionRecord:
             rank = doc["initial_rank"]
             if not isinstance(rank, int) or isinstance(rank, bool):
                 raise ValueError(f"initial_rank is not an int in {line!r}")
+            incarnation = doc.get("incarnation", 0)
+            if not isinstance(incarnation, int) or isinstance(incarnation, bool) or incarnation < 0:
+                raise ValueError(f"incarnation is not an int >= 0 in {line!r}")
             return cls(
                 initial_rank=rank,
                 interruption=Interruption(doc["interruption"]),
                 message=str(doc.get("message", "")),
                 timestamp=float(doc["timestamp"]),
+                incarnation=incarnation,
             )
         except (ValueError, KeyError, TypeError) as exc:
             raise InternalError(f"corrupt interruption record {line!r}: {exc}") from exc

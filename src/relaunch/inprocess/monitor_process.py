@@ -54,6 +54,8 @@ class MonitorSettings:
     logfile: str | None
     host_port: int | None
     """Host the coordination store on this port (standalone mode, initial rank 0)."""
+    incarnation: int = 0
+    """Which process of the rank this is (its death record says so; see _rejoin)."""
 
 
 class MonitorProcess:
@@ -167,6 +169,8 @@ def _child_main(
             timeout=datetime.timedelta(seconds=60),
         )
     coord = CoordinationStore(store_factory(), settings.namespace)
+    if settings.incarnation:
+        coord.incarnations[settings.initial_rank] = settings.incarnation
     return _Loop(parent, pidfd, settings, shared, coord, hosting=server is not None).run()
 
 
@@ -251,6 +255,9 @@ class _Loop:
             if now - when <= self.s.heartbeat_timeout:
                 continue
             if gone is None:
+                # A replacement of a rank is judged by its own incarnation.
+                self.coord.incarnations.update(self.coord.join_requests())
+                self.coord.incarnations[self.s.initial_rank] = self.s.incarnation
                 gone = self.coord.exited_ranks() | self.coord.dead_ranks()
             if r in gone:
                 self.seen[r] = (value, float("inf"))  # never check again

@@ -11,6 +11,10 @@ Keys (``ns`` is unique per job, torchrun/relaunch attempt and wrapped call)::
     ns/it<i>/outcome   "complete" or "restart", set once (compare-and-set)
     ns/it<i>/terminated  the frozen set of terminated ranks, set once
     ns/it<i>/pg/       prefix of the process group's own rendezvous
+    ns/joins           appended ``rank:incarnation,``: replacement processes asking to join
+    ns/it<i>/joined    the frozen ranks (and incarnations) admitted after iteration i
+    ns/it<i>/roster    every rank's state for iteration i (versioned JSON), set once
+    ns/current         the latest iteration a roster was published for
 
 Values are appended lines, so a reader needs one round trip (``multi_get``) to see
 every record, and arrivals are de-duplicated by initial rank: whoever arrives twice,
@@ -67,6 +71,9 @@ class CoordinationStore:
         self.store = store
         self.namespace = namespace.rstrip("/") + "/"
         self._ensured: set[str] = set()
+        self.incarnations: dict[int, int] = {}
+        """Admitted incarnation per initial rank (absent: 0). Death records of an
+        earlier incarnation do not count; shared by the wrapper's stores."""
 
     # keys -------------------------------------------------------------------------
     def key(self, *parts: object) -> str:
@@ -94,16 +101,29 @@ class CoordinationStore:
         self, iteration: int, initial_rank: int, kind: Interruption, message: str = ""
     ) -> None:
         """Rank ``initial_rank`` is gone for good: mark it dead and interrupt ``iteration``."""
-        record = InterruptionRecord(initial_rank=initial_rank, interruption=kind, message=message)
+        record = InterruptionRecord(
+            initial_rank=initial_rank,
+            interruption=kind,
+            message=message,
+            incarnation=self.incarnations.get(initial_rank, 0),
+        )
         self.store.append(self.key("dead"), record.encode())
         self.record_interrupted(iteration, record)
 
     def record_exited(self, initial_rank: int) -> None:
         self.store.append(self.key("exited"), f"{initial_rank},")
 
+    def _dead(self, blob: bytes) -> set[int]:
+        """The ranks whose admitted incarnation has a death record."""
+        return {
+            r.initial_rank
+            for r in decode_records(blob)
+            if r.incarnation >= self.incarnations.get(r.initial_rank, 0)
+        }
+
     def dead_ranks(self) -> set[int]:
         (blob,) = self._read([self.key("dead")])
-        return {r.initial_rank for r in decode_records(blob)}
+        return self._dead(blob)
 
     def exited_ranks(self) -> set[int]:
         (blob,) = self._read([self.key("exited")])
@@ -112,7 +132,7 @@ class CoordinationStore:
     def poll(self, iteration: int) -> tuple[list[InterruptionRecord], set[int]]:
         """Interruption records of ``iteration`` and the dead ranks, in one round trip."""
         ints, dead = self._read([self.it_key(iteration, "int"), self.key("dead")])
-        return decode_records(ints), {r.initial_rank for r in decode_records(dead)}
+        return decode_records(ints), self._dead(dead)
 
     # heartbeats ---------------------------------------------------------------------
     def heartbeat(self, initial_rank: int) -> None:
@@ -147,7 +167,7 @@ class CoordinationStore:
         while True:
             blobs = self._read(keys)
             arrived = _ints(blobs[0])
-            dead = {r.initial_rank for r in decode_records(blobs[1])}
+            dead = self._dead(blobs[1])
             records = decode_records(blobs[2]) if iteration is not None else []
             verdict = check(arrived, dead, records)
             if verdict is not None:
@@ -259,3 +279,62 @@ class CoordinationStore:
             return {int(r) for r in value["ranks"]}
         except (ValueError, KeyError, TypeError) as exc:
             raise InternalError(f"corrupt frozen rank set {blob!r}") from exc
+
+    # replacements (tiered recovery) -------------------------------------------------
+    def request_join(self, initial_rank: int, incarnation: int) -> None:
+        """A replacement process of ``initial_rank`` asks to be taken in."""
+        self.store.append(self.key("joins"), f"{initial_rank}:{incarnation},")
+
+    def join_requests(self) -> dict[int, int]:
+        """The latest incarnation that asked to join, per initial rank."""
+        (blob,) = self._read([self.key("joins")])
+        out: dict[int, int] = {}
+        for item in blob.decode("ascii", errors="replace").split(","):
+            if not item.strip():
+                continue
+            try:
+                rank_text, inc_text = item.split(":")
+                rank, inc = int(rank_text), int(inc_text)
+            except ValueError as exc:
+                raise InternalError(f"corrupt join request {item!r}") from exc
+            out[rank] = max(inc, out.get(rank, 0))
+        return out
+
+    def freeze_joins(self, iteration: int, admitted: dict[int, int]) -> dict[int, int]:
+        """Admit ``admitted`` (rank -> incarnation) after ``iteration`` unless already
+        decided; return what every rank uses."""
+        doc = json.dumps({"version": 1, "ranks": {str(r): i for r, i in sorted(admitted.items())}})
+        blob = self._decide(self.it_key(iteration, "joined"), doc)
+        try:
+            value = json.loads(blob)
+            if value.get("version") != 1:
+                raise ValueError("unknown version")
+            return {int(r): int(i) for r, i in value["ranks"].items()}
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise InternalError(f"corrupt admitted set {blob!r}") from exc
+
+    def publish_roster(self, iteration: int, doc: str) -> None:
+        """Publish the states of ``iteration`` (once) for replacements to read."""
+        self._decide(self.it_key(iteration, "roster"), doc)
+        self.store.set(self.key("current"), str(iteration))
+
+    def roster(self, iteration: int) -> str | None:
+        key = self.it_key(iteration, "roster")
+        if not self.store.check([key]):
+            return None
+        return self.store.get(key).decode("utf-8", errors="replace") or None
+
+    def current_iteration(self) -> int | None:
+        key = self.key("current")
+        if not self.store.check([key]):
+            return None
+        try:
+            return int(self.store.get(key).decode("ascii", errors="replace"))
+        except ValueError as exc:
+            raise InternalError(f"corrupt current iteration under {key!r}") from exc
+
+    def outcome(self, iteration: int) -> str | None:
+        key = self.it_key(iteration, "outcome")
+        if not self.store.check([key]):
+            return None
+        return self.store.get(key).decode("ascii", errors="replace") or None

@@ -8,15 +8,16 @@ import functools
 import gc
 import logging
 import threading
-import traceback
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 from relaunch.inprocess import _sockets
 from relaunch.inprocess._env import announce_to_agent, namespace, resolve_store, tcp_client_factory
-from relaunch.inprocess._groups import GroupRefs
+from relaunch.inprocess._groups import GroupRefs, release_frames
 from relaunch.inprocess._params import call_wrapper_parameter, run_callbacks
+from relaunch.inprocess._rejoin import admit, encode_roster, incarnation, wait_for_admission
 from relaunch.inprocess._rendezvous import EnvRendezvousPatch
+from relaunch.inprocess._roster import assign, initial_state, readmit
 from relaunch.inprocess.attribution import Interruption, InterruptionRecord
 from relaunch.inprocess.config import WrapperConfig
 from relaunch.inprocess.exception import HealthCheckError, RankShouldRestart, RestartAbort
@@ -83,6 +84,8 @@ class CallWrapper:
         cfg = wrapper.config
         self.config = cfg
         self.state = State.from_env()
+        self.incarnation = incarnation()
+        self._new: set[int] = set()
         self.shared = SharedProgress()
         self._abort_lock = threading.Lock()
         self._aborted = False
@@ -109,6 +112,7 @@ class CallWrapper:
                 termination_grace_time=cfg.seconds("termination_grace_time"),
                 logfile=cfg.monitor_process_logfile,
                 host_port=host_port,
+                incarnation=self.incarnation,
             ),
             self.shared,
             self._factory,
@@ -123,6 +127,9 @@ class CallWrapper:
         try:
             self._coord = CoordinationStore(self._factory(), self.namespace)
             self._thread_coord = CoordinationStore(self._factory(), self.namespace)
+            self._thread_coord.incarnations = self._coord.incarnations  # one map
+            if self.incarnation > 0:
+                self._coord.incarnations[self.state.initial_rank] = self.incarnation
             self.watchdog.start()
             _sockets.mark_baseline()  # the wrapper's own connections are never shut down
         except BaseException:
@@ -142,6 +149,13 @@ class CallWrapper:
     def iteration(self) -> int:
         """Index of the current restart iteration (0 for the first call)."""
         return self.state.iteration
+
+    @property
+    def new_ranks(self) -> frozenset[int]:
+        """Ranks (``RANK`` values) of this iteration that are replacement processes
+        admitted at its start: they have no training state; see
+        :func:`relaunch.inprocess.broadcast_state`. Empty when no rank is new."""
+        return frozenset(self._new)
 
     def ping(self) -> None:
         """Report progress; after the first ping, a rank that stops pinging times out."""
@@ -188,10 +202,9 @@ class CallWrapper:
         announce_to_agent()
         ret: Any = None
         try:
-            dead = self.coord.initial_barrier(
-                me, world, self.config.seconds("barrier_timeout"), _POLL
-            )
-            roster = self._assign({r: self._initial_state(r) for r in world}, dead, advance=False)
+            roster = self._first_roster(world)
+            if roster is None:
+                return None  # a replacement that came when the job had completed
             while True:
                 state = roster.get(me)
                 if state is None or state.status is Status.TERMINATED:
@@ -199,12 +212,22 @@ class CallWrapper:
                 self.state = state
                 state.set_distributed_vars()
                 self.shared.iteration = state.iteration
+                self.coord.publish_roster(
+                    state.iteration, encode_roster(roster, self.coord.incarnations)
+                )
                 done, value = self._iteration(fn, args, kwargs, roster)
                 if done:
                     ret = value
                     break
+                it = state.iteration
                 terminated = self._restart(value, set(roster))
-                roster = self._assign(roster, terminated, advance=True)
+                admitted = admit(self.coord, it, set(roster), terminated)
+                if admitted:
+                    log.info("rank %s: ranks %s rejoin", me, sorted(admitted))
+                    roster = readmit(self.config, roster, terminated, set(admitted), it)
+                else:
+                    roster = assign(self.config, roster, terminated, advance=True)
+                self._new = {roster[r].rank for r in admitted if r in roster}
         except BaseException as exc:
             kind = (
                 Interruption.TERMINATED
@@ -223,29 +246,20 @@ class CallWrapper:
                 self.coord.record_exited(me)
         return ret
 
-    def _initial_state(self, rank: int) -> State:
+    def _first_roster(self, world: set[int]) -> dict[int, State] | None:
+        """The roster of the first iteration this process runs: the initial one after
+        the initial barrier, or, for a replacement, the one it is admitted into."""
+        me, timeout = self.state.initial_rank, self.config.seconds("barrier_timeout")
         size = self.state.initial_world_size
-        return State(rank=rank, world_size=size, initial_rank=rank, initial_world_size=size)
-
-    def _assign(
-        self, roster: dict[int, State], terminated: set[int], *, advance: bool
-    ) -> dict[int, State]:
-        """Every rank computes every rank's next state: assignment and filter are pure."""
-        from relaunch.inprocess.exception import RestartError
-
-        current = {roster[r].rank for r in terminated if r in roster}
-        out: dict[int, State] = {}
-        for initial, state in sorted(roster.items()):
-            new, left = self.config.rank_assignment(state, current)
-            if left:
-                raise RestartError(f"rank assignment left terminated ranks {sorted(left)}")
-            if new.status is Status.TERMINATED:
-                continue
-            new = run_callbacks(self.config.rank_filter, new.activate_all_ranks())
-            out[initial] = new.advance() if advance else new
-        if not any(s.status is Status.ACTIVE for s in out.values()):
-            raise RestartAbort(f"no active rank left (terminated: {sorted(terminated)})")
-        return out
+        if self.incarnation > 0:
+            roster = wait_for_admission(self.coord, me, self.incarnation, timeout, _POLL)
+            if roster is not None:
+                self._new = {roster[me].rank}
+                log.info("rank %s: replacement admitted at iteration %s", me, roster[me].iteration)
+            return roster
+        dead = self.coord.initial_barrier(me, world, timeout, _POLL)
+        layout = {r: initial_state(r, size) for r in world}
+        return assign(self.config, layout, dead, advance=False)
 
     def _iteration(
         self,
@@ -349,7 +363,7 @@ class CallWrapper:
             log.error("rank %s: health check or finalize failed: %r", me, exc)
             self.coord.record_dead(it, me, Interruption.TERMINATED, f"unhealthy: {exc!r}")
             raise HealthCheckError(f"rank {me}: {exc!r}") from exc
-        _release_frames(train_ex)
+        release_frames(train_ex)
         gc.collect(1)
         self.groups.release()  # the last references: groups are destroyed without the GIL
         self.shared.iteration = it + 1  # a death from now on interrupts the next iteration
@@ -365,20 +379,6 @@ class CallWrapper:
         if me in terminated:
             raise RestartAbort(f"rank {me} was declared terminated")
         return terminated
-
-
-def _release_frames(exc: BaseException | None) -> None:
-    """Free the locals of the failed iteration's frames (its model, process group, ...).
-
-    The traceback keeps them alive; clearing the frames lets their destructors run
-    here, in the restart procedure, instead of at a random point of the next
-    iteration (a full ``gc.collect()`` would do it too, at ~0.1-0.3 s).
-    """
-    seen: set[int] = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        traceback.clear_frames(exc.__traceback__)
-        exc = exc.__cause__ or exc.__context__
 
 
 def replace_state(state: State, **changes: Any) -> State:

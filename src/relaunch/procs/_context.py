@@ -169,6 +169,8 @@ class WorkerProcesses:
         self._exitcodes: dict[int, int] = {}
         self._tailer = TeeTailer([t for s in self._specs for t in s.tee], name=name)
         self._closed = False
+        self._retired: list[int] = []
+        """Sessions of processes that died and were replaced (see :meth:`replace`)."""
         self.forked: list[int] = []
         """Local ranks whose worker was forked from the fork server."""
         self.fork_refused: str | None = None
@@ -228,6 +230,30 @@ class WorkerProcesses:
                 if fd is not None:
                     os.close(fd)
 
+    def replace(self, spec: ProcessSpec, fork_server: ForkServer | None = None) -> int:
+        """Start a new process for ``spec.local_rank`` (whose process died): forked from
+        ``fork_server`` when it is usable, else fresh. Returns its pid. The dead
+        process's session is killed with the others at :meth:`close`.
+
+        Raises WorkerError when it cannot start.
+        """
+        old = self._procs.get(spec.local_rank)
+        if old is not None:
+            self._retired.append(old.pid)
+        self._specs = [spec if s.local_rank == spec.local_rank else s for s in self._specs]
+        self._exitcodes.pop(spec.local_rank, None)
+        proc: _Process | None = None
+        server = fork_server
+        if server is not None and self._entry.is_python and server.alive():
+            reply = server.fork({spec.local_rank: self._request(spec)})[spec.local_rank]
+            if isinstance(reply, str):
+                self.fork_refused = reply
+            else:
+                proc = reply
+                self.forked.append(spec.local_rank)
+        self._procs[spec.local_rank] = proc if proc is not None else self._start_one(spec)
+        return self._procs[spec.local_rank].pid
+
     # -- watching ---------------------------------------------------------------
     def pids(self) -> dict[int, int]:
         return {rank: p.pid for rank, p in self._procs.items()}
@@ -248,7 +274,7 @@ class WorkerProcesses:
         if self._closed:
             return dict(self._exitcodes)
         self._closed = True
-        sessions = {p.pid for p in self._procs.values()}
+        sessions = {p.pid for p in self._procs.values()} | set(self._retired)
         strays = {d for pid in sessions for d in descendants(pid)}
         live = [p for p in self._procs.values() if p.poll() is None]
         for proc in live:

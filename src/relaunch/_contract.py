@@ -1,4 +1,6 @@
-"""The worker contract beyond torchrun's variables: the files an attempt's worker and the
+"""The worker contract beyond torchrun's variables (read by the agent, by
+``relaunch.inprocess`` and -- by these literal names, as it runs by path -- by the
+runner): the files an attempt's worker and the
 agent share, named in the worker's environment and written by the runner (``_warm.py``).
 
 - ``TORCHELASTIC_ERROR_FILE``: torch's error file (``@record``, or the runner when the
@@ -8,6 +10,9 @@ agent share, named in the worker's environment and written by the runner (``_war
   down: the agent treats the worker as exited with N from then on.
 - ``RELAUNCH_INPROCESS_MARKER``: exists while the worker runs under
   ``relaunch.inprocess`` (its peers go on without a lost rank).
+- ``RELAUNCH_INPROCESS_INCARNATION``: set for a replacement process of an in-process
+  rank that died (1 for its first replacement): it joins its running peers instead
+  of starting the job (``relaunch.inprocess._rejoin``).
 - ``RELAUNCH_PROGRESS_FILE`` (with ``--hang-timeout``): its mtime is the last time the
   worker's main thread ran Python code; ``RELAUNCH_STACK_FILE`` receives its Python
   stacks when the agent sends ``RELAUNCH_STACK_SIGNAL`` (faulthandler).
@@ -20,9 +25,19 @@ import os
 import signal
 from dataclasses import dataclass
 
-__all__ = ["STACK_SIGNAL", "AttemptFiles", "read_exit_file"]
+__all__ = [
+    "EXIT_FILE_ENV",
+    "INCARNATION_ENV",
+    "MARKER_ENV",
+    "STACK_SIGNAL",
+    "AttemptFiles",
+    "read_exit_file",
+]
 
 EXIT_FILE_VERSION = 1
+INCARNATION_ENV = "RELAUNCH_INPROCESS_INCARNATION"
+MARKER_ENV = "RELAUNCH_INPROCESS_MARKER"
+EXIT_FILE_ENV = "RELAUNCH_EXIT_FILE"
 STACK_SIGNAL = signal.SIGRTMIN + 5
 """The signal that makes a runner write its Python stacks (relaunch.inprocess uses +4)."""
 
@@ -52,7 +67,7 @@ class AttemptFiles:
 
     def env(self, hang_timeout: float | None) -> dict[str, str]:
         """The variables that name these files (error file excepted: torchrun's own)."""
-        env = {"RELAUNCH_INPROCESS_MARKER": self.marker, "RELAUNCH_EXIT_FILE": self.exit_file}
+        env = {MARKER_ENV: self.marker, EXIT_FILE_ENV: self.exit_file}
         if hang_timeout:
             env.update(
                 RELAUNCH_PROGRESS_FILE=self.progress_file,

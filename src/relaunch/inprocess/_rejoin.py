@@ -1,0 +1,162 @@
+"""Replacement ranks (tiered recovery): a new process takes the place of a rank that died.
+
+When a rank's process dies, its relaunch agent forks a replacement that runs the same
+script with ``RELAUNCH_INPROCESS_INCARNATION=k`` (its k-th replacement). The
+replacement's wrapper does not pass the initial barrier (its peers are long past it):
+
+1. it appends ``rank:k`` to the join requests (:meth:`CoordinationStore.request_join`);
+2. the peers restart for the death anyway; after each termination barrier every
+   peer freezes, by compare-and-set, the requests it sees (:func:`admit`): the
+   admitted ranks are back in the roster of the next iteration, with the rank
+   assignment recomputed from the initial layout, so the world is back at N;
+3. the peers publish each iteration's roster (every rank's state, versioned JSON);
+   the replacement reads the rosters from the current iteration on
+   (:func:`wait_for_admission`) and, once one holds it, takes its state and goes to
+   that iteration's barrier like everyone else. A roster published without it (the
+   peers froze before its request landed) makes it record a ``JOINED`` interruption
+   of that iteration: the peers restart once more and take it in.
+
+Deaths are per incarnation: a death record of incarnation ``j`` counts only while
+``j`` is at least the rank's admitted incarnation, so the old process's death does not
+make its replacement dead, and the replacement's own death does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Mapping
+
+from relaunch._contract import INCARNATION_ENV
+from relaunch.inprocess.attribution import Interruption, InterruptionRecord
+from relaunch.inprocess.exception import BarrierTimeoutError, InternalError
+from relaunch.inprocess.state import State, Status
+from relaunch.inprocess.store import COMPLETE, CoordinationStore
+
+__all__ = [
+    "admit",
+    "decode_roster",
+    "encode_roster",
+    "incarnation",
+    "wait_for_admission",
+]
+
+
+_VERSION = 1
+
+
+def incarnation(env: Mapping[str, str] | None = None) -> int:
+    """This process's incarnation: 0 for a rank's first process."""
+    env = os.environ if env is None else env
+    text = env.get(INCARNATION_ENV, "0") or "0"
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise InternalError(f"{INCARNATION_ENV}: expected an int >= 0, got {text!r}")
+    return value
+
+
+def encode_roster(roster: Mapping[int, State], incarnations: Mapping[int, int]) -> str:
+    """One iteration's states (by initial rank) and the admitted incarnations."""
+    states = {
+        str(r): {
+            "rank": s.rank,
+            "world_size": s.world_size,
+            "initial_world_size": s.initial_world_size,
+            "active_rank": s.active_rank,
+            "active_world_size": s.active_world_size,
+            "iteration": s.iteration,
+            "status": s.status.value,
+        }
+        for r, s in sorted(roster.items())
+    }
+    inc = {str(r): i for r, i in sorted(incarnations.items())}
+    return json.dumps({"version": _VERSION, "states": states, "incarnations": inc})
+
+
+def decode_roster(text: str) -> tuple[dict[int, State], dict[int, int]]:
+    """Parse :func:`encode_roster`'s document; InternalError naming what is wrong."""
+    try:
+        doc = json.loads(text)
+        if not isinstance(doc, dict) or doc.get("version") != _VERSION:
+            raise ValueError("unknown roster version")
+        roster: dict[int, State] = {}
+        for key, s in doc["states"].items():
+            active = s["active_rank"]
+            roster[int(key)] = State(
+                rank=int(s["rank"]),
+                world_size=int(s["world_size"]),
+                initial_rank=int(key),
+                initial_world_size=int(s["initial_world_size"]),
+                active_rank=None if active is None else int(active),
+                active_world_size=int(s["active_world_size"]),
+                iteration=int(s["iteration"]),
+                status=Status(s["status"]),
+            )
+        incarnations = {int(r): int(i) for r, i in doc["incarnations"].items()}
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise InternalError(f"corrupt roster {text[:200]!r}: {exc}") from exc
+    return roster, incarnations
+
+
+def admit(
+    coord: CoordinationStore, iteration: int, members: set[int], terminated: set[int]
+) -> dict[int, int]:
+    """Freeze (once, for every rank) the replacements taken in after ``iteration``:
+    requests of a newer incarnation than admitted, for ranks not running on."""
+    running = members - terminated
+    pending = {
+        r: inc
+        for r, inc in coord.join_requests().items()
+        if inc > coord.incarnations.get(r, 0) and r not in running
+    }
+    admitted = coord.freeze_joins(iteration, pending)
+    coord.incarnations.update(admitted)
+    return admitted
+
+
+def wait_for_admission(
+    coord: CoordinationStore,
+    initial_rank: int,
+    inc: int,
+    timeout: float,
+    poll: float,
+) -> dict[int, State] | None:
+    """Ask to join and wait for a roster that holds this incarnation; return it (the
+    states of its iteration), or None when the job completed meanwhile."""
+    coord.request_join(initial_rank, inc)
+    deadline = time.monotonic() + timeout
+    it = coord.current_iteration()
+    asked: set[int] = set()
+    while True:
+        if it is None:
+            it = coord.current_iteration()
+        elif (text := coord.roster(it)) is not None:
+            roster, incarnations = decode_roster(text)
+            if initial_rank in roster and incarnations.get(initial_rank, 0) == inc:
+                coord.incarnations.update(incarnations)
+                return roster
+            if coord.outcome(it) == COMPLETE:
+                return None
+            if it not in asked:  # the peers run without us: make them restart
+                asked.add(it)
+                coord.record_interrupted(
+                    it,
+                    InterruptionRecord(
+                        initial_rank=initial_rank,
+                        interruption=Interruption.JOINED,
+                        message=f"replacement process {os.getpid()} (incarnation {inc}) joins",
+                        incarnation=inc,
+                    ),
+                )
+            if coord.roster(it + 1) is not None:
+                it += 1
+                continue
+        if time.monotonic() >= deadline:
+            raise BarrierTimeoutError(
+                f"rank {initial_rank}: not admitted back into the job within {timeout:.3g} s"
+            )
+        time.sleep(poll)
