@@ -123,7 +123,9 @@ class Rows:
         return self.rows
 
 
-def start(kind: str, out: Path, script: str, restarts: int) -> list[subprocess.Popen[bytes]]:
+def start(
+    kind: str, out: Path, script: str, restarts: int, log_dir: str | None = None
+) -> list[subprocess.Popen[bytes]]:
     port = free_port()
     launcher = [PY, "-m", "relaunch"] if kind == "a" else [PY, "-m", "torch.distributed.run"]
     mode = "inprocess" if kind == "a" else "plain"
@@ -133,8 +135,11 @@ def start(kind: str, out: Path, script: str, restarts: int) -> list[subprocess.P
         cmd = [
             *launcher, "--nnodes=2", "--nproc-per-node=2", "--rdzv-backend=c10d",
             f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=tiered{port}",
-            f"--max-restarts={restarts}", "--monitor-interval=0.1", script, mode, str(out),
+            f"--max-restarts={restarts}", "--monitor-interval=0.1",
         ]  # fmt: skip
+        if log_dir is not None and kind == "a":
+            cmd.append(f"--log-dir={os.path.join(log_dir, f'node{node}')}")
+        cmd += [script, mode, str(out)]
         with (out / f"launcher{node}.txt").open("wb") as log:
             procs.append(
                 subprocess.Popen(
@@ -186,7 +191,7 @@ def run(kind: str, args: argparse.Namespace, script: str) -> tuple[list[Fault], 
     faults: list[Fault] = []
     with tempfile.TemporaryDirectory(prefix="relaunch_tiered_") as tmp:
         out = Path(tmp)
-        procs = start(kind, out, script, args.faults + 1)
+        procs = start(kind, out, script, args.faults + 1, args.log_dir)
         rows = Rows(out)
         try:
             wait_until(
@@ -233,6 +238,7 @@ def main() -> None:
     parser.add_argument("--load", type=int, default=0, help="busy processes beside the job")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--cases", default="ab")
+    parser.add_argument("--log-dir", help="keep relaunch's logs (events, fork server) here")
     args = parser.parse_args()
     load = [
         subprocess.Popen([PY, "-c", "while True: pass"], start_new_session=True)

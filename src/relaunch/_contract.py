@@ -13,6 +13,8 @@ agent share, named in the worker's environment and written by the runner (``_war
 - ``RELAUNCH_INPROCESS_INCARNATION``: set for a replacement process of an in-process
   rank that died (1 for its first replacement): it joins its running peers instead
   of starting the job (``relaunch.inprocess._rejoin``).
+- ``RELAUNCH_INPROCESS_JOIN_WAIT``: set when the agent replaces dead in-process ranks
+  (``--max-restarts`` > 0): how long a restart waits for a replacement's join request.
 - ``RELAUNCH_PROGRESS_FILE`` (with ``--hang-timeout``): its mtime is the last time the
   worker's main thread ran Python code; ``RELAUNCH_STACK_FILE`` receives its Python
   stacks when the agent sends ``RELAUNCH_STACK_SIGNAL`` (faulthandler).
@@ -28,6 +30,8 @@ from dataclasses import dataclass
 __all__ = [
     "EXIT_FILE_ENV",
     "INCARNATION_ENV",
+    "JOIN_WAIT",
+    "JOIN_WAIT_ENV",
     "MARKER_ENV",
     "STACK_SIGNAL",
     "AttemptFiles",
@@ -37,6 +41,10 @@ __all__ = [
 EXIT_FILE_VERSION = 1
 INCARNATION_ENV = "RELAUNCH_INPROCESS_INCARNATION"
 MARKER_ENV = "RELAUNCH_INPROCESS_MARKER"
+JOIN_WAIT_ENV = "RELAUNCH_INPROCESS_JOIN_WAIT"
+JOIN_WAIT = 2.0
+"""Seconds in-process peers wait, in a restart after a death, for the replacement the
+agent starts (it joins in that restart instead of causing another)."""
 EXIT_FILE_ENV = "RELAUNCH_EXIT_FILE"
 STACK_SIGNAL = signal.SIGRTMIN + 5
 """The signal that makes a runner write its Python stacks (relaunch.inprocess uses +4)."""

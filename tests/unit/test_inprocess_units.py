@@ -56,6 +56,7 @@ def test_public_names_are_pinned() -> None:
             "Status",
             "Wrapper",
             "WrapperConfig",
+            "broadcast_state",
             "rank_assignment",
             "rank_filter",
         ]

@@ -12,6 +12,7 @@ import os
 import time
 from collections.abc import Callable
 
+from relaunch._contract import JOIN_WAIT, JOIN_WAIT_ENV
 from relaunch.agent._attempt import Slot, attempt_workers, replacement
 from relaunch.agent._forking import NodeForkServer
 from relaunch.agent._spec import WorkerGroup, WorkerSpec, WorkerState
@@ -56,6 +57,8 @@ class NodeWorkers:
         if self._timer is not None:
             extra["TORCHELASTIC_ENABLE_FILE_TIMER"] = "1"
             extra["TORCHELASTIC_TIMER_FILE"] = self._timer.path
+        if spec.max_restarts > 0 and spec.entrypoint.is_python:
+            extra[JOIN_WAIT_ENV] = str(JOIN_WAIT)  # dead in-process ranks are replaced
         self.slots, specs = attempt_workers(
             spec,
             group,

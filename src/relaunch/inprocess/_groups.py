@@ -16,7 +16,7 @@ import threading
 import traceback
 from typing import Any
 
-__all__ = ["GroupRefs", "live_groups", "release_frames"]
+__all__ = ["GroupRefs", "live_groups", "release_frames", "reset_group_names"]
 
 
 def live_groups() -> list[Any]:
@@ -72,3 +72,23 @@ def release_frames(exc: BaseException | None) -> None:
         seen.add(id(exc))
         traceback.clear_frames(exc.__traceback__)
         exc = exc.__cause__ or exc.__context__
+
+
+def reset_group_names() -> None:
+    """Restart torch's process-group naming when no default group exists.
+
+    torch names an unnamed group by a per-process counter (the default group is
+    ``"0"`` in a fresh process), and the group's store keys live under that name. An
+    ``init_process_group`` interrupted by a restart leaves the counter incremented
+    with no group, so a survivor would name its next default group ``"1"`` while a
+    replacement process names it ``"0"``: they would wait on different keys forever.
+    Called before every iteration, it keeps survivors and replacements in step.
+    """
+    try:
+        import torch.distributed as dist
+        from torch.distributed import distributed_c10d as c10d
+    except ImportError:  # pragma: no cover - torch without distributed
+        return
+    world: Any = getattr(c10d, "_world", None)
+    if dist.is_available() and not dist.is_initialized() and hasattr(world, "group_count"):
+        world.group_count = 0

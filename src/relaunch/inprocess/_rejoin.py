@@ -28,7 +28,7 @@ import os
 import time
 from collections.abc import Mapping
 
-from relaunch._contract import INCARNATION_ENV
+from relaunch._contract import INCARNATION_ENV, JOIN_WAIT_ENV
 from relaunch.inprocess.attribution import Interruption, InterruptionRecord
 from relaunch.inprocess.exception import BarrierTimeoutError, InternalError
 from relaunch.inprocess.state import State, Status
@@ -57,6 +57,16 @@ def incarnation(env: Mapping[str, str] | None = None) -> int:
     if value < 0:
         raise InternalError(f"{INCARNATION_ENV}: expected an int >= 0, got {text!r}")
     return value
+
+
+def join_wait(env: Mapping[str, str] | None = None) -> float:
+    """Seconds a restart waits for the replacements of the ranks it lost: the relaunch
+    agent sets ``RELAUNCH_INPROCESS_JOIN_WAIT`` when it replaces dead ranks; 0 else."""
+    env = os.environ if env is None else env
+    try:
+        return max(0.0, float(env.get(JOIN_WAIT_ENV, "0") or "0"))
+    except ValueError:
+        return 0.0
 
 
 def encode_roster(roster: Mapping[int, State], incarnations: Mapping[int, int]) -> str:
@@ -108,11 +118,18 @@ def admit(
     """Freeze (once, for every rank) the replacements taken in after ``iteration``:
     requests of a newer incarnation than admitted, for ranks not running on."""
     running = members - terminated
-    pending = {
-        r: inc
-        for r, inc in coord.join_requests().items()
-        if inc > coord.incarnations.get(r, 0) and r not in running
-    }
+    deadline = time.monotonic() + (join_wait() if terminated else 0.0)
+    while True:
+        pending = {
+            r: inc
+            for r, inc in coord.join_requests().items()
+            if inc > coord.incarnations.get(r, 0) and r not in running
+        }
+        # The agent replaces a dead rank within a few hundred ms: wait for it here,
+        # so that it joins in this restart instead of causing one more.
+        if terminated <= set(pending) or time.monotonic() >= deadline:
+            break
+        time.sleep(0.005)
     admitted = coord.freeze_joins(iteration, pending)
     coord.incarnations.update(admitted)
     return admitted

@@ -9,12 +9,13 @@ from __future__ import annotations
 import abc
 import datetime
 import logging
+import threading
 
 from relaunch.inprocess import _sockets
 from relaunch.inprocess._groups import live_groups
 from relaunch.inprocess.state import State
 
-__all__ = ["Abort", "AbortTorchDistributed"]
+__all__ = ["Abort", "AbortTorchDistributed", "destroy_default_group"]
 
 log = logging.getLogger(__name__)
 
@@ -53,15 +54,27 @@ class AbortTorchDistributed(Abort):
         if self.shutdown_sockets:
             count = _sockets.shutdown_new_connections()
             log.debug("rank %s: shut down %s connections", state.initial_rank, count)
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception as exc:  # a broken group still has to go
-                log.debug("destroy_process_group failed: %s", exc)
+        if threading.current_thread() is threading.main_thread():
+            destroy_default_group()
+        # From the monitor thread the group stays until the main thread has left the
+        # function (the wrapper calls destroy_default_group then): destroying shuts
+        # the group's worker threads down, and a collective the main thread queued
+        # but the workers had not started would never complete: Work::wait forever.
         return state
 
     def __repr__(self) -> str:
         return f"AbortTorchDistributed(shutdown_sockets={self.shutdown_sockets})"
+
+
+def destroy_default_group() -> None:
+    """Destroy the default process group if there is one (from the main thread)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception as exc:  # a broken group still has to go
+            log.debug("destroy_process_group failed: %s", exc)
 
 
 _EXPIRED = datetime.timedelta(milliseconds=1)

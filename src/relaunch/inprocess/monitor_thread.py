@@ -112,6 +112,11 @@ class MainThreadControl:
         return True
 
 
+REABORT_AFTER = 0.25
+"""Seconds after an abort before the monitor thread aborts again, while the main
+thread has not left the function."""
+
+
 class MonitorThread:
     """Watches one iteration of one rank (see module docstring)."""
 
@@ -127,6 +132,7 @@ class MonitorThread:
         shared: SharedProgress,
         control: MainThreadControl,
         abort: Callable[[], None],
+        reabort: Callable[[], None] | None = None,
         groups: GroupRefs | None = None,
     ) -> None:
         self.coord = coord
@@ -138,6 +144,8 @@ class MonitorThread:
         self.shared = shared
         self.control = control
         self.abort = abort
+        self.reabort = reabort
+        self._aborted_at = 0.0
         self.groups = groups
         self.triggered = threading.Event()
         self._stop = threading.Event()
@@ -157,6 +165,7 @@ class MonitorThread:
                 if self.triggered.is_set():
                     with self.control.lock:  # re-deliver if swallowed or deferred
                         self._deferred = self.control.in_fn and not self.control.interrupt()
+                        self._abort_again()
                     continue
                 if self.groups is not None:
                     self.groups.take()  # see _groups: released after the iteration
@@ -204,11 +213,30 @@ class MonitorThread:
             return True
         return False
 
+    def _abort_again(self) -> None:
+        """Abort again while the main thread stays in the function (every
+        ``REABORT_AFTER`` s): a group created, or a connection made, after the last
+        abort (an abort that landed during ``init_process_group``) is released too."""
+        if not self.control.in_fn or self.reabort is None:
+            return
+        now = time.monotonic()
+        if now - self._aborted_at < REABORT_AFTER:
+            return
+        self._aborted_at = now
+        log.debug(
+            "rank %s: still in the function after the abort: aborting again", self.initial_rank
+        )
+        try:
+            self.reabort()
+        except Exception:
+            log.exception("rank %s: abort failed", self.initial_rank)
+
     def _trigger(self) -> None:
         with self.control.lock:  # never inside atomic()
             if self._stop.is_set() or self.triggered.is_set():
                 return
             self.triggered.set()
+            self._aborted_at = time.monotonic()
             try:
                 self.abort()
             finally:

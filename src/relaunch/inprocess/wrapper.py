@@ -13,11 +13,12 @@ from typing import Any, TypeVar
 
 from relaunch.inprocess import _sockets
 from relaunch.inprocess._env import announce_to_agent, namespace, resolve_store, tcp_client_factory
-from relaunch.inprocess._groups import GroupRefs, release_frames
+from relaunch.inprocess._groups import GroupRefs, release_frames, reset_group_names
 from relaunch.inprocess._params import call_wrapper_parameter, run_callbacks
 from relaunch.inprocess._rejoin import admit, encode_roster, incarnation, wait_for_admission
 from relaunch.inprocess._rendezvous import EnvRendezvousPatch
 from relaunch.inprocess._roster import assign, initial_state, readmit
+from relaunch.inprocess.abort import destroy_default_group
 from relaunch.inprocess.attribution import Interruption, InterruptionRecord
 from relaunch.inprocess.config import WrapperConfig
 from relaunch.inprocess.exception import HealthCheckError, RankShouldRestart, RestartAbort
@@ -294,6 +295,7 @@ class CallWrapper:
             shared=self.shared,
             control=self.control,
             abort=self._abort_once,
+            reabort=self._abort_again,
             groups=self.groups,
         )
         monitor.start()
@@ -322,6 +324,7 @@ class CallWrapper:
         outcome: tuple[str, Any] | None = None
         try:
             try:
+                reset_group_names()
                 self.control.enter()
                 self.state = run_callbacks(self.config.initialize, self.state)
                 outcome = ("ok", fn(*args, **kwargs))
@@ -335,6 +338,11 @@ class CallWrapper:
             return "restart", cause
         assert outcome is not None
         return outcome
+
+    def _abort_again(self) -> None:
+        """The abort callbacks once more (from the monitor thread, see MonitorThread)."""
+        self.groups.take()
+        self.state = run_callbacks(self.config.abort, self.state)
 
     def _abort_once(self) -> None:
         with self._abort_lock:
@@ -355,6 +363,7 @@ class CallWrapper:
         # a rank stuck in C here is killed and the others go on without it.
         self.shared.arm()
         self._abort_once()
+        destroy_default_group()  # here, not in the monitor thread (see abort.py)
         log.debug("rank %s: aborted", me)
         try:
             self.state = run_callbacks(cfg.finalize, self.state, train_ex)
