@@ -207,3 +207,52 @@ def test_fault_counter_terminates_after_too_many_faults() -> None:
     counter(state, RuntimeError())
     with pytest.raises(RuntimeError):
         counter(state, RuntimeError())
+
+
+def test_cuda_health_check_takes_nvidias_timeout() -> None:
+    check = inprocess.CudaHealthCheck(timeout=datetime.timedelta(seconds=3))
+    assert check.timeout == datetime.timedelta(seconds=3)
+    state = State(rank=0, world_size=1, initial_rank=0, initial_world_size=1)
+    assert check(state, None) is state  # CUDA not initialized here: nothing to check
+    with pytest.raises(ConfigError, match="timeout"):
+        inprocess.CudaHealthCheck(timeout=5)  # type: ignore[arg-type]
+
+
+def test_rosters_round_trip_and_corrupt_ones_are_named() -> None:
+    from relaunch.inprocess._rejoin import decode_roster, encode_roster
+
+    roster = {
+        r: State(rank=r, world_size=3, initial_rank=r, initial_world_size=4, iteration=5)
+        for r in (0, 2, 3)
+    }
+    states, incarnations = decode_roster(encode_roster(roster, {2: 1}))
+    assert states == roster and incarnations == {2: 1}
+    with pytest.raises(InProcessError, match="corrupt roster"):
+        decode_roster('{"version": 1, "states": {"0": {"rank": "x"}}, "incarnations": {}}')
+    with pytest.raises(InProcessError, match="corrupt roster"):
+        decode_roster('{"version": 2}')
+
+
+def test_death_records_count_for_their_incarnation_only() -> None:
+    from relaunch.inprocess.store import CoordinationStore
+
+    class Fake:
+        def __init__(self) -> None:
+            self.kv: dict[str, str] = {}
+
+        def append(self, key: str, value: str) -> None:
+            self.kv[key] = self.kv.get(key, "") + value
+
+        def multi_get(self, keys: list[str]) -> list[bytes]:
+            return [self.kv.get(k, "").encode() for k in keys]
+
+    coord = CoordinationStore(Fake(), "ns")  # type: ignore[arg-type]
+    coord.record_dead(0, 1, Interruption.TERMINATED, "first process died")
+    assert coord.dead_ranks() == {1}
+    coord.incarnations[1] = 1  # its replacement was admitted
+    assert coord.dead_ranks() == set()
+    coord.record_dead(3, 1, Interruption.TERMINATED, "the replacement died")
+    assert coord.dead_ranks() == {1}
+    coord.request_join(1, 2)
+    coord.request_join(2, 1)
+    assert coord.join_requests() == {1: 2, 2: 1}

@@ -8,7 +8,9 @@ the iteration (or None).
 from __future__ import annotations
 
 import abc
+import datetime
 import logging
+import threading
 
 from relaunch.inprocess.state import State
 
@@ -44,15 +46,35 @@ class HealthCheck(abc.ABC):
 class CudaHealthCheck(HealthCheck):
     """Synchronize the current CUDA device; skipped unless CUDA was initialized.
 
-    On a CPU-only machine (or when the job never touched CUDA) this does nothing,
-    so a ``LOCAL_RANK`` without a GPU does not fail the restart.
+    ``timeout`` (NVIDIA's parameter, default 30 s): a device that does not finish its
+    work in time fails the check (the rank leaves). On a CPU-only machine (or when
+    the job never touched CUDA) this does nothing, so a ``LOCAL_RANK`` without a GPU
+    does not fail the restart.
     """
+
+    def __init__(self, timeout: datetime.timedelta = datetime.timedelta(seconds=30)) -> None:
+        from relaunch.errors import ConfigError
+
+        if not isinstance(timeout, datetime.timedelta) or timeout.total_seconds() <= 0:
+            raise ConfigError(f"timeout: expected a positive datetime.timedelta, got {timeout!r}")
+        self.timeout = timeout
 
     def __call__(self, state: State, train_ex: BaseException | None) -> State:
         import torch
 
-        if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+        if not (torch.cuda.is_available() and torch.cuda.is_initialized()):  # type: ignore[no-untyped-call]
+            return state
+        done = threading.Event()
+
+        def synchronize() -> None:
             torch.cuda.synchronize()
+            done.set()
+
+        # A daemon thread: a device that never finishes leaves it blocked, and the
+        # rank, which fails this check, leaves the job.
+        threading.Thread(target=synchronize, name="relaunch-cuda-health", daemon=True).start()
+        if not done.wait(self.timeout.total_seconds()):
+            raise TimeoutError(f"CUDA device did not synchronize within {self.timeout}")
         return state
 
 
