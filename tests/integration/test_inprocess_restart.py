@@ -183,6 +183,19 @@ def test_exception_restarts_all_ranks_in_process() -> None:
 
 
 @pytest.mark.timeout(90)
+def test_a_silent_call_without_hang_protection_is_not_a_hang() -> None:
+    # soft 2 s, hard 4 s: a 5 s sleep inside disable_hang_protection() on every rank
+    # (a checkpoint save, say) restarts nothing
+    faults = [{"iteration": 0, "rank": r, "kind": "unprotected", "step": 2} for r in (0, 1)]
+    ranks = run_job(2, faults)
+    report = _report(ranks)
+    for rank in ranks:
+        assert rank.proc.returncode == 0, report
+        assert starts(rank) == [(0, rank.initial, 2)], report
+        assert_clean(rank)
+
+
+@pytest.mark.timeout(90)
 def test_two_successive_faults() -> None:
     faults = [
         {"iteration": 0, "rank": 1, "kind": "exception", "step": 1},

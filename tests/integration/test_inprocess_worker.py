@@ -156,6 +156,9 @@ def _inject(kind: str, call_wrapper: object) -> None:
         os.kill(os.getpid(), signal.SIGSTOP)
     if kind == "sigkill":
         os.kill(os.getpid(), signal.SIGKILL)
+    if kind == "unprotected":  # silent past the hard timeout, with hang protection off
+        with call_wrapper.disable_hang_protection():  # type: ignore[attr-defined]
+            time.sleep(5.0)
     if kind == "atomic":
         with call_wrapper.atomic():  # type: ignore[attr-defined]
             _emit(event="atomic_enter")

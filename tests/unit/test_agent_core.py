@@ -237,3 +237,38 @@ def test_a_lost_worker_on_a_node_of_group_rank_1_is_lost_once(tmp_path: Path) ->
     for _ in range(3):  # every later poll: nothing new
         later = observe(slots, codes, watch_progress=False, stop_signal=None, nodes_waiting=0)
         assert decide(later, POLICY) == Monitor()
+
+
+# -- replacements (tiered recovery) ---------------------------------------------------------
+RESPAWN = Policy(max_restarts=2, max_respawns=2)
+
+
+def test_a_killed_inprocess_worker_is_replaced_within_the_budget() -> None:
+    ranks = with_rank(
+        running(3, inprocess=True),
+        RankView(local_rank=2, exitcode=-signal.SIGKILL, inprocess=True, respawns=1),
+    )
+    assert decide(obs(ranks), RESPAWN) == DropRanks((2,), respawn=(2,))
+
+
+def test_a_worker_past_its_replacements_is_dropped_for_good() -> None:
+    ranks = with_rank(
+        running(3, inprocess=True),
+        RankView(local_rank=2, exitcode=-signal.SIGSEGV, inprocess=True, respawns=2),
+    )
+    assert decide(obs(ranks), RESPAWN) == DropRanks((2,), respawn=())
+
+
+def test_a_worker_the_wrapper_terminated_is_not_replaced() -> None:
+    # exit status 1: the wrapper let it go (a failed health check), it did not crash
+    ranks = with_rank(
+        running(2, inprocess=True), RankView(local_rank=0, exitcode=1, inprocess=True)
+    )
+    assert decide(obs(ranks), RESPAWN) == DropRanks((0,), respawn=())
+
+
+def test_no_replacements_without_a_restart_budget() -> None:
+    ranks = with_rank(
+        running(2, inprocess=True), RankView(local_rank=0, exitcode=-9, inprocess=True)
+    )
+    assert decide(obs(ranks), POLICY) == DropRanks((0,), respawn=())

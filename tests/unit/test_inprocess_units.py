@@ -256,3 +256,17 @@ def test_death_records_count_for_their_incarnation_only() -> None:
     coord.request_join(1, 2)
     coord.request_join(2, 1)
     assert coord.join_requests() == {1: 2, 2: 1}
+
+
+def test_store_kwargs_take_nvidias_timeout() -> None:
+    from relaunch.inprocess._env import resolve_store
+
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+    kw = {"timeout": datetime.timedelta(seconds=7)}
+    assert resolve_store(kw, 60.0, env).timeout == 7.0
+    assert resolve_store({"timeout": 3}, 60.0, env).timeout == 3.0
+    assert resolve_store({}, 60.0, env).timeout == 60.0
+    with pytest.raises(ConfigError, match=r"store_kwargs\['timeout'\]"):
+        resolve_store({"timeout": -1}, 60.0, env)
+    with pytest.raises(ConfigError, match="expected host, port, timeout"):
+        resolve_store({"bogus": 1}, 60.0, env)

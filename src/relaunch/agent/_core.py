@@ -191,7 +191,14 @@ def decide(obs: Observation, policy: Policy) -> Action:
             return RestartGroup(failed=tuple(sorted((hang.local_rank, *lost))), hang=hang)
     if dropped:
         views = {v.local_rank: v for v in obs.ranks}
-        respawn = tuple(lr for lr in dropped if views[lr].respawns < policy.max_respawns)
+        # Only a process that died (a signal: SIGKILL, SIGSEGV, an OOM kill, the hard
+        # timeout) is replaced; one that exited with a status (the wrapper terminated
+        # it, say for a failed health check) stays out.
+        respawn = tuple(
+            lr
+            for lr in dropped
+            if (views[lr].exitcode or 0) < 0 and views[lr].respawns < policy.max_respawns
+        )
         return DropRanks(dropped, respawn)
     if obs.ranks and all(v.exitcode is not None for v in obs.ranks):
         if len(lost) == len(obs.ranks):

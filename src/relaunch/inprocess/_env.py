@@ -85,10 +85,25 @@ def resolve_store(
         port = int(port_text)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"store_kwargs['port']: expected an int, got {port_text!r}") from exc
-    unknown = set(store_kwargs) - {"host", "port"}
+    unknown = set(store_kwargs) - {"host", "port", "timeout"}
     if unknown:
-        raise ConfigError(f"store_kwargs: unknown keys {sorted(unknown)}; expected host, port")
+        raise ConfigError(
+            f"store_kwargs: unknown keys {sorted(unknown)}; expected host, port, timeout"
+        )
+    if "timeout" in store_kwargs:
+        timeout = _seconds(store_kwargs["timeout"])
     return StoreEndpoint(host=str(host), port=port, hosted_by_rank0=not agent, timeout=timeout)
+
+
+def _seconds(value: object) -> float:
+    """``store_kwargs['timeout']``: a timedelta (NVIDIA's type) or seconds, > 0."""
+    seconds = value.total_seconds() if isinstance(value, datetime.timedelta) else value
+    if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not seconds > 0:
+        raise ConfigError(
+            f"store_kwargs['timeout']: expected a positive datetime.timedelta or seconds, "
+            f"got {value!r}"
+        )
+    return float(seconds)
 
 
 def tcp_client_factory(endpoint: StoreEndpoint) -> Callable[[], Any]:

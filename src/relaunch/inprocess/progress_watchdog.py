@@ -15,12 +15,14 @@ monitor process is forked, so the monitor process reads the same timestamps
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import mmap
 import struct
 import threading
 import time
+from collections.abc import Iterator
 
 __all__ = ["ProgressWatchdog", "SharedProgress"]
 
@@ -88,6 +90,21 @@ class SharedProgress:
         """Progress timeouts apply from now on, counted from now."""
         self.reset()
         self.armed = 1
+
+    @contextlib.contextmanager
+    def unarmed(self) -> Iterator[None]:
+        """No progress timeout inside the block; progress counts from its end."""
+        armed = self.armed
+        self.armed = 0
+        try:
+            yield
+        finally:
+            if armed:
+                now = time.monotonic()
+                self.auto_ts = now
+                if self.ping_ts > 0:
+                    self.ping_ts = now
+                self.armed = armed
 
     def close(self) -> None:
         self._map.close()

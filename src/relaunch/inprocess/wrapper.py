@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import gc
 import logging
@@ -161,6 +160,12 @@ class CallWrapper:
     def ping(self) -> None:
         """Report progress; after the first ping, a rank that stops pinging times out."""
         self.watchdog.ping()
+
+    def disable_hang_protection(self) -> contextlib.AbstractContextManager[None]:
+        """No soft or hard timeout inside the block (a long, legitimately silent call:
+        a checkpoint save); progress counts again from its end. Faults of other ranks
+        still interrupt it."""
+        return self.shared.unarmed()
 
     @contextlib.contextmanager
     def atomic(self) -> Iterator[None]:
@@ -388,8 +393,3 @@ class CallWrapper:
         if me in terminated:
             raise RestartAbort(f"rank {me} was declared terminated")
         return terminated
-
-
-def replace_state(state: State, **changes: Any) -> State:
-    """``dataclasses.replace`` for a :class:`State` (convenience for callbacks)."""
-    return dataclasses.replace(state, **changes)
