@@ -45,13 +45,17 @@ crash = args.get("crash")  # "<rank>:<step>": that rank exits 3 at that step, in
 go = args.get("go")  # a file: train on until it exists, then ``steps`` more steps
 step = done = 0
 while True:
-    t = torch.tensor([float(rank + 1)])
+    # The go file is seen through the all_reduce: every rank stops after the same step
+    # (each checking it alone, one could stop a step early and wait in the barrier
+    # while another waited in its all_reduce: a timeout and a restart).
+    t = torch.tensor([float(rank + 1), float(bool(go) and os.path.exists(go))])
     dist.all_reduce(t)
-    log.write(f"step {node} {restart} {rank} {world} {step} {int(t.item())}\n")
+    go_seen = t[1].item() > 0
+    log.write(f"step {node} {restart} {rank} {world} {step} {int(t[0].item())}\n")
     if crash and restart == "0" and crash == f"{rank}:{step}":
         os._exit(3)
     step += 1
-    if (until_world and world != until_world) or (go and not os.path.exists(go)):
+    if (until_world and world != until_world) or (go and not go_seen):
         time.sleep(0.05)  # trains on at this size until the agents restart us
         continue
     done += 1
