@@ -2,6 +2,7 @@
 
     python examples/inprocess_ddp.py --spawn 3      # plain processes, no launcher
     relaunch --standalone --nproc-per-node 3 examples/inprocess_ddp.py
+    relaunch --standalone --nproc-per-node 3 --max-restarts 1 examples/inprocess_ddp.py
     python -m torch.distributed.run --standalone --nproc-per-node 3 examples/inprocess_ddp.py
 
 Faults are injected on rank 1 (set ``--no-faults`` to train quietly):
@@ -11,7 +12,10 @@ Every rank keeps an in-memory checkpoint of the model at each step, so a restart
 resumes from the last step every surviving rank completed, with no file I/O, no
 new process and no re-import.
 
-torchrun stops every worker when one dies, so under torchrun the job survives the
+Under ``relaunch --max-restarts 1`` the SIGKILLed rank is replaced: its agent forks a
+new process that joins the next iteration and takes the checkpoint of a surviving rank
+(``inprocess.broadcast_state``), so the job finishes at 3 ranks, from the step it was
+at. torchrun stops every worker when one dies, so under torchrun the job survives the
 exception and the hang, and the SIGKILL ends it. With ``--spawn`` (standalone: the
 coordination store is hosted by rank 0's monitor process) it survives all three.
 """
@@ -76,6 +80,19 @@ def make_train(args: argparse.Namespace, ckpt: Checkpoint) -> Any:
         assert call_wrapper is not None
         dist.init_process_group("gloo")
         rank, world = dist.get_rank(), dist.get_world_size()
+        # A replacement process (relaunch --max-restarts N replaces a rank whose process
+        # died) starts with nothing: it takes the checkpoint of a surviving rank, in
+        # memory. With no new rank this returns at once, without a collective.
+        state = inprocess.broadcast_state(
+            call_wrapper,
+            {
+                "model": ckpt.model.state_dict(),
+                "optimizer": ckpt.optimizer_state,
+                "step": ckpt.step,
+            },
+        )
+        ckpt.model.load_state_dict(state["model"])
+        ckpt.optimizer_state, ckpt.step = state["optimizer"], state["step"]
         model = DistributedDataParallel(copy.deepcopy(ckpt.model))
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
         if ckpt.optimizer_state is not None:
