@@ -31,3 +31,22 @@ def test_inprocess_job_survives_exception_hang_and_sigkill_under_relaunch(tmp_pa
     assert [(x["local_rank"], x["exitcode"]) for x in lost] == [(1, -9)]
     assert "workers_succeeded" in names
     assert r.stderr.count("finished: loss") == 2
+
+
+@pytest.mark.timeout(240)
+def test_the_sigkilled_rank_is_replaced_with_a_restart_budget(tmp_path: Path) -> None:
+    logs = tmp_path / "logs"
+    r = subprocess.run(
+        [sys.executable, "-m", "relaunch", "--standalone", "--nproc-per-node=3",
+         "--max-restarts=1", f"--log-dir={logs}", str(EXAMPLE)],
+        capture_output=True, text=True, timeout=220, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-4000:]
+    events = [json.loads(x) for x in next(logs.glob("*/events.jsonl")).read_text().splitlines()]
+    names = [e["name"] for e in events]
+    assert names.count("workers_started") == 1, names  # no process restart of the group
+    respawned = [e["metadata"] for e in events if e["name"] == "worker_respawned"]
+    assert [(m["local_rank"], m["incarnation"]) for m in respawned] == [(1, 1)]
+    # all three finish, the replacement from the survivors' step, not from step 0
+    assert r.stderr.count("finished: loss") == 3, r.stderr[-4000:]
+    assert "rank 1 of 3 resumes at step 0" not in r.stderr.split("injecting sigkill")[-1]
