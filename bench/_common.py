@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -9,7 +10,10 @@ import socket
 import statistics
 import subprocess
 import sys
+from collections.abc import Callable
+from pathlib import Path
 from types import FrameType
+from typing import Any
 
 
 def _exit_on(signum: int, frame: FrameType | None) -> None:
@@ -66,3 +70,32 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+class JsonLines:
+    """The JSON lines processes append to ``out/*.log``, read incrementally: each poll
+    parses only what was appended since the last one (a line being written waits),
+    so watching a job that logs every step costs the cores it shares little.
+    ``annotate(path, record)`` may add fields from the file's name."""
+
+    def __init__(
+        self,
+        out: Path,
+        annotate: Callable[[Path, dict[str, Any]], dict[str, Any]] = lambda path, row: row,
+    ) -> None:
+        self.out = out
+        self.rows: list[dict[str, Any]] = []
+        self._annotate = annotate
+        self._offsets: dict[Path, int] = {}
+
+    def poll(self) -> list[dict[str, Any]]:
+        for path in sorted(self.out.glob("*.log")):
+            with path.open("rb") as f:
+                f.seek(self._offsets.get(path, 0))
+                data = f.read()
+            end = data.rfind(b"\n") + 1
+            self._offsets[path] = self._offsets.get(path, 0) + end
+            for line in data[:end].splitlines():
+                if line:
+                    self.rows.append(self._annotate(path, json.loads(line)))
+        return self.rows

@@ -18,7 +18,6 @@ pairs; the spread of the runs is the noise floor). Run by hand, not in CI.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import socket
@@ -31,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import fmt, in_loopback_netns, median
+from _common import JsonLines, fmt, in_loopback_netns, median
 
 PY = sys.executable
 LAUNCHERS = {
@@ -110,33 +109,14 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-class _Events:
-    """The JSON lines the ranks append to ``<rank>.<pid>.log``, read incrementally.
+def _events(out: Path) -> JsonLines:
+    """The ranks' records in ``<rank>.<pid>.log``, with the rank and pid of the file."""
 
-    Each poll parses only what was appended since the last one, so watching a job
-    that logs every step costs the watcher (and the cores the workers share) little.
-    """
+    def annotate(path: Path, row: dict[str, Any]) -> dict[str, Any]:
+        rank, pid = (int(x) for x in path.name.split(".")[:2])
+        return {**row, "rank": rank, "pid": pid}
 
-    def __init__(self, out: Path) -> None:
-        self.out = out
-        self.rows: list[dict[str, Any]] = []
-        self._offsets: dict[Path, int] = {}
-        self._partial: dict[Path, bytes] = {}
-
-    def poll(self) -> list[dict[str, Any]]:
-        for path in sorted(self.out.glob("*.log")):
-            rank, pid = (int(x) for x in path.name.split(".")[:2])
-            with path.open("rb") as f:
-                f.seek(self._offsets.get(path, 0))
-                chunk = self._partial.pop(path, b"") + f.read()
-                self._offsets[path] = f.tell()
-            *lines, rest = chunk.split(b"\n")
-            if rest:
-                self._partial[path] = rest  # a line being written
-            for line in lines:
-                if line:
-                    self.rows.append({**json.loads(line), "rank": rank, "pid": pid})
-        return self.rows
+    return JsonLines(out, annotate)
 
 
 def _trained_again(rows: list[dict[str, Any]], t0: float) -> dict[int, float]:
@@ -225,7 +205,7 @@ def recovery(launcher: str, mode: str, fault: str, args: argparse.Namespace, scr
         procs = _start(launcher, args, script, argv, out)
         try:
             deadline = time.monotonic() + args.pg_timeout * 3 + 180
-            events = _Events(out)
+            events = _events(out)
             survivors = 3 if fault == "sigkill" and mode == "inprocess" else 4
             while time.monotonic() < deadline:
                 rows = events.poll()
@@ -259,7 +239,7 @@ def _loop_seconds_per_step(
                 proc.wait(600)
         finally:
             _stop(procs)
-        loops = [r for r in _Events(out).poll() if r["kind"] == "loop"]
+        loops = [r for r in _events(out).poll() if r["kind"] == "loop"]
         if not loops:
             raise RuntimeError(f"{launcher}/{mode}: no training loop finished\n" + _tails(out))
         per_step = median([float(r["seconds"]) / float(r["steps"]) for r in loops])

@@ -23,7 +23,6 @@ restarted (pids of ranks that were not killed). Run by hand, not in CI.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import signal
@@ -37,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import fmt, free_port, in_loopback_netns, median
+from _common import JsonLines, fmt, free_port, in_loopback_netns, median
 
 PY = sys.executable
 TRAIN = textwrap.dedent(
@@ -104,25 +103,6 @@ class Fault:
     healthy_restarted: int
 
 
-class Rows:
-    """The step records of every process, read incrementally."""
-
-    def __init__(self, out: Path) -> None:
-        self.out = out
-        self.rows: list[dict[str, Any]] = []
-        self._offsets: dict[Path, int] = {}
-
-    def poll(self) -> list[dict[str, Any]]:
-        for path in sorted(self.out.glob("*.log")):
-            with path.open("rb") as f:
-                f.seek(self._offsets.get(path, 0))
-                data = f.read()
-            end = data.rfind(b"\n") + 1
-            self._offsets[path] = self._offsets.get(path, 0) + end
-            self.rows += [json.loads(line) for line in data[:end].splitlines() if line]
-        return self.rows
-
-
 def start(
     kind: str, out: Path, script: str, restarts: int, log_dir: str | None = None
 ) -> list[subprocess.Popen[bytes]]:
@@ -175,7 +155,7 @@ def wait_until(predicate: Any, timeout: float, what: str, out: Path) -> None:
 
 
 def again(
-    rows: Rows, t0: float, before: dict[int, tuple[int, int]]
+    rows: JsonLines, t0: float, before: dict[int, tuple[int, int]]
 ) -> dict[int, dict[str, Any]] | None:
     """Each rank's first step at full size after ``t0`` in a new process or iteration."""
     first: dict[int, dict[str, Any]] = {}
@@ -192,7 +172,7 @@ def run(kind: str, args: argparse.Namespace, script: str) -> tuple[list[Fault], 
     with tempfile.TemporaryDirectory(prefix="relaunch_tiered_") as tmp:
         out = Path(tmp)
         procs = start(kind, out, script, args.faults + 1, args.log_dir)
-        rows = Rows(out)
+        rows = JsonLines(out)
         try:
             wait_until(
                 lambda: {r["rank"] for r in rows.poll() if r["step"] >= 20} == {0, 1, 2, 3},

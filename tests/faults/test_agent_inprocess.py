@@ -8,22 +8,31 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "inprocess_ddp.py"
 
 
-@pytest.mark.timeout(240)
-def test_inprocess_job_survives_exception_hang_and_sigkill_under_relaunch(tmp_path: Path) -> None:
+def run_example(
+    tmp_path: Path, max_restarts: int
+) -> tuple[subprocess.CompletedProcess[str], list[dict[str, Any]]]:
+    """The example under relaunch, 3 workers: its result and the agent's events."""
     logs = tmp_path / "logs"
     r = subprocess.run(
         [sys.executable, "-m", "relaunch", "--standalone", "--nproc-per-node=3",
-         "--max-restarts=0", f"--log-dir={logs}", str(EXAMPLE)],
+         f"--max-restarts={max_restarts}", f"--log-dir={logs}", str(EXAMPLE)],
         capture_output=True, text=True, timeout=220, env={**os.environ, "OMP_NUM_THREADS": "1"},
     )  # fmt: skip
     assert r.returncode == 0, r.stderr[-4000:]
     events = [json.loads(x) for x in next(logs.glob("*/events.jsonl")).read_text().splitlines()]
+    return r, events
+
+
+@pytest.mark.timeout(240)
+def test_inprocess_job_survives_exception_hang_and_sigkill_under_relaunch(tmp_path: Path) -> None:
+    r, events = run_example(tmp_path, max_restarts=0)
     names = [e["name"] for e in events]
     # one attempt only: the survivors were never restarted as processes
     assert names.count("workers_started") == 1, names
@@ -35,14 +44,7 @@ def test_inprocess_job_survives_exception_hang_and_sigkill_under_relaunch(tmp_pa
 
 @pytest.mark.timeout(240)
 def test_the_sigkilled_rank_is_replaced_with_a_restart_budget(tmp_path: Path) -> None:
-    logs = tmp_path / "logs"
-    r = subprocess.run(
-        [sys.executable, "-m", "relaunch", "--standalone", "--nproc-per-node=3",
-         "--max-restarts=1", f"--log-dir={logs}", str(EXAMPLE)],
-        capture_output=True, text=True, timeout=220, env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )  # fmt: skip
-    assert r.returncode == 0, r.stderr[-4000:]
-    events = [json.loads(x) for x in next(logs.glob("*/events.jsonl")).read_text().splitlines()]
+    r, events = run_example(tmp_path, max_restarts=1)
     names = [e["name"] for e in events]
     assert names.count("workers_started") == 1, names  # no process restart of the group
     respawned = [e["metadata"] for e in events if e["name"] == "worker_respawned"]

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from multinode_support.cluster import free_port
+from multinode_support.stopping import stop_sessions
 from multinode_support.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(240)
@@ -163,16 +164,7 @@ def job(tmp: Path, steps: int = 400, **env: str) -> Iterator[Job]:
     try:
         yield running
     finally:
-        for proc in agents:
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGTERM)
-        for proc in agents:
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=10)
+        stop_sessions(agents, grace=60)
 
 
 def finish(j: Job) -> None:
@@ -197,7 +189,7 @@ def check_recovered(j: Job, killed: dict[str, int], survivors: dict[str, int]) -
     final_it = max(s.iteration for s in rows)
     # every rank stepped again at full size, the replaced ones in new processes
     last = {s.node: s for s in rows if s.iteration == final_it}
-    assert set(last) == {"0_0", "0_1", "1_0", "1_1"}, last
+    assert set(last) == set(RANKS), last
     assert all(s.world == 4 for s in last.values()), last
     for node, pid in killed.items():
         assert last[node].pid != pid and last[node].incarnation >= 1, last[node]
@@ -224,10 +216,18 @@ def replaced_sessions_gone(pids: list[int]) -> bool:
     return not any(Path(f"/proc/{pid}").exists() for pid in pids)
 
 
+RANKS = ("0_0", "0_1", "1_0", "1_1")
+
+
+def running_pids(j: Job) -> dict[str, int]:
+    """Each rank's pid, once every rank trained 40 steps."""
+    at_step(j, 40)
+    return {n: j.pid_of(n) for n in RANKS}
+
+
 def test_a_sigkilled_rank_is_replaced_and_the_job_returns_to_full_size(tmp_path: Path) -> None:
     with job(tmp_path) as j:
-        at_step(j, 40)
-        pids = {n: j.pid_of(n) for n in ("0_0", "0_1", "1_0", "1_1")}
+        pids = running_pids(j)
         os.kill(pids["1_1"], signal.SIGKILL)
         finish(j)
     check_recovered(j, {"1_1": pids["1_1"]}, {n: p for n, p in pids.items() if n != "1_1"})
@@ -238,8 +238,7 @@ def test_a_sigkilled_rank_is_replaced_and_the_job_returns_to_full_size(tmp_path:
 
 def test_two_ranks_of_different_nodes_killed_one_second_apart(tmp_path: Path) -> None:
     with job(tmp_path, steps=500) as j:
-        at_step(j, 40)
-        pids = {n: j.pid_of(n) for n in ("0_0", "0_1", "1_0", "1_1")}
+        pids = running_pids(j)
         os.kill(pids["0_1"], signal.SIGKILL)
         wait_for(lambda: any(s.step > 0 for s in j.steps() if s.incarnation), 60, what="rejoin")
         os.kill(pids["1_0"], signal.SIGKILL)
@@ -252,8 +251,7 @@ def test_a_replacement_that_dies_after_admission_does_not_take_the_job_down(
     tmp_path: Path,
 ) -> None:
     with job(tmp_path, KILL_FIRST_REPLACEMENT="0_1") as j:
-        at_step(j, 40)
-        pids = {n: j.pid_of(n) for n in ("0_0", "0_1", "1_0", "1_1")}
+        pids = running_pids(j)
         os.kill(pids["0_1"], signal.SIGKILL)
         finish(j)
     check_recovered(j, {"0_1": pids["0_1"]}, {n: p for n, p in pids.items() if n != "0_1"})

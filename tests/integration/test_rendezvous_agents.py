@@ -6,7 +6,6 @@ Workers are small Python scripts (no torch) that print one line per start:
 
 from __future__ import annotations
 
-import os
 import signal
 import socket
 import subprocess
@@ -16,6 +15,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from multinode_support.stopping import stop_sessions
 
 WORKER = r"""
 import os, sys, time
@@ -86,15 +87,7 @@ class Agents:
         self.procs[i].wait(timeout=10)
 
     def reap(self) -> None:
-        running = [proc for proc in self.procs if proc.poll() is None]
-        for proc in running:  # all at once: a hosting agent waits for the others to leave
-            os.killpg(proc.pid, signal.SIGTERM)
-        for proc in running:
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=10)
+        stop_sessions(self.procs)
 
 
 @pytest.fixture

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from multinode_support.stopping import stop_sessions
 from multinode_support.waiting import wait_for
 
 __all__ = ["WORKER", "Cluster", "Step", "free_port", "free_ports"]
@@ -199,14 +200,4 @@ class Cluster:
         proc.wait(timeout=10)
 
     def close(self) -> None:
-        running = [p for p in self.procs.values() if p.poll() is None]
-        for proc in running:  # all at once: a hosting agent waits for the others to leave
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-        for proc in running:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=20)
-        for proc in self.procs.values():  # the workers too, whatever the agent did
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
+        stop_sessions(self.procs.values(), grace=20)

@@ -36,14 +36,15 @@ def observe(
     marker, progress (when hangs are watched) and whether it was dropped already."""
     ranks: list[RankView] = []
     for lr, slot in sorted(slots.items()):
+        inprocess = os.path.exists(slot.files.marker)
         code = codes.get(lr)
-        if code is None:
+        if code is None and not inprocess:  # in-process workers announce nothing
             code = announced_exit(slot.files)
         ranks.append(
             RankView(
                 local_rank=lr,
                 exitcode=code,
-                inprocess=os.path.exists(slot.files.marker),
+                inprocess=inprocess,
                 progress=last_progress(slot.files, slot.started) if watch_progress else None,
                 lost=slot.lost is not None,
                 respawns=slot.respawns,

@@ -107,7 +107,7 @@ class NodeWorkers:
         slot, spec = replacement(old, self._specs[local_rank], self._spec.hang_timeout)
         server = self._forking.usable()
         t0 = time.monotonic()
-        pid = self._procs.replace(spec, fork_server=server)
+        pid, forked = self._procs.replace(spec, fork_server=server)
         seconds = round(time.monotonic() - t0, 4)
         if self._procs.fork_refused is not None and server is not None:
             self._forking.refused(self._procs.fork_refused)
@@ -120,7 +120,7 @@ class NodeWorkers:
             local_rank=local_rank,
             pid=pid,
             incarnation=slot.respawns,
-            forked=local_rank in self._procs.forked and server is not None,
+            forked=forked,
             seconds=seconds,
         )
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import abc
 import datetime
 import logging
-import threading
 
 from relaunch.inprocess import _sockets
 from relaunch.inprocess._groups import live_groups
@@ -29,7 +28,8 @@ class Abort(abc.ABC):
 
 
 class AbortTorchDistributed(Abort):
-    """Abort every torch.distributed process group and destroy the default one.
+    """Abort every torch.distributed process group (the wrapper then destroys the
+    default one in the main thread: :func:`destroy_default_group`).
 
     NCCL communicators are aborted. For Gloo (and for a rendezvous still waiting on
     the store), the TCP connections opened by this iteration are shut down, which
@@ -54,12 +54,10 @@ class AbortTorchDistributed(Abort):
         if self.shutdown_sockets:
             count = _sockets.shutdown_new_connections()
             log.debug("rank %s: shut down %s connections", state.initial_rank, count)
-        if threading.current_thread() is threading.main_thread():
-            destroy_default_group()
-        # From the monitor thread the group stays until the main thread has left the
-        # function (the wrapper calls destroy_default_group then): destroying shuts
-        # the group's worker threads down, and a collective the main thread queued
-        # but the workers had not started would never complete: Work::wait forever.
+        # The default group is destroyed by the wrapper in the main thread, once the
+        # function has left (destroy_default_group): the abort runs in the monitor
+        # thread, and destroying there shuts the group's worker threads down under a
+        # collective the main thread queued and no worker started: Work::wait forever.
         return state
 
     def __repr__(self) -> str:

@@ -257,7 +257,6 @@ class _Loop:
             if gone is None:
                 # A replacement of a rank is judged by its own incarnation.
                 self.coord.incarnations.update(self.coord.join_requests())
-                self.coord.incarnations[self.s.initial_rank] = self.s.incarnation
                 gone = self.coord.exited_ranks() | self.coord.dead_ranks()
             if r in gone:
                 self.seen[r] = (value, float("inf"))  # never check again

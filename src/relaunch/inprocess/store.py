@@ -318,23 +318,21 @@ class CoordinationStore:
         self._decide(self.it_key(iteration, "roster"), doc)
         self.store.set(self.key("current"), str(iteration))
 
-    def roster(self, iteration: int) -> str | None:
-        key = self.it_key(iteration, "roster")
+    def _text(self, key: str) -> str | None:
+        """The value of ``key`` now (None when unset or empty). Never waits."""
         if not self.store.check([key]):
             return None
         return self.store.get(key).decode("utf-8", errors="replace") or None
 
+    def roster(self, iteration: int) -> str | None:
+        return self._text(self.it_key(iteration, "roster"))
+
     def current_iteration(self) -> int | None:
-        key = self.key("current")
-        if not self.store.check([key]):
-            return None
+        text = self._text(self.key("current"))
         try:
-            return int(self.store.get(key).decode("ascii", errors="replace"))
+            return None if text is None else int(text)
         except ValueError as exc:
-            raise InternalError(f"corrupt current iteration under {key!r}") from exc
+            raise InternalError(f"corrupt current iteration {text!r}") from exc
 
     def outcome(self, iteration: int) -> str | None:
-        key = self.it_key(iteration, "outcome")
-        if not self.store.check([key]):
-            return None
-        return self.store.get(key).decode("ascii", errors="replace") or None
+        return self._text(self.it_key(iteration, "outcome"))

@@ -345,20 +345,19 @@ class CallWrapper:
         return outcome
 
     def _abort_again(self) -> None:
-        """The abort callbacks once more (from the monitor thread, see MonitorThread)."""
-        self.groups.take()
-        self.state = run_callbacks(self.config.abort, self.state)
+        """Run the abort callbacks (again: see MonitorThread's re-abort)."""
+        self.groups.take()  # references first: the abort may drop torch's
+        try:
+            self.state = run_callbacks(self.config.abort, self.state)
+        except Exception:
+            log.exception("rank %s: abort failed", self.state.initial_rank)
 
     def _abort_once(self) -> None:
         with self._abort_lock:
             if self._aborted:
                 return
             self._aborted = True
-        self.groups.take()  # before abort destroys them
-        try:
-            self.state = run_callbacks(self.config.abort, self.state)
-        except Exception:
-            log.exception("rank %s: abort failed", self.state.initial_rank)
+        self._abort_again()
 
     def _restart(self, cause: Any, members: set[int]) -> set[int]:
         """The restart procedure; returns the frozen set of terminated initial ranks."""

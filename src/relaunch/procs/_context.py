@@ -180,7 +180,7 @@ class WorkerProcesses:
     def start(self) -> None:
         """Start every worker. Raises WorkerError (and stops those started) when one cannot start."""
         try:
-            forked = self._fork()
+            forked = self._fork(self._specs, self._fork_server)
             for spec in self._specs:
                 proc = forked.get(spec.local_rank)
                 self._procs[spec.local_rank] = proc if proc is not None else self._start_one(spec)
@@ -192,11 +192,11 @@ class WorkerProcesses:
     def _request(self, spec: ProcessSpec) -> dict[str, object]:
         return runner_request(self._entry, spec, self._report_modules.get(spec.local_rank))
 
-    def _fork(self) -> dict[int, _Process]:
-        server = self._fork_server
+    def _fork(self, specs: Sequence[ProcessSpec], server: ForkServer | None) -> dict[int, _Process]:
+        """Fork these workers from ``server`` if it is usable; those it forked, by rank."""
         if server is None or not self._entry.is_python or not server.alive():
             return {}
-        replies = server.fork({s.local_rank: self._request(s) for s in self._specs})
+        replies = server.fork({s.local_rank: self._request(s) for s in specs})
         out: dict[int, _Process] = {}
         for rank, reply in replies.items():
             if isinstance(reply, str):
@@ -230,29 +230,23 @@ class WorkerProcesses:
                 if fd is not None:
                     os.close(fd)
 
-    def replace(self, spec: ProcessSpec, fork_server: ForkServer | None = None) -> int:
+    def replace(self, spec: ProcessSpec, fork_server: ForkServer | None = None) -> tuple[int, bool]:
         """Start a new process for ``spec.local_rank`` (whose process died): forked from
-        ``fork_server`` when it is usable, else fresh. Returns its pid. The dead
-        process's session is killed with the others at :meth:`close`.
+        ``fork_server`` when it is usable, else fresh. Returns its pid and whether it
+        was forked. The dead process's session is killed with the others at
+        :meth:`close`.
 
         Raises WorkerError when it cannot start.
         """
-        old = self._procs.get(spec.local_rank)
+        lr = spec.local_rank
+        old = self._procs.get(lr)
         if old is not None:
             self._retired.append(old.pid)
-        self._specs = [spec if s.local_rank == spec.local_rank else s for s in self._specs]
-        self._exitcodes.pop(spec.local_rank, None)
-        proc: _Process | None = None
-        server = fork_server
-        if server is not None and self._entry.is_python and server.alive():
-            reply = server.fork({spec.local_rank: self._request(spec)})[spec.local_rank]
-            if isinstance(reply, str):
-                self.fork_refused = reply
-            else:
-                proc = reply
-                self.forked.append(spec.local_rank)
-        self._procs[spec.local_rank] = proc if proc is not None else self._start_one(spec)
-        return self._procs[spec.local_rank].pid
+        self._specs = [spec if s.local_rank == lr else s for s in self._specs]
+        self._exitcodes.pop(lr, None)
+        proc = self._fork([spec], fork_server).get(lr)
+        self._procs[lr] = proc if proc is not None else self._start_one(spec)
+        return self._procs[lr].pid, proc is not None
 
     # -- watching ---------------------------------------------------------------
     def pids(self) -> dict[int, int]:
