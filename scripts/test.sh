@@ -7,6 +7,12 @@ cd "$(dirname "$0")/.."
 python -m pip install --quiet --disable-pip-version-check torch==2.13.0
 python -m pip install --quiet --disable-pip-version-check -e '.[test]'
 
+# The status page is checked in a real headless browser: Chromium from Debian's packages.
+if ! command -v chromium >/dev/null && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium) \
+    >/dev/null 2>&1 || echo "note: cannot install chromium; the page's browser check is skipped" >&2
+fi
+
 ruff check src tests bench examples
 ruff format --check src tests bench examples
 mypy src

@@ -72,4 +72,7 @@ OPTS: dict[str, Opt] = {
                          "what the workers import: fast restarts (default).", switch=True),
     "hang_timeout": Opt("0", "Seconds without Python code running in a worker's main thread "
                          "after which it is declared hung and the group restarts (0: off)."),
+    "status_port": Opt(None, "Serve the job's status page, /status.json and /metrics on this "
+                        "port (off by default; a port in use costs a warning, not the job)."),
+    "status_host": Opt("127.0.0.1", "Address the status page listens on."),
 }  # fmt: skip

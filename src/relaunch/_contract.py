@@ -36,6 +36,7 @@ __all__ = [
     "STACK_SIGNAL",
     "AttemptFiles",
     "read_exit_file",
+    "read_marker",
 ]
 
 EXIT_FILE_VERSION = 1
@@ -100,3 +101,19 @@ def read_exit_file(path: str) -> int | None:
     if isinstance(code, bool) or not isinstance(code, int) or code == 0:
         return None
     return code
+
+
+def read_marker(path: str) -> tuple[int | None, bool | None]:
+    """(iteration, active) an in-process worker wrote in its marker, or (None, None) when
+    it wrote none yet (or the file is not a valid marker)."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return None, None
+    if not isinstance(data, dict) or data.get("version") != 1:
+        return None, None
+    iteration, active = data.get("iteration"), data.get("active")
+    if isinstance(iteration, bool) or not isinstance(iteration, int) or iteration < 0:
+        return None, None
+    return iteration, active if isinstance(active, bool) else None

@@ -252,6 +252,8 @@ def parse_args(argv: Sequence[str] | None = None) -> LaunchConfig:
         watchdog_file=os.environ.get("TORCHELASTIC_TIMER_FILE", "").strip() or None,
         warm_standby=values.switch("warm_standby", default=True),
         hang_timeout=values.number("hang_timeout", positive=False),
+        status_port=values.integer("status_port", 1, 65535) if values.given("status_port") else None,
+        status_host=_check_host(values, "status_host") or "127.0.0.1",
         log_line_prefix_template=_template(values),
         signals_to_handle=values.parsed("signals_to_handle", parse_signals),
         # Last: the file system, then counting devices (may import torch).
@@ -289,6 +291,11 @@ def _configure_logging() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the ``relaunch`` command; return the process exit code (2 for a bad command line)."""
+    args = sys.argv[1:] if argv is None else argv
+    if args and args[0] == "status" and not os.path.isfile("status"):  # a job's state
+        from relaunch._status_cli import status_main
+
+        return status_main(args[1:])
     try:
         _configure_logging()
         config = parse_args(argv)

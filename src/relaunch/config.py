@@ -171,6 +171,10 @@ class LaunchConfig:
     """The named pipe's path (``TORCHELASTIC_TIMER_FILE``); a temporary one if None."""
     hang_timeout: float = 0.0
     """Seconds without Python progress in a worker's main thread that make it hung; 0: off."""
+    status_port: int | None = None
+    """Serve the job's status page, ``/status.json`` and ``/metrics`` on this port; None: off."""
+    status_host: str = "127.0.0.1"
+    """The address the status page binds to."""
 
     def __post_init__(self) -> None:
         _check_int("min_nodes", self.min_nodes, 1)
@@ -234,6 +238,9 @@ class LaunchConfig:
         self._set("hang_timeout", _check_float("hang_timeout", self.hang_timeout, positive=False))
         self._set("shutdown_timeout", grace)
         _check_bool("watchdog", self.watchdog)
+        if self.status_port is not None:
+            _check_int("status_port", self.status_port, 1, 65535)
+        _check_text("status_host", self.status_host)
         _check_text("watchdog_file", self.watchdog_file, optional=True)
         if self.log_line_prefix_template is not None:
             check_template(self.log_line_prefix_template, "log_line_prefix_template")

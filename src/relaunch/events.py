@@ -67,7 +67,7 @@ class EventSink:
 
     def emit(self, event: Event) -> None:
         line = event.to_json()
-        log.info("%s", line)
+        log.debug("%s", line)
         if self._path is None:
             return
         data = (line + "\n").encode()

@@ -15,12 +15,15 @@ import signal
 import sys
 from collections.abc import Mapping
 from types import FrameType
+from typing import Any
 
 from relaunch.agent import LocalAgent, WorkerSpec, WorkerState
 from relaunch.config import LaunchConfig
-from relaunch.errors import ChildFailedError, ConfigError, RelaunchError
+from relaunch.errors import ChildFailedError, ConfigError, RelaunchError, StoreError
 from relaunch.procs import Entrypoint
 from relaunch.rendezvous import RendezvousHandler
+from relaunch.status import StatusServer
+from relaunch.store import Store
 
 __all__ = ["build_spec", "create_rendezvous_handler", "launch"]
 
@@ -96,6 +99,52 @@ def build_spec(
     )
 
 
+class _JobSource:
+    """Reads the job's status document for the status page, over a store connection of
+    its own (made on first use, made again after a failure)."""
+
+    def __init__(self, config: LaunchConfig, agent: LocalAgent) -> None:
+        self._config = config
+        self._agent = agent
+        self._store: Store | None = None
+
+    def __call__(self) -> dict[str, Any]:
+        from relaunch.status import local_document, read_job
+
+        config = self._config
+        backend = "standalone" if config.standalone else config.rdzv_backend
+        if backend not in ("c10d", "etcd"):  # nodes share no store: this node alone
+            return local_document(self._agent.status_report, run_id=config.rdzv_id, backend=backend)
+        from relaunch.rendezvous.registry import connect_store
+
+        try:
+            if self._store is None:
+                self._store = connect_store(config.rendezvous_parameters(), timeout=5.0)
+            return read_job(self._store, config.rdzv_id, backend=backend)
+        except StoreError:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        store, self._store = self._store, None
+        if store is not None:
+            store.close()
+
+
+def _status_server(
+    config: LaunchConfig, agent: LocalAgent
+) -> tuple[StatusServer, _JobSource] | None:
+    """The status page's server, listening, or None (off, or its port is taken: warned)."""
+    if config.status_port is None:
+        return None
+    source = _JobSource(config, agent)
+    server = StatusServer(config.status_host, config.status_port, source)
+    if not server.start():
+        return None
+    log.info("status page on http://%s:%s/", config.status_host, server.port)
+    return server, source
+
+
 def _error(message: str) -> None:
     print(f"relaunch: error: {message}", file=sys.stderr, flush=True)
 
@@ -137,6 +186,7 @@ def launch(config: LaunchConfig, environ: Mapping[str, str] | None = None) -> in
         agents.append(agent)
         if received:
             agent.request_stop(received[0])
+        status = _status_server(config, agent)
         try:
             result = agent.run()
         except RelaunchError as exc:
@@ -144,6 +194,10 @@ def launch(config: LaunchConfig, environ: Mapping[str, str] | None = None) -> in
                 return 128 + agent.stop_signal
             _error(f"{type(exc).__name__}: {exc}")
             return 1
+        finally:
+            if status is not None:
+                status[0].close()
+                status[1].close()
     finally:
         for sig, handler_ in previous.items():
             signal.signal(sig, handler_)

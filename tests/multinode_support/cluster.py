@@ -121,6 +121,7 @@ class Cluster:
         prefix: tuple[str, ...] = (),
         extra_env: dict[str, str] | None = None,
         mode: str = "train",
+        flags: tuple[str, ...] = (),
     ) -> subprocess.Popen[bytes]:
         """Start agent ``node`` (``prefix``: e.g. ``ip netns exec NS``)."""
         rdzv_conf = ",".join(c for c in ("join_timeout=60,last_call_timeout=1", conf) if c)
@@ -131,7 +132,7 @@ class Cluster:
             f"--rdzv-id={self.run_id}", f"--rdzv-conf={rdzv_conf}", f"--local-addr={local_addr}",
             "--monitor-interval=0.1", "--shutdown-timeout=5",
             "--warm-standby" if warm else "--no-warm-standby",
-            f"--log-dir={self.tmp / f'logs_{node}'}",
+            f"--log-dir={self.tmp / f'logs_{node}'}", *flags,
             str(self.script), str(self.out), mode, *worker_args,
         ]  # fmt: skip
         env = {

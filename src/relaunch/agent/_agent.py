@@ -31,7 +31,8 @@ from relaunch.agent._round import (
     worker_store,
 )
 from relaunch.agent._spec import RunResult, Worker, WorkerGroup, WorkerSpec, WorkerState
-from relaunch.agent._watch import drop, failures, observe, report_hang
+from relaunch.agent._status import NodeStatus
+from relaunch.agent._watch import causes, drop, failures, observe, report_hang
 from relaunch.agent._workers import NodeWorkers
 from relaunch.errors import (
     ProcessFailure,
@@ -47,6 +48,7 @@ from relaunch.procs import (
     set_child_subreaper,
 )
 from relaunch.rendezvous import RendezvousInfo
+from relaunch.status import NodeReport
 from relaunch.store.tcp import TCPStoreServer
 
 __all__ = ["LocalAgent"]
@@ -85,6 +87,14 @@ class LocalAgent:
         self._stop_signal: int | None = None
         self._logdir: RunLogDir | None = None
         self._events = EventSink(None)
+        node = getattr(self._handler, "node_id", None) or f"{self._host}_{os.getpid()}_0"
+        self._status = NodeStatus(
+            self._handler,
+            node=node,
+            host=self._host,
+            role=spec.role,
+            max_restarts=spec.max_restarts,
+        )
 
     # -- public -------------------------------------------------------------------
     @property
@@ -95,6 +105,11 @@ class LocalAgent:
     @property
     def run_log_dir(self) -> str | None:
         return self._logdir.path if self._logdir else None
+
+    @property
+    def status_report(self) -> NodeReport:
+        """This node's latest status report (an immutable snapshot, safe from any thread)."""
+        return self._status.report
 
     def request_stop(self, signum: int) -> None:
         """Ask the run to stop (safe to call from a signal handler: it only sets flags)."""
@@ -130,6 +145,9 @@ class LocalAgent:
         if self._workers is not None:
             self._workers.close(sig, self._attempt)
             self._group.state = WorkerState.STOPPED
+        self._publish_status(force=True)
+        if self._attempt >= 0:
+            self._status.board.say_summary()
         if self._worker_store is not None:
             self._worker_store.close()
             self._worker_store = None
@@ -141,17 +159,23 @@ class LocalAgent:
             self._logdir.close()
 
     def _emit(self, name: str, **metadata: object) -> None:
-        self._events.emit(
-            Event(
-                name=name,
-                run_id=self._run_id,
-                role=self._spec.role,
-                host=self._host,
-                group_rank=self._group.group_rank,
-                restart_count=self._restart_count,
-                metadata=metadata,
-            )
+        event = Event(
+            name=name,
+            run_id=self._run_id,
+            role=self._spec.role,
+            host=self._host,
+            group_rank=self._group.group_rank,
+            restart_count=self._restart_count,
+            metadata=metadata,
         )
+        self._events.emit(event)
+        self._status.observe(event)
+        self._publish_status()
+
+    def _publish_status(self, *, force: bool = False) -> None:
+        ws = self._workers
+        pids = ws.pids() if ws is not None and ws.running else {}
+        self._status.publish(self._group, self._slots(), pids, force=force)
 
     # -- the loop -----------------------------------------------------------------
     def _loop(self) -> RunResult:
@@ -168,6 +192,7 @@ class LocalAgent:
         if self._workers is not None and self._workers.running:
             obs = self._observe(ask_rendezvous=False)
             failures = self._failures(tuple(v.local_rank for v in obs.ranks if v.exitcode), obs)
+        self._status.stop_publishing()
         self._stop_workers(signal.SIGTERM)
         reason = store_lost_reason(self._handler.get_backend(), exc)
         self._emit("store_lost", reason=reason)
@@ -181,6 +206,7 @@ class LocalAgent:
             action = decide(obs, self._policy)
             try:
                 result = self._act(action, obs)
+                self._publish_status()
             except RendezvousClosedError:
                 if self._stop_signal is not None:
                     return self._stopped()
@@ -236,6 +262,7 @@ class LocalAgent:
             for failure in drop(action.local_ranks, obs, self._group.workers, ws.slots, ws.pids()):
                 self._emit(
                     "worker_lost",
+                    rank=self._group.workers[failure.local_rank].global_rank,
                     local_rank=failure.local_rank,
                     exitcode=failure.exitcode,
                     reason=failure.message,
@@ -272,6 +299,7 @@ class LocalAgent:
             "workers_failed",
             attempt=self._attempt,
             failures={r: f.exitcode for r, f in failures.items()},
+            causes=causes(failures),
         )
         publish_failures(self._info, failures)
         total = self._handler.record_failure(self._info.round)
@@ -300,6 +328,7 @@ class LocalAgent:
 
     # -- rendezvous and start -------------------------------------------------------
     def _rendezvous_and_start(self) -> None:
+        self._publish_status(force=True)  # what happened shows while the rendezvous waits
         t0 = time.monotonic()
         info = self._handler.next_rendezvous()
         self._info = info

@@ -19,7 +19,7 @@ from relaunch.agent._observe import announced_exit, collect_stacks, last_progres
 from relaunch.agent._spec import Worker
 from relaunch.errors import ProcessFailure
 
-__all__ = ["drop", "failures", "observe", "report_hang"]
+__all__ = ["causes", "drop", "failures", "observe", "report_hang"]
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +76,20 @@ def failures(
             error_file=slot.files.error_file,
         )
     return result
+
+
+def causes(failures: Mapping[int, ProcessFailure]) -> dict[int, dict[str, object]]:
+    """What the ``workers_failed`` event says of each failure (the status board reads it)."""
+    return {
+        rank: {
+            "local_rank": f.local_rank,
+            "pid": f.pid,
+            "exitcode": f.exitcode,
+            "message": f.message,
+            "time": f.time,
+        }
+        for rank, f in failures.items()
+    }
 
 
 def drop(

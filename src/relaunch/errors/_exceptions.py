@@ -16,6 +16,7 @@ Every error relaunch raises on purpose derives from :class:`RelaunchError`::
     ├── WorkerError                 starting or supervising worker processes failed
     │   └── ChildFailedError        workers failed; carries the root-cause report
     ├── TimerError                  the worker watchdog could not be used
+    ├── StatusError                 a job's status could not be read (not found, corrupt)
     └── InProcessError              in-process restart (see relaunch.inprocess.exception)
 
 "We closed it" (``StoreClosedError``, ``RendezvousClosedError``) is kept apart from
@@ -35,6 +36,7 @@ __all__ = [
     "RendezvousGracefulExitError",
     "RendezvousStateError",
     "RendezvousTimeoutError",
+    "StatusError",
     "StoreClosedError",
     "StoreConnectionError",
     "StoreError",
@@ -97,6 +99,10 @@ class WorkerError(RelaunchError):
 
 class TimerError(RelaunchError):
     """The worker watchdog (named-pipe timer) could not be used."""
+
+
+class StatusError(RelaunchError):
+    """A job's status could not be read: no such job, or a corrupt status record."""
 
 
 class InProcessError(RelaunchError):

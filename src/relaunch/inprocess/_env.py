@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import itertools
+import json
 import os
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -30,21 +31,30 @@ def namespace(env: Mapping[str, str] | None = None) -> str:
     return f"/relaunch/inprocess/{run_id}/{attempt}/call{next(_calls)}/"
 
 
-def announce_to_agent(env: Mapping[str, str] | None = None) -> None:
-    """Tell a relaunch agent that this worker restarts in-process.
+def announce_to_agent(
+    env: Mapping[str, str] | None = None, *, iteration: int | None = None, active: bool = True
+) -> None:
+    """Tell a relaunch agent that this worker restarts in-process (and, from the first
+    iteration on, which iteration it is in and whether it is active: ``relaunch status``
+    shows them).
 
     The agent names a file in ``RELAUNCH_INPROCESS_MARKER``; while it exists, the
     death of this worker is not a reason to stop its in-process peers, which go on
     without it. It stays until the attempt ends (a rank this wrapper terminated
     must not bring its peers down either). Other launchers do not set the variable.
+    The file is replaced atomically: the agent never reads half of it.
     """
     env = os.environ if env is None else env
     path = env.get(AGENT_MARKER_ENV)
     if not path:
         return
+    doc: dict[str, object] = {"version": 1, "pid": os.getpid()}
+    if iteration is not None:
+        doc.update(iteration=iteration, active=active)
     try:
-        with open(path, "w") as f:
-            f.write(f'{{"version": 1, "pid": {os.getpid()}}}\n')
+        with open(path + ".tmp", "w") as f:
+            f.write(json.dumps(doc) + "\n")
+        os.replace(path + ".tmp", path)
     except OSError as exc:
         import logging
 

@@ -284,6 +284,7 @@ class CallWrapper:
         if not coord.iteration_barrier(it, me, members, cfg.seconds("barrier_timeout"), _POLL):
             return False, None
         log.debug("rank %s: iteration %s barrier passed", me, it)
+        announce_to_agent(iteration=it, active=state.status is Status.ACTIVE)
         if state.status is not Status.ACTIVE:
             log.debug("rank %s is a spare at iteration %s", me, it)
             return coord.completion(it, None, active, None, _POLL), None

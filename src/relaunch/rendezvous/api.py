@@ -110,3 +110,8 @@ class RendezvousHandler(Protocol):
     def shutdown(self) -> bool:
         """Leave the rendezvous and release resources (threads, connections). Idempotent."""
         ...
+
+    def publish_status(self, report: bytes) -> None:
+        """Publish this node's status report where ``relaunch status`` reads it
+        (a no-op for backends without a shared store). Raises StoreError."""
+        ...

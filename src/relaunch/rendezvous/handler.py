@@ -276,6 +276,10 @@ class DynamicRendezvousHandler:
             if written:
                 return state.restarts
 
+    def publish_status(self, report: bytes) -> None:
+        """Write this node's status report (``relaunch status`` reads it)."""
+        self._store.set(f"{self._rdzv.prefix}status/{self._node}", report)
+
     def restart_count(self) -> int:
         """Failure restarts the job has spent so far (for ``TORCHELASTIC_RESTART_COUNT``)."""
         return self._rdzv.load()[0].restarts

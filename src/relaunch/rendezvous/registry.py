@@ -33,8 +33,9 @@ from relaunch.errors import ConfigError, RendezvousError, StoreConnectionError
 from relaunch.rendezvous._settings import COMMON_CONF_KEYS, check_conf_keys, settings_from_conf
 from relaunch.rendezvous.api import RendezvousHandler, RendezvousParameters
 from relaunch.rendezvous.handler import DynamicRendezvousHandler
+from relaunch.store import Store
 
-__all__ = ["C10D_CONF_KEYS", "DEFAULT_PORT", "ETCD_CONF_KEYS", "create_handler"]
+__all__ = ["C10D_CONF_KEYS", "DEFAULT_PORT", "ETCD_CONF_KEYS", "connect_store", "create_handler"]
 
 logger = logging.getLogger(__name__)
 
@@ -152,14 +153,10 @@ def _create_c10d(params: RendezvousParameters) -> DynamicRendezvousHandler:
     )
 
 
-def _create_etcd(params: RendezvousParameters) -> DynamicRendezvousHandler:
+def _etcd_store(params: RendezvousParameters, timeout: float | None = None) -> Store:
     from relaunch.store.etcd import EtcdStore
 
     conf = params.conf
-    check_conf_keys(conf, ETCD_CONF_KEYS)
-    settings = settings_from_conf(
-        run_id=params.run_id, min_nodes=params.min_nodes, max_nodes=params.max_nodes, conf=conf
-    )
     endpoints = [
         split_endpoint(e, ETCD_PORT, min_port=1) for e in params.endpoint.split(",") if e.strip()
     ]
@@ -168,7 +165,7 @@ def _create_etcd(params: RendezvousParameters) -> DynamicRendezvousHandler:
     protocol = conf.get("protocol", "http")
     if protocol not in ("http", "https"):
         raise ConfigError(f"--rdzv-conf protocol: expected http or https, got {protocol!r}")
-    store = EtcdStore(
+    return EtcdStore(
         endpoints,
         protocol=protocol,
         ca_cert=conf.get("cacert"),
@@ -176,11 +173,45 @@ def _create_etcd(params: RendezvousParameters) -> DynamicRendezvousHandler:
         key=conf.get("key"),
         user=conf.get("user"),
         password=conf.get("password"),
-        timeout=_seconds(conf, "read_timeout", 10.0),
+        timeout=timeout or _seconds(conf, "read_timeout", 10.0),
+    )
+
+
+def _create_etcd(params: RendezvousParameters) -> DynamicRendezvousHandler:
+    check_conf_keys(params.conf, ETCD_CONF_KEYS)
+    settings = settings_from_conf(
+        run_id=params.run_id,
+        min_nodes=params.min_nodes,
+        max_nodes=params.max_nodes,
+        conf=params.conf,
     )
     return DynamicRendezvousHandler(
-        backend="etcd", store=store, settings=settings, local_addr=params.local_addr
+        backend="etcd", store=_etcd_store(params), settings=settings, local_addr=params.local_addr
     )
+
+
+def connect_store(params: RendezvousParameters, *, timeout: float) -> Store:
+    """A client of the rendezvous store of ``params`` (c10d or etcd), to read a job's
+    status: it never hosts a store. Raises ConfigError for another backend or a bad
+    endpoint or conf, StoreConnectionError when the store cannot be reached."""
+    if params.backend == "etcd":
+        check_conf_keys(params.conf, ETCD_CONF_KEYS)
+        return _etcd_store(params, timeout)
+    if params.backend != "c10d":
+        raise ConfigError(
+            f"--rdzv-backend: expected c10d or etcd (a job's status lives in its rendezvous "
+            f"store), got {params.backend!r}"
+        )
+    from relaunch.store.tcp import TCPStoreClient
+
+    check_conf_keys(params.conf, C10D_CONF_KEYS)
+    host, port = split_endpoint(params.endpoint, DEFAULT_PORT, min_port=1)
+    try:
+        return TCPStoreClient(host, port, timeout=timeout, reconnect_timeout=timeout)
+    except StoreConnectionError as exc:
+        raise StoreConnectionError(
+            f"cannot reach the c10d rendezvous store at {host}:{port} within {timeout:g} s ({exc})"
+        ) from exc
 
 
 def create_handler(params: RendezvousParameters) -> RendezvousHandler:

@@ -75,6 +75,9 @@ class StandaloneRendezvousHandler:
             self._failed_rounds.add(failed_round)
         return len(self._failed_rounds)
 
+    def publish_status(self, report: bytes) -> None:
+        """Nothing: the static backend has no status store (the page shows this node)."""
+
     def restart_count(self) -> int:
         return len(self._failed_rounds)
 
@@ -171,6 +174,9 @@ class StaticRendezvousHandler:
             return total
         self._client.wait([f"{marker}/total"], timeout=self._timeout)
         return int(self._client.get(f"{marker}/total") or b"0")
+
+    def publish_status(self, report: bytes) -> None:
+        """Nothing: the static backend has no status store (the page shows this node)."""
 
     def restart_count(self) -> int:
         return int(self._client.get("restarts") or b"0")

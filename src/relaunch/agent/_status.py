@@ -1,0 +1,119 @@
+"""The agent's side of the live view: its status board, published to the rendezvous.
+
+:class:`NodeStatus` feeds the agent's events to a
+:class:`~relaunch.status.StatusBoard` (which says the human lines on stderr) and
+publishes the node report to the rendezvous store on a change, at most once a
+second. A store that refuses the write costs one warning and a pause; it never
+stops the agent.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from collections.abc import Mapping
+
+from relaunch._contract import read_marker
+from relaunch.agent._attempt import Slot
+from relaunch.agent._spec import WorkerGroup, WorkerState
+from relaunch.errors import RendezvousError, StoreError
+from relaunch.events import Event
+from relaunch.rendezvous import RendezvousHandler
+from relaunch.status import NodeReport, StatusBoard, WorkerRow, encode_report
+
+__all__ = ["NodeStatus", "say"]
+
+log = logging.getLogger(__name__)
+
+PUBLISH_INTERVAL = 1.0
+"""At most one write of the report per this many seconds."""
+RETRY_AFTER = 30.0
+"""After a failed write, the next try waits this long (a lost store must not stall the loop)."""
+
+_STATES = {
+    WorkerState.HEALTHY: "running",
+    WorkerState.SUCCEEDED: "succeeded",
+    WorkerState.FAILED: "failed",
+    WorkerState.STOPPED: "stopped",
+}
+
+
+def say(text: str) -> None:
+    """One human line on stderr."""
+    print(f"relaunch: {text}", file=sys.stderr, flush=True)
+
+
+class NodeStatus:
+    """The node's status board and its publication (called from the agent's loop only)."""
+
+    def __init__(
+        self, handler: RendezvousHandler, *, node: str, host: str, role: str, max_restarts: int
+    ) -> None:
+        self._handler = handler
+        self.board = StatusBoard(
+            node=node, host=host, role=role, max_restarts=max_restarts, say=say
+        )
+        self._sent_at = -1e9
+        self._sent = b""
+        self._paused_until = 0.0
+        self.report: NodeReport = self.board.report()
+        """The last report built (read by the status page's thread: an immutable snapshot)."""
+
+    def observe(self, event: Event) -> None:
+        self.board.observe(event)
+
+    def stop_publishing(self) -> None:
+        """The store is gone: writing to it would only wait for timeouts."""
+        self._paused_until = float("inf")
+
+    def publish(
+        self,
+        group: WorkerGroup,
+        slots: Mapping[int, Slot],
+        pids: Mapping[int, int],
+        *,
+        force: bool = False,
+    ) -> None:
+        """Build the report; write it if it changed and the last write is old enough."""
+        now = time.monotonic()
+        if now < self._paused_until or (not force and now - self._sent_at < PUBLISH_INTERVAL):
+            return
+        self._sent_at = now
+        self.report = self.board.report(_rows(group, slots, pids))
+        raw = encode_report(self.report)
+        if raw == self._sent:
+            return
+        try:
+            self._handler.publish_status(raw)
+        except (StoreError, RendezvousError) as exc:
+            log.warning(
+                "cannot publish this node's status (next try in %g s): %s", RETRY_AFTER, exc
+            )
+            self._paused_until = now + RETRY_AFTER
+            return
+        self._sent = raw
+
+
+def _rows(
+    group: WorkerGroup, slots: Mapping[int, Slot], pids: Mapping[int, int]
+) -> list[WorkerRow]:
+    state = _STATES.get(group.state, "starting")
+    rows = []
+    for worker in group.workers:
+        if worker.global_rank is None or worker.global_rank < 0:
+            continue
+        slot = slots.get(worker.local_rank)
+        iteration, active = read_marker(slot.files.marker) if slot else (None, None)
+        rows.append(
+            WorkerRow(
+                local_rank=worker.local_rank,
+                rank=worker.global_rank,
+                pid=pids.get(worker.local_rank),
+                state="lost" if slot is not None and slot.lost is not None else state,
+                respawns=slot.respawns if slot else 0,
+                iteration=iteration,
+                active=active,
+            )
+        )
+    return rows
