@@ -52,3 +52,7 @@ def test_the_sigkilled_rank_is_replaced_with_a_restart_budget(tmp_path: Path) ->
     # all three finish, the replacement from the survivors' step, not from step 0
     assert r.stderr.count("finished: loss") == 3, r.stderr[-4000:]
     assert "rank 1 of 3 resumes at step 0" not in r.stderr.split("injecting sigkill")[-1]
+    # The agent says which tier handled the death.
+    assert "relaunch: rank 1 (local rank 1) died: killed by SIGKILL" in r.stderr
+    assert "replaced in place" in r.stderr and "(tier: process)" in r.stderr
+    assert "recoveries: 1 process" in r.stderr

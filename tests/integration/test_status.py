@@ -153,13 +153,14 @@ def test_status_of_a_c10d_job_before_and_after_a_fault_page_and_metrics(tmp_path
         assert cluster.wait_exit("b") == 0, cluster.outputs()
     finally:
         cluster.close()
-    out_a, out_b = cluster.output("a"), cluster.output("b")
+    both = cluster.output("a") + cluster.output("b")
     # The agents speak: the failure with its rank, the restart, the summary.
-    assert "relaunch: rank 1 (local rank 1" in out_a and "killed by SIGKILL" in out_a
-    assert "restart 1 of 2" in out_a
-    assert "relaunch: summary: the workers succeeded; restarts used 1 of 2" in out_a
-    assert "status page not served" in out_b and "Traceback" not in out_b
-    assert '{"version"' not in out_a  # events stay in events.jsonl
+    assert "relaunch: rank 1 (local rank 1" in both and "killed by SIGKILL" in both
+    assert "restart 1 of 2" in both and "(tier: group restart)" in both
+    assert both.count("relaunch: summary: the workers succeeded; restarts used 1 of 2") == 2
+    # The second agent on this machine found the port taken: one warning, no traceback.
+    assert both.count("status page not served") == 1 and "Traceback" not in both
+    assert '{"version"' not in both  # events stay in events.jsonl
 
 
 def check_page_in_browser(tmp: Path, port: int) -> None:

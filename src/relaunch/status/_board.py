@@ -193,6 +193,7 @@ class StatusBoard:
                 exitcode=code,
                 message=message,
                 time=float(cause.get("time", ev.timestamp)),
+                round=self._report.round or 0,
             )
             first = first or line
             lines.append(
@@ -208,13 +209,16 @@ class StatusBoard:
     def _on_restart(self, md: Mapping[str, Any], ev: Event) -> str:
         used, most = md.get("restarts"), md.get("max_restarts")
         self._update(restarts=int(used or 0))
-        return f"restarting this node's workers (restart {used} of {most}, after a worker failure)"
+        return (
+            f"restarting this node's workers (restart {used} of {most}, after a worker "
+            "failure; tier: group restart)"
+        )
 
     def _on_membership_changed(self, md: Mapping[str, Any], ev: Event) -> str:
         self._fault(ev.timestamp, "membership")
         return (
             "a new round is starting (a node joined, left, or restarts after a failure): "
-            "restarting this node's workers"
+            "restarting this node's workers (tier: membership restart)"
         )
 
     def _on_worker_hung(self, md: Mapping[str, Any], ev: Event) -> str:
@@ -246,7 +250,7 @@ class StatusBoard:
         return (
             f"local rank {md.get('local_rank')} replaced in place: pid {md.get('pid')} {how} "
             f"in {float(md.get('seconds') or 0):.2f} s (replacement {md.get('incarnation')}); "
-            "healthy processes kept running"
+            "healthy processes kept running (tier: process)"
         )
 
     def _on_run_failed(self, md: Mapping[str, Any], ev: Event) -> str:

@@ -7,7 +7,6 @@ shows; its shape is documented in ``docs/status.md`` (version :data:`JOB_VERSION
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from typing import Any
 
@@ -82,10 +81,28 @@ def _node_row(
 
 
 def _report_doc(report: NodeReport) -> dict[str, Any]:
-    doc = dataclasses.asdict(report)
-    doc["recovery"]["buckets"] = list(report.recovery.buckets)
-    doc.pop("timeline")
-    return doc
+    last = report.last_failure
+    return {
+        "node": report.node,
+        "host": report.host,
+        "role": report.role,
+        "group_rank": report.group_rank,
+        "round": report.round,
+        "attempt": report.attempt,
+        "state": report.state,
+        "updated": report.updated,
+        "max_restarts": report.max_restarts,
+        "restarts": report.restarts,
+        "workers": [dict(vars(w)) for w in report.workers],
+        "faults": dict(report.faults),
+        "tiers": dict(report.tiers),
+        "recovery": {
+            "count": report.recovery.count,
+            "total": report.recovery.total,
+            "buckets": list(report.recovery.buckets),
+        },
+        "last_failure": None if last is None else dict(vars(last)),
+    }
 
 
 def job_document(
@@ -106,7 +123,10 @@ def job_document(
     live = [reports[n] for n in nodes if n in reports]
     max_restarts = max((r.max_restarts for r in live), default=None)
     failures = [r.last_failure for r in live if r.last_failure is not None]
-    last = max(failures, key=lambda f: f.time, default=None)
+    # The root cause: the first failure of the latest round that had failures (the
+    # others are usually its peers' collectives breaking).
+    latest = max((f.round for f in failures), default=0)
+    last = min((f for f in failures if f.round == latest), key=lambda f: f.time, default=None)
     faults = {k: sum(r.faults.get(k, 0) for r in live) for k in FAULT_KINDS}
     tiers = {k: sum(r.tiers.get(k, 0) for r in live) for k in TIERS}
     buckets = [sum(r.recovery.buckets[i] for r in live) for i in range(len(RECOVERY_BUCKETS) + 1)]
@@ -147,7 +167,7 @@ def job_document(
             "max": max_restarts,
             "left": None if max_restarts is None else max(0, max_restarts - state.restarts),
         },
-        "last_failure": None if last is None else dataclasses.asdict(last),
+        "last_failure": None if last is None else dict(vars(last)),
         "faults": faults,
         "recoveries": tiers,
         "recovery_seconds": {

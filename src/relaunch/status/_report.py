@@ -69,6 +69,9 @@ class FailureLine:
     message: str
     """The exception's first line, or what killed the process."""
     time: float
+    round: int = 0
+    """The rendezvous round it failed in (the job's root cause is the earliest failure of
+    the latest round that had one)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -247,6 +250,7 @@ def decode_report(raw: bytes, *, key: str) -> NodeReport:
             exitcode=f.integer("exitcode", low=-255),
             message=f.text("message"),
             time=f.number("time"),
+            round=f.integer("round"),
         )
     return NodeReport(
         node=r.text("node"),

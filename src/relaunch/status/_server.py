@@ -23,7 +23,7 @@ __all__ = ["CACHE_SECONDS", "StatusServer"]
 
 log = logging.getLogger(__name__)
 
-CACHE_SECONDS = 0.5
+CACHE_SECONDS = 1.0
 
 
 class _Cache:
@@ -32,11 +32,23 @@ class _Cache:
         self._lock = threading.Lock()
         self._at = -1e9
         self._value: dict[str, Any] | str = "not read yet"
+        self._bodies: dict[str, bytes] = {}
+
+    def body(self, kind: str, render: Callable[[dict[str, Any]], bytes]) -> bytes | str:
+        """The document rendered by ``render`` (once per document read), or the error line."""
+        doc = self.get()
+        if isinstance(doc, str):
+            return doc
+        with self._lock:
+            if kind not in self._bodies:
+                self._bodies[kind] = render(doc)
+            return self._bodies[kind]
 
     def get(self) -> dict[str, Any] | str:
         """The document, or the one line that says why it cannot be read."""
         with self._lock:
             if time.monotonic() - self._at >= CACHE_SECONDS:
+                self._bodies = {}
                 try:
                     self._value = self._source()
                 except RelaunchError as exc:
@@ -56,17 +68,20 @@ class _Handler(BaseHTTPRequestHandler):
         from relaunch.status._web import render_html, render_metrics
 
         path = self.path.split("?", 1)[0]
-        doc = self.server.cache.get()
-        if path not in ("/", "/index.html", "/status.json", "/metrics"):
+        views = {
+            "/status.json": ("application/json", lambda d: json.dumps(d, indent=1).encode()),
+            "/metrics": ("text/plain; version=0.0.4; charset=utf-8", render_metrics),
+            "/": ("text/html; charset=utf-8", lambda d: render_html(d).encode()),
+        }
+        kind, render = views.get("/" if path == "/index.html" else path, (None, None))
+        if kind is None or render is None:
             self._send(404, "text/plain; charset=utf-8", b"not found\n")
-        elif isinstance(doc, str):
-            self._send(503, "text/plain; charset=utf-8", (escape(doc) + "\n").encode())
-        elif path == "/status.json":
-            self._send(200, "application/json", json.dumps(doc, indent=1).encode())
-        elif path == "/metrics":
-            self._send(200, "text/plain; version=0.0.4; charset=utf-8", render_metrics(doc))
+            return
+        body = self.server.cache.body(path, render)
+        if isinstance(body, str):
+            self._send(503, "text/plain; charset=utf-8", (escape(body) + "\n").encode())
         else:
-            self._send(200, "text/html; charset=utf-8", render_html(doc).encode())
+            self._send(200, kind, body)
 
     def _send(self, code: int, kind: str, body: bytes) -> None:
         self.send_response(code)
@@ -111,7 +126,7 @@ class StatusServer:
         self._server = server
         self._thread = threading.Thread(
             target=server.serve_forever,
-            kwargs={"poll_interval": 0.2},
+            kwargs={"poll_interval": 0.5},
             name=f"relaunch-status-http-{self.port}",
             daemon=True,
         )

@@ -31,6 +31,14 @@ _COLORS = {
     "workers_started": "#2ca02c",
     "rendezvous_complete": "#17becf",
 }
+_OFFSETS = {
+    "workers_failed": -7,
+    "worker_hung": -7,
+    "worker_lost": -7,
+    "run_failed": -7,
+    "workers_started": 7,
+    "worker_respawned": 7,
+}
 _LEGEND = (
     ("fault", "#d62728"),
     ("restart", "#ff7f0e"),
@@ -73,7 +81,7 @@ def _timeline(doc: dict[str, Any]) -> str:
     if not events:
         return '<p class="muted">no events yet</p>'
     hosts = sorted({e["node"] for e in events})
-    width, left, lane = 720, 150, 28
+    width, left, lane = 720, 150, 34
     height = 30 + lane * len(hosts) + 24
     t0 = events[0]["time"]
     t1 = max(doc["read_at"], events[-1]["time"], t0 + 1.0)
@@ -90,9 +98,11 @@ def _timeline(doc: dict[str, Any]) -> str:
             label = f"{label} (node {ranks[node]})"
         parts.append(f'<text x="6" y="{y + 5}" font-size="12">{_e(label)[:22]}</text>')
         parts.append(f'<line x1="{left}" y1="{y}" x2="{width - 10}" y2="{y}" stroke="#ccc"/>')
-    for e in events:
+    # Faults above the lane, recoveries below it: a fault and the restart a moment
+    # later stay apart; faults are drawn last, on top.
+    for e in sorted(events, key=lambda e: _OFFSETS.get(e["name"], 0) < 0):
         x = left + (e["time"] - t0) * scale
-        y = 30 + lane * hosts.index(e["node"])
+        y = 30 + lane * hosts.index(e["node"]) + _OFFSETS.get(e["name"], 0)
         color = _COLORS.get(e["name"], "#888")
         parts.append(
             f'<circle cx="{x:.1f}" cy="{y}" r="6" fill="{color}">'

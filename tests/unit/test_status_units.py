@@ -1,0 +1,146 @@
+"""The status board, the node report's codec, the job document and its views, as pure logic."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+from pathlib import Path
+
+import jsonschema
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from relaunch.errors import StatusError
+from relaunch.events import Event
+from relaunch.rendezvous._state import RendezvousState
+from relaunch.status import (
+    MAX_REPORT_BYTES,
+    StatusBoard,
+    WorkerRow,
+    decode_report,
+    encode_report,
+    escape,
+    job_document,
+    render_html,
+    render_metrics,
+)
+
+SCHEMA = json.loads((Path(__file__).parents[2] / "docs" / "status.schema.json").read_text())
+
+
+def event(name: str, t: float, **metadata: object) -> Event:
+    return Event(
+        name=name, run_id="job", host="host-a", group_rank=0, timestamp=t, metadata=metadata
+    )
+
+
+def board_after_a_failure() -> tuple[StatusBoard, list[str]]:
+    said: list[str] = []
+    board = StatusBoard(
+        node="a_1_0", host="host-a", role="default", max_restarts=3, say=said.append
+    )
+    board.observe(event("rendezvous_complete", 100.0, round=0, world_size=2))
+    board.observe(event("workers_started", 100.5, attempt=0, pids={0: 11, 1: 12}))
+    cause = {"local_rank": 1, "pid": 12, "exitcode": 1, "time": 110.0,
+             "message": "ValueError: bad \x1b[2J batch\nsecond line"}  # fmt: skip
+    board.observe(event("workers_failed", 110.2, failures={1: 1}, causes={1: cause}))
+    board.observe(event("restart", 110.3, restarts=1, max_restarts=3))
+    board.observe(event("rendezvous_complete", 111.0, round=1, world_size=2))
+    board.observe(event("workers_started", 111.4, attempt=1, pids={0: 21, 1: 22}))
+    return board, said
+
+
+def test_the_board_says_the_failure_the_restart_and_counts_the_recovery() -> None:
+    board, said = board_after_a_failure()
+    assert said[0] == "round 0: 2 node(s); this node is rank 0"
+    assert said[1] == (
+        "rank 1 (local rank 1, pid 12, host host-a) failed: exit code 1: "
+        "ValueError: bad \\x1b[2J batch"  # the escape sequence is shown, not obeyed
+    )
+    assert "restart 1 of 3" in said[2]
+    assert said[3] == "workers running again (attempt 1)"
+    report = board.report()
+    assert report.faults == {"exit": 1} and report.tiers == {"group": 1}
+    assert report.recovery.count == 1 and report.recovery.total == pytest.approx(1.2)
+    assert report.last_failure is not None and report.last_failure.rank == 1
+    assert report.restarts == 1 and report.round == 1 and report.state == "running"
+    assert board.summary().startswith("summary: the run ended (running); restarts used 1 of 3")
+
+
+def test_a_hang_is_counted_once_and_a_lost_process_is_the_process_tier() -> None:
+    said: list[str] = []
+    board = StatusBoard(node="n", host="h", role="r", max_restarts=1, say=said.append)
+    board.observe(event("worker_hung", 5.0, local_rank=0, pid=7, reason="no progress for 3 s"))
+    board.observe(event("workers_failed", 5.1, failures={0: -9},
+                        causes={0: {"local_rank": 0, "pid": 7, "exitcode": -9, "message": "x"}}))  # fmt: skip
+    assert board.report().faults == {"hang": 1}
+    board.observe(event("worker_lost", 9.0, rank=3, local_rank=1, exitcode=-signal.SIGKILL))
+    board.observe(event("worker_respawned", 9.2, local_rank=1, pid=8, incarnation=1, forked=True,
+                        seconds=0.01))  # fmt: skip
+    report = board.report()
+    assert report.faults == {"hang": 1, "lost": 1} and report.tiers["process"] == 1
+    assert any("replaced in place" in line for line in said)
+
+
+def test_a_report_round_trips_and_stays_bounded() -> None:
+    board, _ = board_after_a_failure()
+    rows = [WorkerRow(local_rank=0, rank=0, pid=21, state="running", iteration=3, active=True)]
+    report = board.report(rows)
+    assert decode_report(encode_report(report), key="k") == report
+    for i in range(5000):
+        board.observe(event("restart", 200.0 + i, restarts=i, max_restarts=3))
+    assert len(encode_report(board.report(rows))) <= MAX_REPORT_BYTES
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"version": 2}, "version"),
+        ({"attempt": "one"}, "attempt"),
+        ({"workers": [{"local_rank": -1}]}, "workers[0].local_rank"),
+        ({"faults": {"meteor": 1}}, "faults"),
+        ({"updated": None}, "updated"),
+    ],
+)
+def test_a_corrupt_report_is_refused_naming_the_field(
+    change: dict[str, object], field: str
+) -> None:
+    board, _ = board_after_a_failure()
+    doc = json.loads(encode_report(board.report()))
+    doc.update(change)
+    with pytest.raises(StatusError, match="status/x: field " + re.escape(field)):
+        decode_report(json.dumps(doc).encode(), key="status/x")
+    with pytest.raises(StatusError, match="not JSON"):
+        decode_report(b"\x80garbage", key="status/x")
+
+
+def test_the_document_has_its_documented_shape_and_its_views_render() -> None:
+    board, _ = board_after_a_failure()
+    rows = [WorkerRow(local_rank=0, rank=0, pid=21, state="running", iteration=2, active=False)]
+    state = RendezvousState(
+        run_id="job",
+        round=1,
+        complete=True,
+        participants={"a_1_0": 0, "b_2_0": 1},
+        redundancy_list={"c_3_0"},
+        last_heartbeats={"a_1_0": 99.0},
+        restarts=1,
+    )
+    doc = job_document(state, {"a_1_0": board.report(rows)}, backend="c10d", now=100.0)
+    jsonschema.validate(doc, SCHEMA)
+    assert doc["world"] == {"nodes": 2, "workers": 1, "nodes_waiting": 0, "spares": 1}
+    assert doc["restarts"] == {"used": 1, "max": 3, "left": 2}
+    assert doc["inprocess"] == {"iteration": 2, "active": [], "inactive": [0]}
+    assert [n["role"] for n in doc["nodes"]] == ["participant", "participant", "spare"]
+    page = render_html(doc)
+    assert "\x1b" not in page and "\\x1b[2J" in page and "<svg" in page
+    families = {f.name: f for f in text_string_to_metric_families(render_metrics(doc).decode())}
+    assert families["relaunch_restarts"].samples[0].value == 1
+    hist = families["relaunch_recovery_seconds"]
+    assert [s.value for s in hist.samples if s.name.endswith("_count")] == [1]
+
+
+def test_escape_shows_control_characters() -> None:
+    assert escape("a\x1b]0;title\x07b\r\n") == "a\\x1b]0;title\\x07b\\x0d\\n"
+    assert escape("naïve ünïcode\t") == "naïve ünïcode\t"
