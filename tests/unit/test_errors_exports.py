@@ -24,6 +24,7 @@ ERRORS = {
     "RendezvousGracefulExitError",
     "RendezvousStateError",
     "RendezvousTimeoutError",
+    "StatusError",
     "StoreClosedError",
     "StoreConnectionError",
     "StoreError",
