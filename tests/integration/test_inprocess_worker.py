@@ -45,15 +45,15 @@ def _children() -> list[int]:
 
 
 class _Hook:
-    def __call__(self, state, train_ex=None):  # health check that can be told to fail
+    def __call__(self, state):  # health check that can be told to fail (NVIDIA's arity)
         fail = json.loads(os.environ.get("IPX_UNHEALTHY", "[]"))
-        if state.initial_rank in fail and train_ex is not None:
+        if state.initial_rank in fail and state.fn_exception is not None:
             raise RuntimeError("injected unhealthy rank")
         return state
 
 
 class _StuckFinalize:
-    def __call__(self, state, train_ex=None):  # finalize that blocks in C holding the GIL
+    def __call__(self, state):  # finalize that blocks in C holding the GIL
         if state.initial_rank in json.loads(os.environ["IPX_STUCK_FINALIZE"]):
             _emit(event="finalize_stuck", t=time.time())
             ctypes.PyDLL(None).pause()

@@ -14,8 +14,8 @@ from relaunch.inprocess import _sockets
 from relaunch.inprocess.attribution import Interruption, InterruptionRecord
 from relaunch.inprocess.exception import BarrierTimeoutError, RankShouldRestart
 from relaunch.inprocess.monitor_thread import MainThreadControl
-from relaunch.inprocess.progress_watchdog import ProgressWatchdog, SharedProgress
-from relaunch.inprocess.store import CoordinationStore
+from relaunch.inprocess.progress_watchdog import MainThreadProgress, SharedProgress
+from relaunch.inprocess._coord import CoordinationStore
 
 
 @pytest.fixture
@@ -106,7 +106,7 @@ def test_restart_exception_wakes_a_sleeping_main_thread() -> None:
 @pytest.mark.timeout(30)
 def test_watchdog_timestamps_only_while_python_runs() -> None:
     shared = SharedProgress()
-    watchdog = ProgressWatchdog(shared, 0.02)
+    watchdog = MainThreadProgress(shared, 0.02)
     watchdog.start()
     try:
         end = time.monotonic() + 0.3

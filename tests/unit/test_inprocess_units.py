@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+from typing import Any
 
 import pytest
 
@@ -16,9 +17,9 @@ from relaunch.inprocess import (
     Interruption,
     InterruptionRecord,
     MaxActiveWorldSize,
+    Mode,
     ShiftRanks,
     State,
-    Status,
 )
 from relaunch.inprocess.attribution import decode_records
 
@@ -28,37 +29,16 @@ S = datetime.timedelta(seconds=1)
 def test_public_names_are_pinned() -> None:
     assert sorted(inprocess.__all__) == sorted(
         [
-            "Abort",
-            "AbortTorchDistributed",
-            "ActivateAllRanks",
-            "ActiveWorldSizeDivisibleBy",
-            "BarrierTimeoutError",
-            "CallWrapper",
-            "Compose",
-            "CudaHealthCheck",
-            "FaultCounter",
-            "FillGaps",
-            "Finalize",
-            "HealthCheck",
-            "HealthCheckError",
-            "Initialize",
-            "InternalError",
-            "Interruption",
-            "InterruptionRecord",
-            "MaxActiveWorldSize",
-            "RankAssignment",
-            "RankFilter",
-            "RankShouldRestart",
-            "RestartAbort",
-            "RestartError",
-            "ShiftRanks",
-            "State",
-            "Status",
-            "Wrapper",
-            "WrapperConfig",
-            "broadcast_state",
-            "rank_assignment",
-            "rank_filter",
+            *("Abort", "AbortTorchDistributed", "ActivateAllRanks", "ActiveWorldSizeDivisibleBy"),
+            *("BarrierTimeoutError", "CallWrapper", "Compose", "CudaHealthCheck", "FaultCounter"),
+            *("FillGaps", "Finalize", "FrozenState", "HealthCheck", "HealthCheckError"),
+            *("Initialize", "InternalError", "Interruption", "InterruptionRecord"),
+            *("MaxActiveWorldSize", "Mode", "RankAssignment", "RankAssignmentCtx"),
+            *("RankDiscarded", "RankFilter", "RankShouldRestart", "RestartAbort", "RestartError"),
+            *("RetryController", "ShiftRanks", "State", "Status", "ThreadedFinalize", "Wrapper"),
+            *("WrapperConfig", "abort", "broadcast_state", "compose", "exception", "finalize"),
+            *("health_check", "initialize", "monitor_thread", "nested_restarter"),
+            *("progress_watchdog", "rank_assignment", "rank_filter", "state", "wrap"),
         ]
     )
     for name in inprocess.__all__:
@@ -68,14 +48,17 @@ def test_public_names_are_pinned() -> None:
 def test_exception_tree() -> None:
     assert issubclass(inprocess.RestartError, InProcessError)
     for cls in (
-        inprocess.RestartAbort,
         inprocess.HealthCheckError,
         inprocess.InternalError,
         inprocess.BarrierTimeoutError,
+        inprocess.exception.TimeoutError,
     ):
         assert issubclass(cls, inprocess.RestartError)
-    assert issubclass(inprocess.BarrierTimeoutError, TimeoutError)
+    assert issubclass(inprocess.BarrierTimeoutError, inprocess.exception.TimeoutError)
+    assert issubclass(inprocess.exception.TimeoutError, TimeoutError)
+    # NVIDIA's: neither is an Exception, so ``except Exception`` cannot swallow them
     assert not issubclass(inprocess.RankShouldRestart, Exception)
+    assert not issubclass(inprocess.RestartAbort, Exception)
 
 
 BAD_PARAMETERS = [
@@ -98,6 +81,8 @@ BAD_PARAMETERS = [
     ("last_call_wait", -S),
     ("termination_grace_time", datetime.timedelta(0)),
     ("monitor_process_logfile", "relative/path-{rank}.log"),
+    ("monitor_process_pidfile", "pid-{rank}"),
+    ("heartbeat_interval", 40 * S),  # not below heartbeat_timeout
     ("enabled", "yes"),
 ]
 
@@ -143,35 +128,46 @@ def _state(rank: int, world: int = 4) -> State:
     return State(rank=rank, world_size=world, initial_rank=rank, initial_world_size=world)
 
 
+def _assign(assignment: Any, rank: int, world: int, dead: set[int]) -> State | None:
+    ctx = inprocess.RankAssignmentCtx(_state(rank, world), None, set(dead))
+    try:
+        return assignment(ctx).state  # type: ignore[no-any-return]
+    except inprocess.RankDiscarded:
+        return None
+
+
 def test_shift_ranks_closes_gaps_in_order() -> None:
-    shift = ShiftRanks()
-    result = {r: shift(_state(r), {1})[0] for r in range(4)}
-    assert result[1].status is Status.TERMINATED
-    assert [(result[r].rank, result[r].world_size) for r in (0, 2, 3)] == [(0, 3), (1, 3), (2, 3)]
+    result = {r: _assign(ShiftRanks(), r, 4, {1}) for r in range(4)}
+    assert result[1] is None
+    assert [(s.rank, s.world_size) for r in (0, 2, 3) if (s := result[r])] == [
+        (0, 3),
+        (1, 3),
+        (2, 3),
+    ]
 
 
 def test_fill_gaps_moves_only_the_highest_ranks() -> None:
-    fill = FillGaps()
-    result = {r: fill(_state(r, 5), {0, 2})[0] for r in (1, 3, 4)}
-    assert result[1].rank == 1
-    assert {result[3].rank, result[4].rank} == {0, 2}
-    assert all(s.world_size == 3 for s in result.values())
+    result = {r: _assign(FillGaps(), r, 5, {0, 2}) for r in (1, 3, 4)}
+    assert result[1] is not None and result[1].rank == 1
+    assert {s.rank for r in (3, 4) if (s := result[r])} == {0, 2}
+    assert all(s is not None and s.world_size == 3 for s in result.values())
 
 
 def test_filters_choose_active_ranks_and_spares() -> None:
-    states = [MaxActiveWorldSize(3)(_state(r, 5).activate_all_ranks()) for r in range(5)]
-    assert [s.status for s in states] == [Status.ACTIVE] * 3 + [Status.INACTIVE] * 2
-    assert states[4].active_rank is None and states[0].active_world_size == 3
+    states = [_assign(MaxActiveWorldSize(3), r, 5, set()) for r in range(5)]
+    assert [s.mode for s in states if s] == [Mode.ACTIVE] * 3 + [Mode.INACTIVE] * 2
+    assert states[4] is not None and states[4].active_rank is None
+    assert states[0] is not None and states[0].active_world_size == 3
     div = Compose(ActiveWorldSizeDivisibleBy(2), MaxActiveWorldSize(3))
-    states = [div(_state(r, 5).activate_all_ranks()) for r in range(5)]
-    assert [s.status for s in states] == [Status.ACTIVE] * 2 + [Status.INACTIVE] * 3
+    states = [_assign(div, r, 5, set()) for r in range(5)]
+    assert [s.mode for s in states if s] == [Mode.ACTIVE] * 2 + [Mode.INACTIVE] * 3
 
 
 def test_filter_parameters_are_validated() -> None:
     with pytest.raises(ConfigError, match="max_active_world_size"):
-        MaxActiveWorldSize(0)
+        inprocess.rank_filter.MaxActiveWorldSize(0)
     with pytest.raises(ConfigError, match="divisor"):
-        ActiveWorldSizeDivisibleBy(-1)
+        inprocess.rank_filter.ActiveWorldSizeDivisibleBy(-1)
     with pytest.raises(ConfigError, match="instances"):
         Compose()
 
@@ -185,7 +181,7 @@ def test_state_from_env_and_distributed_vars(monkeypatch: pytest.MonkeyPatch) ->
     import os
 
     assert (os.environ["RANK"], os.environ["WORLD_SIZE"]) == ("1", "2")
-    with pytest.raises(ConfigError, match="initial_rank"):
+    with pytest.raises(ConfigError, match="RANK"):
         State.from_env({"RANK": "3", "WORLD_SIZE": "3"})
 
 
@@ -203,17 +199,18 @@ def test_interruption_records_round_trip_and_reject_garbage() -> None:
 
 def test_fault_counter_terminates_after_too_many_faults() -> None:
     counter = inprocess.FaultCounter(max_rank_faults=1)
-    state = _state(0)
-    counter(state, RuntimeError())
-    with pytest.raises(RuntimeError):
-        counter(state, RuntimeError())
+    failed = dataclasses.replace(_state(0), fn_exception=RuntimeError()).freeze()
+    counter(_state(0).freeze())  # an iteration without a fault does not count
+    counter(failed)
+    with pytest.raises(inprocess.health_check.FaultCounterExceeded):
+        counter(failed)
 
 
 def test_cuda_health_check_takes_nvidias_timeout() -> None:
     check = inprocess.CudaHealthCheck(timeout=datetime.timedelta(seconds=3))
     assert check.timeout == datetime.timedelta(seconds=3)
     state = State(rank=0, world_size=1, initial_rank=0, initial_world_size=1)
-    assert check(state, None) is state  # CUDA not initialized here: nothing to check
+    assert check(state) is state  # CUDA not initialized here: nothing to check
     with pytest.raises(ConfigError, match="timeout"):
         inprocess.CudaHealthCheck(timeout=5)  # type: ignore[arg-type]
 
@@ -234,7 +231,7 @@ def test_rosters_round_trip_and_corrupt_ones_are_named() -> None:
 
 
 def test_death_records_count_for_their_incarnation_only() -> None:
-    from relaunch.inprocess.store import CoordinationStore
+    from relaunch.inprocess._coord import CoordinationStore
 
     class Fake:
         def __init__(self) -> None:

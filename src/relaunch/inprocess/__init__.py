@@ -10,21 +10,33 @@ Usage::
         ...
             call_wrapper.ping()
 
-The names and parameters follow NVIDIA's resiliency extension
-(``nvidia_resiliency_ext.inprocess``). This package imports torch lazily, but it is
-meant to run in workers, where torch is loaded anyway.
+The modules, names, parameters and semantics follow NVIDIA's resiliency extension
+(``nvidia_resiliency_ext.inprocess`` 0.7): code written for it runs after changing
+the import (see the README's "Migrating from NVIDIA's resiliency extension"). This
+package imports torch lazily, but it is meant to run in workers, where torch is
+loaded anyway.
 """
 
-from relaunch.inprocess import rank_assignment, rank_filter
+import importlib
+from typing import Any
+
+from relaunch.inprocess import (
+    abort,
+    compose,
+    exception,
+    finalize,
+    health_check,
+    initialize,
+    monitor_thread,
+    nested_restarter,
+    progress_watchdog,
+    rank_assignment,
+    rank_filter,
+    state,
+    wrap,
+)
 from relaunch.inprocess.abort import Abort, AbortTorchDistributed
 from relaunch.inprocess.attribution import Interruption, InterruptionRecord
-from relaunch.inprocess.callbacks import (
-    CudaHealthCheck,
-    FaultCounter,
-    Finalize,
-    HealthCheck,
-    Initialize,
-)
 from relaunch.inprocess.compose import Compose
 from relaunch.inprocess.config import WrapperConfig
 from relaunch.inprocess.exception import (
@@ -35,16 +47,32 @@ from relaunch.inprocess.exception import (
     RestartAbort,
     RestartError,
 )
+from relaunch.inprocess.finalize import Finalize, ThreadedFinalize
+from relaunch.inprocess.health_check import CudaHealthCheck, FaultCounter, HealthCheck
+from relaunch.inprocess.initialize import Initialize, RetryController
 from relaunch.inprocess.peer_state import broadcast_state
-from relaunch.inprocess.rank_assignment import FillGaps, RankAssignment, ShiftRanks
-from relaunch.inprocess.rank_filter import (
+from relaunch.inprocess.rank_assignment import (
     ActivateAllRanks,
     ActiveWorldSizeDivisibleBy,
+    FillGaps,
     MaxActiveWorldSize,
+    RankAssignment,
+    RankAssignmentCtx,
+    RankDiscarded,
     RankFilter,
+    ShiftRanks,
 )
-from relaunch.inprocess.state import State, Status
-from relaunch.inprocess.wrapper import CallWrapper, Wrapper
+from relaunch.inprocess.state import FrozenState, Mode, State, Status
+from relaunch.inprocess.wrap import Wrapper
+from relaunch.inprocess.wrapper import CallWrapper
+
+
+def __getattr__(name: str) -> Any:
+    # ``store`` imports torch.distributed: loaded on first use (``inprocess.store``).
+    if name == "store":
+        return importlib.import_module("relaunch.inprocess.store")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "Abort",
@@ -58,6 +86,7 @@ __all__ = [
     "FaultCounter",
     "FillGaps",
     "Finalize",
+    "FrozenState",
     "HealthCheck",
     "HealthCheckError",
     "Initialize",
@@ -65,17 +94,33 @@ __all__ = [
     "Interruption",
     "InterruptionRecord",
     "MaxActiveWorldSize",
+    "Mode",
     "RankAssignment",
+    "RankAssignmentCtx",
+    "RankDiscarded",
     "RankFilter",
     "RankShouldRestart",
     "RestartAbort",
     "RestartError",
+    "RetryController",
     "ShiftRanks",
     "State",
     "Status",
+    "ThreadedFinalize",
     "Wrapper",
     "WrapperConfig",
+    "abort",
     "broadcast_state",
+    "compose",
+    "exception",
+    "finalize",
+    "health_check",
+    "initialize",
+    "monitor_thread",
+    "nested_restarter",
+    "progress_watchdog",
     "rank_assignment",
     "rank_filter",
+    "state",
+    "wrap",
 ]

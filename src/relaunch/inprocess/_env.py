@@ -131,3 +131,52 @@ def tcp_client_factory(endpoint: StoreEndpoint) -> Callable[[], Any]:
         )
 
     return make
+
+
+def warn_if_logging_is_off() -> None:
+    """Warn (as NVIDIA's wrapper does) when the root logger has no handler."""
+    import logging
+    import warnings
+
+    if not logging.getLogger().hasHandlers():
+        warnings.warn(
+            "logging is not configured (the root logger has no handler): the in-process "
+            "wrapper's records go nowhere; call logging.basicConfig() to see them",
+            UserWarning,
+            stacklevel=4,
+        )
+
+
+class StallClock:
+    """How long a rank has made no progress across restarts.
+
+    A rank whose iterations keep ending by its own soft timeout makes no progress,
+    however often it restarts: :meth:`observe` gets, after each iteration, when its
+    last progress was if the iteration ended by its soft timeout (else None), and
+    returns for how long the rank has been stalled (None: it is not). NVIDIA's wrapper
+    kills such a rank at the hard timeout; relaunch's early wake-up at the soft
+    timeout would otherwise restart it forever.
+    """
+
+    def __init__(self) -> None:
+        self.since: float | None = None
+
+    def observe(self, stalled_at: float | None, now: float) -> float | None:
+        if stalled_at is None:
+            self.since = None
+            return None
+        if self.since is None:
+            self.since = stalled_at
+        return now - self.since
+
+
+def store_factory(cfg: Any, initial_rank: int) -> tuple[Callable[[], Any], int | None]:
+    """The factory of the wrapper's store clients, and the port this rank's monitor
+    process hosts the store on (standalone rank 0), or None."""
+    kwargs = cfg.store_kwargs or {}
+    if cfg.store_factory is None:
+        endpoint = resolve_store(kwargs, cfg.seconds("barrier_timeout"))
+        host = endpoint.port if endpoint.hosted_by_rank0 and initial_rank == 0 else None
+        return tcp_client_factory(endpoint), host
+    factory = cfg.store_factory
+    return (lambda: factory(**kwargs)), None

@@ -37,13 +37,11 @@ def call_wrapper_parameter(fn: Callable[..., Any], cls: type) -> str | None:
     return None
 
 
-def run_callbacks(callbacks: Any, state: Any, *rest: Any) -> Any:
-    """Run one callback or a list of them in order; each returns the state for the next."""
+def run_callbacks(callbacks: Any, state: Any) -> None:
+    """Call one callback, or each of a list in order, with the read-only ``state``
+    (NVIDIA's convention: what they return is not used)."""
     if callbacks is None:
-        return state
+        return
     items = callbacks if isinstance(callbacks, list | tuple) else [callbacks]
     for callback in items:
-        result = callback(state, *rest)
-        if result is not None:
-            state = result
-    return state
+        callback(state)

@@ -29,10 +29,10 @@ import time
 from collections.abc import Mapping
 
 from relaunch._contract import INCARNATION_ENV, JOIN_WAIT_ENV
+from relaunch.inprocess._coord import COMPLETE, CoordinationStore
 from relaunch.inprocess.attribution import Interruption, InterruptionRecord
 from relaunch.inprocess.exception import BarrierTimeoutError, InternalError
-from relaunch.inprocess.state import State, Status
-from relaunch.inprocess.store import COMPLETE, CoordinationStore
+from relaunch.inprocess.state import Mode, State
 
 __all__ = [
     "admit",
@@ -79,7 +79,7 @@ def encode_roster(roster: Mapping[int, State], incarnations: Mapping[int, int]) 
             "active_rank": s.active_rank,
             "active_world_size": s.active_world_size,
             "iteration": s.iteration,
-            "status": s.status.value,
+            "mode": s.mode.name,
         }
         for r, s in sorted(roster.items())
     }
@@ -102,9 +102,11 @@ def decode_roster(text: str) -> tuple[dict[int, State], dict[int, int]]:
                 initial_rank=int(key),
                 initial_world_size=int(s["initial_world_size"]),
                 active_rank=None if active is None else int(active),
-                active_world_size=int(s["active_world_size"]),
+                active_world_size=None
+                if s["active_world_size"] is None
+                else int(s["active_world_size"]),
                 iteration=int(s["iteration"]),
-                status=Status(s["status"]),
+                mode=Mode[s["mode"]],
             )
         incarnations = {int(r): int(i) for r, i in doc["incarnations"].items()}
     except (ValueError, KeyError, TypeError, AttributeError) as exc:

@@ -6,12 +6,13 @@ frozen terminated set, the frozen admitted set), so they agree without talking.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 
-from relaunch.inprocess._params import run_callbacks
 from relaunch.inprocess.config import WrapperConfig
 from relaunch.inprocess.exception import RestartAbort, RestartError
-from relaunch.inprocess.state import State, Status
+from relaunch.inprocess.rank_assignment import RankAssignment, RankAssignmentCtx, RankDiscarded
+from relaunch.inprocess.state import Mode, State
 
 __all__ = ["assign", "initial_state", "readmit"]
 
@@ -21,6 +22,8 @@ def initial_state(rank: int, world_size: int, iteration: int = 0) -> State:
     return State(
         rank=rank,
         world_size=world_size,
+        active_rank=None,
+        active_world_size=None,
         initial_rank=rank,
         initial_world_size=world_size,
         iteration=iteration,
@@ -33,18 +36,39 @@ def assign(
     """The next roster: ``terminated`` (initial ranks) leave, the assignment and the
     filter place the others. Raises RestartAbort when no rank is left active."""
     current = {roster[r].rank for r in terminated if r in roster}
+    current.discard(None)
     out: dict[int, State] = {}
     for initial, state in sorted(roster.items()):
-        new, left = config.rank_assignment(state, current)
-        if left:
-            raise RestartError(f"rank assignment left terminated ranks {sorted(left)}")
-        if new.status is Status.TERMINATED:
+        ctx = RankAssignmentCtx(dataclasses.replace(state), None, set(current))  # type: ignore[arg-type]
+        try:
+            ctx = config.rank_assignment(ctx)
+        except RankDiscarded:
             continue
-        new = run_callbacks(config.rank_filter, new.activate_all_ranks())
-        out[initial] = new.advance() if advance else new
-    if not any(s.status is Status.ACTIVE for s in out.values()):
+        if ctx.terminated_ranks:
+            raise RestartError(
+                f"the rank assignment left terminated ranks {sorted(ctx.terminated_ranks)} "
+                "unhandled (end it with ShiftRanks or FillGaps)"
+            )
+        new = ctx.state
+        if new.mode is Mode.INITIALIZED:  # an assignment that activates no rank: all are
+            new = new.activate_all_ranks()
+        for rank_filter in _filters(config.rank_filter):
+            if isinstance(rank_filter, RankAssignment):  # a rank_assignment filter given here
+                new = rank_filter(RankAssignmentCtx(new, None, set())).state
+            else:
+                new = rank_filter(new)
+        if new.mode is Mode.TERMINATED:
+            continue
+        out[initial] = new.next_iteration() if advance else new
+    if not any(s.mode is Mode.ACTIVE for s in out.values()):
         raise RestartAbort(f"no active rank left (terminated: {sorted(terminated)})")
     return out
+
+
+def _filters(rank_filter: object) -> list:  # type: ignore[type-arg]
+    if rank_filter is None:
+        return []
+    return list(rank_filter) if isinstance(rank_filter, list | tuple) else [rank_filter]
 
 
 def readmit(

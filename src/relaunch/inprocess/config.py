@@ -10,7 +10,8 @@ from typing import Any
 
 from relaunch.errors import ConfigError
 from relaunch.inprocess.abort import AbortTorchDistributed
-from relaunch.inprocess.rank_assignment import RankAssignment, ShiftRanks
+from relaunch.inprocess.compose import Compose
+from relaunch.inprocess.rank_assignment import ActivateAllRanks, ShiftRanks, uses_store
 
 __all__ = ["WrapperConfig"]
 
@@ -75,14 +76,21 @@ class WrapperConfig:
     """Rank-local cleanup after an interruption."""
     health_check: Callback | list[Callback] | None = None
     """Rank-local health check after an interruption; raising terminates the rank."""
-    rank_assignment: RankAssignment | Callback = dataclasses.field(default_factory=ShiftRanks)
-    """New ranks for the next iteration (default: shift down over the gaps)."""
+    rank_assignment: Callback = dataclasses.field(
+        default_factory=lambda: Compose(ActivateAllRanks(), ShiftRanks())
+    )
+    """New ranks and active ranks for the next iteration, called with a
+    ``RankAssignmentCtx`` (default: shift down over the gaps, activate every rank)."""
     rank_filter: Callback | list[Callback] | None = None
-    """Which ranks are active; the others wait as spares."""
+    """Deprecated (as in NVIDIA's): which ranks are active, called with the state after
+    the rank assignment; use ``rank_assignment`` filters instead."""
     monitor_thread_interval: datetime.timedelta = _S0_05
     """How often the monitor thread reads the store."""
     monitor_process_interval: datetime.timedelta = _S0_25
-    """How often the monitor process heartbeats and checks progress."""
+    """How often the monitor process checks this rank's progress and the others' heartbeats."""
+    heartbeat_interval: datetime.timedelta | None = None
+    """How often the monitor process writes this rank's heartbeat (None: every
+    ``monitor_process_interval``)."""
     progress_watchdog_interval: datetime.timedelta = _S0_1
     """How often the automatic progress timestamp is taken."""
     soft_timeout: datetime.timedelta = _S60
@@ -101,6 +109,8 @@ class WrapperConfig:
     """Time between SIGTERM and SIGKILL when the monitor process kills its rank."""
     monitor_process_logfile: str | None = None
     """Absolute path of the monitor process's log; may contain ``{rank}``."""
+    monitor_process_pidfile: str | None = None
+    """Absolute path where the monitor process's pid is written; may contain ``{rank}``."""
     enabled: bool = True
     """False: the decorator returns the function unchanged."""
 
@@ -116,6 +126,12 @@ class WrapperConfig:
             raise ConfigError(
                 f"rank_assignment: expected a RankAssignment, got {self.rank_assignment!r}"
             )
+        if uses_store(self.rank_assignment):
+            raise ConfigError(
+                "rank_assignment: Tree and FilterCountGroupedByKey exchange data through the "
+                "store at every restart, which relaunch's wrapper does not do yet; expected an "
+                "assignment of ShiftRanks, FillGaps and the rank filters"
+            )
         for name in _TIMEDELTAS:
             value = getattr(self, name)
             if isinstance(value, int | float) and not isinstance(value, bool):
@@ -127,15 +143,23 @@ class WrapperConfig:
                 value == datetime.timedelta(0) and name != "last_call_wait"
             ):
                 raise ConfigError(f"{name}: expected a positive duration, got {value}")
+        if self.heartbeat_interval is not None:
+            value = self.heartbeat_interval
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                value = _seconds(value)
+                object.__setattr__(self, "heartbeat_interval", value)
+            if not isinstance(value, datetime.timedelta) or not (
+                datetime.timedelta(0) < value < self.heartbeat_timeout
+            ):
+                raise ConfigError(
+                    f"heartbeat_interval: expected a positive duration below heartbeat_timeout "
+                    f"({self.heartbeat_timeout}), got {value!r}"
+                )
         self._check_order()
-        if self.monitor_process_logfile is not None and (
-            not isinstance(self.monitor_process_logfile, str)
-            or not os.path.isabs(self.monitor_process_logfile)
-        ):
-            raise ConfigError(
-                f"monitor_process_logfile: expected an absolute path, "
-                f"got {self.monitor_process_logfile!r}"
-            )
+        for name in ("monitor_process_logfile", "monitor_process_pidfile"):
+            path = getattr(self, name)
+            if path is not None and (not isinstance(path, str) or not os.path.isabs(path)):
+                raise ConfigError(f"{name}: expected an absolute path, got {path!r}")
         if not isinstance(self.enabled, bool):
             raise ConfigError(f"enabled: expected a bool, got {self.enabled!r}")
 

@@ -30,9 +30,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from relaunch.inprocess._coord import CoordinationStore, TorchStore
 from relaunch.inprocess.attribution import Interruption
 from relaunch.inprocess.progress_watchdog import SharedProgress
-from relaunch.inprocess.store import CoordinationStore, TorchStore
 from relaunch.procs import terminate
 
 __all__ = ["MonitorProcess", "MonitorSettings"]
@@ -53,6 +53,9 @@ class MonitorSettings:
     termination_grace_time: float
     logfile: str | None
     host_port: int | None
+    heartbeat_interval: float = 1.0
+    pidfile: str | None = None
+    """Where the monitor process's pid is written (``{rank}``: the initial rank)."""
     """Host the coordination store on this port (standalone mode, initial rank 0)."""
     incarnation: int = 0
     """Which process of the rank this is (its death record says so; see _rejoin)."""
@@ -88,6 +91,13 @@ class MonitorProcess:
             finally:
                 os._exit(code)
         self.pid = pid
+        if self.settings.pidfile is not None:
+            path = self.settings.pidfile.format(rank=self.settings.initial_rank)
+            try:
+                with open(path, "w") as f:
+                    f.write(f"{pid}\n")
+            except OSError as exc:
+                log.warning("cannot write the monitor process pid to %s: %s", path, exc)
 
     def alive(self) -> bool:
         if self.pid is None:
@@ -152,6 +162,10 @@ def _child_main(
         root = logging.getLogger()
         root.handlers = [handler]
         root.setLevel(logging.DEBUG)
+    log.info(
+        "monitor_process pid=%s target_pid=%s rank=%s world_size=%s",
+        os.getpid(), parent, settings.initial_rank, settings.initial_world_size,
+    )  # fmt: skip
     pidfd = _open_pidfd(parent)
     if os.getppid() != parent:
         return 0
@@ -192,6 +206,7 @@ class _Loop:
         self.coord = coord
         self.hosting = hosting
         self.parent_gone = False
+        self.last_beat = -1e9
         now = time.monotonic()
         others = set(range(settings.initial_world_size)) - {settings.initial_rank}
         self.seen: dict[int, tuple[int, float]] = {r: (-1, now) for r in others}
@@ -218,7 +233,9 @@ class _Loop:
                     return 0
                 self._check_others()
                 continue
-            self.coord.heartbeat(rank)
+            if time.monotonic() - self.last_beat >= self.s.heartbeat_interval:
+                self.coord.heartbeat(rank)
+                self.last_beat = time.monotonic()
             self._check_progress()
             self._check_others()
 

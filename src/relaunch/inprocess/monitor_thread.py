@@ -21,16 +21,26 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import FrameType
+from typing import Any
 
+from relaunch.inprocess._coord import CoordinationStore
 from relaunch.inprocess._groups import GroupRefs
 from relaunch.inprocess.attribution import Interruption, InterruptionRecord
 from relaunch.inprocess.exception import RankShouldRestart
 from relaunch.inprocess.progress_watchdog import SharedProgress
-from relaunch.inprocess.store import CoordinationStore
 
-__all__ = ["WAKE_SIGNAL", "MainThreadControl", "MonitorThread"]
+__all__ = [
+    "WAKE_SIGNAL",
+    "MainThreadControl",
+    "MonitorThread",
+    "RankShouldRestart",
+    "async_abort_main_thread",
+    "async_raise",
+    "delayed_async_raise",
+    "reraise_if_unraisable",
+]
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +52,66 @@ def _set_async_exc(ident: int, exc: type[BaseException] | None) -> int:
     obj = ctypes.py_object(exc) if exc is not None else None
     result: int = ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident), obj)
     return result
+
+
+def async_raise(
+    tid: int, exc_type: type[BaseException], event: threading.Event | None = None
+) -> None:
+    """Raise ``exc_type`` in thread ``tid`` (NVIDIA's helper): it is raised when that
+    thread next runs Python code. Waits for ``event`` first when one is given. Raises
+    RuntimeError when no thread has that id (or, inconsistently, several)."""
+    if event is not None:
+        event.wait()
+    result = 1 if sys.is_finalizing() else _set_async_exc(tid, exc_type)
+    if result == 0:
+        raise RuntimeError(f"no thread with id {tid}")
+    if result > 1:
+        _set_async_exc(tid, None)
+        raise RuntimeError(f"PyThreadState_SetAsyncExc matched {result} threads")
+
+
+def delayed_async_raise(tid: int, exc_type: type[BaseException]) -> None:
+    """:func:`async_raise` from a helper thread (callable where raising is not safe)."""
+    event = threading.Event()
+    threading.Thread(
+        target=async_raise, args=(tid, exc_type, event), name="relaunch-async-raise", daemon=True
+    ).start()
+    event.set()
+
+
+def async_abort_main_thread(msg: str | None = None) -> None:
+    """Raise :class:`RankShouldRestart` (with ``msg``) in the main thread."""
+    exc_type: type[BaseException] = RankShouldRestart
+    if msg is not None:
+        exc_type = type(
+            "RankShouldRestart",
+            (RankShouldRestart,),
+            {"__init__": lambda self: RankShouldRestart.__init__(self, msg)},
+        )
+    main = threading.main_thread().ident
+    assert main is not None
+    async_raise(main, exc_type)
+
+
+@contextlib.contextmanager
+def reraise_if_unraisable(exc_type: type[BaseException]) -> Iterator[None]:
+    """While active (a context manager or a decorator), an exception of ``exc_type``
+    that Python can only report as unraisable (raised in a finalizer or a callback)
+    is raised again in the main thread, asynchronously."""
+    original = sys.unraisablehook
+
+    def hook(args: Any) -> None:
+        original(args)
+        if issubclass(args.exc_type, exc_type) and not sys.is_finalizing():
+            main = threading.main_thread().ident
+            if main is not None:
+                delayed_async_raise(main, exc_type)
+
+    sys.unraisablehook = hook
+    try:
+        yield
+    finally:
+        sys.unraisablehook = original
 
 
 def _wake_handler(signum: int, frame: FrameType | None) -> None:
@@ -150,6 +220,8 @@ class MonitorThread:
         self.triggered = threading.Event()
         self._stop = threading.Event()
         self._soft_recorded = False
+        self.stalled_at: float | None = None
+        """When this rank's last progress was, if the iteration ended by its soft timeout."""
         self._retry = min(interval, 0.01)
         self._deferred = False
         self._thread = threading.Thread(
@@ -191,6 +263,7 @@ class MonitorThread:
             and time.monotonic() - self.shared.progress() > self.soft_timeout
         ):
             self._soft_recorded = True
+            self.stalled_at = self.shared.progress()
             log.warning("rank %s: soft timeout, no progress", self.initial_rank)
             self.coord.record_interrupted(
                 self.iteration,

@@ -17,14 +17,16 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import datetime
 import logging
 import mmap
 import struct
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any, NamedTuple
 
-__all__ = ["ProgressWatchdog", "SharedProgress"]
+__all__ = ["MainThreadProgress", "ProgressWatchdog", "SharedProgress", "Timestamp"]
 
 log = logging.getLogger(__name__)
 
@@ -157,8 +159,9 @@ def _get_probe() -> _Probe:
         return _probe
 
 
-class ProgressWatchdog:
-    """The thread that writes automatic progress timestamps every ``interval`` seconds."""
+class MainThreadProgress:
+    """The wrapper's watchdog thread: writes automatic progress timestamps into
+    :class:`SharedProgress` every ``interval`` seconds."""
 
     def __init__(self, shared: SharedProgress, interval: float) -> None:
         self.shared = shared
@@ -189,3 +192,90 @@ class ProgressWatchdog:
             self._thread.join(timeout)
             if self._thread.is_alive():
                 log.warning("progress watchdog thread did not stop within %.1f s", timeout)
+
+
+class Timestamp(NamedTuple):
+    """NVIDIA's progress record: the last automatic and manual (``ping``) progress times
+    (``time.monotonic()``), None until there is one."""
+
+    auto: float | None = None
+    manual: float | None = None
+
+
+class ProgressWatchdog(threading.Thread):
+    """NVIDIA's standalone progress watchdog: every ``interval`` it checks that the main
+    thread runs Python code and sends ``Timestamp(auto=..., manual=...)`` through
+    ``connection.send_timestamp``. :meth:`ping` records manual progress;
+    :meth:`pause_and_synchronize` stops the sending (no timestamp is sent after it
+    returns) until :meth:`resume`. The wrapper itself uses :class:`MainThreadProgress`.
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        connection: Any,
+        interval: datetime.timedelta,
+        daemon: bool = True,
+    ) -> None:
+        super().__init__(name=f"ProgressWatchdog-{rank}", daemon=daemon)
+        self.rank = rank
+        self.connection = connection
+        self.interval = interval
+        self.timestamp = Timestamp(auto=time.monotonic())
+        self._send_lock = threading.RLock()
+        self._probe = _get_probe()
+        self._stop_event = threading.Event()
+        self._running = threading.Event()  # cleared: paused
+        self._running.set()
+        self._paused = threading.Event()
+        self._stopped = False
+
+    def send(self) -> None:
+        with self._send_lock:
+            self.connection.send_timestamp(self.timestamp)
+
+    def reset(self) -> None:
+        self.timestamp = Timestamp(auto=time.monotonic())
+        self.send()
+
+    def ping(self) -> None:
+        self.timestamp = Timestamp(auto=self.timestamp.auto, manual=time.monotonic())
+        self.send()
+
+    def run(self) -> None:
+        seconds = self.interval.total_seconds()
+        while not self._stop_event.is_set():
+            if not self._running.is_set():
+                self._paused.set()
+                self._running.wait(seconds)
+                continue
+            self._paused.clear()
+            started = time.monotonic()
+            if self._probe.wait(seconds) and self._running.is_set():
+                self.timestamp = Timestamp(auto=time.monotonic(), manual=self.timestamp.manual)
+                self.send()
+            self._stop_event.wait(max(0.0, seconds - (time.monotonic() - started)))
+        self._paused.set()
+
+    def pause_and_synchronize(self) -> None:
+        """Stop sending; when this returns, no timestamp is sent until :meth:`resume`."""
+        with self._send_lock:
+            self._running.clear()
+        if self.is_alive():
+            self._paused.wait()
+
+    def resume(self) -> None:
+        if self._stopped:
+            raise RuntimeError("the progress watchdog was shut down")
+        self._running.set()
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Stop the thread (it sends one last timestamp); a second call does nothing."""
+        if self._stopped:
+            return
+        self._stopped = True
+        self._stop_event.set()
+        self._running.set()
+        if self.is_alive():
+            self.join(timeout)
+        self.reset()

@@ -1,22 +1,25 @@
-"""Rank filters: which ranks call the wrapped function; the others wait as spares.
+"""Rank filters (deprecated by NVIDIA in favour of ``rank_assignment``; kept so code
+that passes ``rank_filter=`` still runs): which ranks call the wrapped function.
 
-A filter gets this rank's :class:`State` after rank assignment (every rank active)
-and returns it with ``status``, ``active_rank`` and ``active_world_size`` set.
+A filter gets this rank's :class:`State` after rank assignment and returns it with
+``mode``, ``active_rank`` and ``active_world_size`` set. The classes here apply the
+same rules as their namesakes in :mod:`relaunch.inprocess.rank_assignment`.
 """
 
 from __future__ import annotations
 
 import abc
-import dataclasses
 
 from relaunch.errors import ConfigError
-from relaunch.inprocess.state import State, Status
+from relaunch.inprocess import rank_assignment as ra
+from relaunch.inprocess.state import State
 
 __all__ = [
     "ActivateAllRanks",
     "ActiveWorldSizeDivisibleBy",
     "MaxActiveWorldSize",
     "RankFilter",
+    "WorldSizeDivisibleBy",
 ]
 
 
@@ -28,29 +31,15 @@ class RankFilter(abc.ABC):
         """Return the state with this rank active or inactive."""
 
 
-def _with_active_world_size(state: State, active_world_size: int) -> State:
-    if state.status is Status.TERMINATED:
-        return state
-    if state.rank < active_world_size:
-        return dataclasses.replace(
-            state,
-            active_rank=state.rank,
-            active_world_size=active_world_size,
-            status=Status.ACTIVE,
-        )
-    return dataclasses.replace(
-        state,
-        active_rank=None,
-        active_world_size=active_world_size,
-        status=Status.INACTIVE,
-    )
+def _apply(assignment: ra.RankAssignment, state: State) -> State:
+    return assignment(ra.RankAssignmentCtx(state, None, set())).state
 
 
 class ActivateAllRanks(RankFilter):
     """Every rank still in the job is active."""
 
     def __call__(self, state: State) -> State:
-        return _with_active_world_size(state, state.world_size)
+        return _apply(ra.ActivateAllRanks(), state)
 
 
 class MaxActiveWorldSize(RankFilter):
@@ -67,10 +56,7 @@ class MaxActiveWorldSize(RankFilter):
         self.max_active_world_size = max_active_world_size
 
     def __call__(self, state: State) -> State:
-        size = state.active_world_size or state.world_size
-        if self.max_active_world_size is not None:
-            size = min(size, self.max_active_world_size)
-        return _with_active_world_size(state, size)
+        return _apply(ra.MaxActiveWorldSize(self.max_active_world_size), state)
 
 
 class ActiveWorldSizeDivisibleBy(RankFilter):
@@ -82,5 +68,8 @@ class ActiveWorldSizeDivisibleBy(RankFilter):
         self.divisor = divisor
 
     def __call__(self, state: State) -> State:
-        size = state.active_world_size or state.world_size
-        return _with_active_world_size(state, size // self.divisor * self.divisor)
+        return _apply(ra.ActiveWorldSizeDivisibleBy(self.divisor), state)
+
+
+WorldSizeDivisibleBy = ActiveWorldSizeDivisibleBy
+"""The older name of :class:`ActiveWorldSizeDivisibleBy`."""

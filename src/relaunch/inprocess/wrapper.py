@@ -1,17 +1,25 @@
-"""``Wrapper`` (the decorator) and ``CallWrapper`` (one call of the wrapped function)."""
+"""``CallWrapper``: one call of a function wrapped by :class:`~relaunch.inprocess.wrap.Wrapper`."""
 
 from __future__ import annotations
 
 import contextlib
-import functools
+import dataclasses
 import gc
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 from relaunch.inprocess import _sockets
-from relaunch.inprocess._env import announce_to_agent, namespace, resolve_store, tcp_client_factory
+from relaunch.inprocess._coord import CoordinationStore
+from relaunch.inprocess._env import (
+    StallClock,
+    announce_to_agent,
+    namespace,
+    store_factory,
+    warn_if_logging_is_off,
+)
 from relaunch.inprocess._groups import GroupRefs, release_frames, reset_group_names
 from relaunch.inprocess._params import call_wrapper_parameter, run_callbacks
 from relaunch.inprocess._rejoin import admit, encode_roster, incarnation, wait_for_admission
@@ -19,52 +27,26 @@ from relaunch.inprocess._rendezvous import EnvRendezvousPatch
 from relaunch.inprocess._roster import assign, initial_state, readmit
 from relaunch.inprocess.abort import destroy_default_group
 from relaunch.inprocess.attribution import Interruption, InterruptionRecord
-from relaunch.inprocess.config import WrapperConfig
-from relaunch.inprocess.exception import HealthCheckError, RankShouldRestart, RestartAbort
+from relaunch.inprocess.exception import (
+    HealthCheckError,
+    RankShouldRestart,
+    RestartAbort,
+    TimeoutError,
+)
 from relaunch.inprocess.monitor_process import MonitorProcess, MonitorSettings
 from relaunch.inprocess.monitor_thread import MainThreadControl, MonitorThread
-from relaunch.inprocess.progress_watchdog import ProgressWatchdog, SharedProgress
-from relaunch.inprocess.state import State, Status
-from relaunch.inprocess.store import CoordinationStore
+from relaunch.inprocess.progress_watchdog import MainThreadProgress, SharedProgress
+from relaunch.inprocess.state import Mode, State
 
-__all__ = ["CallWrapper", "Wrapper"]
+if TYPE_CHECKING:
+    from relaunch.inprocess.wrap import Wrapper
+
+__all__ = ["CallWrapper"]
 
 log = logging.getLogger(__name__)
 
-F = TypeVar("F", bound=Callable[..., Any])
-
 _POLL = 0.005
 """Barrier polling period (seconds): a barrier completes within one period of the last arrival."""
-
-
-class Wrapper:
-    """Decorator: restart the wrapped function in-process on every healthy rank on a fault.
-
-    Takes the keyword parameters of :class:`~relaunch.inprocess.config.WrapperConfig`
-    (NVIDIA's names); a bad one raises :class:`relaunch.errors.ConfigError` naming it.
-    The decorated function returns the function's value once every active rank has
-    completed; spare ranks return None. A rank that is terminated raises
-    :class:`~relaunch.inprocess.RestartError` (a subclass says why).
-    """
-
-    def __init__(self, **kwargs: Any) -> None:
-        self.config = WrapperConfig(**kwargs)
-
-    def __getattr__(self, name: str) -> Any:
-        if name == "config":
-            raise AttributeError(name)
-        return getattr(self.config, name)
-
-    def __call__(self, fn: F) -> F:
-        if not self.config.enabled:
-            return fn
-
-        @functools.wraps(fn)
-        def wrapped(*args: Any, **kwargs: Any) -> Any:
-            with CallWrapper(self) as call_wrapper:
-                return call_wrapper(fn, args, kwargs)
-
-        return wrapped  # type: ignore[return-value]
 
 
 class CallWrapper:
@@ -77,29 +59,26 @@ class CallWrapper:
     def __init__(self, wrapper: Wrapper) -> None:
         import torch.distributed as dist
 
-        from relaunch.inprocess.exception import RestartError
+        from relaunch.errors import ConfigError
 
         if dist.is_available() and dist.is_initialized():
-            raise RestartError("torch.distributed is initialized: the wrapped function must do it")
+            raise ConfigError(
+                "expected not torch.distributed.is_initialized() when the wrapped function is "
+                "called: the function initializes the process group (at every iteration)"
+            )
+        warn_if_logging_is_off()
         cfg = wrapper.config
         self.config = cfg
+        self.wrapper_health_check = wrapper.restart_health_check
         self.state = State.from_env()
         self.incarnation = incarnation()
         self._new: set[int] = set()
+        self._stall = StallClock()
         self.shared = SharedProgress()
         self._abort_lock = threading.Lock()
         self._aborted = False
         self.groups = GroupRefs()
-        host_port: int | None = None
-        kwargs = cfg.store_kwargs or {}
-        if cfg.store_factory is None:
-            endpoint = resolve_store(kwargs, cfg.seconds("barrier_timeout"))
-            self._factory: Callable[[], Any] = tcp_client_factory(endpoint)
-            if endpoint.hosted_by_rank0 and self.state.initial_rank == 0:
-                host_port = endpoint.port
-        else:
-            factory = cfg.store_factory
-            self._factory = lambda: factory(**kwargs)
+        self._factory, host_port = store_factory(cfg, self.state.initial_rank)
         self.namespace = namespace()
         self.monitor_process = MonitorProcess(
             MonitorSettings(
@@ -111,6 +90,12 @@ class CallWrapper:
                 heartbeat_timeout=cfg.seconds("heartbeat_timeout"),
                 termination_grace_time=cfg.seconds("termination_grace_time"),
                 logfile=cfg.monitor_process_logfile,
+                pidfile=cfg.monitor_process_pidfile,
+                heartbeat_interval=cfg.seconds(
+                    "heartbeat_interval"
+                    if cfg.heartbeat_interval is not None
+                    else "monitor_process_interval"
+                ),
                 host_port=host_port,
                 incarnation=self.incarnation,
             ),
@@ -120,7 +105,7 @@ class CallWrapper:
         self._hosting = host_port is not None
         self.atomic_lock = threading.RLock()
         self.control = MainThreadControl(self.atomic_lock)
-        self.watchdog = ProgressWatchdog(self.shared, cfg.seconds("progress_watchdog_interval"))
+        self.watchdog = MainThreadProgress(self.shared, cfg.seconds("progress_watchdog_interval"))
         self._coord: CoordinationStore | None = None
         self._thread_coord: CoordinationStore | None = None
         self.monitor_process.start()  # fork first: the child inherits no connection, no thread
@@ -213,7 +198,7 @@ class CallWrapper:
                 return None  # a replacement that came when the job had completed
             while True:
                 state = roster.get(me)
-                if state is None or state.status is Status.TERMINATED:
+                if state is None or state.mode is Mode.TERMINATED:
                     raise RestartAbort(f"rank {me} was terminated")
                 self.state = state
                 state.set_distributed_vars()
@@ -233,7 +218,9 @@ class CallWrapper:
                     roster = readmit(self.config, roster, terminated, set(admitted), it)
                 else:
                     roster = assign(self.config, roster, terminated, advance=True)
-                self._new = {roster[r].rank for r in admitted if r in roster}
+                self._new = {
+                    r_ for r in admitted if r in roster and (r_ := roster[r].rank) is not None
+                }
         except BaseException as exc:
             kind = (
                 Interruption.TERMINATED
@@ -260,7 +247,7 @@ class CallWrapper:
         if self.incarnation > 0:
             roster = wait_for_admission(self.coord, me, self.incarnation, timeout, _POLL)
             if roster is not None:
-                self._new = {roster[me].rank}
+                self._new = {roster[me].rank or 0}
                 log.info("rank %s: replacement admitted at iteration %s", me, roster[me].iteration)
             return roster
         dead = self.coord.initial_barrier(me, world, timeout, _POLL)
@@ -278,14 +265,14 @@ class CallWrapper:
         cfg, state, coord = self.config, self.state, self.coord
         me, it = state.initial_rank, state.iteration
         members = set(roster)
-        active = {r for r, s in roster.items() if s.status is Status.ACTIVE}
+        active = {r for r, s in roster.items() if s.mode is Mode.ACTIVE}
         with self._abort_lock:
             self._aborted = False
         if not coord.iteration_barrier(it, me, members, cfg.seconds("barrier_timeout"), _POLL):
             return False, None
         log.debug("rank %s: iteration %s barrier passed", me, it)
-        announce_to_agent(iteration=it, active=state.status is Status.ACTIVE)
-        if state.status is not Status.ACTIVE:
+        announce_to_agent(iteration=it, active=state.mode is Mode.ACTIVE)
+        if state.mode is not Mode.ACTIVE:
             log.debug("rank %s is a spare at iteration %s", me, it)
             return coord.completion(it, None, active, None, _POLL), None
         _sockets.mark_baseline()
@@ -310,6 +297,7 @@ class CallWrapper:
         finally:
             self.shared.armed = 0
             monitor.shutdown(cfg.seconds("barrier_timeout"))
+        self._check_stall(monitor.stalled_at)
         if kind == "exception":
             log.warning("rank %s: iteration %s raised %r", me, it, value)
             if not monitor.triggered.is_set():
@@ -319,10 +307,29 @@ class CallWrapper:
                 coord.record_interrupted(it, record)
             return False, value
         if kind == "restart":
+            if not monitor.triggered.is_set():  # the function asked for the restart itself
+                record = InterruptionRecord(
+                    initial_rank=me,
+                    interruption=Interruption.EXCEPTION,
+                    message="RankShouldRestart",
+                )
+                coord.record_interrupted(it, record)
             return False, value
         self.groups.release()  # the function's frame is gone: so are its DDP reducers
         completion = cfg.seconds("completion_timeout")
         return coord.completion(it, me, active, completion, _POLL), value
+
+    def _check_stall(self, stalled_at: float | None) -> None:
+        """The hard timeout across restarts (see :class:`StallClock`)."""
+        stalled = self._stall.observe(stalled_at, time.monotonic())
+        if stalled is not None and stalled >= self.config.seconds("hard_timeout"):
+            me = self.state.initial_rank
+            message = (
+                f"rank {me}: no progress for {stalled:.1f} s across restarts "
+                f"(hard_timeout {self.config.hard_timeout})"
+            )
+            self.coord.record_dead(self.state.iteration, me, Interruption.HARD_TIMEOUT, message)
+            raise TimeoutError(message)
 
     def _call(
         self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -332,7 +339,11 @@ class CallWrapper:
             try:
                 reset_group_names()
                 self.control.enter()
-                self.state = run_callbacks(self.config.initialize, self.state)
+                run_callbacks(self.config.initialize, self.state.freeze())
+                try:
+                    run_callbacks(self.config.health_check, self.state.freeze())
+                except Exception as exc:
+                    raise HealthCheckError(f"rank {self.state.initial_rank}: {exc!r}") from exc
                 outcome = ("ok", fn(*args, **kwargs))
             except Exception as exc:
                 outcome = ("exception", exc)
@@ -349,7 +360,7 @@ class CallWrapper:
         """Run the abort callbacks (again: see MonitorThread's re-abort)."""
         self.groups.take()  # references first: the abort may drop torch's
         try:
-            self.state = run_callbacks(self.config.abort, self.state)
+            run_callbacks(self.config.abort, self.state.freeze())
         except Exception:
             log.exception("rank %s: abort failed", self.state.initial_rank)
 
@@ -370,11 +381,20 @@ class CallWrapper:
         self._abort_once()
         destroy_default_group()  # here, not in the monitor thread (see abort.py)
         log.debug("rank %s: aborted", me)
+        exc_ = train_ex if isinstance(train_ex, Exception) else None
+        self.state = dataclasses.replace(self.state, fn_exception=exc_)
         try:
-            self.state = run_callbacks(cfg.finalize, self.state, train_ex)
-            self.state = run_callbacks(cfg.health_check, self.state, train_ex)
+            run_callbacks(cfg.finalize, self.state.freeze())
+        except Exception as exc:  # NVIDIA's: a failed finalize ends the wrapper, as is
+            log.error("rank %s: finalize failed: %r", me, exc)
+            self.coord.record_dead(it, me, Interruption.TERMINATED, f"finalize: {exc!r}")
+            raise
+        try:
+            checks = self.wrapper_health_check
+            if checks is not None:
+                checks(self.state.freeze())
         except Exception as exc:
-            log.error("rank %s: health check or finalize failed: %r", me, exc)
+            log.error("rank %s: health check failed: %r", me, exc)
             self.coord.record_dead(it, me, Interruption.TERMINATED, f"unhealthy: {exc!r}")
             raise HealthCheckError(f"rank {me}: {exc!r}") from exc
         release_frames(train_ex)
