@@ -27,6 +27,19 @@ def _live(pids: set[int]) -> set[int]:
     return alive
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _private_tmpdir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Launchers started by the tests make their temporary dirs here: a failed run keeps
+    its run dir (the error files of the report), and it must not pile up in /tmp."""
+    previous = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = str(tmp_path_factory.mktemp("tmpdir"))
+    yield
+    if previous is None:
+        os.environ.pop("TMPDIR", None)
+    else:
+        os.environ["TMPDIR"] = previous
+
+
 @pytest.fixture(autouse=True)
 def no_leftovers(request: pytest.FixtureRequest) -> Iterator[None]:
     """Fail a test that leaves a child process or a new thread running."""

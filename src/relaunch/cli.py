@@ -16,6 +16,7 @@ import os
 import re
 import shutil
 import sys
+import tempfile
 import uuid
 from collections.abc import Callable, Sequence
 from importlib.machinery import PathFinder
@@ -194,6 +195,21 @@ def _check_exists(script: str, module: bool, no_python: bool) -> str:
     return script
 
 
+def _check_log_dir(values: Values, log_dir: str) -> None:
+    """The log directory exists (or is created) and takes files: else one line, exit 2,
+    before anything starts."""
+    if os.path.exists(log_dir) and not os.path.isdir(log_dir):
+        values.fail("log_dir", "a directory or a path where one can be created")
+    try:
+        os.makedirs(log_dir, exist_ok=True)
+        with tempfile.TemporaryFile(prefix=".relaunch-probe-", dir=log_dir) as probe:
+            probe.write(b"\0" * 65536)  # room for the first logs and error files
+            probe.flush()
+            os.fsync(probe.fileno())
+    except OSError as exc:
+        values.fail("log_dir", f"a writable directory ({exc.strerror or exc})")
+
+
 def _template(values: Values) -> str | None:
     template = values.text("log_line_prefix_template")
     label = values.label("log_line_prefix_template")
@@ -230,8 +246,8 @@ def parse_args(argv: Sequence[str] | None = None) -> LaunchConfig:
     if node_rank and backend != "static":
         logger.warning("--node-rank is only used by the static backend; ignored for %s", backend)
     log_dir = values.text("log_dir") or None
-    if log_dir is not None and os.path.exists(log_dir) and not os.path.isdir(log_dir):
-        values.fail("log_dir", "a directory or a path where one can be created")
+    if log_dir is not None:
+        _check_log_dir(values, log_dir)
     return LaunchConfig(
         min_nodes=min_nodes, max_nodes=max_nodes, node_rank=node_rank,
         rdzv_backend=backend, rdzv_endpoint=endpoint, rdzv_id=run_id,

@@ -280,6 +280,23 @@ def test_spare_rank_is_activated_when_an_active_rank_is_lost() -> None:
 
 
 @pytest.mark.timeout(90)
+def test_nvidias_tree_replaces_a_lost_rank_with_a_reserve_of_its_host() -> None:
+    # 2 hosts of 2 ranks, 1 active per host: ranks 0 and 2 train, 1 and 3 wait
+    ranks = run_job(
+        4,
+        [{"iteration": 0, "rank": 0, "kind": "sigkill", "step": 2}],
+        wrapper={"tree": [2, 1]},
+    )
+    report = _report(ranks)
+    assert starts(ranks[2]) == [(0, 1, 2), (1, 1, 2)], report
+    assert starts(ranks[1]) == [(1, 0, 2)], report  # host 0's reserve takes rank 0
+    assert starts(ranks[3]) == [], report  # host 1's reserve is not needed
+    for rank in (ranks[1], ranks[2]):
+        assert rank.of("return")[0]["value"] == f"value-{rank.initial}", report
+        assert_clean(rank)
+
+
+@pytest.mark.timeout(90)
 def test_spare_rank_returns_none() -> None:
     ranks = run_job(3, [], wrapper={"max_active_world_size": 2})
     report = _report(ranks)

@@ -79,8 +79,18 @@ def main() -> None:
     kwargs: dict[str, object] = {
         k: datetime.timedelta(seconds=v) if isinstance(v, int | float) else v
         for k, v in params.items()
-        if k not in ("max_active_world_size",)
+        if k not in ("max_active_world_size", "tree")
     }
+    if "tree" in params:  # [ranks per host, active ranks per host]: NVIDIA's Tree
+        per_host, active = params["tree"]
+        ra = inprocess.rank_assignment
+        kwargs["rank_assignment"] = ra.Tree(
+            [
+                ra.Layer(min_ranks=1, key_or_fn="root", flag=ra.LayerFlag.RESERVE),
+                ra.Layer(min_ranks=1, max_ranks=active, flag=ra.LayerFlag.RESERVE,
+                         key_or_fn=lambda s: f"host{s.initial_rank // per_host}"),
+            ]
+        )  # fmt: skip
     if "max_active_world_size" in params:
         kwargs["rank_filter"] = inprocess.MaxActiveWorldSize(params["max_active_world_size"])
     if os.environ.get("IPX_UNHEALTHY"):

@@ -11,11 +11,11 @@ from typing import Any
 import pytest
 
 from relaunch.inprocess import _sockets
+from relaunch.inprocess._coord import CoordinationStore
 from relaunch.inprocess.attribution import Interruption, InterruptionRecord
 from relaunch.inprocess.exception import BarrierTimeoutError, RankShouldRestart
 from relaunch.inprocess.monitor_thread import MainThreadControl
 from relaunch.inprocess.progress_watchdog import MainThreadProgress, SharedProgress
-from relaunch.inprocess._coord import CoordinationStore
 
 
 @pytest.fixture

@@ -31,7 +31,7 @@ from relaunch.agent._round import (
     worker_store,
 )
 from relaunch.agent._spec import RunResult, Worker, WorkerGroup, WorkerSpec, WorkerState
-from relaunch.agent._status import NodeStatus
+from relaunch.agent._status import NodeStatus, say
 from relaunch.agent._watch import causes, drop, failures, observe, report_hang
 from relaunch.agent._workers import NodeWorkers
 from relaunch.errors import (
@@ -119,6 +119,15 @@ class LocalAgent:
 
     def run(self) -> RunResult:
         """Run to the end. Raises RendezvousError or StoreError when the job cannot continue."""
+        keep = True  # a run that fails keeps its temporary log dir (the error files)
+        try:
+            result = self._run()
+            keep = result.state == WorkerState.FAILED
+            return result
+        finally:
+            self._teardown(keep_logs=keep)
+
+    def _run(self) -> RunResult:
         self._setup()
         try:
             return self._loop()
@@ -130,8 +139,6 @@ class LocalAgent:
                 self._emit("not_needed")
                 return RunResult(state=WorkerState.SUCCEEDED)
             raise
-        finally:
-            self._teardown()
 
     # -- lifecycle ----------------------------------------------------------------
     def _setup(self) -> None:
@@ -140,7 +147,7 @@ class LocalAgent:
         self._events = EventSink(os.path.join(self._logdir.path, "events.jsonl"))
         self._workers = NodeWorkers(self._spec, self._logdir, self._emit)
 
-    def _teardown(self) -> None:
+    def _teardown(self, *, keep_logs: bool) -> None:
         sig = self._stop_signal or signal.SIGTERM
         if self._workers is not None:
             self._workers.close(sig, self._attempt)
@@ -156,7 +163,9 @@ class LocalAgent:
         except (RendezvousError, StoreError) as exc:
             log.warning("rendezvous shutdown failed: %s", exc)
         if self._logdir is not None:
-            self._logdir.close()
+            kept = self._logdir.close(keep=keep_logs)
+            if kept is not None:
+                say(f"the failed run's logs and error files are kept in {kept}")
 
     def _emit(self, name: str, **metadata: object) -> None:
         event = Event(

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from relaunch._text import printable
 from relaunch.errors._exceptions import ConfigError, WorkerError
 from relaunch.errors._failure import FailureFormatError, ProcessFailure
 
@@ -114,16 +115,16 @@ def _format_failure(idx: int, rank: int, failure: ProcessFailure) -> str:
     else:
         exit_text = f"{failure.exitcode} (pid: {failure.pid})"
     detail = failure.traceback if failure.traceback else failure.message
-    detail = detail.rstrip("\n").replace("\n", "\n    ")
+    detail = printable(detail.rstrip("\n"), keep_newlines=True).replace("\n", "\n    ")
     rows = [
         f"[{idx}]:",
         f"  time      : {failure.timecode}",
-        f"  host      : {failure.hostname}",
+        f"  host      : {printable(failure.hostname)}",
         f"  rank      : {rank} (local_rank: {failure.local_rank})",
         f"  exitcode  : {exit_text}",
-        f"  error_file: {failure.error_file}",
+        f"  error_file: {printable(failure.error_file)}",
     ]
     if failure.traceback and failure.message not in failure.traceback:
-        rows.append(f"  message   : {failure.message}")
+        rows.append(f"  message   : {printable(failure.message)}")
     rows.append(f"  traceback : {detail}")
     return "\n".join(rows)

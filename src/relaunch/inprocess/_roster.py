@@ -7,14 +7,16 @@ frozen terminated set, the frozen admitted set), so they agree without talking.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 from collections.abc import Mapping
+from typing import Any
 
 from relaunch.inprocess.config import WrapperConfig
-from relaunch.inprocess.exception import RestartAbort, RestartError
+from relaunch.inprocess.exception import BarrierTimeoutError, RestartAbort, RestartError
 from relaunch.inprocess.rank_assignment import RankAssignment, RankAssignmentCtx, RankDiscarded
 from relaunch.inprocess.state import Mode, State
 
-__all__ = ["assign", "initial_state", "readmit"]
+__all__ = ["assign", "assign_exchanged", "initial_state", "readmit"]
 
 
 def initial_state(rank: int, world_size: int, iteration: int = 0) -> State:
@@ -86,3 +88,56 @@ def readmit(
     layout = {r: initial_state(r, size, iteration) for r in range(size)}
     gone = set(range(size)) - staying
     return assign(config, layout, gone, advance=True)
+
+
+def assign_exchanged(
+    config: WrapperConfig,
+    roster: Mapping[int, State],
+    terminated: set[int],
+    *,
+    advance: bool,
+    me: int,
+    coord: Any,
+    tag: str,
+    timeout: float,
+) -> dict[int, State]:
+    """The next roster for a rank assignment that exchanges data through the store
+    (``Tree``, ``FilterCountGroupedByKey``), as NVIDIA's wrapper runs it: every
+    surviving rank calls it for itself only (with the store), then the ranks publish
+    their new states and read each other's. ``tag`` names this assignment's keys."""
+    from relaunch.inprocess.store import decode_state, encode_state, mixin_view
+
+    current = {rank for r in terminated if r in roster and (rank := roster[r].rank) is not None}
+    view = mixin_view(coord.key("ra", tag) + "/", coord.store)
+    ctx = RankAssignmentCtx(dataclasses.replace(roster[me]), view, set(current))
+    try:
+        ctx = config.rank_assignment(ctx)
+        mine: State | None = ctx.state
+    except RankDiscarded:
+        mine = None
+    if mine is not None and ctx.terminated_ranks:
+        raise RestartError(
+            f"the rank assignment left terminated ranks {sorted(ctx.terminated_ranks)}"
+        )
+    view.set(f"result_{me}", b"-" if mine is None else encode_state(mine))
+    members = sorted(set(roster) - terminated)
+    keys = [f"result_{r}" for r in members]
+    try:
+        view.wait(keys, datetime.timedelta(seconds=timeout))
+    except Exception as exc:
+        raise BarrierTimeoutError(
+            f"rank assignment {tag}: not every rank of {members} published its state "
+            f"within {timeout:g} s"
+        ) from exc
+    out: dict[int, State] = {}
+    for rank, raw in zip(members, view.multi_get(keys), strict=True):
+        if raw == b"-":
+            continue
+        state = decode_state(raw, f"result_{rank}")
+        if state.mode is Mode.INITIALIZED:
+            state = state.activate_all_ranks()
+        if state.mode is not Mode.TERMINATED:
+            out[rank] = state.next_iteration() if advance else state
+    if not any(s.mode is Mode.ACTIVE for s in out.values()):
+        raise RestartAbort(f"no active rank left (terminated: {sorted(terminated)})")
+    return out

@@ -7,14 +7,16 @@ collective; it must make that call return.
 from __future__ import annotations
 
 import abc
+import contextlib
 import datetime
 import logging
+import os
 
 from relaunch.inprocess import _sockets
 from relaunch.inprocess._groups import live_groups
 from relaunch.inprocess.state import State
 
-__all__ = ["Abort", "AbortTorchDistributed", "destroy_default_group"]
+__all__ = ["Abort", "AbortTorchDistributed", "AbortTransformerEngine", "destroy_default_group"]
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +42,12 @@ class AbortTorchDistributed(Abort):
     opened in this iteration are shut down too.
     """
 
-    def __init__(self, *, shutdown_sockets: bool = True) -> None:
+    def __init__(
+        self, torch_fr_trace_path: str | None = None, *, shutdown_sockets: bool = True
+    ) -> None:
+        self.torch_fr_trace_path = torch_fr_trace_path or os.environ.get("NVRX_FR_TRACE_PATH")
+        """Where NCCL flight-recorder traces go (``<path>/iter_<n>/rank_<r>``) when
+        ``TORCH_NCCL_TRACE_BUFFER_SIZE`` > 0 (NVIDIA's parameter); None: not collected."""
         self.shutdown_sockets = shutdown_sockets
 
     def __call__(self, state: State) -> State:
@@ -49,6 +56,8 @@ class AbortTorchDistributed(Abort):
         if not dist.is_available():
             return state
         if dist.is_initialized():
+            if self.torch_fr_trace_path:
+                _dump_flight_recorder(self.torch_fr_trace_path, state)
             _abort_nccl(dist)
             _expire_gloo()
         if self.shutdown_sockets:
@@ -117,3 +126,34 @@ def _abort_nccl(dist: object) -> None:
                 group.abort()
         except Exception as exc:
             log.debug("NCCL abort failed: %s", exc)
+
+
+class AbortTransformerEngine(Abort):
+    """Release TransformerEngine's userbuffers and FP8 global state (NVIDIA's); does
+    nothing where TransformerEngine is not installed."""
+
+    def __call__(self, state: State) -> State:
+        try:
+            import transformer_engine.pytorch as te  # type: ignore[import-not-found]
+        except Exception:
+            return state
+        with contextlib.suppress(Exception):
+            te.module.base.destroy_ub()
+        with contextlib.suppress(Exception):
+            te.fp8.FP8GlobalStateManager.reset()
+        return state
+
+
+def _dump_flight_recorder(path: str, state: State) -> None:
+    """Write this rank's NCCL flight-recorder trace (torch's own format)."""
+    try:
+        if int(os.environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE", "0")) <= 0:
+            return
+        from torch._C._distributed_c10d import _dump_nccl_trace  # type: ignore[attr-defined]
+
+        folder = os.path.join(path, f"iter_{state.iteration}")
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, f"rank_{state.initial_rank}"), "wb") as f:
+            f.write(_dump_nccl_trace())
+    except Exception as exc:  # a trace is a nicety: the abort must go on
+        log.warning("cannot write the NCCL flight-recorder trace to %s: %s", path, exc)

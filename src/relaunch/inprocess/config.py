@@ -11,7 +11,7 @@ from typing import Any
 from relaunch.errors import ConfigError
 from relaunch.inprocess.abort import AbortTorchDistributed
 from relaunch.inprocess.compose import Compose
-from relaunch.inprocess.rank_assignment import ActivateAllRanks, ShiftRanks, uses_store
+from relaunch.inprocess.rank_assignment import ActivateAllRanks, ShiftRanks
 
 __all__ = ["WrapperConfig"]
 
@@ -125,12 +125,6 @@ class WrapperConfig:
         if not callable(self.rank_assignment):
             raise ConfigError(
                 f"rank_assignment: expected a RankAssignment, got {self.rank_assignment!r}"
-            )
-        if uses_store(self.rank_assignment):
-            raise ConfigError(
-                "rank_assignment: Tree and FilterCountGroupedByKey exchange data through the "
-                "store at every restart, which relaunch's wrapper does not do yet; expected an "
-                "assignment of ShiftRanks, FillGaps and the rank filters"
             )
         for name in _TIMEDELTAS:
             value = getattr(self, name)

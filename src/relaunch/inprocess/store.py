@@ -237,3 +237,13 @@ class PrefixStore(StoreMixin, dist.PrefixStore):  # type: ignore[misc,name-defin
 
 class FileStore(StoreMixin, dist.FileStore):  # type: ignore[misc,name-defined]
     """torch's FileStore with :class:`StoreMixin`."""
+
+
+class _View(StoreMixin, dist.PrefixStore):  # type: ignore[misc,name-defined]
+    pass
+
+
+def mixin_view(prefix: str, store: Any) -> StoreMixin:
+    """``store``'s keys under ``prefix``, with :class:`StoreMixin`'s methods."""
+    view: StoreMixin = _View(prefix, store)
+    return view

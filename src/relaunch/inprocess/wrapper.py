@@ -24,7 +24,7 @@ from relaunch.inprocess._groups import GroupRefs, release_frames, reset_group_na
 from relaunch.inprocess._params import call_wrapper_parameter, run_callbacks
 from relaunch.inprocess._rejoin import admit, encode_roster, incarnation, wait_for_admission
 from relaunch.inprocess._rendezvous import EnvRendezvousPatch
-from relaunch.inprocess._roster import assign, initial_state, readmit
+from relaunch.inprocess._roster import assign, assign_exchanged, initial_state, readmit
 from relaunch.inprocess.abort import destroy_default_group
 from relaunch.inprocess.attribution import Interruption, InterruptionRecord
 from relaunch.inprocess.exception import (
@@ -36,6 +36,7 @@ from relaunch.inprocess.exception import (
 from relaunch.inprocess.monitor_process import MonitorProcess, MonitorSettings
 from relaunch.inprocess.monitor_thread import MainThreadControl, MonitorThread
 from relaunch.inprocess.progress_watchdog import MainThreadProgress, SharedProgress
+from relaunch.inprocess.rank_assignment import uses_store
 from relaunch.inprocess.state import Mode, State
 
 if TYPE_CHECKING:
@@ -212,12 +213,15 @@ class CallWrapper:
                     break
                 it = state.iteration
                 terminated = self._restart(value, set(roster))
-                admitted = admit(self.coord, it, set(roster), terminated)
+                exchanged = uses_store(self.config.rank_assignment)
+                # A stateful, store-exchanging assignment (Tree) cannot be replayed to
+                # readmit replacements: they are not admitted (they end cleanly).
+                admitted = {} if exchanged else admit(self.coord, it, set(roster), terminated)
                 if admitted:
                     log.info("rank %s: ranks %s rejoin", me, sorted(admitted))
                     roster = readmit(self.config, roster, terminated, set(admitted), it)
                 else:
-                    roster = assign(self.config, roster, terminated, advance=True)
+                    roster = self._assign(roster, terminated, advance=True, tag=str(it))
                 self._new = {
                     r_ for r in admitted if r in roster and (r_ := roster[r].rank) is not None
                 }
@@ -252,7 +256,23 @@ class CallWrapper:
             return roster
         dead = self.coord.initial_barrier(me, world, timeout, _POLL)
         layout = {r: initial_state(r, size) for r in world}
-        return assign(self.config, layout, dead, advance=False)
+        return self._assign(layout, dead, advance=False, tag="init")
+
+    def _assign(
+        self, roster: dict[int, State], terminated: set[int], *, advance: bool, tag: str
+    ) -> dict[int, State]:
+        if not uses_store(self.config.rank_assignment):
+            return assign(self.config, roster, terminated, advance=advance)
+        return assign_exchanged(
+            self.config,
+            roster,
+            terminated,
+            advance=advance,
+            me=self.state.initial_rank,
+            coord=self.coord,
+            tag=tag,
+            timeout=self.config.seconds("barrier_timeout"),
+        )
 
     def _iteration(
         self,

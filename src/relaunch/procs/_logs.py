@@ -60,11 +60,17 @@ class RunLogDir:
         os.makedirs(path)
         return path
 
-    def close(self) -> None:
-        """Remove the directory if it is a temporary one. Idempotent."""
+    def close(self, *, keep: bool = False) -> str | None:
+        """Remove the directory if it is a temporary one, unless ``keep`` (a failed run:
+        its error files stay for the report). Returns the kept temporary path, if any.
+        Idempotent."""
         root, self._temp_root = self._temp_root, None
-        if root is not None:
-            shutil.rmtree(root, ignore_errors=True)
+        if root is None:
+            return None
+        if keep:
+            return self.path
+        shutil.rmtree(root, ignore_errors=True)
+        return None
 
 
 @dataclass(frozen=True)

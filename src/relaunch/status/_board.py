@@ -17,6 +17,7 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from relaunch._text import printable
 from relaunch.events import Event
 from relaunch.status._report import (
     TIMELINE_LENGTH,
@@ -31,16 +32,7 @@ __all__ = ["StatusBoard", "escape"]
 
 def escape(text: str) -> str:
     """``text`` with control characters (ANSI escapes, carriage returns) made visible."""
-    out = []
-    for ch in text:
-        code = ord(ch)
-        if ch == "\t" or (32 <= code < 127) or (code >= 160 and code not in (0x2028, 0x2029)):
-            out.append(ch)
-        elif ch == "\n":
-            out.append("\\n")
-        else:
-            out.append(f"\\x{code:02x}" if code < 256 else f"\\u{code:04x}")
-    return "".join(out)
+    return printable(text)
 
 
 def _first_line(text: object) -> str:

@@ -7,6 +7,7 @@ shows; its shape is documented in ``docs/status.md`` (version :data:`JOB_VERSION
 
 from __future__ import annotations
 
+import signal
 import time
 from typing import Any
 
@@ -124,9 +125,13 @@ def job_document(
     max_restarts = max((r.max_restarts for r in live), default=None)
     failures = [r.last_failure for r in live if r.last_failure is not None]
     # The root cause: the first failure of the latest round that had failures (the
-    # others are usually its peers' collectives breaking).
+    # others are usually its peers' collectives breaking). A process killed by a signal
+    # (not our SIGTERM) comes first: it wrote no time of its own, only when its agent
+    # saw it, which can be after a peer already reported the broken connection.
     latest = max((f.round for f in failures), default=0)
-    last = min((f for f in failures if f.round == latest), key=lambda f: f.time, default=None)
+    pool = [f for f in failures if f.round == latest]
+    killed = [f for f in pool if f.exitcode < 0 and -f.exitcode != signal.SIGTERM]
+    last = min(killed or pool, key=lambda f: f.time, default=None)
     faults = {k: sum(r.faults.get(k, 0) for r in live) for k in FAULT_KINDS}
     tiers = {k: sum(r.tiers.get(k, 0) for r in live) for k in TIERS}
     buckets = [sum(r.recovery.buckets[i] for r in live) for i in range(len(RECOVERY_BUCKETS) + 1)]
