@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -213,6 +214,11 @@ def test_no_temp_dir_or_pipe_left_after_success_failure_or_signal(tmp_path: Path
             env=env,
         )
         assert r.returncode == code, r.stderr
+        if code:  # a failed run keeps its run dir (error files), says where, and no pipe
+            (kept,) = list(tmp.iterdir())
+            assert str(kept) in r.stderr and list(kept.glob("*/events.jsonl"))
+            assert not [p for p in kept.rglob("*") if p.is_fifo()]
+            shutil.rmtree(kept)
         assert list(tmp.iterdir()) == []
     agent = subprocess.Popen(
         [PY, "-m", "relaunch", "--standalone", "--nproc-per-node=2", slow],

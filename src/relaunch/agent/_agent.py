@@ -39,6 +39,7 @@ from relaunch.errors import (
     RendezvousClosedError,
     RendezvousError,
     RendezvousGracefulExitError,
+    RendezvousStateError,
     StoreError,
     WorkerError,
 )
@@ -190,20 +191,24 @@ class LocalAgent:
     def _loop(self) -> RunResult:
         try:
             return self._loop_once_started()
-        except StoreError as exc:
+        except (StoreError, RendezvousStateError) as exc:
             if self._stop_signal is not None:
                 return self._stopped()
             return self._store_lost(exc)
 
-    def _store_lost(self, exc: StoreError) -> RunResult:
-        """The rendezvous store is unreachable: the job cannot go on; say why, and stop."""
+    def _store_lost(self, exc: StoreError | RendezvousStateError) -> RunResult:
+        """The rendezvous store is unreachable (or its state stayed corrupt): the job
+        cannot go on; say why, and stop."""
         failures: dict[int, ProcessFailure] = {}
         if self._workers is not None and self._workers.running:
             obs = self._observe(ask_rendezvous=False)
             failures = self._failures(tuple(v.local_rank for v in obs.ranks if v.exitcode), obs)
         self._status.stop_publishing()
         self._stop_workers(signal.SIGTERM)
-        reason = store_lost_reason(self._handler.get_backend(), exc)
+        if isinstance(exc, RendezvousStateError):
+            reason = f"{exc} (for longer than this node can go on without it)"
+        else:
+            reason = store_lost_reason(self._handler.get_backend(), exc)
         self._emit("store_lost", reason=reason)
         return RunResult(state=WorkerState.FAILED, failures=failures, reason=reason)
 

@@ -121,7 +121,13 @@ class StateBackend:
         return f"{self.prefix}epoch/{epoch}"
 
     def _decode(self, raw: bytes) -> RendezvousState:
-        return decode_state(raw, key=self.state_key, run_id=self.settings.run_id)
+        return decode_state(
+            raw,
+            key=self.state_key,
+            run_id=self.settings.run_id,
+            now=self.clock(),
+            max_nodes=self.settings.max_nodes,
+        )
 
     def load(self) -> tuple[RendezvousState, bytes | None]:
         """The current state and its bytes (``None``: no state yet, a fresh one)."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import os
 import socket
 import threading
@@ -171,10 +172,53 @@ def _mapping(doc: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> d
     return dict(value)
 
 
-def decode_state(raw: bytes, *, key: str, run_id: str) -> RendezvousState:
+_FIELDS = frozenset(
+    {"version", "run_id", "seq", "epoch", "round", "complete", "closed", "deadline",
+     "participants", "wait_list", "redundancy_list", "expected", "last_heartbeats_ms",
+     "applied", "restarts", "failed_round"}
+)  # fmt: skip
+CLOCK_SKEW = 300.0
+"""Seconds a heartbeat may lie in the future (clocks of hosts differ); beyond: corrupt."""
+
+
+def _check_sense(state: RendezvousState, now: float | None, max_nodes: int | None) -> None:
+    """Refuse a well-formed state that cannot be: it was not written by our agents."""
+    for name in ("seq", "epoch", "round", "applied", "restarts"):
+        if getattr(state, name) < 0:
+            raise _Bad(f"field {name!r} is negative ({getattr(state, name)})")
+    if state.failed_round < -1:
+        raise _Bad(f"field 'failed_round' is below -1 ({state.failed_round})")
+    if max_nodes is not None and len(state.participants) > max_nodes:
+        raise _Bad(
+            f"field 'participants' has {len(state.participants)} nodes, more than "
+            f"max_nodes ({max_nodes}); spares belong in 'redundancy_list'"
+        )
+    if any(not -1 <= r < 2**31 for r in state.participants.values()):
+        raise _Bad("field 'participants' holds a rank that is not a rank")
+    for node, beat in state.last_heartbeats.items():
+        if beat < 0 or (now is not None and beat > now + CLOCK_SKEW):
+            raise _Bad(
+                f"field 'last_heartbeats_ms' of node {node[:80]!r} is {beat:.0f} s, not a "
+                f"time up to {CLOCK_SKEW:g} s ahead of this host's clock"
+            )
+    if state.deadline is not None and not math.isfinite(state.deadline):
+        raise _Bad("field 'deadline' is not finite")
+
+
+def decode_state(
+    raw: bytes,
+    *,
+    key: str,
+    run_id: str,
+    now: float | None = None,
+    max_nodes: int | None = None,
+) -> RendezvousState:
     """Decode a state read from ``key``; anything unexpected is a RendezvousStateError.
 
-    The error names the key, so an operator knows what to inspect or delete.
+    Checked for syntax and for sense: unknown fields, negative counters, more
+    participants than ``max_nodes``, ranks that are not a permutation, heartbeats far
+    in the future (``now`` given) are refused. The error names the key and the field,
+    so an operator knows what to inspect or delete.
     """
     try:
         try:
@@ -188,13 +232,16 @@ def decode_state(raw: bytes, *, key: str, run_id: str) -> RendezvousState:
             raise _Bad(f"unknown version {doc.get('version')!r} (expected {STATE_VERSION})")
         if doc.get("run_id") != run_id:
             raise _Bad(f"it belongs to run {doc.get('run_id')!r}, not {run_id!r}")
+        unknown = sorted(set(doc) - _FIELDS)
+        if unknown:
+            raise _Bad(f"unknown field(s) {', '.join(map(repr, unknown[:5]))}")
         deadline = doc.get("deadline")
         if deadline is not None and (
             not isinstance(deadline, int | float) or isinstance(deadline, bool)
         ):
             raise _Bad(f"field 'deadline' must be a number or null, got {deadline!r}")
         heartbeats = _mapping(doc, "last_heartbeats_ms", int)
-        return RendezvousState(
+        state = RendezvousState(
             run_id=run_id,
             seq=_int(doc, "seq"),
             epoch=_int(doc, "epoch"),
@@ -211,7 +258,9 @@ def decode_state(raw: bytes, *, key: str, run_id: str) -> RendezvousState:
             restarts=_int(doc, "restarts"),
             failed_round=_int(doc, "failed_round"),
         )
-    except (_Bad, ValueError, RecursionError) as exc:
+        _check_sense(state, now, max_nodes)
+        return state
+    except (_Bad, ValueError, RecursionError, OverflowError) as exc:
         raise RendezvousStateError(
             f"the rendezvous state at key {key!r} is corrupt or not ours: {exc}"
         ) from exc

@@ -13,6 +13,7 @@ from relaunch.errors import (
     RendezvousClosedError,
     RendezvousError,
     RendezvousGracefulExitError,
+    RendezvousStateError,
     RendezvousTimeoutError,
     StoreConnectionError,
 )
@@ -84,6 +85,8 @@ class DynamicRendezvousHandler:
         self._thread: threading.Thread | None = None
         self._shut = False
         self._joined = False
+        self._corrupt: tuple[str, float] | None = None
+        """(the corrupt state's error, since when) while the shared state is corrupt."""
 
     # -- small accessors ----------------------------------------------------------
 
@@ -223,16 +226,51 @@ class DynamicRendezvousHandler:
         # The agent polls this: a broken connection is retried once (the client's own
         # reconnection retries are bounded); a store still unreachable then is gone.
         try:
-            return self._read_fresh_state()
-        except StoreConnectionError as exc:
-            logger.warning("rendezvous store read failed (%s); retrying", exc)
-        return self._read_fresh_state()
+            try:
+                state = self._read_fresh_state()
+            except StoreConnectionError as exc:
+                logger.warning("rendezvous store read failed (%s); retrying", exc)
+                state = self._read_fresh_state()
+        except RendezvousStateError as exc:
+            return self._while_corrupt(exc)
+        corrupt = self._corrupt  # (seen by the keep-alive thread, which reads every beat)
+        if corrupt is not None and time.monotonic() - corrupt[1] > self._settings.dead_after:
+            raise RendezvousStateError(corrupt[0])
+        return state
+
+    def _state_ok(self) -> None:
+        """A load decoded: the state is valid (again)."""
+        if self._corrupt is not None:
+            self._corrupt = None
+            logger.warning("rendezvous %s: the state is valid again", self._settings.run_id)
+
+    def _warn_corrupt(self, exc: RendezvousStateError) -> float:
+        """Log a corrupt state once per distinct content; return since when it is corrupt."""
+        message, now = str(exc), time.monotonic()
+        if self._corrupt is None or self._corrupt[0] != message:
+            since = self._corrupt[1] if self._corrupt is not None else now
+            self._corrupt = (message, since)
+            logger.warning(
+                "%s; this node goes on with the last valid state for up to %g s",
+                message,
+                self._settings.dead_after,
+            )
+        return self._corrupt[1]
+
+    def _while_corrupt(self, exc: RendezvousStateError) -> RendezvousState:
+        """The last valid state while the shared one is corrupt, for up to ``dead_after``
+        (someone may fix it); then the error, as for a lost store."""
+        since = self._warn_corrupt(exc)
+        if self._cached is None or time.monotonic() - since > self._settings.dead_after:
+            raise exc
+        return self._cached
 
     def _read_fresh_state(self) -> RendezvousState:
         cached = self._cached
         if cached is not None and not self._rdzv.changed_since(cached):
             return cached
         self._cached, _ = self._rdzv.load()
+        self._state_ok()
         return self._cached
 
     def is_closed(self) -> bool:
@@ -300,6 +338,8 @@ class DynamicRendezvousHandler:
         while not self._stop.wait(self._settings.keep_alive_interval):
             try:
                 self._keep_alive_once()
+            except RendezvousStateError as exc:
+                self._warn_corrupt(exc)  # once per content, not once per beat
             except RelaunchError as exc:
                 logger.warning("rendezvous keep-alive of %s failed: %s", self._node, exc)
 
@@ -308,6 +348,7 @@ class DynamicRendezvousHandler:
         rdzv = self._ka_rdzv
         deadline = self._clock() + self._settings.heartbeat_timeout
         state, raw = rdzv.load()
+        self._state_ok()
         while not self._stop.is_set():
             now = self._clock()
             new, dead = rdzv.remove_dead(state, now)

@@ -138,9 +138,20 @@ class TCPStoreClient:
 
         return self._call(keys_request(wire.Query.CHECK, [k]) + one_key(wire.Query.GET, k), parse)
 
+    def _value(self, key: str, value: bytes) -> bytes:
+        """``value`` as bytes; StoreError when the server would refuse its size (it drops
+        the connection of a client that sends one: better to say why, here)."""
+        data = bytes(value)
+        if len(data) > wire.MAX_VALUE_LEN:
+            raise StoreError(
+                f"value of {len(data)} bytes for key {key[:80]!r} exceeds the store's limit "
+                f"of {wire.MAX_VALUE_LEN} bytes"
+            )
+        return data
+
     def set(self, key: str, value: bytes) -> None:
         """Set ``key`` to ``value``; returns once the server has applied it."""
-        request = one_key(wire.Query.SET, self._key(key)) + wire.pack_bytes(bytes(value))
+        request = one_key(wire.Query.SET, self._key(key)) + wire.pack_bytes(self._value(key, value))
         self._call_confirmed(request)
 
     def compare_set(self, key: str, expected: bytes | None, desired: bytes) -> tuple[bytes, bool]:
@@ -158,7 +169,7 @@ class TCPStoreClient:
                 one_key(wire.Query.GET, k),
                 one_key(wire.Query.COMPARE_SET, k),
                 wire.pack_bytes(want),
-                wire.pack_bytes(bytes(desired)),
+                wire.pack_bytes(self._value(key, desired)),
             ]
         )
 
@@ -184,7 +195,9 @@ class TCPStoreClient:
 
     def append(self, key: str, value: bytes) -> None:
         """Append ``value`` to the value of ``key`` (set it when unset)."""
-        request = one_key(wire.Query.APPEND, self._key(key)) + wire.pack_bytes(bytes(value))
+        request = one_key(wire.Query.APPEND, self._key(key)) + wire.pack_bytes(
+            self._value(key, value)
+        )
         self._call_confirmed(request)
 
     def check(self, keys: list[str]) -> bool:
@@ -209,7 +222,7 @@ class TCPStoreClient:
         """Set several keys in one request."""
         parts = [bytes([wire.Query.MULTI_SET]), wire.pack_i64(len(items))]
         for key, value in items.items():
-            parts += [wire.pack_bytes(self._key(key)), wire.pack_bytes(bytes(value))]
+            parts += [wire.pack_bytes(self._key(key)), wire.pack_bytes(self._value(key, value))]
         self._call_confirmed(b"".join(parts))
 
     def num_keys(self) -> int:

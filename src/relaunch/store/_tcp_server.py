@@ -31,18 +31,25 @@ _HIGH_WATER = 16 * 1024 * 1024  # stop reading a client whose replies pile up pa
 _ACCEPTS_PER_EVENT = 512
 _BACKLOG = 4096
 _JOIN_TIMEOUT = 10.0
+_COMPACT_AT = 4 * 1024 * 1024
+
+
+def _pending(conn: _Conn) -> int:
+    """Reply bytes not sent yet."""
+    return len(conn.wbuf) - conn.wpos
 
 
 class _Conn:
     """One client connection of the server."""
 
-    __slots__ = ("addr", "closed", "events", "rbuf", "sock", "validated", "wbuf")
+    __slots__ = ("addr", "closed", "events", "rbuf", "sock", "validated", "wbuf", "wpos")
 
     def __init__(self, sock: socket.socket, addr: str) -> None:
         self.sock = sock
         self.addr = addr
         self.rbuf = bytearray()
         self.wbuf = bytearray()
+        self.wpos = 0  # bytes of wbuf already sent (compacted now and then, not per send)
         self.validated = False
         self.closed = False
         self.events = selectors.EVENT_READ
@@ -64,11 +71,21 @@ class TCPStoreServer:
         host: str = "127.0.0.1",
         port: int = 0,
         listen_socket: socket.socket | None = None,
+        max_value_bytes: int = wire.MAX_VALUE_LEN,
     ) -> None:
         if not isinstance(host, str) or not host:
             raise ConfigError(f"host: expected a non-empty address string, got {host!r}")
         if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
             raise ConfigError(f"port: expected an integer in [0, 65535], got {port!r}")
+        if (
+            isinstance(max_value_bytes, bool)
+            or not isinstance(max_value_bytes, int)
+            or not (1024 <= max_value_bytes <= 2**40)
+        ):
+            raise ConfigError(
+                f"max_value_bytes: expected an integer from 1024 to 2**40, got {max_value_bytes!r}"
+            )
+        self._max_value = max_value_bytes
         if listen_socket is not None and listen_socket.type != socket.SOCK_STREAM:
             raise ConfigError("listen_socket: expected a bound SOCK_STREAM socket")
         self._host = host
@@ -82,7 +99,7 @@ class TCPStoreServer:
         if listen_socket is not None:
             bound = listen_socket.getsockname()
             self._host, self._port = str(bound[0]), int(bound[1])
-        self._state: StoreState[Client] = StoreState()
+        self._state: StoreState[Client] = StoreState(max_value=max_value_bytes)
         self._conns: set[_Conn] = set()
         self._dirty: set[_Conn] = set()
         self._selector: selectors.BaseSelector | None = None
@@ -291,8 +308,8 @@ class TCPStoreServer:
         consumed = 0
         reason: str | None = None
         with memoryview(conn.rbuf) as view:
-            reader = wire.Reader(view)
-            while consumed < len(view) and len(conn.wbuf) < _HIGH_WATER:
+            reader = wire.Reader(view, max_value=self._max_value)
+            while consumed < len(view) and _pending(conn) < _HIGH_WATER:
                 reader.pos = consumed
                 try:
                     self._handle_one(conn, reader)
@@ -307,7 +324,7 @@ class TCPStoreServer:
             return
         if consumed:
             del conn.rbuf[:consumed]
-        if conn.wbuf:
+        if _pending(conn):
             self._dirty.add(conn)
         else:
             self._update_interest(conn)
@@ -329,9 +346,10 @@ class TCPStoreServer:
     def _flush(self, conn: _Conn) -> None:
         if conn.closed:
             return
-        if conn.wbuf:
+        if _pending(conn):
             try:
-                sent = conn.sock.send(conn.wbuf)
+                with memoryview(conn.wbuf) as view:
+                    sent = conn.sock.send(view[conn.wpos :])
             except (BlockingIOError, InterruptedError):
                 sent = 0
             except (ConnectionResetError, BrokenPipeError):
@@ -340,10 +358,16 @@ class TCPStoreServer:
             except OSError as exc:
                 self._drop(conn, f"send failed: {exc}")
                 return
-            del conn.wbuf[:sent]
-        if conn.rbuf and len(conn.wbuf) < _HIGH_WATER:
+            conn.wpos += sent
+            if conn.wpos == len(conn.wbuf):
+                conn.wbuf.clear()
+                conn.wpos = 0
+            elif conn.wpos > _COMPACT_AT:  # large replies: memmove rarely, not per send
+                del conn.wbuf[: conn.wpos]
+                conn.wpos = 0
+        if conn.rbuf and _pending(conn) < _HIGH_WATER:
             self._process(conn)  # requests left unprocessed while replies piled up
-            if conn.closed or conn.wbuf:
+            if conn.closed or _pending(conn):
                 self._update_interest(conn)
                 return
         self._update_interest(conn)
@@ -351,8 +375,8 @@ class TCPStoreServer:
     def _update_interest(self, conn: _Conn) -> None:
         if conn.closed:
             return
-        events = 0 if len(conn.wbuf) >= _HIGH_WATER else selectors.EVENT_READ
-        if conn.wbuf:
+        events = 0 if _pending(conn) >= _HIGH_WATER else selectors.EVENT_READ
+        if _pending(conn):
             events |= selectors.EVENT_WRITE
         if events != conn.events:
             conn.events = events

@@ -35,7 +35,9 @@ def _parse_counter(value: bytes, key: bytes) -> int:
 class StoreState(Generic[W]):
     """Keys, values, queues and waiters of one store (torch TCPStore semantics)."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_value: int | None = None) -> None:
+        self.max_value = max_value
+        """Longest value a key may reach (appends included); None: no limit."""
         self._data: dict[bytes, bytes] = {}
         self._queues: dict[bytes, deque[bytes]] = {}
         # key -> waiters that need it (dict for ordered O(1) removal)
@@ -126,6 +128,11 @@ class StoreState(Generic[W]):
         if current is None:
             self._data[key] = value
             return self._key_ready(key)
+        if self.max_value is not None and len(current) + len(value) > self.max_value:
+            raise ValueError(
+                f"append to key {key[:80]!r} would make a value of "
+                f"{len(current) + len(value)} bytes, over the store's limit of {self.max_value}"
+            )
         self._data[key] = current + value
         return []
 

@@ -55,8 +55,9 @@ VALIDATION_MAGIC = 0x3C85F7CE
 MAX_KEY_LEN = 64 * 1024
 """Longest key accepted (torch's libuv server accepts 8 KiB)."""
 
-MAX_VALUE_LEN = 256 * 1024 * 1024
-"""Longest value accepted in one request."""
+MAX_VALUE_LEN = 32 * 1024 * 1024
+"""Longest value a server accepts by default (a rendezvous state of 10,000 nodes is
+about 2 MB); :class:`~relaunch.store.tcp.TCPStoreServer` takes another limit."""
 
 MAX_KEY_COUNT = 128 * 1024
 """Most keys in one CHECK / WAIT / MULTI_GET / MULTI_SET request (as torch)."""
@@ -136,12 +137,15 @@ class MalformedRequest(Exception):
 class Reader:
     """Reads typed fields from a buffer, raising :class:`Incomplete` past its end."""
 
-    __slots__ = ("_buf", "_end", "pos")
+    __slots__ = ("_buf", "_end", "max_value", "pos")
 
-    def __init__(self, buf: bytes | bytearray | memoryview, pos: int = 0) -> None:
+    def __init__(
+        self, buf: bytes | bytearray | memoryview, pos: int = 0, *, max_value: int = MAX_VALUE_LEN
+    ) -> None:
         self._buf = buf
         self._end = len(buf)
         self.pos = pos
+        self.max_value = max_value
 
     def _take(self, size: int) -> int:
         start = self.pos
@@ -181,8 +185,9 @@ class Reader:
         return self._blob(MAX_KEY_LEN, "key")
 
     def value(self) -> bytes:
-        """Read a value, refusing one longer than :data:`MAX_VALUE_LEN`."""
-        return self._blob(MAX_VALUE_LEN, "value")
+        """Read a value, refusing one longer than :attr:`max_value` (as soon as its length
+        is read: the bytes are never buffered)."""
+        return self._blob(self.max_value, "value")
 
     def _blob(self, limit: int, what: str) -> bytes:
         size = self.u64()
