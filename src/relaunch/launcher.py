@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shlex
 import signal
 import sys
 from collections.abc import Mapping
@@ -21,7 +22,7 @@ from relaunch.agent import LocalAgent, WorkerSpec, WorkerState
 from relaunch.config import LaunchConfig
 from relaunch.errors import ChildFailedError, ConfigError, RelaunchError, StoreError
 from relaunch.procs import Entrypoint
-from relaunch.rendezvous import RendezvousHandler
+from relaunch.rendezvous import DynamicRendezvousHandler, RendezvousHandler
 from relaunch.status import StatusServer
 from relaunch.store import Store
 
@@ -145,6 +146,14 @@ def _status_server(
     return server, source
 
 
+def _program(config: LaunchConfig) -> str:
+    """What this node runs, as a command line: nodes of one job must agree on it."""
+    head = ["-m", config.entrypoint] if config.module else [config.entrypoint]
+    if config.no_python:
+        head = ["--no-python", config.entrypoint]
+    return shlex.join([*head, *config.args])
+
+
 def _error(message: str) -> None:
     print(f"relaunch: error: {message}", file=sys.stderr, flush=True)
 
@@ -175,6 +184,8 @@ def launch(config: LaunchConfig, environ: Mapping[str, str] | None = None) -> in
     try:
         try:
             handler = create_rendezvous_handler(config)
+            if isinstance(handler, DynamicRendezvousHandler):
+                handler.set_program(_program(config))
             spec = build_spec(config, handler, environ)
         except ConfigError as exc:
             _error(str(exc))

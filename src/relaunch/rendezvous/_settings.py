@@ -10,14 +10,14 @@ from relaunch.errors import ConfigError
 
 __all__ = ["COMMON_CONF_KEYS", "RendezvousSettings", "check_conf_keys", "settings_from_conf"]
 
-COMMON_CONF_KEYS = (
+_SECONDS = (
     "join_timeout",
     "last_call_timeout",
     "close_timeout",
     "heartbeat_timeout",
     "keep_alive_interval",
-    "keep_alive_max_attempt",
 )
+COMMON_CONF_KEYS = (*_SECONDS, "keep_alive_max_attempt", "allow_mixed")
 """``--rdzv-conf`` keys every dynamic backend accepts."""
 
 
@@ -51,6 +51,9 @@ class RendezvousSettings:
     """How often each node writes its heartbeat and looks for dead nodes."""
     keep_alive_max_attempt: int = 4
     """Missed heartbeats after which a node is dead."""
+    allow_mixed: bool = False
+    """Let nodes that run another program (heterogeneous roles) join the job; by
+    default a node whose entrypoint and arguments differ from the job's is refused."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.run_id, str) or not self.run_id:
@@ -62,7 +65,7 @@ class RendezvousSettings:
                 f"max_nodes must be an integer >= min_nodes ({self.min_nodes}), "
                 f"got {self.max_nodes!r}"
             )
-        for name in COMMON_CONF_KEYS[:-1]:
+        for name in _SECONDS:
             value = getattr(self, name)
             if not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
                 raise ConfigError(f"{name} must be a positive number of seconds, got {value!r}")
@@ -106,7 +109,7 @@ def settings_from_conf(
 ) -> RendezvousSettings:
     """Build settings from ``--rdzv-conf`` values (only the common keys are read here)."""
     values: dict[str, float | int] = {}
-    for key in COMMON_CONF_KEYS[:-1]:
+    for key in _SECONDS:
         number = _number(conf, key)
         if number is not None:
             values[key] = number
@@ -118,9 +121,13 @@ def settings_from_conf(
             raise ConfigError(
                 f"--rdzv-conf keep_alive_max_attempt must be an integer >= 1, got {raw!r}"
             ) from None
+    mixed = conf.get("allow_mixed", "0").strip().lower()
+    if mixed not in ("0", "1", "true", "false"):
+        raise ConfigError(f"--rdzv-conf allow_mixed must be 0 or 1, got {mixed!r}")
     return RendezvousSettings(
         run_id=run_id,
         min_nodes=min_nodes,
         max_nodes=max_nodes,
+        allow_mixed=mixed in ("1", "true"),
         **values,  # type: ignore[arg-type]
     )

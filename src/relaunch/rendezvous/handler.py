@@ -30,6 +30,7 @@ from relaunch.rendezvous._ops import (
     nodes_waiting,
     record_failure,
 )
+from relaunch.rendezvous._program import claim_program, log_refused
 from relaunch.rendezvous._settings import RendezvousSettings
 from relaunch.rendezvous._state import RendezvousState, new_node_id
 from relaunch.rendezvous.api import RendezvousInfo
@@ -85,6 +86,8 @@ class DynamicRendezvousHandler:
         self._thread: threading.Thread | None = None
         self._shut = False
         self._joined = False
+        self._program: str | None = None
+        self._refused_seen = 0
         self._corrupt: tuple[str, float] | None = None
         """(the corrupt state's error, since when) while the shared state is corrupt."""
 
@@ -118,6 +121,8 @@ class DynamicRendezvousHandler:
             raise RendezvousClosedError("this rendezvous handler was shut down")
         settings = self._settings
         deadline = self._clock() + settings.join_timeout
+        if not self._joined:
+            self._check_program()
         self._rdzv.announce(self._node)
         self._start_keep_alive()
         state: RendezvousState | None = None
@@ -186,6 +191,22 @@ class DynamicRendezvousHandler:
                 assert state is not None
                 new = apply(action, state, self._node, now, settings)
                 state, raw, _ = self._rdzv.commit(state, raw, new)
+
+    # -- the program check ----------------------------------------------------------
+
+    def set_program(self, program: str) -> None:
+        """What this node runs (entrypoint and arguments): a node running something else
+        under the same job id is refused, unless ``allow_mixed``."""
+        self._program = program
+
+    def _check_program(self) -> None:
+        if self._program is not None and not self._settings.allow_mixed:
+            claim_program(self._store, self._rdzv.prefix, self._node, self._program, self._settings)
+
+    def _log_refused(self) -> None:
+        self._refused_seen = log_refused(
+            self._ka_rdzv.store, self._rdzv.prefix, self._settings.run_id, self._refused_seen
+        )
 
     def interrupt(self) -> None:
         """Make a blocked :meth:`next_rendezvous` raise RendezvousClosedError soon.
@@ -338,6 +359,7 @@ class DynamicRendezvousHandler:
         while not self._stop.wait(self._settings.keep_alive_interval):
             try:
                 self._keep_alive_once()
+                self._log_refused()
             except RendezvousStateError as exc:
                 self._warn_corrupt(exc)  # once per content, not once per beat
             except RelaunchError as exc:

@@ -80,6 +80,9 @@ class EtcdStore:
         if not isinstance(timeout, int | float) or not math.isfinite(timeout) or timeout <= 0:
             raise ConfigError(f"timeout: expected a positive number of seconds, got {timeout!r}")
         self._requests = requests
+        # Given per request: requests lets REQUESTS_CA_BUNDLE override a session's CA
+        # file, so --rdzv-conf cacert would be ignored where that variable is set.
+        self._verify: str | bool = ca_cert if ca_cert is not None else True
         self._clients = [
             etcd3gw.client(
                 host=host,
@@ -116,6 +119,7 @@ class EtcdStore:
             client.get_url("/auth/authenticate"),
             json={"name": self._user, "password": self._password},
             timeout=self._timeout,
+            verify=self._verify,
         )
         if resp.status_code != 200:
             raise StoreError(f"etcd authentication as {self._user!r} failed: {resp.text.strip()}")
@@ -146,7 +150,9 @@ class EtcdStore:
             client = self._clients[index]
             try:
                 self._authenticate(index)
-                resp = client.session.post(client.get_url(path), json=body, timeout=self._timeout)
+                resp = client.session.post(
+                    client.get_url(path), json=body, timeout=self._timeout, verify=self._verify
+                )
             except self._requests.RequestException as exc:
                 errors.append(f"{self._endpoints[index]}: {exc}")
                 self._authed.discard(index)
@@ -253,6 +259,7 @@ class EtcdStore:
                 json=body,
                 stream=True,
                 timeout=(self._timeout, max(timeout, 0.01)),
+                verify=self._verify,
             )
         except self._requests.RequestException as exc:
             # Move on to the next endpoint; the caller's next read fails over or fails.
