@@ -126,9 +126,10 @@ def test_corrupt_state_is_one_clear_line(c10d: Cluster) -> None:
         client.set(STATE_KEY, b"\x00\xffnot json{")
     assert c10d.wait_exit("a", timeout=60) != 0, c10d.outputs()
     text = c10d.output("a")
-    lines = [line for line in text.splitlines() if "RendezvousStateError" in line]
+    lines = [line for line in text.splitlines() if line.startswith("relaunch: error:")]
     assert len(lines) == 1, text
-    assert STATE_KEY in lines[0], text
+    assert STATE_KEY in lines[0] and "corrupt" in lines[0], text
+    assert text.count("this node goes on with the last valid state") == 1, text  # once
     assert "Traceback" not in text, text
     assert c10d.steps() == []
 
