@@ -195,6 +195,14 @@ def _check_exists(script: str, module: bool, no_python: bool) -> str:
     return script
 
 
+def _with_secret(conf: dict[str, str]) -> dict[str, str]:
+    """``RELAUNCH_RDZV_SECRET_FILE`` when ``--rdzv-conf`` names no ``secret_file``."""
+    path = os.environ.get("RELAUNCH_RDZV_SECRET_FILE", "").strip()
+    if path and "secret_file" not in conf:
+        return {**conf, "secret_file": path}
+    return conf
+
+
 def _check_log_dir(values: Values, log_dir: str) -> None:
     """The log directory exists (or is created) and takes files: else one line, exit 2,
     before anything starts."""
@@ -251,7 +259,7 @@ def parse_args(argv: Sequence[str] | None = None) -> LaunchConfig:
     return LaunchConfig(
         min_nodes=min_nodes, max_nodes=max_nodes, node_rank=node_rank,
         rdzv_backend=backend, rdzv_endpoint=endpoint, rdzv_id=run_id,
-        rdzv_conf=values.parsed("rdzv_conf", parse_rdzv_conf),
+        rdzv_conf=_with_secret(values.parsed("rdzv_conf", parse_rdzv_conf)),
         standalone=values.switch("standalone"),
         max_restarts=values.integer("max_restarts", 0),
         monitor_interval=values.number("monitor_interval", positive=True),

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
+import signal
 import time
 from pathlib import Path
 
@@ -76,6 +78,25 @@ def test_a_state_left_corrupt_ends_the_job_with_one_line(tmp_path: Path, kind: s
         last = max(r.step for r in cluster.steps())
         time.sleep(0.5)
         assert max(r.step for r in cluster.steps()) == last
+    finally:
+        del hostile
+        cluster.close()
+
+
+def test_a_44_mb_state_is_refused_and_the_job_stops_promptly(tmp_path: Path) -> None:
+    cluster, _, hostile = start(tmp_path)
+    try:
+        with pytest.raises(Exception):  # noqa: B017 (the server drops that client)
+            hostile.set(KEY, b"[" + b"0," * (22 * 1024 * 1024) + b"0]")
+            hostile.get(KEY)
+        steps = len(cluster.steps())
+        cluster.wait_for("training to go on", lambda: len(cluster.steps()) > steps + 4)
+        t0 = time.monotonic()
+        for node in ("a", "b"):
+            os.killpg(cluster.procs[node].pid, signal.SIGTERM)
+        codes = {node: cluster.wait_exit(node, timeout=60) for node in ("a", "b")}
+        assert codes == {"a": 128 + signal.SIGTERM, "b": 128 + signal.SIGTERM}, cluster.outputs()
+        assert time.monotonic() - t0 < 30  # not the 99-115 s of a stuck store
     finally:
         del hostile
         cluster.close()

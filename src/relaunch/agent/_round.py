@@ -149,7 +149,7 @@ def worker_store(
     addr = spec.master_addr or spec.local_addr or local
     bind = "127.0.0.1" if addr.startswith("127.") else "0.0.0.0"
     port = spec.master_port if info.world_size == 1 and spec.master_port else 0
-    server = TCPStoreServer(host=bind, port=port)
+    server = TCPStoreServer(host=bind, port=port, allowed=info.peers)
     server.start()
     if info.world_size > 1:
         try:

@@ -16,6 +16,7 @@ from relaunch._text import printable
 from relaunch.errors import RendezvousError
 from relaunch.rendezvous._settings import RendezvousSettings
 from relaunch.store import Store
+from relaunch.store.signed import is_signed
 
 __all__ = ["claim_program", "log_refused"]
 
@@ -32,6 +33,11 @@ def claim_program(
     current, written = store.compare_set(prefix + "program", None, mine.encode())
     if written:
         return
+    if is_signed(current):
+        raise RendezvousError(
+            f"job {settings.run_id!r} signs its records with a per-job secret and this node "
+            "has none: give it the same --rdzv-conf secret_file as the other nodes"
+        )
     try:
         theirs = json.loads(current)
         same = theirs.get("fingerprint") == fingerprint

@@ -17,7 +17,7 @@ _SECONDS = (
     "heartbeat_timeout",
     "keep_alive_interval",
 )
-COMMON_CONF_KEYS = (*_SECONDS, "keep_alive_max_attempt", "allow_mixed")
+COMMON_CONF_KEYS = (*_SECONDS, "keep_alive_max_attempt", "allow_mixed", "secret_file")
 """``--rdzv-conf`` keys every dynamic backend accepts."""
 
 

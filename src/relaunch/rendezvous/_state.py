@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from relaunch.errors import RendezvousStateError
+from relaunch.store.signed import is_signed
 
 __all__ = [
     "STATE_VERSION",
@@ -221,6 +222,11 @@ def decode_state(
     so an operator knows what to inspect or delete.
     """
     try:
+        if is_signed(raw):
+            raise _Bad(
+                "the job's records are signed with a per-job secret and this node has none "
+                "(--rdzv-conf secret_file=PATH, the same file as the other nodes)"
+            )
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as exc:

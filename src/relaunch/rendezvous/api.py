@@ -47,6 +47,9 @@ class RendezvousInfo:
     The agent of rank 0 hosts a fresh store for the workers of each round and
     publishes its address in ``store``; so no round sees another's keys.
     """
+    peers: frozenset[str] | None = None
+    """With a per-job secret: the IP addresses of the round's nodes (the workers' store
+    admits connections from these and loopback only); None: no such restriction."""
 
 
 class RendezvousHandler(Protocol):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import threading
 import time
@@ -18,6 +19,7 @@ from relaunch.errors import (
     StoreConnectionError,
 )
 from relaunch.rendezvous._backend import StateBackend
+from relaunch.rendezvous._corrupt import CorruptWatch
 from relaunch.rendezvous._ops import (
     JOIN_REQUEST_ACTIONS,
     Action,
@@ -32,10 +34,11 @@ from relaunch.rendezvous._ops import (
 )
 from relaunch.rendezvous._program import claim_program, log_refused
 from relaunch.rendezvous._settings import RendezvousSettings
-from relaunch.rendezvous._state import RendezvousState, new_node_id
+from relaunch.rendezvous._state import RendezvousState, new_node_id, node_sort_key
 from relaunch.rendezvous.api import RendezvousInfo
 from relaunch.store import Store
 from relaunch.store.prefix import PrefixStore
+from relaunch.store.signed import SignedStore
 
 __all__ = ["DynamicRendezvousHandler"]
 
@@ -88,8 +91,7 @@ class DynamicRendezvousHandler:
         self._joined = False
         self._program: str | None = None
         self._refused_seen = 0
-        self._corrupt: tuple[str, float] | None = None
-        """(the corrupt state's error, since when) while the shared state is corrupt."""
+        self._corrupt = CorruptWatch(settings.run_id, settings.dead_after)
 
     # -- small accessors ----------------------------------------------------------
 
@@ -233,7 +235,21 @@ class DynamicRendezvousHandler:
             rank=rank,
             world_size=world_size,
             round=round_,
+            peers=self._peers() if isinstance(self._store, SignedStore) else None,
         )
+
+    def _peers(self) -> frozenset[str] | None:
+        """The round's nodes' addresses, if each is an IP literal (no DNS lookups)."""
+        addrs = {node_sort_key(n)[0] for n in self._rdzv.load()[0].participants}
+        try:
+            return frozenset(str(ipaddress.ip_address(a)) for a in addrs)
+        except ValueError:
+            logger.warning(
+                "the workers' store admits every address: the nodes' addresses %s are not "
+                "all IP literals (give --local-addr as an IP to restrict it)",
+                sorted(addrs),
+            )
+            return None
 
     def _sync_timeout(self, state: RendezvousState, now: float, deadline: float) -> float:
         timeout = self._settings.dead_after
@@ -253,45 +269,23 @@ class DynamicRendezvousHandler:
                 logger.warning("rendezvous store read failed (%s); retrying", exc)
                 state = self._read_fresh_state()
         except RendezvousStateError as exc:
-            return self._while_corrupt(exc)
-        corrupt = self._corrupt  # (seen by the keep-alive thread, which reads every beat)
-        if corrupt is not None and time.monotonic() - corrupt[1] > self._settings.dead_after:
-            raise RendezvousStateError(corrupt[0])
+            # The last valid state while the shared one is corrupt, for up to dead_after
+            # (someone may fix it); then the error, as for a lost store.
+            since = self._corrupt.seen(exc)
+            if self._cached is None or self._corrupt.expired(since):
+                raise
+            return self._cached
+        error = self._corrupt.error()  # (seen by the keep-alive thread, every beat)
+        if error is not None:
+            raise error
         return state
-
-    def _state_ok(self) -> None:
-        """A load decoded: the state is valid (again)."""
-        if self._corrupt is not None:
-            self._corrupt = None
-            logger.warning("rendezvous %s: the state is valid again", self._settings.run_id)
-
-    def _warn_corrupt(self, exc: RendezvousStateError) -> float:
-        """Log a corrupt state once per distinct content; return since when it is corrupt."""
-        message, now = str(exc), time.monotonic()
-        if self._corrupt is None or self._corrupt[0] != message:
-            since = self._corrupt[1] if self._corrupt is not None else now
-            self._corrupt = (message, since)
-            logger.warning(
-                "%s; this node goes on with the last valid state for up to %g s",
-                message,
-                self._settings.dead_after,
-            )
-        return self._corrupt[1]
-
-    def _while_corrupt(self, exc: RendezvousStateError) -> RendezvousState:
-        """The last valid state while the shared one is corrupt, for up to ``dead_after``
-        (someone may fix it); then the error, as for a lost store."""
-        since = self._warn_corrupt(exc)
-        if self._cached is None or time.monotonic() - since > self._settings.dead_after:
-            raise exc
-        return self._cached
 
     def _read_fresh_state(self) -> RendezvousState:
         cached = self._cached
         if cached is not None and not self._rdzv.changed_since(cached):
             return cached
         self._cached, _ = self._rdzv.load()
-        self._state_ok()
+        self._corrupt.ok()
         return self._cached
 
     def is_closed(self) -> bool:
@@ -361,7 +355,7 @@ class DynamicRendezvousHandler:
                 self._keep_alive_once()
                 self._log_refused()
             except RendezvousStateError as exc:
-                self._warn_corrupt(exc)  # once per content, not once per beat
+                self._corrupt.seen(exc)  # logged once per content, not once per beat
             except RelaunchError as exc:
                 logger.warning("rendezvous keep-alive of %s failed: %s", self._node, exc)
 
@@ -370,7 +364,7 @@ class DynamicRendezvousHandler:
         rdzv = self._ka_rdzv
         deadline = self._clock() + self._settings.heartbeat_timeout
         state, raw = rdzv.load()
-        self._state_ok()
+        self._corrupt.ok()
         while not self._stop.is_set():
             now = self._clock()
             new, dead = rdzv.remove_dead(state, now)

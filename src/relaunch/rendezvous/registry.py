@@ -99,6 +99,21 @@ def _is_local_address(host: str, local_addr: str | None) -> bool:
     return True
 
 
+def _signed(store: Store, params: RendezvousParameters) -> Store:
+    """``store`` signed with the job's secret when ``secret_file`` is given."""
+    from relaunch.store.signed import SignedStore, read_secret
+
+    path = params.conf.get("secret_file")
+    if path is None:
+        logger.info(
+            "rendezvous %s is unauthenticated (no --rdzv-conf secret_file): any process "
+            "that reaches its store can read and change it",
+            params.run_id,
+        )
+        return store
+    return SignedStore.over(store, read_secret(path))
+
+
 def _create_c10d(params: RendezvousParameters) -> DynamicRendezvousHandler:
     from relaunch.store.tcp import TCPStoreClient, TCPStoreServer
 
@@ -144,9 +159,16 @@ def _create_c10d(params: RendezvousParameters) -> DynamicRendezvousHandler:
             f"cannot reach the c10d rendezvous store at {host}:{port} within "
             f"read_timeout={read_timeout} s: is the node hosting it up? ({exc})"
         ) from exc
+    try:
+        signed = _signed(store, params)
+    except ConfigError:
+        store.close()
+        if server is not None:
+            server.close()
+        raise
     return DynamicRendezvousHandler(
         backend="c10d",
-        store=store,
+        store=signed,
         settings=settings,
         local_addr=params.local_addr,
         server=server,
@@ -185,8 +207,14 @@ def _create_etcd(params: RendezvousParameters) -> DynamicRendezvousHandler:
         max_nodes=params.max_nodes,
         conf=params.conf,
     )
+    store = _etcd_store(params)
+    try:
+        signed = _signed(store, params)
+    except ConfigError:
+        store.close()
+        raise
     return DynamicRendezvousHandler(
-        backend="etcd", store=_etcd_store(params), settings=settings, local_addr=params.local_addr
+        backend="etcd", store=signed, settings=settings, local_addr=params.local_addr
     )
 
 
@@ -196,7 +224,7 @@ def connect_store(params: RendezvousParameters, *, timeout: float) -> Store:
     endpoint or conf, StoreConnectionError when the store cannot be reached."""
     if params.backend == "etcd":
         check_conf_keys(params.conf, ETCD_CONF_KEYS)
-        return _etcd_store(params, timeout)
+        return _signed(_etcd_store(params, timeout), params)
     if params.backend != "c10d":
         raise ConfigError(
             f"--rdzv-backend: expected c10d or etcd (a job's status lives in its rendezvous "
@@ -207,7 +235,9 @@ def connect_store(params: RendezvousParameters, *, timeout: float) -> Store:
     check_conf_keys(params.conf, C10D_CONF_KEYS)
     host, port = split_endpoint(params.endpoint, DEFAULT_PORT, min_port=1)
     try:
-        return TCPStoreClient(host, port, timeout=timeout, reconnect_timeout=timeout)
+        return _signed(
+            TCPStoreClient(host, port, timeout=timeout, reconnect_timeout=timeout), params
+        )
     except StoreConnectionError as exc:
         raise StoreConnectionError(
             f"cannot reach the c10d rendezvous store at {host}:{port} within {timeout:g} s ({exc})"

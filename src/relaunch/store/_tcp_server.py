@@ -72,6 +72,7 @@ class TCPStoreServer:
         port: int = 0,
         listen_socket: socket.socket | None = None,
         max_value_bytes: int = wire.MAX_VALUE_LEN,
+        allowed: frozenset[str] | None = None,
     ) -> None:
         if not isinstance(host, str) or not host:
             raise ConfigError(f"host: expected a non-empty address string, got {host!r}")
@@ -86,6 +87,9 @@ class TCPStoreServer:
                 f"max_value_bytes: expected an integer from 1024 to 2**40, got {max_value_bytes!r}"
             )
         self._max_value = max_value_bytes
+        self._allowed = allowed
+        """Client IP addresses admitted (loopback always); None: every address."""
+        self._refused: set[str] = set()
         if listen_socket is not None and listen_socket.type != socket.SOCK_STREAM:
             raise ConfigError("listen_socket: expected a bound SOCK_STREAM socket")
         self._host = host
@@ -264,12 +268,26 @@ class TCPStoreServer:
             except OSError as exc:
                 log.warning("TCP store server cannot accept a connection: %s", exc)
                 return
+            if not self._admits(str(peer[0])):
+                sock.close()
+                continue
             sock.setblocking(False)
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn = _Conn(sock, f"{peer[0]}:{peer[1]}")
             self._conns.add(conn)
             self._selector.register(sock, selectors.EVENT_READ, conn)
+
+    def _admits(self, ip: str) -> bool:
+        if self._allowed is None:
+            return True
+        address = ip.removeprefix("::ffff:")
+        if address in self._allowed or address.startswith("127.") or address == "::1":
+            return True
+        if address not in self._refused:
+            self._refused.add(address)
+            log.warning("TCP store server refuses %s: not a node of this round", address)
+        return False
 
     def _drop(self, conn: _Conn, reason: str | None) -> None:
         if conn.closed:

@@ -1,0 +1,98 @@
+"""A per-job secret (``--rdzv-conf secret_file=PATH``): 2 real agents on c10d sign every
+record; a node without the secret, or with another, cannot join (one line); an unsigned
+write over the state by a raw torch client is refused, logged once, and once the valid
+record is back the job goes on."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from multinode_support.cluster import Cluster, free_port
+
+pytestmark = pytest.mark.timeout(150)
+
+KEY = "relaunch/rdzv/job/state"
+
+
+def secret(path: Path, text: str) -> Path:
+    path.write_text(text)
+    path.chmod(0o600)
+    return path
+
+
+def outsider(tmp: Path, port: int, conf: str) -> str:
+    (tmp / "never.py").write_text("raise SystemExit('must never run')\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "relaunch", "--nnodes=2:3", "--rdzv-backend=c10d",
+         f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=job", "--local-addr=127.0.0.1",
+         f"--rdzv-conf={conf}", str(tmp / "worker.py"), str(tmp / "steps"), "train"],
+        capture_output=True, text=True, timeout=60, cwd=tmp,
+        env={**os.environ, "TMPDIR": str(tmp), "MN_NODE": "x"},
+    )  # fmt: skip
+    assert done.returncode == 1, done.stderr
+    errors = [x for x in done.stderr.splitlines() if x.startswith("relaunch: error:")]
+    assert len(errors) == 1, done.stderr
+    return errors[0]
+
+
+def test_records_are_signed_and_outsiders_refused(tmp_path: Path) -> None:
+    good = secret(tmp_path / "secret", "a job secret of enough bytes\n")
+    bad = secret(tmp_path / "other", "another secret, also long enough\n")
+    port = free_port()
+    cluster = Cluster(tmp_path, backend="c10d", endpoint=f"127.0.0.1:{port}")
+    go = tmp_path / "go"
+    try:
+        for node in ("a", "b"):
+            cluster.start(node, f"go={go}", "steps=2", nnodes="2:3", nproc=1,
+                          conf=f"secret_file={good}")  # fmt: skip
+        cluster.wait_for("both nodes training", lambda: len({r.node for r in cluster.steps()}) == 2)
+        hostile = dist.TCPStore(
+            "127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=10)
+        )
+        signed = hostile.get(KEY)
+        assert b"relaunch-mac1:" in signed  # the state is signed
+        assert "secret" in outsider(tmp_path, port, "")  # no secret: it says so
+        assert "does not verify" in outsider(tmp_path, port, f"secret_file={bad}")
+        shown = subprocess.run(
+            [sys.executable, "-m", "relaunch", "status", f"--rdzv-endpoint=127.0.0.1:{port}",
+             "--rdzv-id=job", f"--rdzv-conf=secret_file={good}", "--json"],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert shown.returncode == 0, shown.stderr
+        assert json.loads(shown.stdout)["world"]["nodes"] == 2
+        unsigned = signed[: signed.index(b"\x00relaunch-mac1:")]
+        hostile.set(KEY, unsigned)  # valid JSON, not signed
+        time.sleep(0.6)
+        hostile.set(KEY, signed)
+        go.touch()
+        assert cluster.wait_exit("a") == 0, cluster.outputs()
+        assert cluster.wait_exit("b") == 0, cluster.outputs()
+        for node in ("a", "b"):
+            out = cluster.output(node)
+            assert out.count("not signed with this job's secret") <= 2, out
+        assert {r.world for r in cluster.steps()} == {2}
+        del hostile
+    finally:
+        cluster.close()
+
+
+def test_a_short_secret_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    short = secret(tmp_path / "short", "tiny")
+    (tmp_path / "never.py").write_text("raise SystemExit('must never run')\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "relaunch", "--nnodes=1", "--rdzv-backend=c10d",
+         f"--rdzv-endpoint=127.0.0.1:{free_port()}", f"--rdzv-conf=secret_file={short}",
+         str(tmp_path / "never.py")],
+        capture_output=True, text=True, timeout=60, cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert "secret_file" in done.stderr and "16 bytes" in done.stderr
