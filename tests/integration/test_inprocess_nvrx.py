@@ -242,4 +242,4 @@ def test_a_rank_that_stalls_in_every_iteration_ends_at_the_hard_timeout(tmp_path
         """,
     )
     assert result["raised"] == "TimeoutError" and "across restarts" in str(result["message"])
-    assert 2 <= int(result["iterations"]) < 10  # type: ignore[call-overload]
+    assert 3 <= int(result["iterations"]) < 12  # type: ignore[call-overload]

@@ -153,21 +153,28 @@ class StallClock:
     A rank whose iterations keep ending by its own soft timeout makes no progress,
     however often it restarts: :meth:`observe` gets, after each iteration, when its
     last progress was if the iteration ended by its soft timeout (else None), and
-    returns for how long the rank has been stalled (None: it is not). NVIDIA's wrapper
+    returns for how long the rank has been stalled (None: it is not, or not yet for
+    :attr:`MIN_ITERATIONS` iterations in a row). NVIDIA's wrapper
     kills such a rank at the hard timeout; relaunch's early wake-up at the soft
     timeout would otherwise restart it forever.
     """
 
+    MIN_ITERATIONS = 3
+    """Stalled iterations in a row before the rank counts as stuck: a rank blocked in a
+    collective by a peer that hung also times out, once; then the peer is gone."""
+
     def __init__(self) -> None:
         self.since: float | None = None
+        self.count = 0
 
     def observe(self, stalled_at: float | None, now: float) -> float | None:
         if stalled_at is None:
-            self.since = None
+            self.since, self.count = None, 0
             return None
         if self.since is None:
             self.since = stalled_at
-        return now - self.since
+        self.count += 1
+        return now - self.since if self.count >= self.MIN_ITERATIONS else None
 
 
 def store_factory(cfg: Any, initial_rank: int) -> tuple[Callable[[], Any], int | None]:
