@@ -265,3 +265,76 @@ def test_store_liveness_replaces_heartbeat_times() -> None:
     # stale heartbeats, but both leases alive: nobody is dead (no clock involved)
     same, dead = remove_dead(state, T0 + 1000, s, alive={"a_1_0", "b_1_0"})
     assert dead == [] and same is state
+
+
+def _inprocess(state: RendezvousState, s: RendezvousSettings, now: float) -> RendezvousState:
+    for node in list(state.participants):
+        state = apply(Action.MARK_INPROCESS, state, node, now, s)
+    return state
+
+
+def test_a_lost_inprocess_node_leaves_a_vacancy_that_a_spare_fills() -> None:
+    s = settings(2, 2, keep_alive_interval=1.0, keep_alive_max_attempt=2)
+    state = _inprocess(joined(["a_1_0", "b_1_0", "c_1_0"], s), s, T0)
+    assert state.inprocess == {"a_1_0", "b_1_0"} and state.redundancy_list == {"c_1_0"}
+    for node in ("a_1_0", "c_1_0"):
+        state = apply(Action.KEEP_ALIVE, state, node, T0 + 2.5, s)
+    old = state
+    state, dead = remove_dead(state, T0 + 2.6, s)
+    assert dead == ["b_1_0"]
+    # the round goes on: same round, complete, b's rank left vacant, nobody restarts
+    assert state.round == 0 and state.complete and state.participants == {"a_1_0": 0}
+    assert list(state.vacancies) == [1] and state.vacancies[1] > 0
+    assert needs_wake(old, state)  # the spare waits on a change
+    assert nodes_waiting(state, 0) == 0
+    base = state.vacancies[1]
+    assert decide_join(state, "c_1_0", T0 + 2.6, s, FAR) is Action.FILL_VACANCY
+    state = place(state, "c_1_0", T0 + 2.6, s)
+    assert state.participants == {"a_1_0": 0, "c_1_0": 1} and not state.vacancies
+    assert state.incarnations == {1: base} and state.round == 0
+    assert decide_join(state, "c_1_0", T0 + 2.6, s, FAR) is Action.FINISH
+    # the codec keeps it all
+    again = decode_state(encode_state(state), key="k", run_id="job")
+    assert again.incarnations == {1: base} and again.inprocess == {"a_1_0"}
+
+
+def test_without_a_spare_the_round_goes_on_smaller_and_a_new_node_fills_it() -> None:
+    s = settings(2, 2, keep_alive_interval=1.0, keep_alive_max_attempt=2)
+    state = _inprocess(joined(["a_1_0", "b_1_0"], s), s, T0)
+    state = apply(Action.KEEP_ALIVE, state, "a_1_0", T0 + 2.5, s)
+    state, dead = remove_dead(state, T0 + 2.6, s)
+    assert dead == ["b_1_0"] and state.complete and list(state.vacancies) == [1]
+    later = place(state, "d_9_0", T0 + 60, s)  # a node that arrives a minute later
+    assert later.participants == {"a_1_0": 0, "d_9_0": 1} and later.round == 0
+    # a second loss of the same rank starts above the first replacement's incarnation
+    later = apply(Action.MARK_INPROCESS, later, "d_9_0", T0 + 61, s)
+    later = apply(Action.KEEP_ALIVE, later, "a_1_0", T0 + 70, s)
+    later, dead = remove_dead(later, T0 + 70.5, s)
+    assert dead == ["d_9_0"] and later.vacancies[1] > later.incarnations[1]
+
+
+def test_a_lost_node_reopens_the_round_unless_every_node_restarts_in_process() -> None:
+    s = settings(2, 3, keep_alive_interval=1.0, keep_alive_max_attempt=2)
+    state = joined(["a_1_0", "b_1_0", "c_1_0"], s)
+    state = apply(Action.MARK_INPROCESS, state, "b_1_0", T0, s)
+    state = apply(Action.MARK_INPROCESS, state, "c_1_0", T0, s)
+    for node in ("b_1_0", "c_1_0"):
+        state = apply(Action.KEEP_ALIVE, state, node, T0 + 2.5, s)
+    reopened, _ = remove_dead(state, T0 + 2.6, s)  # a's workers do not: a new round
+    assert reopened.round == 1 and not reopened.vacancies and not reopened.inprocess
+    # the rank-0 node hosts the workers' store: losing it reopens the round too
+    state = _inprocess(joined(["a_1_0", "b_1_0", "c_1_0"], s), s, T0)
+    for node in ("b_1_0", "c_1_0"):
+        state = apply(Action.KEEP_ALIVE, state, node, T0 + 2.5, s)
+    reopened, _ = remove_dead(state, T0 + 2.6, s)
+    assert reopened.round == 1 and not reopened.vacancies
+
+
+def test_vacancy_fields_are_checked_for_sense() -> None:
+    s = settings(2, 2)
+    state = joined(["a_1_0", "b_1_0"], s)
+    doc = encode_state(state).decode()
+    for bad in ('"vacancies":{"0":5}', '"vacancies":{"x":5}', '"incarnations":{"1":-2}'):
+        raw = doc[:-1] + "," + bad + "}"
+        with pytest.raises(RendezvousStateError, match=r"vacancies|incarnations"):
+            decode_state(raw.encode(), key="k", run_id="job")

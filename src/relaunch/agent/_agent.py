@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -15,7 +16,9 @@ from relaunch.agent._core import (
     DropRanks,
     ExitBarrier,
     GiveUp,
+    MarkInprocess,
     Monitor,
+    NodeLost,
     Observation,
     Policy,
     Stop,
@@ -23,8 +26,9 @@ from relaunch.agent._core import (
     decide,
     wants_fork_server,
 )
+from relaunch.agent._membership import Membership
 from relaunch.agent._round import (
-    exit_barrier,
+    finish_round,
     gather_failures,
     publish_failures,
     store_lost_reason,
@@ -32,7 +36,8 @@ from relaunch.agent._round import (
 )
 from relaunch.agent._spec import RunResult, Worker, WorkerGroup, WorkerSpec, WorkerState
 from relaunch.agent._status import NodeStatus, say
-from relaunch.agent._watch import causes, drop, failures, observe, report_hang
+from relaunch.agent._warmup import next_round, share_modules
+from relaunch.agent._watch import causes, failures, observe, report_hang
 from relaunch.agent._workers import NodeWorkers
 from relaunch.errors import (
     ProcessFailure,
@@ -41,7 +46,6 @@ from relaunch.errors import (
     RendezvousGracefulExitError,
     RendezvousStateError,
     StoreError,
-    WorkerError,
 )
 from relaunch.events import Event, EventSink
 from relaunch.procs import (
@@ -88,6 +92,7 @@ class LocalAgent:
         self._stop_signal: int | None = None
         self._logdir: RunLogDir | None = None
         self._events = EventSink(None)
+        self._membership = Membership(self._handler, self._emit, self._run_id)
         node = getattr(self._handler, "node_id", None) or f"{self._host}_{os.getpid()}_0"
         self._status = NodeStatus(
             self._handler,
@@ -238,13 +243,14 @@ class LocalAgent:
         slots = self._workers.slots
         running = all(code is None or slots[lr].lost for lr, code in codes.items())
         ask = ask_rendezvous and running and self._stop_signal is None
-        return observe(
+        obs = observe(
             slots,
             codes,
             watch_progress=bool(self._policy.hang_timeout),
             stop_signal=self._stop_signal,
             nodes_waiting=self._handler.num_nodes_waiting() if ask else 0,
         )
+        return dataclasses.replace(obs, **self._membership.observation(ask=ask))
 
     def _failures(
         self, local_ranks: tuple[int, ...], obs: Observation
@@ -262,35 +268,25 @@ class LocalAgent:
             return self._stopped()
         if isinstance(action, Monitor):
             assert self._workers is not None
-            self._workers.tick(
-                wanted=wants_fork_server(
-                    self._policy,
-                    is_python=self._spec.entrypoint.is_python,
-                    restart_count=self._restart_count,
-                )
-            )
+            self._workers.tick(wanted=self._wants_fork_server())
+            share_modules(self._handler, self._workers)
             return None
         if isinstance(action, DropRanks):
             assert self._workers is not None
-            ws = self._workers
-            for failure in drop(action.local_ranks, obs, self._group.workers, ws.slots, ws.pids()):
-                self._emit(
-                    "worker_lost",
-                    rank=self._group.workers[failure.local_rank].global_rank,
-                    local_rank=failure.local_rank,
-                    exitcode=failure.exitcode,
-                    reason=failure.message,
-                )
-            for lr in action.respawn:
-                try:
-                    ws.respawn(lr, self._attempt)
-                except WorkerError as exc:  # its peers go on without it
-                    log.warning("cannot start a replacement for local rank %s: %s", lr, exc)
+            self._workers.drop(action, obs, self._group, self._attempt)
+            return None
+        if isinstance(action, NodeLost):
+            self._membership.lost(action.vacancies, self._group, self._restart_count)
+            return None
+        if isinstance(action, MarkInprocess):
+            self._membership.mark()
             return None
         if isinstance(action, ExitBarrier):
             self._group.state = WorkerState.SUCCEEDED
             self._emit("workers_succeeded", attempt=self._attempt)
-            note = self._exit_barrier()
+            note = finish_round(
+                self._handler, self._info, self._spec.exit_barrier_timeout, self._emit
+            )
             values = return_values(self._spec, self._group.workers, self._slots())
             return RunResult(state=WorkerState.SUCCEEDED, return_values=values, reason=note)
         if action.reason == "membership":
@@ -344,31 +340,45 @@ class LocalAgent:
     def _rendezvous_and_start(self) -> None:
         self._publish_status(force=True)  # what happened shows while the rendezvous waits
         t0 = time.monotonic()
-        info = self._handler.next_rendezvous()
+        prewarm = self._attempt < 0 and self._wants_fork_server()
+        info = next_round(self._handler, self._workers, prewarm=prewarm)
         self._info = info
         self._restart_count = self._handler.restart_count()
         group = self._group
-        group.group_rank, group.group_world_size, group.store = (
-            info.rank,
-            info.world_size,
-            info.store,
-        )
+        group.place(info.rank, info.world_size, info.store)
         group.master_addr, group.master_port = self._publish_worker_store(info)
+        self._membership.new_round()
         self._emit(
             "rendezvous_complete",
             round=info.round,
             world_size=info.world_size,
             seconds=round(time.monotonic() - t0, 4),
+            **(
+                {"replaces": info.rank, "incarnation": info.incarnation} if info.incarnation else {}
+            ),
         )
-        n = self._spec.local_world_size
-        world = n * info.world_size
-        for worker in group.workers:
-            worker.global_rank = worker.role_rank = info.rank * n + worker.local_rank
-            worker.world_size = worker.role_world_size = world
         self._attempt += 1
+        if info.incarnation:
+            # This node takes a lost one's place: its ranks' old processes are dead to
+            # the running workers before the new ones ask to join (the other nodes may
+            # not have seen the vacancy before it was filled).
+            self._membership.lost(
+                {info.rank: info.incarnation}, group, self._restart_count, taking_over=True
+            )
         assert self._workers is not None
         self._workers.start(
-            group, self._attempt, restart_count=self._restart_count, run_id=self._run_id
+            group,
+            self._attempt,
+            restart_count=self._restart_count,
+            run_id=self._run_id,
+            incarnation=info.incarnation,
+        )
+
+    def _wants_fork_server(self) -> bool:
+        return wants_fork_server(
+            self._policy,
+            is_python=self._spec.entrypoint.is_python,
+            restart_count=self._restart_count,
         )
 
     def _publish_worker_store(self, info: RendezvousInfo) -> tuple[str, int]:
@@ -383,24 +393,6 @@ class LocalAgent:
         if self._workers is not None and self._workers.running:
             self._workers.stop(sig, self._attempt)
             self._group.state = WorkerState.STOPPED
-
-    def _exit_barrier(self) -> str | None:
-        """Wait for the round's other nodes; then the job is over: rank 0 closes the
-        rendezvous, so spares still waiting in it learn that they are not needed.
-        Returns what to tell the user when the other nodes did not all arrive."""
-        info = self._info
-        if info is None:
-            return None
-        note = exit_barrier(info, self._spec.exit_barrier_timeout)
-        if note is not None:
-            self._emit("exit_barrier_timeout", world_size=info.world_size)
-            return note
-        if info.rank == 0:
-            try:
-                self._handler.set_closed()
-            except (RendezvousError, StoreError) as exc:
-                log.warning("could not close the rendezvous after success: %s", exc)
-        return None
 
     def _job_failures(self, own: dict[int, ProcessFailure]) -> dict[int, ProcessFailure]:
         return gather_failures(self._info, own) if self._info is not None else dict(own)

@@ -32,7 +32,10 @@ class Slot:
     lost: ProcessFailure | None = None
     """Set when the worker died and its in-process peers went on without it."""
     respawns: int = 0
-    """Replacement processes this local rank had in this attempt (its incarnation)."""
+    """Replacement processes this local rank had in this attempt."""
+    incarnation: int = 0
+    """Its worker's ``RELAUNCH_INPROCESS_INCARNATION``: the node's base incarnation (0,
+    or a vacancy's for a node that replaced a lost one) plus its respawns."""
 
 
 def attempt_workers(
@@ -44,6 +47,7 @@ def attempt_workers(
     restart_count: int,
     run_id: str,
     extra: Mapping[str, str],
+    incarnation: int = 0,
 ) -> tuple[dict[int, Slot], list[ProcessSpec]]:
     """The slot (environment, files) and the process spec of each local rank."""
     assert group.master_addr is not None and group.master_port is not None
@@ -71,9 +75,13 @@ def attempt_workers(
             max_restarts=spec.max_restarts,
             run_id=run_id,
             error_file=files.error_file,
-            extra={**extra, **files.env(spec.hang_timeout)},
+            extra={
+                **extra,
+                **files.env(spec.hang_timeout),
+                **({INCARNATION_ENV: str(incarnation)} if incarnation else {}),
+            },
         )
-        slots[lr] = Slot(env=env, files=files, started=time.time())
+        slots[lr] = Slot(env=env, files=files, started=time.time(), incarnation=incarnation)
         stdout, stderr, tee = worker_streams(spec, lr, worker.global_rank, attempt_dir)
         args = substitute_local_rank(spec.args, lr)
         is_function = spec.entrypoint.kind == "function"
@@ -98,11 +106,12 @@ def replacement(
     """The slot and process spec of local rank's next replacement process: same
     environment, ranks and output files; its own contract files (in a subdirectory of
     the attempt's) and ``RELAUNCH_INPROCESS_INCARNATION``."""
-    incarnation = slot.respawns + 1
+    respawns = slot.respawns + 1
+    incarnation = slot.incarnation + 1
     attempt_dir = os.path.dirname(slot.files.error_file)
     if slot.respawns:
         attempt_dir = os.path.dirname(attempt_dir)  # the rank's directory, not a replacement's
-    directory = os.path.join(attempt_dir, f"replacement{incarnation}")
+    directory = os.path.join(attempt_dir, f"replacement{respawns}")
     os.makedirs(directory, exist_ok=True)
     files = AttemptFiles.in_dir(directory)
     env = {
@@ -111,7 +120,9 @@ def replacement(
         "TORCHELASTIC_ERROR_FILE": files.error_file,
         INCARNATION_ENV: str(incarnation),
     }
-    new_slot = Slot(env=env, files=files, started=time.time(), respawns=incarnation)
+    new_slot = Slot(
+        env=env, files=files, started=time.time(), respawns=respawns, incarnation=incarnation
+    )
     result_file = files.result_file if spec.result_file is not None else None
     return new_slot, dataclasses.replace(spec, env=env, result_file=result_file)
 

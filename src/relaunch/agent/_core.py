@@ -14,6 +14,11 @@ The actions, in the order :func:`decide` considers them:
   processes that join the peers (``respawn``, while the rank's replacements are
   within the restart budget) or the group goes on without them;
 - :class:`ExitBarrier`: every worker exited and at least one succeeded;
+- :class:`NodeLost`: another node of the round was lost and its rank left vacant (every
+  node's workers restart in-process): tell this node's workers that its ranks are dead,
+  so they go on without them at once and take its replacement in when it comes;
+- :class:`MarkInprocess`: every worker here runs under ``relaunch.inprocess`` and may
+  be replaced: say so in the rendezvous (a lost node then leaves a vacancy);
 - :class:`RestartGroup` without ``failed``: nodes wait to join -- a new round admits them;
 - :class:`Monitor`: nothing to do but watch (and start the fork server when it is time).
 """
@@ -21,7 +26,7 @@ The actions, in the order :func:`decide` considers them:
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 __all__ = [
@@ -30,7 +35,9 @@ __all__ = [
     "ExitBarrier",
     "GiveUp",
     "Hang",
+    "MarkInprocess",
     "Monitor",
+    "NodeLost",
     "Observation",
     "Policy",
     "RankView",
@@ -71,6 +78,13 @@ class Observation:
     """Wall-clock time of the poll (progress times are wall-clock)."""
     stop_signal: int | None = None
     nodes_waiting: int = 0
+    vacancies: Mapping[int, int] = field(default_factory=dict)
+    """Group ranks of the round that lost nodes left, with their replacements'
+    incarnation (tiered recovery)."""
+    declared: frozenset[tuple[int, int]] = frozenset()
+    """The vacancies (group rank, incarnation) this node already acted on."""
+    marked_inprocess: bool = False
+    """This node already told the rendezvous that its workers restart in-process."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -142,7 +156,21 @@ class GiveUp:
     """Restarts the job used."""
 
 
-Action = Monitor | Stop | RestartGroup | DropRanks | ExitBarrier
+@dataclass(frozen=True)
+class NodeLost:
+    """Nodes of the round were lost and their ranks wait for a replacement: record the
+    deaths of their workers' ranks (below ``incarnation``) for this node's workers."""
+
+    vacancies: Mapping[int, int]
+    """Group rank -> the incarnation its replacement's workers will start at."""
+
+
+@dataclass(frozen=True)
+class MarkInprocess:
+    """Tell the rendezvous that this node's workers restart in-process."""
+
+
+Action = Monitor | Stop | RestartGroup | DropRanks | ExitBarrier | NodeLost | MarkInprocess
 
 
 def _failed(view: RankView) -> bool:
@@ -206,6 +234,16 @@ def decide(obs: Observation, policy: Policy) -> Action:
         return ExitBarrier()
     if obs.nodes_waiting > 0:
         return RestartGroup(reason="membership")
+    fresh = {g: i for g, i in obs.vacancies.items() if (g, i) not in obs.declared}
+    if fresh:
+        return NodeLost(fresh)
+    if (
+        not obs.marked_inprocess
+        and policy.max_respawns > 0
+        and obs.ranks
+        and all(v.inprocess and v.exitcode is None for v in obs.ranks)
+    ):
+        return MarkInprocess()
     return Monitor()
 
 

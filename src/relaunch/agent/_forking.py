@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+import ast
+import importlib.util
+import json
 import logging
 import os
+import re
+import sysconfig
 from collections.abc import Callable, Mapping
 
-from relaunch.procs import ForkServer
+from relaunch.procs import Entrypoint, ForkServer
 
-__all__ = ["NodeForkServer"]
+__all__ = ["NodeForkServer", "decode_modules", "encode_modules", "guess_imports"]
+
+_MODULES_VERSION = 1
+_MAX_MODULES = 20_000
+_MODULE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +62,35 @@ class NodeForkServer:
         self._server = ForkServer(env=env, preload_file=self.modules_file, log_file=self._log_file)
         self._emit("fork_server_started", pid=self._server.pid)
 
+    @property
+    def started(self) -> bool:
+        """Whether the server was started (or refused for good)."""
+        return self._server is not None or self._refused is not None
+
+    def prewarm(self, *, env: Mapping[str, str], modules: list[str]) -> None:
+        """Start the server before any worker ran (a spare waiting for a node to replace),
+        preloading ``modules`` (what the other nodes' workers import, or a guess); a
+        running one preloads those it did not have yet. The first workers' own list of
+        imports replaces them."""
+        if self._refused is not None:
+            return
+        known = set(read_module_list(self.modules_file))
+        fresh = [m for m in modules if m not in known]
+        if fresh:
+            with open(self.modules_file, "a") as f:
+                f.write("".join(f"{m}\n" for m in fresh))
+        if self._server is None:
+            self._server = ForkServer(
+                env=env, preload_file=self.modules_file, log_file=self._log_file
+            )
+            self._emit("fork_server_started", pid=self._server.pid, prewarm=True)
+
+    def modules(self) -> list[str] | None:
+        """What the workers import, once the server was started from their own list."""
+        if self._server is None or not os.path.exists(self.modules_file):
+            return None
+        return read_module_list(self.modules_file)
+
     def refused(self, reason: str) -> None:
         """The server would not fork: workers start fresh from now on."""
         self._refused = reason
@@ -67,3 +105,74 @@ class NodeForkServer:
         server, self._server = self._server, None
         if server is not None:
             server.close()
+
+
+def read_module_list(path: str) -> list[str]:
+    """The names in a modules file (one per line; the fork server's preload list)."""
+    try:
+        with open(path) as f:
+            return [line.strip() for line in f if line.strip()]
+    except OSError:
+        return []
+
+
+def _installed(name: str, roots: tuple[str, ...]) -> bool:
+    """Whether top-level module ``name`` is installed (stdlib or site-packages), found
+    without importing anything: a user's own module may do work when imported."""
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return False
+    origin = getattr(spec, "origin", None) if spec is not None else None
+    return isinstance(origin, str) and os.path.realpath(origin).startswith(roots)
+
+
+def guess_imports(entrypoint: Entrypoint) -> list[str]:
+    """The installed modules a script imports (parsed, not run), and torch: what a fork
+    server started before any worker preloads."""
+    names: list[str] = []
+    if entrypoint.kind == "script":
+        try:
+            with open(entrypoint.target, "rb") as f:
+                tree = ast.parse(f.read())
+        except (OSError, SyntaxError, ValueError):
+            tree = ast.Module(body=[], type_ignores=[])
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names += [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                names.append(node.module)
+    paths = sysconfig.get_paths()
+    roots = tuple(
+        os.path.join(os.path.realpath(paths[k]), "")
+        for k in ("stdlib", "platstdlib", "purelib", "platlib")
+        if k in paths
+    )
+    found = [n for n in dict.fromkeys([*names, "torch", "torch.distributed"])
+             if _installed(n.partition(".")[0], roots)]  # fmt: skip
+    if any(n.startswith("relaunch") for n in names):
+        found.append("relaunch.inprocess")  # ours, wherever it is installed
+    return found
+
+
+def encode_modules(names: list[str]) -> bytes:
+    """What a node's workers import, as shared with the other nodes (versioned JSON)."""
+    valid = [n for n in names if _MODULE_NAME.fullmatch(n)][:_MAX_MODULES]
+    return json.dumps({"version": _MODULES_VERSION, "modules": valid}).encode()
+
+
+def decode_modules(raw: bytes | None) -> list[str]:
+    """The module names of :func:`encode_modules`' document; [] for anything else (a
+    spare then preloads its guess only)."""
+    if not raw or len(raw) > 2 * 1024 * 1024:
+        return []
+    try:
+        doc = json.loads(raw)
+    except ValueError:
+        return []
+    if not isinstance(doc, dict) or doc.get("version") != _MODULES_VERSION:
+        return []
+    names = doc.get("modules")
+    if not isinstance(names, list):
+        return []
+    return [n for n in names[:_MAX_MODULES] if isinstance(n, str) and _MODULE_NAME.fullmatch(n)]

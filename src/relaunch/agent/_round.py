@@ -14,10 +14,17 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from relaunch.errors import FailureFormatError, ProcessFailure, RendezvousError, StoreError
-from relaunch.rendezvous import RendezvousInfo
+from relaunch.errors import (
+    FailureFormatError,
+    ProcessFailure,
+    RendezvousError,
+    StoreError,
+    StoreTimeoutError,
+)
+from relaunch.rendezvous import RendezvousHandler, RendezvousInfo
 from relaunch.store.tcp import TCPStoreServer
 
 if TYPE_CHECKING:
@@ -25,6 +32,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "exit_barrier",
+    "finish_round",
     "gather_failures",
     "publish_failures",
     "publish_worker_store",
@@ -107,23 +115,60 @@ def gather_failures(
     return found
 
 
-def exit_barrier(info: RendezvousInfo, timeout: float) -> str | None:
-    """Wait until every node of the round is done. Never raises: returns what to tell the
+def exit_barrier(
+    info: RendezvousInfo, timeout: float, vacant: Callable[[], int] = lambda: 0
+) -> str | None:
+    """Wait until every node of the round is done (``vacant()``: ranks of lost nodes
+    that nobody replaced, which never arrive). Never raises: returns what to tell the
     user when they did not all arrive (timeout or store error), else None."""
     if info.world_size <= 1:
         return None
+    deadline = time.monotonic() + timeout
     try:
-        if info.store.add(_EXIT_COUNT_KEY, 1) >= info.world_size:
-            info.store.set(_EXIT_DONE_KEY, b"1")
-        else:
-            info.store.wait([_EXIT_DONE_KEY], timeout=timeout)
-    except StoreError as exc:
+        count = info.store.add(_EXIT_COUNT_KEY, 1)
+        while True:
+            if count >= info.world_size - vacant():
+                info.store.set(_EXIT_DONE_KEY, b"1")
+                break
+            left = deadline - time.monotonic()
+            try:
+                info.store.wait([_EXIT_DONE_KEY], timeout=max(0.001, min(left, 0.5)))
+                break
+            except StoreTimeoutError:
+                if left <= 0.5:
+                    raise
+            count = info.store.add(_EXIT_COUNT_KEY, 0)
+    except (StoreError, RendezvousError) as exc:
         log.warning("exit barrier: %s (other nodes may still be running)", exc)
         return (
             f"this node's workers succeeded, but not every node of the round (world size "
             f"{info.world_size}) reached the exit barrier within {timeout:g} s: the other "
             "nodes' outcome is unknown"
         )
+    return None
+
+
+def finish_round(
+    handler: RendezvousHandler,
+    info: RendezvousInfo | None,
+    timeout: float,
+    emit: Callable[..., None],
+) -> str | None:
+    """This node's workers succeeded: wait for the round's other nodes (the lost ones
+    nobody replaced excepted); then the job is over: rank 0 closes the rendezvous, so
+    spares still waiting in it learn that they are not needed. Returns what to tell
+    the user when the other nodes did not all arrive."""
+    if info is None:
+        return None
+    note = exit_barrier(info, timeout, vacant=lambda: len(handler.vacancies()))
+    if note is not None:
+        emit("exit_barrier_timeout", world_size=info.world_size)
+        return note
+    if info.rank == 0:
+        try:
+            handler.set_closed()
+        except (RendezvousError, StoreError) as exc:
+            log.warning("could not close the rendezvous after success: %s", exc)
     return None
 
 

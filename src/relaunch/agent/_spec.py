@@ -124,6 +124,15 @@ class WorkerGroup:
     master_addr: str | None = None
     master_port: int | None = None
 
+    def place(self, group_rank: int, group_world_size: int, store: Store) -> None:
+        """Take this node's place in a round: its workers' global ranks follow the
+        node's (``group_rank * local_world_size + local_rank``)."""
+        self.group_rank, self.group_world_size, self.store = group_rank, group_world_size, store
+        n = len(self.workers)
+        for worker in self.workers:
+            worker.global_rank = worker.role_rank = group_rank * n + worker.local_rank
+            worker.world_size = worker.role_world_size = n * group_world_size
+
 
 @dataclass(frozen=True, kw_only=True)
 class RunResult:

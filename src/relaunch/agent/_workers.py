@@ -8,18 +8,24 @@ act; it decides nothing.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Callable
 
 from relaunch._contract import JOIN_WAIT, JOIN_WAIT_ENV
 from relaunch.agent._attempt import Slot, attempt_workers, replacement
-from relaunch.agent._forking import NodeForkServer
+from relaunch.agent._core import DropRanks, Observation
+from relaunch.agent._forking import NodeForkServer, guess_imports
 from relaunch.agent._spec import WorkerGroup, WorkerSpec, WorkerState
+from relaunch.agent._watch import drop
+from relaunch.errors import RelaunchError, WorkerError
 from relaunch.procs import ProcessSpec, RunLogDir, WorkerProcesses
 from relaunch.timer import TimerExpiry, TimerServer
 
 __all__ = ["NodeWorkers"]
+
+log = logging.getLogger(__name__)
 
 
 class NodeWorkers:
@@ -39,6 +45,8 @@ class NodeWorkers:
             delay=spec.standby_delay,
             emit=emit,
         )
+        self._shared = 0
+        self._share_check = 0.0
         self._timer: TimerServer | None = None
         if spec.watchdog:
             timer = TimerServer(path=spec.watchdog_file, on_expiry=self._on_timer_expiry)
@@ -50,8 +58,17 @@ class NodeWorkers:
         """Whether an attempt's processes are up (started and not stopped)."""
         return self._procs is not None
 
-    def start(self, group: WorkerGroup, attempt: int, *, restart_count: int, run_id: str) -> None:
-        """Start this attempt's workers (``group`` holds their ranks and store address)."""
+    def start(
+        self,
+        group: WorkerGroup,
+        attempt: int,
+        *,
+        restart_count: int,
+        run_id: str,
+        incarnation: int = 0,
+    ) -> None:
+        """Start this attempt's workers (``group`` holds their ranks and store address;
+        ``incarnation`` > 0: they replace a lost node's and join its peers running)."""
         spec = self._spec
         extra: dict[str, str] = {}
         if self._timer is not None:
@@ -67,11 +84,13 @@ class NodeWorkers:
             restart_count=restart_count,
             run_id=run_id,
             extra=extra,
+            incarnation=incarnation,
         )
         self._specs = {s.local_rank: s for s in specs}
         warm = spec.warm_standby and spec.entrypoint.is_python
         modules = self._forking.modules_file
-        report = {0: modules} if warm and not os.path.exists(modules) else {}
+        # The first workers say what they import (a prewarmed server had a guess).
+        report = {0: modules} if warm and (attempt == 0 or not os.path.exists(modules)) else {}
         server = self._forking.usable()
         procs = WorkerProcesses(
             spec.entrypoint, specs, fork_server=server, report_modules=report, name=spec.role
@@ -99,6 +118,23 @@ class NodeWorkers:
             master_port=group.master_port,
         )
 
+    def drop(self, action: DropRanks, obs: Observation, group: WorkerGroup, attempt: int) -> None:
+        """These in-process workers died (their peers went on): record them, and start
+        a replacement for those to respawn (a failure to start leaves the rank out)."""
+        for failure in drop(action.local_ranks, obs, group.workers, self.slots, self.pids()):
+            self._emit(
+                "worker_lost",
+                rank=group.workers[failure.local_rank].global_rank,
+                local_rank=failure.local_rank,
+                exitcode=failure.exitcode,
+                reason=failure.message,
+            )
+        for lr in action.respawn:
+            try:
+                self.respawn(lr, attempt)
+            except WorkerError as exc:  # its peers go on without it
+                log.warning("cannot start a replacement for local rank %s: %s", lr, exc)
+
     def respawn(self, local_rank: int, attempt: int) -> None:
         """Start a replacement process for ``local_rank`` (an in-process worker that
         died while its peers run on): it joins the peers' next iteration."""
@@ -119,7 +155,8 @@ class NodeWorkers:
             attempt=attempt,
             local_rank=local_rank,
             pid=pid,
-            incarnation=slot.respawns,
+            incarnation=slot.incarnation,
+            replacement=slot.respawns,
             forked=forked,
             seconds=seconds,
         )
@@ -138,6 +175,33 @@ class NodeWorkers:
     def pids(self) -> dict[int, int]:
         assert self._procs is not None
         return self._procs.pids()
+
+    def prewarm(self, shared: list[str]) -> None:
+        """Start the fork server before any worker (a spare waiting in the rendezvous),
+        so the workers it may start later are forked in milliseconds, preloading what
+        the other nodes' workers import (``shared``) or else a guess. Never raises."""
+        spec = self._spec
+        if self._forking.started and not shared:
+            return
+        try:
+            modules = shared or guess_imports(spec.entrypoint)
+            self._forking.prewarm(env=dict(spec.base_env), modules=modules)
+        except (OSError, RelaunchError) as exc:
+            log.warning("could not start the fork server early: %s", exc)
+
+    def modules_to_share(self) -> list[str] | None:
+        """What the workers import, when it grew (checked every few seconds once the
+        fork server started from their list; they report for two minutes): the agent
+        shares it with spares."""
+        now = time.monotonic()
+        if not self.slots or now < self._share_check:
+            return None
+        self._share_check = now + 5.0
+        modules = self._forking.modules()
+        if not modules or len(modules) == self._shared:
+            return None
+        self._shared = len(modules)
+        return modules
 
     def tick(self, *, wanted: bool) -> None:
         """While the workers run: start the fork server when it is due."""

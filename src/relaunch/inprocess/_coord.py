@@ -15,6 +15,8 @@ Keys (``ns`` is unique per job, torchrun/relaunch attempt and wrapped call)::
     ns/it<i>/joined    the frozen ranks (and incarnations) admitted after iteration i
     ns/it<i>/roster    every rank's state for iteration i (versioned JSON), set once
     ns/current         the latest iteration a roster was published for
+    job/lost           appended JSON lines: ranks of nodes the relaunch agents saw lost
+                       (``job`` is ``ns`` without its call: one key for every call)
 
 Values are appended lines, so a reader needs one round trip (``multi_get``) to see
 every record, and arrivals are de-duplicated by initial rank: whoever arrives twice,
@@ -70,6 +72,10 @@ class CoordinationStore:
     def __init__(self, store: TorchStore, namespace: str) -> None:
         self.store = store
         self.namespace = namespace.rstrip("/") + "/"
+        # (the relaunch agent writes it: ``agent/_membership.lost_key``)
+        head, sep, _ = self.namespace.rstrip("/").rpartition("/call")
+        self.lost_key = f"{head}/lost" if sep else self.key("lost")
+        self._dead_keys = [self.key("dead"), self.lost_key]
         self._ensured: set[str] = set()
         self.incarnations: dict[int, int] = {}
         """Admitted incarnation per initial rank (absent: 0). Death records of an
@@ -113,8 +119,10 @@ class CoordinationStore:
     def record_exited(self, initial_rank: int) -> None:
         self.store.append(self.key("exited"), f"{initial_rank},")
 
-    def _dead(self, blob: bytes) -> set[int]:
-        """The ranks whose admitted incarnation has a death record."""
+    def _dead(self, dead: bytes, lost: bytes = b"") -> set[int]:
+        """The ranks whose admitted incarnation has a death record (the wrapper's own,
+        or an agent's for a lost node: that one kills every incarnation up to its own)."""
+        blob = dead + b"\n" + lost
         return {
             r.initial_rank
             for r in decode_records(blob)
@@ -122,8 +130,7 @@ class CoordinationStore:
         }
 
     def dead_ranks(self) -> set[int]:
-        (blob,) = self._read([self.key("dead")])
-        return self._dead(blob)
+        return self._dead(*self._read(self._dead_keys))
 
     def exited_ranks(self) -> set[int]:
         (blob,) = self._read([self.key("exited")])
@@ -131,8 +138,8 @@ class CoordinationStore:
 
     def poll(self, iteration: int) -> tuple[list[InterruptionRecord], set[int]]:
         """Interruption records of ``iteration`` and the dead ranks, in one round trip."""
-        ints, dead = self._read([self.it_key(iteration, "int"), self.key("dead")])
-        return decode_records(ints), self._dead(dead)
+        ints, dead, lost = self._read([self.it_key(iteration, "int"), *self._dead_keys])
+        return decode_records(ints), self._dead(dead, lost)
 
     # heartbeats ---------------------------------------------------------------------
     def heartbeat(self, initial_rank: int) -> None:
@@ -161,14 +168,14 @@ class CoordinationStore:
         iteration: int | None,
     ) -> str:
         deadline = time.monotonic() + timeout
-        keys = [self.key(barrier), self.key("dead")]
+        keys = [self.key(barrier), *self._dead_keys]
         if iteration is not None:
             keys.append(self.it_key(iteration, "int"))
         while True:
             blobs = self._read(keys)
             arrived = _ints(blobs[0])
-            dead = self._dead(blobs[1])
-            records = decode_records(blobs[2]) if iteration is not None else []
+            dead = self._dead(blobs[1], blobs[2])
+            records = decode_records(blobs[3]) if iteration is not None else []
             verdict = check(arrived, dead, records)
             if verdict is not None:
                 return verdict

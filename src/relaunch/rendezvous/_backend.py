@@ -32,13 +32,13 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from relaunch.errors import StoreTimeoutError
 from relaunch.rendezvous._ops import needs_wake, place, remove_dead
 from relaunch.rendezvous._settings import RendezvousSettings
-from relaunch.rendezvous._state import RendezvousState, decode_state, encode_state
+from relaunch.rendezvous._state import RendezvousState, decode_state, encode_state, round_size
 from relaunch.store import BatchStore, LeaseStore, Store
 
 __all__ = ["REQUEST_VERSION", "JoinAck", "StateBackend", "key_prefix"]
@@ -146,7 +146,11 @@ class StateBackend:
         current, written = self.store.compare_set(self.state_key, old_raw, data)
         if written:
             if new.complete and not (old.complete and old.round == new.round):
-                self._publish_assignments(new)
+                self._publish_assignments(new, new.participants)
+            elif new.complete and new.participants.keys() - old.participants.keys():
+                # a vacancy filled: tell the node that took it
+                fresh = new.participants.keys() - old.participants.keys()
+                self._publish_assignments(new, fresh)
             if new.epoch != old.epoch:
                 self.store.set(self.epoch_key(new.epoch), b"1")
             return new, data, True
@@ -157,12 +161,13 @@ class StateBackend:
     def _assign_key(self, round_: int, node: str) -> str:
         return f"{self.prefix}assign/{round_}/{node}"
 
-    def _publish_assignments(self, state: RendezvousState) -> None:
-        """Tell each participant of a just-completed round its rank without a state read."""
-        world = len(state.participants)
+    def _publish_assignments(self, state: RendezvousState, nodes: Iterable[str]) -> None:
+        """Tell participants of a just-completed round (or a node that filled a vacancy)
+        their rank without a state read."""
+        world = round_size(state)
         items = {
-            self._assign_key(state.round, node): f"{rank} {world}".encode()
-            for node, rank in state.participants.items()
+            self._assign_key(state.round, node): f"{state.participants[node]} {world}".encode()
+            for node in nodes
         }
         self._multi_set(items)
 

@@ -13,6 +13,7 @@ import enum
 import math
 from collections.abc import Collection
 
+from relaunch.rendezvous._news import needs_wake, nodes_waiting
 from relaunch.rendezvous._settings import RendezvousSettings
 from relaunch.rendezvous._state import RendezvousState, node_sort_key
 
@@ -27,6 +28,7 @@ __all__ = [
     "decide_join",
     "decide_keep_alive",
     "decide_leave",
+    "incarnation_base",
     "needs_wake",
     "nodes_waiting",
     "place",
@@ -48,6 +50,8 @@ class Action(enum.Enum):
     REMOVE_FROM_PARTICIPANTS = "remove_from_participants"
     REMOVE_FROM_WAIT_LIST = "remove_from_wait_list"
     REMOVE_FROM_REDUNDANCY_LIST = "remove_from_redundancy_list"
+    FILL_VACANCY = "fill_vacancy"
+    MARK_INPROCESS = "mark_inprocess"
     LEAVE = "leave"
     MARK_COMPLETE = "mark_complete"
     MARK_CLOSED = "mark_closed"
@@ -64,6 +68,7 @@ JOIN_REQUEST_ACTIONS = frozenset(
         Action.ADD_TO_WAIT_LIST,
         Action.ADD_TO_REDUNDANCY_LIST,
         Action.REMOVE_FROM_REDUNDANCY_LIST,
+        Action.FILL_VACANCY,
     }
 )
 """Placements of a joining node; they go through the join queue, applied in batches."""
@@ -104,6 +109,10 @@ def decide_join(
         if node in state.redundancy_list:
             return Action.EXIT_GRACEFULLY
         return Action.ERROR_CLOSED
+    if state.complete and state.vacancies and node not in state.participants:
+        # A lost node's place in the running round: a spare, a waiting or a new node
+        # takes it, and the round's other nodes go on (tiered recovery).
+        return Action.FILL_VACANCY
     if node in state.redundancy_list:
         # A spare does not time out: it waits until a participant is lost.
         if len(state.participants) >= settings.max_nodes:
@@ -164,6 +173,9 @@ def _reopen(state: RendezvousState) -> None:
     """Start the next round; it expects every node still known to be alive."""
     state.expected = set(state.participants) | state.wait_list | state.redundancy_list
     state.participants = {}
+    state.inprocess = set()
+    state.vacancies = {}
+    state.incarnations = {}
     state.round += 1
     state.complete = False
     state.deadline = None
@@ -225,8 +237,20 @@ def apply(
         new.last_heartbeats.pop(node, None)
     elif action is Action.REMOVE_FROM_REDUNDANCY_LIST:
         new.redundancy_list.discard(node)
+    elif action is Action.FILL_VACANCY:
+        if new.complete and new.vacancies and node not in new.participants:
+            rank = min(new.vacancies)
+            new.incarnations[rank] = new.vacancies.pop(rank)
+            new.wait_list.discard(node)
+            new.redundancy_list.discard(node)
+            new.expected.discard(node)
+            new.participants[node] = rank
+            new.last_heartbeats[node] = now
+    elif action is Action.MARK_INPROCESS:
+        if node in new.participants:
+            new.inprocess.add(node)
     elif action is Action.LEAVE:
-        _forget(new, [node], settings, dead=False)
+        _forget(new, [node], settings, dead=False, now=now)
     elif action is Action.MARK_COMPLETE:
         if not new.complete and new.participants:
             _complete(new)
@@ -238,24 +262,59 @@ def apply(
     return new
 
 
+def incarnation_base(now: float) -> int:
+    """The incarnation a vacancy's workers start at: microseconds of the loss, above
+    every earlier incarnation of its ranks (those are earlier bases plus a few
+    replacements)."""
+    return int(now * 1_000_000)
+
+
+def _keeps_round(state: RendezvousState, lost: dict[str, int]) -> bool:
+    """Whether a complete round goes on without its ``lost`` participants: every node
+    of it restarts in-process, someone is left, and the rank-0 node (which hosts the
+    workers' store) is not among the lost."""
+    return (
+        state.complete
+        and bool(state.participants)
+        and set(lost) <= state.inprocess
+        and set(state.participants) <= state.inprocess
+        and 0 not in lost.values()
+    )
+
+
 def _forget(
-    state: RendezvousState, nodes: list[str], settings: RendezvousSettings, *, dead: bool
+    state: RendezvousState,
+    nodes: list[str],
+    settings: RendezvousSettings,
+    *,
+    dead: bool,
+    now: float,
 ) -> None:
     """Remove ``nodes`` everywhere.
 
     A complete round that lost a participant to death is reopened at once, so the
-    survivors restart. One that a participant left (shutdown, e.g. after success)
-    stays complete for the others until the last one leaves.
+    survivors restart, unless its nodes' workers restart in-process: then the lost
+    node's rank is left vacant for a spare or a new node, and no survivor restarts.
+    One that a participant left (shutdown, e.g. after success) stays complete for the
+    others until the last one leaves.
     """
-    lost_participant = False
+    lost: dict[str, int] = {}
     for node in nodes:
-        lost_participant |= state.participants.pop(node, None) is not None
+        rank = state.participants.pop(node, None)
+        if rank is not None:
+            lost[node] = rank
         state.wait_list.discard(node)
         state.redundancy_list.discard(node)
         state.expected.discard(node)
         state.last_heartbeats.pop(node, None)
-    if lost_participant:
-        if state.complete and (dead or not state.participants):
+    if lost:
+        if dead and _keeps_round(state, lost):
+            base = max([incarnation_base(now), *state.vacancies.values(),
+                        *state.incarnations.values()]) + 1_000  # fmt: skip
+            for rank in sorted(lost.values()):
+                state.vacancies[rank] = base
+            state.inprocess -= set(lost)
+        elif state.complete and (dead or not state.participants):
             _reopen(state)
         elif not state.complete:
             _after_removal(state, settings)
@@ -281,7 +340,7 @@ def remove_dead(
     if not dead:
         return state, dead
     new = state.copy()
-    _forget(new, dead, settings, dead=True)
+    _forget(new, dead, settings, dead=True, now=now)
     _maybe_complete(new, now, settings)
     return new, dead
 
@@ -306,41 +365,3 @@ def record_failure(state: RendezvousState, failed_round: int) -> RendezvousState
     new.failed_round = failed_round
     new.restarts += 1
     return new
-
-
-def needs_wake(old: RendezvousState, new: RendezvousState) -> bool:
-    """Whether the change from ``old`` to ``new`` matters to nodes waiting for a change."""
-    if (
-        old.round,
-        old.complete,
-        old.closed,
-        old.deadline,
-        old.wait_list,
-        old.redundancy_list,
-        old.expected,
-        old.restarts,
-    ) != (
-        new.round,
-        new.complete,
-        new.closed,
-        new.deadline,
-        new.wait_list,
-        new.redundancy_list,
-        new.expected,
-        new.restarts,
-    ):
-        return True
-    return any(n not in new.participants for n in old.participants)
-
-
-def nodes_waiting(state: RendezvousState, my_round: int | None) -> int:
-    """How many nodes wait for a new round, as the agent of a node in ``my_round`` sees it.
-
-    More than zero also when a new round has started without this node (a loss
-    or another node's restart): the agent must restart and call next_rendezvous.
-    """
-    if state.closed:
-        return 0
-    if my_round is not None and (state.round != my_round or not state.complete):
-        return max(1, len(state.participants) + len(state.wait_list))
-    return len(state.wait_list)

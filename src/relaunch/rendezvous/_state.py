@@ -26,6 +26,7 @@ __all__ = [
     "encode_state",
     "new_node_id",
     "node_sort_key",
+    "round_size",
 ]
 
 STATE_VERSION = 1
@@ -84,6 +85,16 @@ class RendezvousState:
     """Failure restarts spent by the job (counted once per failed round)."""
     failed_round: int = -1
     """The last round for which a failure restart was counted."""
+    inprocess: set[str] = field(default_factory=set)
+    """Participants whose workers restart in-process (``relaunch.inprocess``) and may
+    be replaced by rank: while every participant is one, a lost node leaves a vacancy
+    in the running round instead of reopening it (tiered recovery)."""
+    vacancies: dict[int, int] = field(default_factory=dict)
+    """Group rank of a lost node of the complete round -> the incarnation its
+    replacement's workers start at (unique, increasing); a spare or a new node fills
+    it, and the other nodes' workers go on in their processes."""
+    incarnations: dict[int, int] = field(default_factory=dict)
+    """Group rank -> the incarnation its workers started at in this round (absent: 0)."""
 
     def copy(self) -> RendezvousState:
         return RendezvousState(
@@ -102,6 +113,9 @@ class RendezvousState:
             applied=self.applied,
             restarts=self.restarts,
             failed_round=self.failed_round,
+            inprocess=set(self.inprocess),
+            vacancies=dict(self.vacancies),
+            incarnations=dict(self.incarnations),
         )
 
     def knows(self, node: str) -> bool:
@@ -112,6 +126,11 @@ class RendezvousState:
             or node in self.redundancy_list
             or node in self.last_heartbeats
         )
+
+
+def round_size(state: RendezvousState) -> int:
+    """Nodes of the round: its participants and its vacancies (``GROUP_WORLD_SIZE``)."""
+    return len(state.participants) + len(state.vacancies)
 
 
 def encode_state(state: RendezvousState) -> bytes:
@@ -135,6 +154,10 @@ def encode_state(state: RendezvousState) -> bytes:
         "restarts": state.restarts,
         "failed_round": state.failed_round,
     }
+    if state.inprocess or state.vacancies or state.incarnations:
+        doc["inprocess"] = sorted(state.inprocess)
+        doc["vacancies"] = {str(r): i for r, i in sorted(state.vacancies.items())}
+        doc["incarnations"] = {str(r): i for r, i in sorted(state.incarnations.items())}
     return json.dumps(doc, separators=(",", ":")).encode()
 
 
@@ -176,10 +199,22 @@ def _mapping(doc: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> d
 _FIELDS = frozenset(
     {"version", "run_id", "seq", "epoch", "round", "complete", "closed", "deadline",
      "participants", "wait_list", "redundancy_list", "expected", "last_heartbeats_ms",
-     "applied", "restarts", "failed_round"}
+     "applied", "restarts", "failed_round", "inprocess", "vacancies", "incarnations"}
 )  # fmt: skip
 CLOCK_SKEW = 300.0
 """Seconds a heartbeat may lie in the future (clocks of hosts differ); beyond: corrupt."""
+
+
+def _by_rank(doc: dict[str, Any], name: str) -> dict[int, int]:
+    """An optional object of group rank -> incarnation (both integers >= 0)."""
+    if name not in doc:
+        return {}
+    out: dict[int, int] = {}
+    for key, value in _mapping(doc, name, int).items():
+        if not key.isdigit() or int(key) >= 2**31 or value < 0 or value >= 2**53:
+            raise _Bad(f"field {name!r} maps {key[:20]!r} to {value!r}, not a rank to a count")
+        out[int(key)] = value
+    return out
 
 
 def _check_sense(state: RendezvousState, now: float | None, max_nodes: int | None) -> None:
@@ -204,6 +239,12 @@ def _check_sense(state: RendezvousState, now: float | None, max_nodes: int | Non
             )
     if state.deadline is not None and not math.isfinite(state.deadline):
         raise _Bad("field 'deadline' is not finite")
+    if state.vacancies:
+        if not state.complete:
+            raise _Bad("field 'vacancies' is set in a round that is not complete")
+        taken = set(state.participants.values()) & set(state.vacancies)
+        if taken:
+            raise _Bad(f"field 'vacancies' holds rank(s) {sorted(taken)} that a node has")
 
 
 def decode_state(
@@ -263,6 +304,9 @@ def decode_state(
             applied=_int(doc, "applied"),
             restarts=_int(doc, "restarts"),
             failed_round=_int(doc, "failed_round"),
+            inprocess=_nodes(doc, "inprocess") if "inprocess" in doc else set(),
+            vacancies=_by_rank(doc, "vacancies"),
+            incarnations=_by_rank(doc, "incarnations"),
         )
         _check_sense(state, now, max_nodes)
         return state

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -50,6 +50,10 @@ class RendezvousInfo:
     peers: frozenset[str] | None = None
     """With a per-job secret: the IP addresses of the round's nodes (the workers' store
     admits connections from these and loopback only); None: no such restriction."""
+    incarnation: int = 0
+    """The incarnation this node's workers start at: 0, or, for a node that took the
+    place of a lost one in a running round (tiered recovery), a number above every
+    earlier incarnation of those ranks (``RELAUNCH_INPROCESS_INCARNATION``)."""
 
 
 class RendezvousHandler(Protocol):
@@ -59,12 +63,14 @@ class RendezvousHandler(Protocol):
         """The backend name: ``"static"``, ``"c10d"`` or ``"etcd"``."""
         ...
 
-    def next_rendezvous(self) -> RendezvousInfo:
+    def next_rendezvous(self, while_waiting: Callable[[], None] | None = None) -> RendezvousInfo:
         """Join the next round and block until it is complete.
 
         Raises RendezvousClosedError when the job is over, RendezvousTimeoutError
         past the join timeout, RendezvousGracefulExitError for a spare that is
-        not needed, RendezvousStateError on a corrupt state.
+        not needed, RendezvousStateError on a corrupt state. ``while_waiting`` is
+        called in the caller's thread every few seconds while the node waits (a
+        spare may get ready meanwhile); it must not block.
         """
         ...
 
@@ -84,6 +90,30 @@ class RendezvousHandler(Protocol):
         call :meth:`next_rendezvous` (which then raises RendezvousClosedError).
         The agent calls it every monitor interval: keep it to one cheap read.
         """
+        ...
+
+    def vacancies(self) -> dict[int, int]:
+        """Group ranks of this node's round that lost nodes left (tiered recovery: the
+        round goes on), each with the incarnation its replacement starts at. Empty for
+        backends without dynamic membership. Called with :meth:`num_nodes_waiting`:
+        keep it to the same cheap read."""
+        ...
+
+    def mark_inprocess(self) -> None:
+        """Say that this node's workers restart in-process, so that losing a node of
+        the round leaves a vacancy instead of restarting every node (a no-op for
+        backends without dynamic membership)."""
+        ...
+
+    def publish_worker_modules(self, modules: bytes) -> None:
+        """Publish what this node's workers import (versioned JSON made by the agent),
+        for the fork server of a node that has no workers yet (a no-op without a
+        shared store). Raises StoreError."""
+        ...
+
+    def worker_modules(self) -> bytes | None:
+        """What another node published with :meth:`publish_worker_modules`, unchecked
+        (None: nothing yet, or no shared store). Raises StoreError."""
         ...
 
     def record_failure(self, failed_round: int) -> int:

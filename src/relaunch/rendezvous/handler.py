@@ -12,7 +12,6 @@ from typing import Protocol
 from relaunch.errors import (
     RelaunchError,
     RendezvousClosedError,
-    RendezvousError,
     RendezvousGracefulExitError,
     RendezvousStateError,
     RendezvousTimeoutError,
@@ -20,21 +19,25 @@ from relaunch.errors import (
 )
 from relaunch.rendezvous._backend import StateBackend
 from relaunch.rendezvous._corrupt import CorruptWatch
+from relaunch.rendezvous._keepalive import KeepAlive
 from relaunch.rendezvous._ops import (
     JOIN_REQUEST_ACTIONS,
     Action,
     apply,
-    decide_close,
     decide_exit,
     decide_join,
-    decide_keep_alive,
-    decide_leave,
     nodes_waiting,
-    record_failure,
 )
 from relaunch.rendezvous._program import claim_program, log_refused
 from relaunch.rendezvous._settings import RendezvousSettings
-from relaunch.rendezvous._state import RendezvousState, new_node_id, node_sort_key
+from relaunch.rendezvous._state import RendezvousState, new_node_id, node_sort_key, round_size
+from relaunch.rendezvous._writes import (
+    close,
+    count_failure,
+    leave,
+    mark_inprocess,
+    wait_for_others,
+)
 from relaunch.rendezvous.api import RendezvousInfo
 from relaunch.store import Store
 from relaunch.store.prefix import PrefixStore
@@ -84,14 +87,20 @@ class DynamicRendezvousHandler:
         self._ka_rdzv = StateBackend(keep_alive_store or store, settings, clock=clock)
         self._round: int | None = None
         self._cached: RendezvousState | None = None
-        self._stop = threading.Event()
         self._interrupted = threading.Event()
-        self._thread: threading.Thread | None = None
         self._shut = False
         self._joined = False
         self._program: str | None = None
         self._refused_seen = 0
         self._corrupt = CorruptWatch(settings.run_id, settings.dead_after)
+        self._keep_alive = KeepAlive(
+            node=self._node,
+            backend=self._ka_rdzv,
+            settings=settings,
+            corrupt=self._corrupt,
+            clock=clock,
+            after_beat=self._log_refused,
+        )
 
     # -- small accessors ----------------------------------------------------------
 
@@ -112,7 +121,7 @@ class DynamicRendezvousHandler:
 
     # -- the rendezvous -----------------------------------------------------------
 
-    def next_rendezvous(self) -> RendezvousInfo:
+    def next_rendezvous(self, while_waiting: Callable[[], None] | None = None) -> RendezvousInfo:
         """Leave the current round, join the next one and wait until it is complete.
 
         Raises RendezvousClosedError, RendezvousTimeoutError (past ``join_timeout``),
@@ -126,7 +135,7 @@ class DynamicRendezvousHandler:
         if not self._joined:
             self._check_program()
         self._rdzv.announce(self._node)
-        self._start_keep_alive()
+        self._keep_alive.start()
         state: RendezvousState | None = None
         raw: bytes | None = None
         if self._joined:
@@ -157,7 +166,7 @@ class DynamicRendezvousHandler:
             if action is Action.FINISH:
                 assert state is not None
                 rank = state.participants[self._node]
-                return self._info(state.round, rank, len(state.participants))
+                return self._info(state.round, rank, round_size(state))
             if action is Action.ERROR_CLOSED:
                 raise RendezvousClosedError(f"the rendezvous {settings.run_id!r} is closed")
             if action is Action.EXIT_GRACEFULLY:
@@ -183,6 +192,8 @@ class DynamicRendezvousHandler:
                 state, raw = self._rdzv.load()
             elif action is Action.SYNC:
                 assert state is not None
+                if while_waiting is not None:
+                    while_waiting()
                 self._rdzv.wait_change(state, self._sync_timeout(state, now, deadline))
                 if self._node in state.participants:
                     got = self._rdzv.assignment(state.round, self._node)
@@ -222,6 +233,8 @@ class DynamicRendezvousHandler:
     def _info(self, round_: int, rank: int, world_size: int) -> RendezvousInfo:
         self._round = round_
         self._cached = None
+        state = self._rdzv.load()[0]
+        incarnation = state.incarnations.get(rank, 0) if state.round == round_ else 0
         logger.info(
             "rendezvous %s round %d complete: node %s has rank %d of %d",
             self._settings.run_id,
@@ -235,12 +248,13 @@ class DynamicRendezvousHandler:
             rank=rank,
             world_size=world_size,
             round=round_,
-            peers=self._peers() if isinstance(self._store, SignedStore) else None,
+            peers=self._peers(state) if isinstance(self._store, SignedStore) else None,
+            incarnation=incarnation,
         )
 
-    def _peers(self) -> frozenset[str] | None:
+    def _peers(self, state: RendezvousState) -> frozenset[str] | None:
         """The round's nodes' addresses, if each is an IP literal (no DNS lookups)."""
-        addrs = {node_sort_key(n)[0] for n in self._rdzv.load()[0].participants}
+        addrs = {node_sort_key(n)[0] for n in state.participants}
         try:
             return frozenset(str(ipaddress.ip_address(a)) for a in addrs)
         except ValueError:
@@ -299,18 +313,22 @@ class DynamicRendezvousHandler:
         """
         return nodes_waiting(self._fresh_state(), self._round)
 
+    def vacancies(self) -> dict[int, int]:
+        """Group ranks of this node's round left by lost nodes (tiered recovery), each
+        with the incarnation its replacement starts at; empty in another round."""
+        state = self._fresh_state()
+        if self._round is None or state.round != self._round or not state.complete:
+            return {}
+        return dict(state.vacancies)
+
+    def mark_inprocess(self) -> None:
+        """This node's workers restart in-process: when it is lost, its rank may be
+        filled without restarting the others (while every node of the round says so)."""
+        mark_inprocess(self._rdzv, self._node, self._round, self._settings, self._clock)
+
     def set_closed(self) -> None:
         """Close the rendezvous for good: every node's next_rendezvous raises closed."""
-        deadline = self._clock() + self._settings.close_timeout
-        state, raw = self._rdzv.load()
-        while True:
-            action = decide_close(state, self._clock(), deadline)
-            if action is Action.FINISH:
-                return
-            if action is Action.ERROR_TIMEOUT:
-                raise RendezvousTimeoutError(f"could not close {self._settings.run_id!r} in time")
-            new = apply(action, state, self._node, self._clock(), self._settings)
-            state, raw, _ = self._rdzv.commit(state, raw, new)
+        close(self._rdzv, self._node, self._settings, self._clock)
 
     # -- job-level restart accounting ----------------------------------------------
 
@@ -320,14 +338,15 @@ class DynamicRendezvousHandler:
         Every agent that sees a worker failure in round ``r`` calls this with ``r``;
         the restart is counted once per round, however many nodes report it.
         """
-        state, raw = self._rdzv.load()
-        while True:
-            new = record_failure(state, failed_round)
-            if new is state:
-                return state.restarts
-            state, raw, written = self._rdzv.commit(state, raw, new)
-            if written:
-                return state.restarts
+        return count_failure(self._rdzv, failed_round)
+
+    def publish_worker_modules(self, modules: bytes) -> None:
+        """Say what this node's workers import (a spare's fork server preloads it)."""
+        self._store.set(f"{self._rdzv.prefix}worker_modules", modules)
+
+    def worker_modules(self) -> bytes | None:
+        """What a node's workers import, as published (unchecked bytes), or None."""
+        return self._store.get(f"{self._rdzv.prefix}worker_modules")
 
     def publish_status(self, report: bytes) -> None:
         """Write this node's status report (``relaunch status`` reads it)."""
@@ -339,55 +358,8 @@ class DynamicRendezvousHandler:
 
     # -- keep-alive -----------------------------------------------------------------
 
-    def _start_keep_alive(self) -> None:
-        if self._thread is not None:
-            return
-        self._thread = threading.Thread(
-            target=self._keep_alive_loop,
-            name=f"relaunch-rdzv-keepalive-{self._node}",
-            daemon=True,
-        )
-        self._thread.start()
-
-    def _keep_alive_loop(self) -> None:
-        while not self._stop.wait(self._settings.keep_alive_interval):
-            try:
-                self._keep_alive_once()
-                self._log_refused()
-            except RendezvousStateError as exc:
-                self._corrupt.seen(exc)  # logged once per content, not once per beat
-            except RelaunchError as exc:
-                logger.warning("rendezvous keep-alive of %s failed: %s", self._node, exc)
-
-    def _keep_alive_once(self) -> None:
-        """Write our heartbeat when due and remove dead nodes (one read, at most one CAS)."""
-        rdzv = self._ka_rdzv
-        deadline = self._clock() + self._settings.heartbeat_timeout
-        state, raw = rdzv.load()
-        self._corrupt.ok()
-        while not self._stop.is_set():
-            now = self._clock()
-            new, dead = rdzv.remove_dead(state, now)
-            action = decide_keep_alive(new, self._node, now, self._settings, deadline)
-            if action is Action.ERROR_TIMEOUT:
-                raise RendezvousTimeoutError(f"heartbeat of {self._node} not written in time")
-            if action is Action.KEEP_ALIVE:
-                new = apply(action, new, self._node, now, self._settings)
-            if new is state:
-                return
-            state, raw, written = rdzv.commit(state, raw, new)
-            if written:
-                if dead:
-                    logger.info("rendezvous %s: removed dead nodes %s", state.run_id, dead)
-                return
-
     def _stop_keep_alive(self) -> None:
-        self._stop.set()
-        thread, self._thread = self._thread, None
-        if thread is not None:
-            thread.join(timeout=self._settings.heartbeat_timeout + 1.0)
-            if thread.is_alive():
-                logger.warning("keep-alive thread %s did not stop", thread.name)
+        self._keep_alive.stop()
 
     # -- leaving ----------------------------------------------------------------------
 
@@ -404,9 +376,9 @@ class DynamicRendezvousHandler:
         self._stop_keep_alive()
         ok = True
         try:
-            self._leave()
+            leave(self._rdzv, self._node, self._settings, self._clock)
             if self._server is not None:
-                self._wait_for_others()
+                wait_for_others(self._rdzv, self._node, self._settings, self._clock)
         except RelaunchError as exc:
             logger.warning("node %s could not leave the rendezvous cleanly: %s", self._node, exc)
             ok = False
@@ -419,39 +391,3 @@ class DynamicRendezvousHandler:
                     except RelaunchError as exc:
                         logger.warning("closing %r failed: %s", closeable, exc)
         return ok
-
-    def _leave(self) -> None:
-        deadline = self._clock() + self._settings.close_timeout
-        state, raw = self._rdzv.load()
-        while True:
-            action = decide_leave(state, self._node, self._clock(), deadline)
-            if action is Action.FINISH:
-                return
-            if action is Action.ERROR_TIMEOUT:
-                raise RendezvousTimeoutError(f"node {self._node} could not leave in time")
-            new = apply(action, state, self._node, self._clock(), self._settings)
-            state, raw, _ = self._rdzv.commit(state, raw, new)
-
-    def _wait_for_others(self) -> None:
-        deadline = self._clock() + self._settings.close_timeout
-        state, raw = self._rdzv.load()
-        while True:
-            now = self._clock()
-            new, dead = self._rdzv.remove_dead(state, now)
-            if dead:
-                state, raw, _ = self._rdzv.commit(state, raw, new)
-                continue
-            others = set(state.last_heartbeats) | set(state.participants) | state.wait_list
-            others.discard(self._node)
-            if not others:
-                # The last node to leave wrote the state, then sets ``epoch/<n>`` to
-                # wake waiters: let that write land before the server goes away.
-                if state.epoch > 0:
-                    self._rdzv.wait_epoch(state.epoch - 1, max(deadline - now, 0.0))
-                return
-            if now >= deadline:
-                raise RendezvousError(
-                    f"nodes {sorted(others)} still use the store this node hosts; closing it"
-                )
-            self._rdzv.wait_change(state, min(self._settings.keep_alive_interval, deadline - now))
-            state, raw = self._rdzv.load()

@@ -13,6 +13,7 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Callable
 
 from relaunch._endpoint import split_endpoint
 from relaunch.errors import (
@@ -46,7 +47,7 @@ class StandaloneRendezvousHandler:
     def get_backend(self) -> str:
         return "standalone"
 
-    def next_rendezvous(self) -> RendezvousInfo:
+    def next_rendezvous(self, while_waiting: Callable[[], None] | None = None) -> RendezvousInfo:
         if self._closed:
             raise RendezvousClosedError(f"rendezvous {self._run_id!r} is closed")
         info = RendezvousInfo(
@@ -66,6 +67,18 @@ class StandaloneRendezvousHandler:
 
     def num_nodes_waiting(self) -> int:
         return 1 if self._closed else 0
+
+    def vacancies(self) -> dict[int, int]:
+        return {}  # a fixed membership: no node takes a lost one's place
+
+    def mark_inprocess(self) -> None:
+        return None
+
+    def publish_worker_modules(self, modules: bytes) -> None:
+        return None
+
+    def worker_modules(self) -> bytes | None:
+        return None
 
     def interrupt(self) -> None:
         self._closed = True
@@ -122,7 +135,7 @@ class StaticRendezvousHandler:
     def get_backend(self) -> str:
         return "static"
 
-    def next_rendezvous(self) -> RendezvousInfo:
+    def next_rendezvous(self, while_waiting: Callable[[], None] | None = None) -> RendezvousInfo:
         if self.is_closed():
             raise RendezvousClosedError(f"rendezvous {self._run_id!r} is closed")
         rnd = self._round
@@ -155,6 +168,18 @@ class StaticRendezvousHandler:
 
     def set_closed(self) -> None:
         self._client.set(_CLOSED_KEY, b"1")
+
+    def vacancies(self) -> dict[int, int]:
+        return {}  # a fixed membership: no node takes a lost one's place
+
+    def mark_inprocess(self) -> None:
+        return None
+
+    def publish_worker_modules(self, modules: bytes) -> None:
+        return None
+
+    def worker_modules(self) -> bytes | None:
+        return None
 
     def num_nodes_waiting(self) -> int:
         if self.is_closed():

@@ -147,6 +147,11 @@ class StatusBoard:
         world = int(md.get("world_size", 0))
         before, self._world = self._world, world
         self._update(round=md.get("round"))
+        if "replaces" in md:
+            return (
+                f"round {md.get('round')}: this node takes the place of lost group rank "
+                f"{md.get('replaces')}; its workers join the running ones in-process (tier: node)"
+            )
         if before is None:
             joins = " (joining a running job)" if int(md.get("round") or 0) > 0 else ""
             return (
@@ -239,10 +244,28 @@ class StatusBoard:
     def _on_worker_respawned(self, md: Mapping[str, Any], ev: Event) -> str:
         self._recovered(ev.timestamp)
         how = "forked" if md.get("forked") else "started"
+        nth = md.get("replacement", md.get("incarnation"))
         return (
             f"local rank {md.get('local_rank')} replaced in place: pid {md.get('pid')} {how} "
-            f"in {float(md.get('seconds') or 0):.2f} s (replacement {md.get('incarnation')}); "
+            f"in {float(md.get('seconds') or 0):.2f} s (replacement {nth}); "
             "healthy processes kept running (tier: process)"
+        )
+
+    def _on_node_lost(self, md: Mapping[str, Any], ev: Event) -> str:
+        self._count("faults", "node")
+        self._fault(ev.timestamp, "node")
+        first, last = [*list(md.get("ranks") or []), -1, -1][:2]
+        return (
+            f"node of group rank {md.get('group_rank')} lost (ranks {first}-{last}): this "
+            "node's workers go on without them in their processes; a spare or a new node "
+            "takes its place (tier: node)"
+        )
+
+    def _on_node_replaced(self, md: Mapping[str, Any], ev: Event) -> str:
+        self._recovered(ev.timestamp)
+        return (
+            f"a new node took group rank {md.get('group_rank')}; its workers join the "
+            "running ones in-process (tier: node)"
         )
 
     def _on_run_failed(self, md: Mapping[str, Any], ev: Event) -> str:

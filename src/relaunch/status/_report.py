@@ -36,11 +36,13 @@ MAX_REPORT_BYTES = 64 * 1024
 TIMELINE_LENGTH = 40
 RECOVERY_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 """Upper bounds (seconds) of the recovery-time histogram; a last bucket is +Inf."""
-FAULT_KINDS = ("exit", "signal", "hang", "lost")
-"""A worker that exited non-zero, was killed by a signal, hung, or died in-process."""
-TIERS = ("process", "group", "membership")
-"""How the agent recovered: replaced one process (peers kept running), restarted the
-node's workers after a failure, or restarted them for a membership change."""
+FAULT_KINDS = ("exit", "signal", "hang", "lost", "node")
+"""A worker that exited non-zero, was killed by a signal, hung, or died in-process; a
+node of the round lost while this node's in-process workers went on."""
+TIERS = ("process", "node", "group", "membership")
+"""How the agent recovered: replaced one process (peers kept running), took a lost
+node's ranks back in (a spare or a new node; peers kept running), restarted the node's
+workers after a failure, or restarted them for a membership change."""
 _TEXT = 300  # characters kept of a free-text field
 
 

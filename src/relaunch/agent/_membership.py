@@ -1,0 +1,121 @@
+"""This node's part in replacing a lost node without restarting the others (tiered
+recovery, node tier).
+
+While every node of a complete round runs in-process workers (each agent says so with
+``mark_inprocess`` once its workers announced it), the rendezvous leaves a lost node's
+group rank vacant instead of starting a new round. Every surviving agent then records
+the deaths of that node's ranks in its workers' store (``<job>/lost``, read by
+``relaunch.inprocess`` with its own death records), so the in-process ranks go on
+without them at once, and a spare or a new node takes the rank: its agent starts the
+ranks' workers at the vacancy's incarnation, and they join the running iteration as
+replacements do (``inprocess/_rejoin.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from relaunch.agent._spec import WorkerGroup
+from relaunch.errors import RelaunchError
+from relaunch.rendezvous import RendezvousHandler
+from relaunch.store.tcp import TCPStoreClient
+
+__all__ = ["Membership", "declare_lost", "lost_key"]
+
+log = logging.getLogger(__name__)
+
+
+def lost_key(run_id: str, restart_count: int) -> str:
+    """The workers' store key of the ranks lost with their node, for every wrapped call
+    of this attempt (``relaunch.inprocess`` derives the same from its namespace)."""
+    return f"/relaunch/inprocess/{run_id}/{restart_count}/lost"
+
+
+def declare_lost(
+    addr: str, port: int, key: str, ranks: range, incarnation: int, message: str
+) -> None:
+    """Append a death record of each of ``ranks`` (every incarnation up to
+    ``incarnation``) to ``key`` in the workers' store. Raises StoreError."""
+    from relaunch.inprocess.attribution import Interruption, InterruptionRecord
+
+    blob = "".join(
+        InterruptionRecord(
+            initial_rank=rank,
+            interruption=Interruption.TERMINATED,
+            message=message,
+            incarnation=incarnation,
+        ).encode()
+        for rank in ranks
+    )
+    client = TCPStoreClient(addr, port, timeout=5.0)
+    try:
+        client.append(key, blob.encode())
+    finally:
+        client.close()
+
+
+class Membership:
+    """What this node did about the current round's vacancies; reset at each round."""
+
+    def __init__(self, handler: RendezvousHandler, emit: Callable[..., None], run_id: str) -> None:
+        self._handler = handler
+        self._emit = emit
+        self._run_id = run_id
+        self.declared: frozenset[tuple[int, int]] = frozenset()
+        self.marked = False
+        self._seen: dict[int, int] = {}
+
+    def new_round(self) -> None:
+        self.declared, self.marked, self._seen = frozenset(), False, {}
+
+    def observation(self, *, ask: bool) -> dict[str, Any]:
+        """The Observation's membership fields (``ask``: read the rendezvous)."""
+        return {
+            "vacancies": self.vacancies() if ask else {},
+            "declared": self.declared,
+            "marked_inprocess": self.marked,
+        }
+
+    def vacancies(self) -> dict[int, int]:
+        """The round's vacancies (one cheap read); says when one was filled."""
+        now = self._handler.vacancies()
+        for group_rank, incarnation in list(self._seen.items()):
+            if now.get(group_rank) != incarnation:
+                del self._seen[group_rank]
+                self._emit("node_replaced", group_rank=group_rank)
+        return now
+
+    def mark(self) -> None:
+        self._handler.mark_inprocess()
+        self.marked = True
+
+    def lost(
+        self,
+        vacancies: Mapping[int, int],
+        group: WorkerGroup,
+        restart_count: int,
+        *,
+        taking_over: bool = False,
+    ) -> None:
+        """Record the deaths of the vacancies' ranks in ``group``'s workers' store
+        (``taking_over``: this node fills the vacancy, before it starts the ranks' new
+        workers)."""
+        assert group.master_addr is not None and group.master_port is not None
+        store = (group.master_addr, group.master_port)
+        nproc = len(group.workers)
+        key = lost_key(self._run_id, restart_count)
+        for group_rank, incarnation in sorted(vacancies.items()):
+            ranks = range(group_rank * nproc, (group_rank + 1) * nproc)
+            message = f"node of group rank {group_rank} lost (its agent left the rendezvous)"
+            try:
+                declare_lost(*store, key, ranks, incarnation - 1, message)
+            except RelaunchError as exc:
+                # The workers find out by their own heartbeats, later.
+                log.warning("could not record the ranks of the lost node: %s", exc)
+            self.declared |= {(group_rank, incarnation)}
+            if taking_over:
+                continue
+            self._seen[group_rank] = incarnation
+            self._emit("node_lost", group_rank=group_rank, ranks=[ranks.start, ranks.stop - 1])

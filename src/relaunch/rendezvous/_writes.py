@@ -1,0 +1,105 @@
+"""The handler's one-shot writes to the shared state, each a compare-and-set loop:
+close, count a failure, mark a node in-process, leave, and (for the node hosting the
+store) wait until every other node is gone."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from relaunch.errors import RendezvousError, RendezvousTimeoutError
+from relaunch.rendezvous._backend import StateBackend
+from relaunch.rendezvous._ops import Action, apply, decide_close, decide_leave, record_failure
+from relaunch.rendezvous._settings import RendezvousSettings
+
+__all__ = ["close", "count_failure", "leave", "mark_inprocess", "wait_for_others"]
+
+
+def close(
+    rdzv: StateBackend, node: str, settings: RendezvousSettings, clock: Callable[[], float]
+) -> None:
+    """Close the rendezvous for good: every node's next_rendezvous raises closed."""
+    deadline = clock() + settings.close_timeout
+    state, raw = rdzv.load()
+    while True:
+        action = decide_close(state, clock(), deadline)
+        if action is Action.FINISH:
+            return
+        if action is Action.ERROR_TIMEOUT:
+            raise RendezvousTimeoutError(f"could not close {settings.run_id!r} in time")
+        new = apply(action, state, node, clock(), settings)
+        state, raw, _ = rdzv.commit(state, raw, new)
+
+
+def count_failure(rdzv: StateBackend, failed_round: int) -> int:
+    """Count a failure restart of the job for ``failed_round`` (once however many nodes
+    report it); return the job's total."""
+    state, raw = rdzv.load()
+    while True:
+        new = record_failure(state, failed_round)
+        if new is state:
+            return state.restarts
+        state, raw, written = rdzv.commit(state, raw, new)
+        if written:
+            return state.restarts
+
+
+def mark_inprocess(
+    rdzv: StateBackend,
+    node: str,
+    round_: int | None,
+    settings: RendezvousSettings,
+    clock: Callable[[], float],
+) -> None:
+    """Record that ``node``'s workers restart in-process, while it is a participant of
+    round ``round_``."""
+    state, raw = rdzv.load()
+    while node in state.participants and node not in state.inprocess:
+        if round_ is not None and state.round != round_:
+            return
+        new = apply(Action.MARK_INPROCESS, state, node, clock(), settings)
+        state, raw, _ = rdzv.commit(state, raw, new)
+
+
+def leave(
+    rdzv: StateBackend, node: str, settings: RendezvousSettings, clock: Callable[[], float]
+) -> None:
+    """Drop every trace of ``node`` from the state (within ``close_timeout``)."""
+    deadline = clock() + settings.close_timeout
+    state, raw = rdzv.load()
+    while True:
+        action = decide_leave(state, node, clock(), deadline)
+        if action is Action.FINISH:
+            return
+        if action is Action.ERROR_TIMEOUT:
+            raise RendezvousTimeoutError(f"node {node} could not leave in time")
+        new = apply(action, state, node, clock(), settings)
+        state, raw, _ = rdzv.commit(state, raw, new)
+
+
+def wait_for_others(
+    rdzv: StateBackend, node: str, settings: RendezvousSettings, clock: Callable[[], float]
+) -> None:
+    """Wait (up to ``close_timeout``) until every other node left or died: the node
+    hosting the store closes it afterwards, and no node restarting is stranded."""
+    deadline = clock() + settings.close_timeout
+    state, raw = rdzv.load()
+    while True:
+        now = clock()
+        new, dead = rdzv.remove_dead(state, now)
+        if dead:
+            state, raw, _ = rdzv.commit(state, raw, new)
+            continue
+        others = set(state.last_heartbeats) | set(state.participants) | state.wait_list
+        others.discard(node)
+        if not others:
+            # The last node to leave wrote the state, then sets ``epoch/<n>`` to
+            # wake waiters: let that write land before the server goes away.
+            if state.epoch > 0:
+                rdzv.wait_epoch(state.epoch - 1, max(deadline - now, 0.0))
+            return
+        if now >= deadline:
+            raise RendezvousError(
+                f"nodes {sorted(others)} still use the store this node hosts; closing it"
+            )
+        rdzv.wait_change(state, min(settings.keep_alive_interval, deadline - now))
+        state, raw = rdzv.load()
