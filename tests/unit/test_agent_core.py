@@ -16,7 +16,9 @@ from relaunch.agent._core import (
     ExitBarrier,
     GiveUp,
     Hang,
+    MarkInprocess,
     Monitor,
+    NodeLost,
     Observation,
     Policy,
     RankView,
@@ -272,3 +274,35 @@ def test_no_replacements_without_a_restart_budget() -> None:
         running(2, inprocess=True), RankView(local_rank=0, exitcode=-9, inprocess=True)
     )
     assert decide(obs(ranks), POLICY) == DropRanks((0,), respawn=())
+
+
+# -- the node tier -----------------------------------------------------------------------
+INPROC = Policy(max_restarts=3, max_respawns=3)
+
+
+def test_in_process_workers_are_announced_to_the_rendezvous_once() -> None:
+    assert decide(obs(running(2, inprocess=True)), INPROC) == MarkInprocess()
+    marked = obs(running(2, inprocess=True), marked_inprocess=True)
+    assert decide(marked, INPROC) == Monitor()
+    # not while one worker is not (yet) in-process, nor without replacements allowed
+    mixed = with_rank(running(2, inprocess=True), RankView(local_rank=1, exitcode=None))
+    assert decide(obs(mixed), INPROC) == Monitor()
+    assert decide(obs(running(2, inprocess=True)), POLICY) == Monitor()
+
+
+def test_a_vacancy_is_acted_on_once_per_loss() -> None:
+    ranks = running(2, inprocess=True)
+    seen = obs(ranks, vacancies={1: 5_000}, marked_inprocess=True)
+    assert decide(seen, INPROC) == NodeLost({1: 5_000})
+    done = obs(ranks, vacancies={1: 5_000}, declared=frozenset({(1, 5_000)}), marked_inprocess=True)
+    assert decide(done, INPROC) == Monitor()
+    # the same rank lost again later (a new incarnation) is a new loss
+    again = obs(
+        ranks, vacancies={1: 9_000}, declared=frozenset({(1, 5_000)}), marked_inprocess=True
+    )
+    assert decide(again, INPROC) == NodeLost({1: 9_000})
+
+
+def test_a_failure_wins_over_a_vacancy() -> None:
+    ranks = with_rank(running(2), RankView(local_rank=0, exitcode=1))
+    assert decide(obs(ranks, vacancies={1: 5}), INPROC) == RestartGroup(failed=(0,))

@@ -347,7 +347,7 @@ class LocalAgent:
         group = self._group
         group.place(info.rank, info.world_size, info.store)
         group.master_addr, group.master_port = self._publish_worker_store(info)
-        self._membership.new_round()
+        self._membership.new_round(info.rank, info.incarnation)
         self._emit(
             "rendezvous_complete",
             round=info.round,

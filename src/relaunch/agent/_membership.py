@@ -34,16 +34,19 @@ def lost_key(run_id: str, restart_count: int) -> str:
 
 
 def declare_lost(
-    addr: str, port: int, key: str, ranks: range, incarnation: int, message: str
+    addr: str, port: int, key: str, ranks: range, incarnation: int, message: str, *, replaced: bool
 ) -> None:
     """Append a death record of each of ``ranks`` (every incarnation up to
-    ``incarnation``) to ``key`` in the workers' store. Raises StoreError."""
+    ``incarnation``) to ``key`` in the workers' store: UNRESPONSIVE while no node took
+    them over (no restart waits for them), TERMINATED by the node that did (its
+    workers ask to join next). Raises StoreError."""
     from relaunch.inprocess.attribution import Interruption, InterruptionRecord
 
+    kind = Interruption.TERMINATED if replaced else Interruption.UNRESPONSIVE
     blob = "".join(
         InterruptionRecord(
             initial_rank=rank,
-            interruption=Interruption.TERMINATED,
+            interruption=kind,
             message=message,
             incarnation=incarnation,
         ).encode()
@@ -65,10 +68,14 @@ class Membership:
         self._run_id = run_id
         self.declared: frozenset[tuple[int, int]] = frozenset()
         self.marked = False
-        self._seen: dict[int, int] = {}
+        self._told: set[tuple[int, int]] = set()
+        self._rank: int | None = None
 
-    def new_round(self) -> None:
-        self.declared, self.marked, self._seen = frozenset(), False, {}
+    def new_round(self, group_rank: int, incarnation: int) -> None:
+        """This node's place in a new round (``incarnation`` > 0: it replaced a lost one)."""
+        self.declared, self.marked, self._rank = frozenset(), False, group_rank
+        # (seats taken before this node came are not news to it)
+        self._told = {(group_rank, incarnation), *self._handler.replaced().items()}
 
     def observation(self, *, ask: bool) -> dict[str, Any]:
         """The Observation's membership fields (``ask``: read the rendezvous)."""
@@ -79,13 +86,19 @@ class Membership:
         }
 
     def vacancies(self) -> dict[int, int]:
-        """The round's vacancies (one cheap read); says when one was filled."""
-        now = self._handler.vacancies()
-        for group_rank, incarnation in list(self._seen.items()):
-            if now.get(group_rank) != incarnation:
-                del self._seen[group_rank]
-                self._emit("node_replaced", group_rank=group_rank)
-        return now
+        """The round's vacancies (one cheap read); says when a node took a lost one's
+        place, whether or not this node saw the vacancy first."""
+        for seat in self._handler.replaced().items():
+            if seat not in self._told:
+                self._told.add(seat)
+                group_rank, incarnation = seat
+                self._emit(
+                    "node_replaced",
+                    group_rank=group_rank,
+                    lost_at=incarnation / 1_000_000,  # the incarnation is the loss's time
+                    seen_lost=seat in self.declared,
+                )
+        return self._handler.vacancies()
 
     def mark(self) -> None:
         self._handler.mark_inprocess()
@@ -110,12 +123,11 @@ class Membership:
             ranks = range(group_rank * nproc, (group_rank + 1) * nproc)
             message = f"node of group rank {group_rank} lost (its agent left the rendezvous)"
             try:
-                declare_lost(*store, key, ranks, incarnation - 1, message)
+                declare_lost(*store, key, ranks, incarnation - 1, message, replaced=taking_over)
             except RelaunchError as exc:
                 # The workers find out by their own heartbeats, later.
                 log.warning("could not record the ranks of the lost node: %s", exc)
             self.declared |= {(group_rank, incarnation)}
             if taking_over:
                 continue
-            self._seen[group_rank] = incarnation
             self._emit("node_lost", group_rank=group_rank, ranks=[ranks.start, ranks.stop - 1])

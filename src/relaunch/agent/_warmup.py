@@ -1,8 +1,8 @@
 """A node without workers yet gets ready to replace one (the fork server of a spare).
 
-A spare waits in the rendezvous with no worker to learn imports from. After
-:data:`PREWARM_AFTER` seconds of waiting, its fork server starts anyway, preloading what
-the other nodes' workers import (each agent shares its workers' list through the
+A spare waits in the rendezvous with no worker to learn imports from. As soon as it
+waits beside a running round (the rendezvous calls back), its fork server starts
+anyway, preloading what the other nodes' workers import (each agent shares its workers' list through the
 rendezvous store, :func:`share_modules`) or else a guess from the script. When the
 spare then takes a lost node's place, its workers are forked in milliseconds with
 everything imported, and join the running job at once.
@@ -11,38 +11,33 @@ everything imported, and join the running job at once.
 from __future__ import annotations
 
 import logging
-import time
 
 from relaunch.agent._forking import decode_modules, encode_modules
 from relaunch.agent._workers import NodeWorkers
 from relaunch.errors import StoreError
 from relaunch.rendezvous import RendezvousHandler, RendezvousInfo
 
-__all__ = ["PREWARM_AFTER", "next_round", "share_modules"]
+__all__ = ["next_round", "share_modules"]
 
 log = logging.getLogger(__name__)
-
-PREWARM_AFTER = 3.0
-"""Seconds a node waits for its first round before it starts its fork server anyway."""
 
 
 def next_round(
     handler: RendezvousHandler, workers: NodeWorkers | None, *, prewarm: bool
 ) -> RendezvousInfo:
     """The handler's next round; with ``prewarm`` (no worker ran on this node yet, and
-    a fork server is wanted), the fork server starts while the node waits. From the
-    caller's thread: the server dies with the thread that started it."""
+    a fork server is wanted), the fork server starts while the node waits beside a
+    running round. From the caller's thread: the server dies with the thread that
+    started it."""
     if not prewarm or workers is None:
         return handler.next_rendezvous()
-    since = time.monotonic()
 
     def while_waiting() -> None:
-        if time.monotonic() - since >= PREWARM_AFTER:
-            try:
-                shared = decode_modules(handler.worker_modules())
-            except StoreError:
-                shared = []
-            workers.prewarm(shared)
+        try:
+            shared = decode_modules(handler.worker_modules())
+        except StoreError:
+            shared = []
+        workers.prewarm(shared)
 
     return handler.next_rendezvous(while_waiting)
 

@@ -129,6 +129,17 @@ class CoordinationStore:
             if r.incarnation >= self.incarnations.get(r.initial_rank, 0)
         }
 
+    def unreplaced_lost(self) -> set[int]:
+        """Ranks of a lost node that no node took over yet (the relaunch agents record
+        them UNRESPONSIVE; the node that takes over records them TERMINATED before its
+        workers ask to join): no restart waits for their replacements."""
+        (blob,) = self._read([self.lost_key])
+        kinds: dict[int, set[Interruption]] = {}
+        for r in decode_records(blob):
+            if r.incarnation >= self.incarnations.get(r.initial_rank, 0):
+                kinds.setdefault(r.initial_rank, set()).add(r.interruption)
+        return {r for r, k in kinds.items() if k == {Interruption.UNRESPONSIVE}}
+
     def dead_ranks(self) -> set[int]:
         return self._dead(*self._read(self._dead_keys))
 

@@ -120,16 +120,18 @@ def admit(
     """Freeze (once, for every rank) the replacements taken in after ``iteration``:
     requests of a newer incarnation than admitted, for ranks not running on."""
     running = members - terminated
-    deadline = time.monotonic() + (join_wait() if terminated else 0.0)
+    # The agent replaces a dead rank within a few hundred ms: wait for it here, so that
+    # it joins in this restart instead of causing one more; not for the ranks of a lost
+    # node that no node took over yet (they may never come).
+    awaited = terminated - coord.unreplaced_lost() if terminated else set()
+    deadline = time.monotonic() + (join_wait() if awaited else 0.0)
     while True:
         pending = {
             r: inc
             for r, inc in coord.join_requests().items()
             if inc > coord.incarnations.get(r, 0) and r not in running
         }
-        # The agent replaces a dead rank within a few hundred ms: wait for it here,
-        # so that it joins in this restart instead of causing one more.
-        if terminated <= set(pending) or time.monotonic() >= deadline:
+        if awaited <= set(pending) or time.monotonic() >= deadline:
             break
         time.sleep(0.005)
     admitted = coord.freeze_joins(iteration, pending)

@@ -69,8 +69,9 @@ class RendezvousHandler(Protocol):
         Raises RendezvousClosedError when the job is over, RendezvousTimeoutError
         past the join timeout, RendezvousGracefulExitError for a spare that is
         not needed, RendezvousStateError on a corrupt state. ``while_waiting`` is
-        called in the caller's thread every few seconds while the node waits (a
-        spare may get ready meanwhile); it must not block.
+        called in the caller's thread every few seconds while the node waits beside
+        a running round (a spare, a node waiting to be admitted: it may get ready
+        meanwhile); it must not block.
         """
         ...
 
@@ -97,6 +98,12 @@ class RendezvousHandler(Protocol):
         round goes on), each with the incarnation its replacement starts at. Empty for
         backends without dynamic membership. Called with :meth:`num_nodes_waiting`:
         keep it to the same cheap read."""
+        ...
+
+    def replaced(self) -> dict[int, int]:
+        """Group ranks of this node's round that a node took over from a lost one, with
+        the incarnation its workers started at (so a node that did not see the vacancy
+        still learns of the loss). Empty for backends without dynamic membership."""
         ...
 
     def mark_inprocess(self) -> None:

@@ -192,7 +192,7 @@ class DynamicRendezvousHandler:
                 state, raw = self._rdzv.load()
             elif action is Action.SYNC:
                 assert state is not None
-                if while_waiting is not None:
+                if while_waiting is not None and self._waits_beside_a_running_round(state):
                     while_waiting()
                 self._rdzv.wait_change(state, self._sync_timeout(state, now, deadline))
                 if self._node in state.participants:
@@ -265,6 +265,10 @@ class DynamicRendezvousHandler:
             )
             return None
 
+    def _waits_beside_a_running_round(self, state: RendezvousState) -> bool:
+        """A spare, or a node waiting for the next round while the current one runs."""
+        return state.complete and self._node not in state.participants
+
     def _sync_timeout(self, state: RendezvousState, now: float, deadline: float) -> float:
         timeout = self._settings.dead_after
         if state.deadline is not None and self._node in state.participants:
@@ -320,6 +324,14 @@ class DynamicRendezvousHandler:
         if self._round is None or state.round != self._round or not state.complete:
             return {}
         return dict(state.vacancies)
+
+    def replaced(self) -> dict[int, int]:
+        """Group ranks of this node's round taken over from lost nodes, with the
+        incarnation their workers started at; empty in another round."""
+        state = self._fresh_state()
+        if self._round is None or state.round != self._round or not state.complete:
+            return {}
+        return dict(state.incarnations)
 
     def mark_inprocess(self) -> None:
         """This node's workers restart in-process: when it is lost, its rank may be

@@ -71,6 +71,9 @@ class StandaloneRendezvousHandler:
     def vacancies(self) -> dict[int, int]:
         return {}  # a fixed membership: no node takes a lost one's place
 
+    def replaced(self) -> dict[int, int]:
+        return {}
+
     def mark_inprocess(self) -> None:
         return None
 
@@ -171,6 +174,9 @@ class StaticRendezvousHandler:
 
     def vacancies(self) -> dict[int, int]:
         return {}  # a fixed membership: no node takes a lost one's place
+
+    def replaced(self) -> dict[int, int]:
+        return {}
 
     def mark_inprocess(self) -> None:
         return None

@@ -262,10 +262,14 @@ class StatusBoard:
         )
 
     def _on_node_replaced(self, md: Mapping[str, Any], ev: Event) -> str:
+        lost = "" if md.get("seen_lost", True) else " (lost moments before)"
+        if not md.get("seen_lost", True):
+            self._count("faults", "node")
+            self._fault(float(md.get("lost_at") or ev.timestamp), "node")
         self._recovered(ev.timestamp)
         return (
-            f"a new node took group rank {md.get('group_rank')}; its workers join the "
-            "running ones in-process (tier: node)"
+            f"a new node took group rank {md.get('group_rank')}{lost}; its workers join "
+            "the running ones in-process (tier: node)"
         )
 
     def _on_run_failed(self, md: Mapping[str, Any], ev: Event) -> str:
