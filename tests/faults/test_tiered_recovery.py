@@ -45,7 +45,7 @@ def test_a_sigkilled_rank_is_replaced_and_the_job_returns_to_full_size(tmp_path:
         os.kill(pids["1_1"], signal.SIGKILL)
         finish(j)
     check_recovered(j, {"1_1": pids["1_1"]}, {n: p for n, p in pids.items() if n != "1_1"})
-    respawned = [e["metadata"] for e in j.events("1") if e["name"] == "worker_respawned"]
+    respawned = [e["metadata"] for e in j.node_events(1) if e["name"] == "worker_respawned"]
     assert [(m["local_rank"], m["incarnation"]) for m in respawned] == [(1, 1)]  # type: ignore[index]
     assert gone([pids["1_1"]])
 
@@ -69,5 +69,5 @@ def test_a_replacement_that_dies_after_admission_does_not_take_the_job_down(
         os.kill(pids["0_1"], signal.SIGKILL)
         finish(j)
     check_recovered(j, {"0_1": pids["0_1"]}, {n: p for n, p in pids.items() if n != "0_1"})
-    respawned = [e["metadata"] for e in j.events("0") if e["name"] == "worker_respawned"]
+    respawned = [e["metadata"] for e in j.node_events(0) if e["name"] == "worker_respawned"]
     assert [m["incarnation"] for m in respawned] == [1, 2]  # type: ignore[index]

@@ -156,6 +156,12 @@ class TieredJob:
             docs += [json.loads(line) for line in path.read_text().splitlines() if line]
         return docs
 
+    def node_events(self, group_rank: int) -> list[dict[str, object]]:
+        """The events of the agent of ``group_rank`` (the store's host is rank 0, and
+        either agent may host it)."""
+        name = next(n for n in self.agents if self.group_rank(n) == group_rank)
+        return self.events(name)
+
     def group_rank(self, name: str) -> int | None:
         """The group rank agent ``name`` had in its latest round."""
         ranks = [e["group_rank"] for e in self.events(name) if e["name"] == "rendezvous_complete"]

@@ -338,3 +338,20 @@ def test_vacancy_fields_are_checked_for_sense() -> None:
         raw = doc[:-1] + "," + bad + "}"
         with pytest.raises(RendezvousStateError, match=r"vacancies|incarnations"):
             decode_state(raw.encode(), key="k", run_id="job")
+
+
+def test_the_node_hosting_the_store_is_rank_0_of_every_round() -> None:
+    s = settings(2, 3, keep_alive_interval=1.0, keep_alive_max_attempt=2)
+    state = RendezvousState(run_id="job")
+    state = apply(Action.CLAIM_STORE_HOST, state, "z_9_0", T0, s)  # sorts last by name
+    for node in ("a_1_0", "b_1_0", "z_9_0"):
+        state = place(state, node, T0, s)
+    assert state.complete and state.participants["z_9_0"] == 0
+    assert sorted(state.participants.values()) == [0, 1, 2]
+    again = decode_state(encode_state(state), key="k", run_id="job")
+    assert again.store_host == "z_9_0"
+    # losing the host forgets it (its store is gone: the job is lost anyway)
+    for node in ("a_1_0", "b_1_0"):
+        state = apply(Action.KEEP_ALIVE, state, node, T0 + 2.5, s)
+    state, dead = remove_dead(state, T0 + 2.6, s)
+    assert dead == ["z_9_0"] and state.store_host is None

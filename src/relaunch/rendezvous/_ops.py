@@ -52,6 +52,7 @@ class Action(enum.Enum):
     REMOVE_FROM_REDUNDANCY_LIST = "remove_from_redundancy_list"
     FILL_VACANCY = "fill_vacancy"
     MARK_INPROCESS = "mark_inprocess"
+    CLAIM_STORE_HOST = "claim_store_host"
     LEAVE = "leave"
     MARK_COMPLETE = "mark_complete"
     MARK_CLOSED = "mark_closed"
@@ -182,11 +183,16 @@ def _reopen(state: RendezvousState) -> None:
 
 
 def _complete(state: RendezvousState) -> None:
-    """Mark the round complete and assign ranks in the stable sorted order of the nodes."""
+    """Mark the round complete and assign ranks in the stable sorted order of the nodes,
+    the node hosting the store first."""
     state.complete = True
     state.deadline = None
     state.expected = set()
-    for rank, member in enumerate(sorted(state.participants, key=node_sort_key)):
+
+    def order(node: str) -> tuple[bool, tuple[str, int, int]]:
+        return node != state.store_host, node_sort_key(node)
+
+    for rank, member in enumerate(sorted(state.participants, key=order)):
         state.participants[member] = rank
 
 
@@ -246,6 +252,8 @@ def apply(
             new.expected.discard(node)
             new.participants[node] = rank
             new.last_heartbeats[node] = now
+    elif action is Action.CLAIM_STORE_HOST:
+        new.store_host = node
     elif action is Action.MARK_INPROCESS:
         if node in new.participants:
             new.inprocess.add(node)
@@ -307,6 +315,8 @@ def _forget(
         state.redundancy_list.discard(node)
         state.expected.discard(node)
         state.last_heartbeats.pop(node, None)
+        if state.store_host == node:
+            state.store_host = None
     if lost:
         if dead and _keeps_round(state, lost):
             base = max([incarnation_base(now), *state.vacancies.values(),

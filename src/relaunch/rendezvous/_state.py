@@ -95,6 +95,10 @@ class RendezvousState:
     it, and the other nodes' workers go on in their processes."""
     incarnations: dict[int, int] = field(default_factory=dict)
     """Group rank -> the incarnation its workers started at in this round (absent: 0)."""
+    store_host: str | None = None
+    """The node whose agent hosts the rendezvous store (c10d), if it takes part: it is
+    rank 0 of every round, so the round's workers' store (hosted by rank 0) lives as
+    long as the job can; a lost node is then never the one the others depend on."""
 
     def copy(self) -> RendezvousState:
         return RendezvousState(
@@ -116,6 +120,7 @@ class RendezvousState:
             inprocess=set(self.inprocess),
             vacancies=dict(self.vacancies),
             incarnations=dict(self.incarnations),
+            store_host=self.store_host,
         )
 
     def knows(self, node: str) -> bool:
@@ -154,6 +159,8 @@ def encode_state(state: RendezvousState) -> bytes:
         "restarts": state.restarts,
         "failed_round": state.failed_round,
     }
+    if state.store_host is not None:
+        doc["store_host"] = state.store_host
     if state.inprocess or state.vacancies or state.incarnations:
         doc["inprocess"] = sorted(state.inprocess)
         doc["vacancies"] = {str(r): i for r, i in sorted(state.vacancies.items())}
@@ -199,10 +206,18 @@ def _mapping(doc: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> d
 _FIELDS = frozenset(
     {"version", "run_id", "seq", "epoch", "round", "complete", "closed", "deadline",
      "participants", "wait_list", "redundancy_list", "expected", "last_heartbeats_ms",
-     "applied", "restarts", "failed_round", "inprocess", "vacancies", "incarnations"}
+     "applied", "restarts", "failed_round", "inprocess", "vacancies", "incarnations",
+     "store_host"}
 )  # fmt: skip
 CLOCK_SKEW = 300.0
 """Seconds a heartbeat may lie in the future (clocks of hosts differ); beyond: corrupt."""
+
+
+def _host(doc: dict[str, Any]) -> str | None:
+    value = doc.get("store_host")
+    if value is not None and (not isinstance(value, str) or not 0 < len(value) <= 300):
+        raise _Bad(f"field 'store_host' must be a node id or null, got {value!r:.80}")
+    return value
 
 
 def _by_rank(doc: dict[str, Any], name: str) -> dict[int, int]:
@@ -307,6 +322,7 @@ def decode_state(
             inprocess=_nodes(doc, "inprocess") if "inprocess" in doc else set(),
             vacancies=_by_rank(doc, "vacancies"),
             incarnations=_by_rank(doc, "incarnations"),
+            store_host=_host(doc),
         )
         _check_sense(state, now, max_nodes)
         return state

@@ -11,7 +11,24 @@ from relaunch.rendezvous._backend import StateBackend
 from relaunch.rendezvous._ops import Action, apply, decide_close, decide_leave, record_failure
 from relaunch.rendezvous._settings import RendezvousSettings
 
-__all__ = ["close", "count_failure", "leave", "mark_inprocess", "wait_for_others"]
+__all__ = [
+    "claim_store_host",
+    "close",
+    "count_failure",
+    "leave",
+    "mark_inprocess",
+    "wait_for_others",
+]
+
+
+def claim_store_host(
+    rdzv: StateBackend, node: str, settings: RendezvousSettings, clock: Callable[[], float]
+) -> None:
+    """Record that ``node`` hosts the rendezvous store (it takes rank 0 of each round)."""
+    state, raw = rdzv.load()
+    while state.store_host != node and not state.closed:
+        new = apply(Action.CLAIM_STORE_HOST, state, node, clock(), settings)
+        state, raw, _ = rdzv.commit(state, raw, new)
 
 
 def close(

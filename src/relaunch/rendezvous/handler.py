@@ -13,9 +13,7 @@ from relaunch.errors import (
     RelaunchError,
     RendezvousClosedError,
     RendezvousGracefulExitError,
-    RendezvousStateError,
     RendezvousTimeoutError,
-    StoreConnectionError,
 )
 from relaunch.rendezvous._backend import StateBackend
 from relaunch.rendezvous._corrupt import CorruptWatch
@@ -28,10 +26,12 @@ from relaunch.rendezvous._ops import (
     decide_join,
     nodes_waiting,
 )
+from relaunch.rendezvous._polled import PolledState
 from relaunch.rendezvous._program import claim_program, log_refused
 from relaunch.rendezvous._settings import RendezvousSettings
 from relaunch.rendezvous._state import RendezvousState, new_node_id, node_sort_key, round_size
 from relaunch.rendezvous._writes import (
+    claim_store_host,
     close,
     count_failure,
     leave,
@@ -86,13 +86,13 @@ class DynamicRendezvousHandler:
         self._rdzv = StateBackend(store, settings, clock=clock)
         self._ka_rdzv = StateBackend(keep_alive_store or store, settings, clock=clock)
         self._round: int | None = None
-        self._cached: RendezvousState | None = None
         self._interrupted = threading.Event()
         self._shut = False
         self._joined = False
         self._program: str | None = None
         self._refused_seen = 0
         self._corrupt = CorruptWatch(settings.run_id, settings.dead_after)
+        self._polled = PolledState(self._rdzv, self._corrupt)
         self._keep_alive = KeepAlive(
             node=self._node,
             backend=self._ka_rdzv,
@@ -134,6 +134,8 @@ class DynamicRendezvousHandler:
         deadline = self._clock() + settings.join_timeout
         if not self._joined:
             self._check_program()
+            if self._server is not None:
+                claim_store_host(self._rdzv, self._node, settings, self._clock)
         self._rdzv.announce(self._node)
         self._keep_alive.start()
         state: RendezvousState | None = None
@@ -232,7 +234,7 @@ class DynamicRendezvousHandler:
 
     def _info(self, round_: int, rank: int, world_size: int) -> RendezvousInfo:
         self._round = round_
-        self._cached = None
+        self._polled.forget()
         state = self._rdzv.load()[0]
         incarnation = state.incarnations.get(rank, 0) if state.round == round_ else 0
         logger.info(
@@ -277,50 +279,21 @@ class DynamicRendezvousHandler:
             timeout = min(timeout, deadline - now + 0.01)
         return max(timeout, 0.001)
 
-    def _fresh_state(self) -> RendezvousState:
-        # The agent polls this: a broken connection is retried once (the client's own
-        # reconnection retries are bounded); a store still unreachable then is gone.
-        try:
-            try:
-                state = self._read_fresh_state()
-            except StoreConnectionError as exc:
-                logger.warning("rendezvous store read failed (%s); retrying", exc)
-                state = self._read_fresh_state()
-        except RendezvousStateError as exc:
-            # The last valid state while the shared one is corrupt, for up to dead_after
-            # (someone may fix it); then the error, as for a lost store.
-            since = self._corrupt.seen(exc)
-            if self._cached is None or self._corrupt.expired(since):
-                raise
-            return self._cached
-        error = self._corrupt.error()  # (seen by the keep-alive thread, every beat)
-        if error is not None:
-            raise error
-        return state
-
-    def _read_fresh_state(self) -> RendezvousState:
-        cached = self._cached
-        if cached is not None and not self._rdzv.changed_since(cached):
-            return cached
-        self._cached, _ = self._rdzv.load()
-        self._corrupt.ok()
-        return self._cached
-
     def is_closed(self) -> bool:
         """Whether the rendezvous is closed for good (one small store read when unchanged)."""
-        return self._fresh_state().closed
+        return self._polled.get().closed
 
     def num_nodes_waiting(self) -> int:
         """Nodes waiting for the next round; > 0 also when a new round started without us.
 
         The agent restarts its workers and calls :meth:`next_rendezvous` when it is > 0.
         """
-        return nodes_waiting(self._fresh_state(), self._round)
+        return nodes_waiting(self._polled.get(), self._round)
 
     def vacancies(self) -> dict[int, int]:
         """Group ranks of this node's round left by lost nodes (tiered recovery), each
         with the incarnation its replacement starts at; empty in another round."""
-        state = self._fresh_state()
+        state = self._polled.get()
         if self._round is None or state.round != self._round or not state.complete:
             return {}
         return dict(state.vacancies)
@@ -328,7 +301,7 @@ class DynamicRendezvousHandler:
     def replaced(self) -> dict[int, int]:
         """Group ranks of this node's round taken over from lost nodes, with the
         incarnation their workers started at; empty in another round."""
-        state = self._fresh_state()
+        state = self._polled.get()
         if self._round is None or state.round != self._round or not state.complete:
             return {}
         return dict(state.incarnations)

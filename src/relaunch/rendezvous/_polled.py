@@ -1,0 +1,59 @@
+"""The state as the agent polls it: cached until a write that matters, kept through a
+short corruption, retried once through a broken connection."""
+
+from __future__ import annotations
+
+import logging
+
+from relaunch.errors import RendezvousStateError, StoreConnectionError
+from relaunch.rendezvous._backend import StateBackend
+from relaunch.rendezvous._corrupt import CorruptWatch
+from relaunch.rendezvous._state import RendezvousState
+
+__all__ = ["PolledState"]
+
+logger = logging.getLogger(__name__)
+
+
+class PolledState:
+    """One cheap read per poll: the cached state while the epoch did not move."""
+
+    def __init__(self, backend: StateBackend, corrupt: CorruptWatch) -> None:
+        self._rdzv = backend
+        self._corrupt = corrupt
+        self._cached: RendezvousState | None = None
+
+    def forget(self) -> None:
+        """Read the state afresh next time (a new round began)."""
+        self._cached = None
+
+    def get(self) -> RendezvousState:
+        """The current state. Raises StoreError when the store is gone, and
+        RendezvousStateError when the state stayed corrupt for ``dead_after``."""
+        # A broken connection is retried once (the client's own reconnection retries
+        # are bounded); a store still unreachable then is gone.
+        try:
+            try:
+                state = self._read()
+            except StoreConnectionError as exc:
+                logger.warning("rendezvous store read failed (%s); retrying", exc)
+                state = self._read()
+        except RendezvousStateError as exc:
+            # The last valid state while the shared one is corrupt, for up to dead_after
+            # (someone may fix it); then the error, as for a lost store.
+            since = self._corrupt.seen(exc)
+            if self._cached is None or self._corrupt.expired(since):
+                raise
+            return self._cached
+        error = self._corrupt.error()  # (seen by the keep-alive thread, every beat)
+        if error is not None:
+            raise error
+        return state
+
+    def _read(self) -> RendezvousState:
+        cached = self._cached
+        if cached is not None and not self._rdzv.changed_since(cached):
+            return cached
+        self._cached, _ = self._rdzv.load()
+        self._corrupt.ok()
+        return self._cached
