@@ -15,6 +15,7 @@ Keys (``ns`` is unique per job, torchrun/relaunch attempt and wrapped call)::
     ns/it<i>/joined    the frozen ranks (and incarnations) admitted after iteration i
     ns/it<i>/roster    every rank's state for iteration i (versioned JSON), set once
     ns/current         the latest iteration a roster was published for
+    ns/stated          appended ``rank:incarnation,``: replacements that have their state
     job/lost           appended JSON lines: ranks of nodes the relaunch agents saw lost
                        (``job`` is ``ns`` without its call: one key for every call)
 
@@ -26,17 +27,17 @@ or arrives after being declared dead, is counted once.
 from __future__ import annotations
 
 import json
-import logging
 import time
 from collections.abc import Callable, Iterable
 from typing import Protocol
 
+from relaunch.inprocess._logs import get_logger
 from relaunch.inprocess.attribution import Interruption, InterruptionRecord, decode_records
 from relaunch.inprocess.exception import BarrierTimeoutError, InternalError
 
 __all__ = ["CoordinationStore", "TorchStore"]
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 COMPLETE = "complete"
 RESTART = "restart"
@@ -303,9 +304,20 @@ class CoordinationStore:
         """A replacement process of ``initial_rank`` asks to be taken in."""
         self.store.append(self.key("joins"), f"{initial_rank}:{incarnation},")
 
+    def mark_stated(self, initial_rank: int, incarnation: int) -> None:
+        """A replacement process has its training state (it got it, or it trained)."""
+        self.store.append(self.key("stated"), f"{initial_rank}:{incarnation},")
+
+    def stated(self) -> dict[int, int]:
+        """The latest incarnation per initial rank that has its state."""
+        return self._rank_incarnations("stated")
+
     def join_requests(self) -> dict[int, int]:
         """The latest incarnation that asked to join, per initial rank."""
-        (blob,) = self._read([self.key("joins")])
+        return self._rank_incarnations("joins")
+
+    def _rank_incarnations(self, name: str) -> dict[int, int]:
+        (blob,) = self._read([self.key(name)])
         out: dict[int, int] = {}
         for item in blob.decode("ascii", errors="replace").split(","):
             if not item.strip():
@@ -314,7 +326,7 @@ class CoordinationStore:
                 rank_text, inc_text = item.split(":")
                 rank, inc = int(rank_text), int(inc_text)
             except ValueError as exc:
-                raise InternalError(f"corrupt join request {item!r}") from exc
+                raise InternalError(f"corrupt {name} record {item!r}") from exc
             out[rank] = max(inc, out.get(rank, 0))
         return out
 

@@ -7,11 +7,13 @@ import datetime
 import itertools
 import json
 import os
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from relaunch._contract import MARKER_ENV
 from relaunch.errors import ConfigError
+from relaunch.inprocess._logs import get_logger
 
 __all__ = ["StoreEndpoint", "announce_to_agent", "namespace", "resolve_store"]
 
@@ -56,9 +58,7 @@ def announce_to_agent(
             f.write(json.dumps(doc) + "\n")
         os.replace(path + ".tmp", path)
     except OSError as exc:
-        import logging
-
-        logging.getLogger(__name__).warning("cannot write %s=%s: %s", AGENT_MARKER_ENV, path, exc)
+        get_logger(__name__).warning("cannot write %s=%s: %s", AGENT_MARKER_ENV, path, exc)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -133,6 +133,18 @@ def tcp_client_factory(endpoint: StoreEndpoint) -> Callable[[], Any]:
     return make
 
 
+def refuse_initialized_group() -> None:
+    """NVIDIA's precondition: the wrapped function initializes the process group itself
+    (at every iteration), so none may exist when it is called."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        raise ConfigError(
+            "expected not torch.distributed.is_initialized() when the wrapped function is "
+            "called: the function initializes the process group (at every iteration)"
+        )
+
+
 def warn_if_logging_is_off() -> None:
     """Warn (as NVIDIA's wrapper does) when the root logger has no handler."""
     import logging
@@ -175,6 +187,17 @@ class StallClock:
             self.since = stalled_at
         self.count += 1
         return now - self.since if self.count >= self.MIN_ITERATIONS else None
+
+    def overdue(self, stalled_at: float | None, hard_timeout: float, rank: int) -> str | None:
+        """After an iteration: why ``rank`` must leave (no progress for ``hard_timeout``
+        across restarts), or None."""
+        stalled = self.observe(stalled_at, time.monotonic())
+        if stalled is None or stalled < hard_timeout:
+            return None
+        return (
+            f"rank {rank}: no progress for {stalled:.1f} s across restarts "
+            f"(hard_timeout {hard_timeout:g} s)"
+        )
 
 
 def store_factory(cfg: Any, initial_rank: int) -> tuple[Callable[[], Any], int | None]:

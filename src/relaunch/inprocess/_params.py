@@ -1,4 +1,5 @@
-"""Pass the active CallWrapper to the wrapped function's parameter that asks for it."""
+"""Pass the active CallWrapper to the wrapped function's parameter that asks for it;
+call the user's callbacks."""
 
 from __future__ import annotations
 
@@ -7,7 +8,17 @@ import typing
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["call_wrapper_parameter", "run_callbacks"]
+from relaunch.inprocess._logs import get_logger
+from relaunch.inprocess.exception import HealthCheckError
+
+__all__ = [
+    "call_wrapper_parameter",
+    "finalize_then_check",
+    "initialize_then_check",
+    "run_callbacks",
+]
+
+log = get_logger(__name__)
 
 
 def _mentions(annotation: object, cls: type) -> bool:
@@ -45,3 +56,34 @@ def run_callbacks(callbacks: Any, state: Any) -> None:
     items = callbacks if isinstance(callbacks, list | tuple) else [callbacks]
     for callback in items:
         callback(state)
+
+
+def initialize_then_check(initialize: Any, health_check: Any, state: Any, rank: int) -> None:
+    """Before the function, in NVIDIA's order: ``initialize`` (a failure is a fault of
+    the iteration), then the health check (a failure is a HealthCheckError)."""
+    run_callbacks(initialize, state.freeze())
+    try:
+        run_callbacks(health_check, state.freeze())
+    except Exception as exc:
+        raise HealthCheckError(f"rank {rank}: {exc!r}") from exc
+
+
+def finalize_then_check(
+    finalize: Any, health_check: Any, state: Any, rank: int, record: Callable[[str], None]
+) -> None:
+    """After the abort, in NVIDIA's order: ``finalize`` (a failure ends the wrapper as
+    is), then the health check (a failure is a HealthCheckError: only this rank
+    leaves). ``record(message)`` marks this rank dead before either raises."""
+    try:
+        run_callbacks(finalize, state.freeze())
+    except Exception as exc:
+        log.error("rank %s: finalize failed: %r", rank, exc)
+        record(f"finalize: {exc!r}")
+        raise
+    try:
+        if health_check is not None:
+            health_check(state.freeze())
+    except Exception as exc:
+        log.error("rank %s: health check failed: %r", rank, exc)
+        record(f"unhealthy: {exc!r}")
+        raise HealthCheckError(f"rank {rank}: {exc!r}") from exc

@@ -38,6 +38,7 @@ __all__ = [
     "admit",
     "decode_roster",
     "encode_roster",
+    "fresh_ranks",
     "incarnation",
     "wait_for_admission",
 ]
@@ -137,6 +138,23 @@ def admit(
     admitted = coord.freeze_joins(iteration, pending)
     coord.incarnations.update(admitted)
     return admitted
+
+
+def fresh_ranks(coord: CoordinationStore, roster: Mapping[int, State]) -> set[int]:
+    """The ranks (``RANK`` values) of ``roster`` that are replacement processes without
+    their training state yet: admitted, and not yet through an iteration in which they
+    got it (``broadcast_state``) or trained (``ping``). The same on every rank: read
+    when no rank runs the function (after the termination barrier, or the admission).
+    A replacement whose first iteration was interrupted before the state reached it
+    stays fresh in the next one."""
+    stated = coord.stated()
+    return {
+        s.rank
+        for r, s in roster.items()
+        if s.rank is not None
+        and coord.incarnations.get(r, 0) > 0
+        and stated.get(r, -1) < coord.incarnations[r]
+    }
 
 
 def wait_for_admission(

@@ -12,14 +12,15 @@ socket is shut down under it).
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import socket
 import threading
 
+from relaunch.inprocess._logs import get_logger
+
 __all__ = ["clear_baseline", "mark_baseline", "shutdown_new_connections", "socket_inodes"]
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 _FD_DIR = "/proc/self/fd"
 _lock = threading.Lock()

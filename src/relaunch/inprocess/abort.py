@@ -9,16 +9,16 @@ from __future__ import annotations
 import abc
 import contextlib
 import datetime
-import logging
 import os
 
 from relaunch.inprocess import _sockets
 from relaunch.inprocess._groups import live_groups
+from relaunch.inprocess._logs import get_logger
 from relaunch.inprocess.state import State
 
 __all__ = ["Abort", "AbortTorchDistributed", "AbortTransformerEngine", "destroy_default_group"]
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 
 class Abort(abc.ABC):

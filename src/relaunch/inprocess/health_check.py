@@ -13,11 +13,11 @@ from __future__ import annotations
 import abc
 import datetime
 import glob
-import logging
 import os
 import threading
 from typing import Any
 
+from relaunch.inprocess._logs import get_logger
 from relaunch.inprocess.exception import HealthCheckError, RestartError, TimeoutError
 
 __all__ = [
@@ -31,7 +31,7 @@ __all__ = [
     "restart_health_check",
 ]
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 
 class HealthCheck(abc.ABC):

@@ -29,15 +29,17 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from relaunch.inprocess._coord import CoordinationStore, TorchStore
+from relaunch.inprocess._logs import get_logger
 from relaunch.inprocess.attribution import Interruption
 from relaunch.inprocess.progress_watchdog import SharedProgress
 from relaunch.procs import terminate
 
 __all__ = ["MonitorProcess", "MonitorSettings"]
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,12 +55,39 @@ class MonitorSettings:
     termination_grace_time: float
     logfile: str | None
     host_port: int | None
+    """Host the coordination store on this port (standalone mode, initial rank 0)."""
     heartbeat_interval: float = 1.0
     pidfile: str | None = None
     """Where the monitor process's pid is written (``{rank}``: the initial rank)."""
-    """Host the coordination store on this port (standalone mode, initial rank 0)."""
     incarnation: int = 0
     """Which process of the rank this is (its death record says so; see _rejoin)."""
+
+    @classmethod
+    def of(
+        cls,
+        cfg: Any,
+        state: Any,
+        *,
+        namespace: str,
+        host_port: int | None,
+        incarnation: int,
+    ) -> MonitorSettings:
+        """The settings for the rank of ``state`` from the wrapper's config."""
+        beat = "heartbeat_interval" if cfg.heartbeat_interval is not None else None
+        return cls(
+            initial_rank=state.initial_rank,
+            initial_world_size=state.initial_world_size,
+            namespace=namespace,
+            interval=cfg.seconds("monitor_process_interval"),
+            hard_timeout=cfg.seconds("hard_timeout"),
+            heartbeat_timeout=cfg.seconds("heartbeat_timeout"),
+            termination_grace_time=cfg.seconds("termination_grace_time"),
+            logfile=cfg.monitor_process_logfile,
+            pidfile=cfg.monitor_process_pidfile,
+            heartbeat_interval=cfg.seconds(beat or "monitor_process_interval"),
+            host_port=host_port,
+            incarnation=incarnation,
+        )
 
 
 class MonitorProcess:

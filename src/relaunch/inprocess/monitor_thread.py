@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import logging
 import signal
 import sys
 import threading
@@ -27,6 +26,7 @@ from typing import Any
 
 from relaunch.inprocess._coord import CoordinationStore
 from relaunch.inprocess._groups import GroupRefs
+from relaunch.inprocess._logs import get_logger
 from relaunch.inprocess.attribution import Interruption, InterruptionRecord
 from relaunch.inprocess.exception import RankShouldRestart
 from relaunch.inprocess.progress_watchdog import SharedProgress
@@ -42,7 +42,7 @@ __all__ = [
     "reraise_if_unraisable",
 ]
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 WAKE_SIGNAL = signal.SIGRTMIN + 4
 """Signal sent to the main thread to interrupt a blocking call (a real-time signal)."""

@@ -15,7 +15,8 @@ that is not new, the others get their own back::
         model.load_state_dict(state["model"]); ...
 
 With no new rank it returns at once, without a collective (every rank knows that the
-same way: ``call_wrapper.new_ranks`` comes from the frozen admission). Tensors travel
+same way: ``call_wrapper.new_ranks`` is read when no rank runs the function; a
+replacement stays new until it got the state or trained). Tensors travel
 pickled by ``torch.distributed.broadcast_object_list`` over the iteration's default
 group: give CPU tensors (``state_dict()`` of a CPU copy), or pass ``device`` for NCCL.
 """
@@ -53,4 +54,6 @@ def broadcast_state(
     rank = dist.get_rank(group)
     box: list[Any] = [state if rank == source else None]
     dist.broadcast_object_list(box, src=source, group=group, device=device)
+    if rank in new:
+        call_wrapper.has_state()
     return box[0] if rank in new or to == "all" else state

@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import datetime
-import logging
 import mmap
 import struct
 import threading
@@ -26,9 +25,11 @@ import time
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
+from relaunch.inprocess._logs import get_logger
+
 __all__ = ["MainThreadProgress", "ProgressWatchdog", "SharedProgress", "Timestamp"]
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 _FIELDS = ("auto_ts", "ping_ts", "armed", "iteration", "stop", "killed")
 _SIZE = 8 * len(_FIELDS)

@@ -5,34 +5,27 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
-import logging
 import threading
-import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from relaunch.inprocess import _sockets
+from relaunch.inprocess import _params, _rejoin, _sockets
 from relaunch.inprocess._coord import CoordinationStore
 from relaunch.inprocess._env import (
     StallClock,
     announce_to_agent,
     namespace,
+    refuse_initialized_group,
     store_factory,
     warn_if_logging_is_off,
 )
 from relaunch.inprocess._groups import GroupRefs, release_frames, reset_group_names
-from relaunch.inprocess._params import call_wrapper_parameter, run_callbacks
-from relaunch.inprocess._rejoin import admit, encode_roster, incarnation, wait_for_admission
+from relaunch.inprocess._logs import get_logger
 from relaunch.inprocess._rendezvous import EnvRendezvousPatch
 from relaunch.inprocess._roster import assign, assign_exchanged, initial_state, readmit
 from relaunch.inprocess.abort import destroy_default_group
 from relaunch.inprocess.attribution import Interruption, InterruptionRecord
-from relaunch.inprocess.exception import (
-    HealthCheckError,
-    RankShouldRestart,
-    RestartAbort,
-    TimeoutError,
-)
+from relaunch.inprocess.exception import RankShouldRestart, RestartAbort, TimeoutError
 from relaunch.inprocess.monitor_process import MonitorProcess, MonitorSettings
 from relaunch.inprocess.monitor_thread import MainThreadControl, MonitorThread
 from relaunch.inprocess.progress_watchdog import MainThreadProgress, SharedProgress
@@ -44,7 +37,7 @@ if TYPE_CHECKING:
 
 __all__ = ["CallWrapper"]
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 _POLL = 0.005
 """Barrier polling period (seconds): a barrier completes within one period of the last arrival."""
@@ -58,22 +51,15 @@ class CallWrapper:
     """
 
     def __init__(self, wrapper: Wrapper) -> None:
-        import torch.distributed as dist
-
-        from relaunch.errors import ConfigError
-
-        if dist.is_available() and dist.is_initialized():
-            raise ConfigError(
-                "expected not torch.distributed.is_initialized() when the wrapped function is "
-                "called: the function initializes the process group (at every iteration)"
-            )
+        refuse_initialized_group()
         warn_if_logging_is_off()
         cfg = wrapper.config
         self.config = cfg
         self.wrapper_health_check = wrapper.restart_health_check
         self.state = State.from_env()
-        self.incarnation = incarnation()
+        self.incarnation = _rejoin.incarnation()
         self._new: set[int] = set()
+        self._unstated = self.incarnation > 0
         self._stall = StallClock()
         self.shared = SharedProgress()
         self._abort_lock = threading.Lock()
@@ -81,28 +67,14 @@ class CallWrapper:
         self.groups = GroupRefs()
         self._factory, host_port = store_factory(cfg, self.state.initial_rank)
         self.namespace = namespace()
-        self.monitor_process = MonitorProcess(
-            MonitorSettings(
-                initial_rank=self.state.initial_rank,
-                initial_world_size=self.state.initial_world_size,
-                namespace=self.namespace,
-                interval=cfg.seconds("monitor_process_interval"),
-                hard_timeout=cfg.seconds("hard_timeout"),
-                heartbeat_timeout=cfg.seconds("heartbeat_timeout"),
-                termination_grace_time=cfg.seconds("termination_grace_time"),
-                logfile=cfg.monitor_process_logfile,
-                pidfile=cfg.monitor_process_pidfile,
-                heartbeat_interval=cfg.seconds(
-                    "heartbeat_interval"
-                    if cfg.heartbeat_interval is not None
-                    else "monitor_process_interval"
-                ),
-                host_port=host_port,
-                incarnation=self.incarnation,
-            ),
-            self.shared,
-            self._factory,
+        settings = MonitorSettings.of(
+            cfg,
+            self.state,
+            namespace=self.namespace,
+            host_port=host_port,
+            incarnation=self.incarnation,
         )
+        self.monitor_process = MonitorProcess(settings, self.shared, self._factory)
         self._hosting = host_port is not None
         self.atomic_lock = threading.RLock()
         self.control = MainThreadControl(self.atomic_lock)
@@ -139,13 +111,23 @@ class CallWrapper:
     @property
     def new_ranks(self) -> frozenset[int]:
         """Ranks (``RANK`` values) of this iteration that are replacement processes
-        admitted at its start: they have no training state; see
-        :func:`relaunch.inprocess.broadcast_state`. Empty when no rank is new."""
+        without their training state (admitted, and not yet through an iteration in
+        which they got it or trained); see :func:`relaunch.inprocess.broadcast_state`.
+        The same on every rank; empty when no rank is new."""
         return frozenset(self._new)
 
     def ping(self) -> None:
         """Report progress; after the first ping, a rank that stops pinging times out."""
         self.watchdog.ping()
+        if self._unstated:
+            self.has_state()
+
+    def has_state(self) -> None:
+        """This replacement process has its training state (``broadcast_state`` and the
+        first ``ping`` say so): it is no longer among the :attr:`new_ranks`."""
+        if self._unstated:
+            self._unstated = False
+            self.coord.mark_stated(self.state.initial_rank, self.incarnation)
 
     def disable_hang_protection(self) -> contextlib.AbstractContextManager[None]:
         """No soft or hard timeout inside the block (a long, legitimately silent call:
@@ -170,7 +152,6 @@ class CallWrapper:
         _sockets.clear_baseline()
         log.debug("rank %s: closing", self.state.initial_rank)
         self.watchdog.shutdown()
-        log.debug("rank %s: watchdog stopped", self.state.initial_rank)
         grace = self.config.seconds("termination_grace_time")
         self.monitor_process.shutdown(float("inf") if self._hosting else grace + 5.0)
         self._coord = None
@@ -178,13 +159,12 @@ class CallWrapper:
         self.groups.release()
         gc.collect()  # drops the store connections
         self.shared.close()
-        log.debug("rank %s: closed", self.state.initial_rank)
 
     # the restart loop ---------------------------------------------------------------
     def __call__(
         self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
-        name = call_wrapper_parameter(fn, CallWrapper)
+        name = _params.call_wrapper_parameter(fn, CallWrapper)
         if name is not None and name not in kwargs:
             kwargs = {**kwargs, name: self}
         me = self.state.initial_rank
@@ -205,7 +185,7 @@ class CallWrapper:
                 state.set_distributed_vars()
                 self.shared.iteration = state.iteration
                 self.coord.publish_roster(
-                    state.iteration, encode_roster(roster, self.coord.incarnations)
+                    state.iteration, _rejoin.encode_roster(roster, self.coord.incarnations)
                 )
                 done, value = self._iteration(fn, args, kwargs, roster)
                 if done:
@@ -216,15 +196,15 @@ class CallWrapper:
                 exchanged = uses_store(self.config.rank_assignment)
                 # A stateful, store-exchanging assignment (Tree) cannot be replayed to
                 # readmit replacements: they are not admitted (they end cleanly).
-                admitted = {} if exchanged else admit(self.coord, it, set(roster), terminated)
+                admitted = (
+                    {} if exchanged else _rejoin.admit(self.coord, it, set(roster), terminated)
+                )
                 if admitted:
                     log.info("rank %s: ranks %s rejoin", me, sorted(admitted))
                     roster = readmit(self.config, roster, terminated, set(admitted), it)
                 else:
                     roster = self._assign(roster, terminated, advance=True, tag=str(it))
-                self._new = {
-                    r_ for r in admitted if r in roster and (r_ := roster[r].rank) is not None
-                }
+                self._new = _rejoin.fresh_ranks(self.coord, roster)
         except BaseException as exc:
             kind = (
                 Interruption.TERMINATED
@@ -249,9 +229,9 @@ class CallWrapper:
         me, timeout = self.state.initial_rank, self.config.seconds("barrier_timeout")
         size = self.state.initial_world_size
         if self.incarnation > 0:
-            roster = wait_for_admission(self.coord, me, self.incarnation, timeout, _POLL)
+            roster = _rejoin.wait_for_admission(self.coord, me, self.incarnation, timeout, _POLL)
             if roster is not None:
-                self._new = {roster[me].rank or 0}
+                self._new = _rejoin.fresh_ranks(self.coord, roster)
                 log.info("rank %s: replacement admitted at iteration %s", me, roster[me].iteration)
             return roster
         dead = self.coord.initial_barrier(me, world, timeout, _POLL)
@@ -318,20 +298,14 @@ class CallWrapper:
             self.shared.armed = 0
             monitor.shutdown(cfg.seconds("barrier_timeout"))
         self._check_stall(monitor.stalled_at)
-        if kind == "exception":
-            log.warning("rank %s: iteration %s raised %r", me, it, value)
+        if kind in ("exception", "restart"):
+            if kind == "exception":
+                log.warning("rank %s: iteration %s raised %r", me, it, value)
+            # (a restart the monitor did not trigger: the function asked for it itself)
             if not monitor.triggered.is_set():
+                why = repr(value) if kind == "exception" else "RankShouldRestart"
                 record = InterruptionRecord(
-                    initial_rank=me, interruption=Interruption.EXCEPTION, message=repr(value)
-                )
-                coord.record_interrupted(it, record)
-            return False, value
-        if kind == "restart":
-            if not monitor.triggered.is_set():  # the function asked for the restart itself
-                record = InterruptionRecord(
-                    initial_rank=me,
-                    interruption=Interruption.EXCEPTION,
-                    message="RankShouldRestart",
+                    initial_rank=me, interruption=Interruption.EXCEPTION, message=why
                 )
                 coord.record_interrupted(it, record)
             return False, value
@@ -341,13 +315,9 @@ class CallWrapper:
 
     def _check_stall(self, stalled_at: float | None) -> None:
         """The hard timeout across restarts (see :class:`StallClock`)."""
-        stalled = self._stall.observe(stalled_at, time.monotonic())
-        if stalled is not None and stalled >= self.config.seconds("hard_timeout"):
-            me = self.state.initial_rank
-            message = (
-                f"rank {me}: no progress for {stalled:.1f} s across restarts "
-                f"(hard_timeout {self.config.hard_timeout})"
-            )
+        me, hard = self.state.initial_rank, self.config.seconds("hard_timeout")
+        message = self._stall.overdue(stalled_at, hard, me)
+        if message is not None:
             self.coord.record_dead(self.state.iteration, me, Interruption.HARD_TIMEOUT, message)
             raise TimeoutError(message)
 
@@ -359,11 +329,10 @@ class CallWrapper:
             try:
                 reset_group_names()
                 self.control.enter()
-                run_callbacks(self.config.initialize, self.state.freeze())
-                try:
-                    run_callbacks(self.config.health_check, self.state.freeze())
-                except Exception as exc:
-                    raise HealthCheckError(f"rank {self.state.initial_rank}: {exc!r}") from exc
+                cfg, state = self.config, self.state
+                _params.initialize_then_check(
+                    cfg.initialize, cfg.health_check, state, state.initial_rank
+                )
                 outcome = ("ok", fn(*args, **kwargs))
             except Exception as exc:
                 outcome = ("exception", exc)
@@ -380,7 +349,7 @@ class CallWrapper:
         """Run the abort callbacks (again: see MonitorThread's re-abort)."""
         self.groups.take()  # references first: the abort may drop torch's
         try:
-            run_callbacks(self.config.abort, self.state.freeze())
+            _params.run_callbacks(self.config.abort, self.state.freeze())
         except Exception:
             log.exception("rank %s: abort failed", self.state.initial_rank)
 
@@ -403,20 +372,13 @@ class CallWrapper:
         log.debug("rank %s: aborted", me)
         exc_ = train_ex if isinstance(train_ex, Exception) else None
         self.state = dataclasses.replace(self.state, fn_exception=exc_)
-        try:
-            run_callbacks(cfg.finalize, self.state.freeze())
-        except Exception as exc:  # NVIDIA's: a failed finalize ends the wrapper, as is
-            log.error("rank %s: finalize failed: %r", me, exc)
-            self.coord.record_dead(it, me, Interruption.TERMINATED, f"finalize: {exc!r}")
-            raise
-        try:
-            checks = self.wrapper_health_check
-            if checks is not None:
-                checks(self.state.freeze())
-        except Exception as exc:
-            log.error("rank %s: health check failed: %r", me, exc)
-            self.coord.record_dead(it, me, Interruption.TERMINATED, f"unhealthy: {exc!r}")
-            raise HealthCheckError(f"rank {me}: {exc!r}") from exc
+        _params.finalize_then_check(
+            cfg.finalize,
+            self.wrapper_health_check,
+            self.state,
+            me,
+            lambda why: self.coord.record_dead(it, me, Interruption.TERMINATED, why),
+        )
         release_frames(train_ex)
         gc.collect(1)
         self.groups.release()  # the last references: groups are destroyed without the GIL
