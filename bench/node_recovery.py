@@ -52,11 +52,12 @@ class Job:
     def start(self) -> subprocess.Popen[bytes]:
         a = self.kind == "a"
         launcher = [PY, "-m", "relaunch"] if a else [PY, "-m", "torch.distributed.run"]
+        logs = self.out / f"logs{len(self.nodes)}"
+        ours = ["--local-addr=127.0.0.1", f"--log-dir={logs}"] if a else []
         cmd = [
             *launcher, "--nnodes=2", "--nproc-per-node=2", "--rdzv-backend=c10d",
             f"--rdzv-endpoint=127.0.0.1:{self.port}", f"--rdzv-id=node{self.port}",
-            f"--max-restarts={self.restarts}", "--monitor-interval=0.1",
-            *(["--local-addr=127.0.0.1"] if a else []),
+            f"--max-restarts={self.restarts}", "--monitor-interval=0.1", *ours,
             self.script, "inprocess" if a else "plain", str(self.out),
         ]  # fmt: skip
         env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
@@ -95,6 +96,9 @@ def run(kind: str, args: argparse.Namespace, script: str) -> tuple[list[Fault], 
     faults: list[Fault] = []
     with tempfile.TemporaryDirectory(prefix="relaunch_node_") as tmp:
         out = Path(tmp)
+        if args.keep:
+            out = Path(args.keep) / kind
+            out.mkdir(parents=True)
         job = Job(kind, out, script, args.faults + 1)
         rows = JsonLines(out)
         try:
@@ -146,6 +150,7 @@ def main() -> None:
     parser.add_argument("--load", type=int, default=0, help="busy processes beside the job")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--cases", default="ab")
+    parser.add_argument("--keep", help="keep the launchers' output and the step logs here")
     args = parser.parse_args()
     load = [
         subprocess.Popen([PY, "-c", "while True: pass"], start_new_session=True)

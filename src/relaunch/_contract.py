@@ -15,6 +15,9 @@ agent share, named in the worker's environment and written by the runner (``_war
   of starting the job (``relaunch.inprocess._rejoin``).
 - ``RELAUNCH_INPROCESS_JOIN_WAIT``: set when the agent replaces dead in-process ranks
   (``--max-restarts`` > 0): how long a restart waits for a replacement's join request.
+- ``RELAUNCH_INPROCESS_PRELOAD``: a file listing (one per line) the modules this
+  node's workers import; a replacement process imports those it lacks before it asks
+  to join, so its peers never wait for its imports (they train on meanwhile).
 - ``RELAUNCH_PROGRESS_FILE`` (with ``--hang-timeout``): its mtime is the last time the
   worker's main thread ran Python code; ``RELAUNCH_STACK_FILE`` receives its Python
   stacks when the agent sends ``RELAUNCH_STACK_SIGNAL`` (faulthandler).
@@ -33,6 +36,7 @@ __all__ = [
     "JOIN_WAIT",
     "JOIN_WAIT_ENV",
     "MARKER_ENV",
+    "PRELOAD_ENV",
     "STACK_SIGNAL",
     "AttemptFiles",
     "read_exit_file",
@@ -43,6 +47,7 @@ EXIT_FILE_VERSION = 1
 INCARNATION_ENV = "RELAUNCH_INPROCESS_INCARNATION"
 MARKER_ENV = "RELAUNCH_INPROCESS_MARKER"
 JOIN_WAIT_ENV = "RELAUNCH_INPROCESS_JOIN_WAIT"
+PRELOAD_ENV = "RELAUNCH_INPROCESS_PRELOAD"
 JOIN_WAIT = 2.0
 """Seconds in-process peers wait, in a restart after a death, for the replacement the
 agent starts (it joins in that restart instead of causing another)."""

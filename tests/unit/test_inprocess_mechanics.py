@@ -145,3 +145,43 @@ def test_shutdown_new_connections_releases_a_blocked_reader() -> None:
         _sockets.clear_baseline()
         for s in (listener, old, old_peer, new, new_peer):
             s.close()
+
+
+@pytest.mark.timeout(30)
+def test_a_lost_nodes_ranks_are_dead_until_their_replacements_are_admitted(server: Any) -> None:
+    from relaunch.agent._membership import lost_key
+    from relaunch.inprocess._rejoin import fresh_ranks
+    from relaunch.inprocess.state import State
+
+    coord = _client(server, "/relaunch/inprocess/job/0/call0/")
+    assert coord.lost_key == lost_key("job", 0)  # where the agents write
+    survivor_view = _client(server, "/relaunch/inprocess/job/0/call0/")
+    # the agents of the surviving nodes: ranks 2 and 3 are dead, nobody took them over
+    lost = (
+        InterruptionRecord(
+            initial_rank=2, interruption=Interruption.UNRESPONSIVE, incarnation=999
+        ).encode()
+        + InterruptionRecord(
+            initial_rank=3, interruption=Interruption.UNRESPONSIVE, incarnation=999
+        ).encode()
+    )
+    coord.store.append(coord.lost_key, lost)
+    assert survivor_view.dead_ranks() == {2, 3}
+    assert survivor_view.unreplaced_lost() == {2, 3}  # no restart waits for them
+    # the node that takes them over says so before its workers ask to join
+    coord.store.append(
+        coord.lost_key,
+        InterruptionRecord(
+            initial_rank=2, interruption=Interruption.TERMINATED, incarnation=999
+        ).encode(),
+    )
+    assert survivor_view.unreplaced_lost() == {3}
+    # admitted at incarnation 1000: alive again, and new until it has its state
+    survivor_view.incarnations[2] = 1000
+    assert survivor_view.dead_ranks() == {3}
+    roster = {
+        r: State(rank=r, world_size=4, initial_rank=r, initial_world_size=4) for r in (0, 1, 2)
+    }
+    assert fresh_ranks(survivor_view, roster) == {2}
+    coord.mark_stated(2, 1000)
+    assert fresh_ranks(survivor_view, roster) == set()

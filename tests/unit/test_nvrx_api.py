@@ -323,3 +323,24 @@ def test_nested_restarter_lines() -> None:
     pattern = re.compile(r"NestedRestarter.*state=(\w+)(?:\s+stage=(\w+))?")
     found = [m.groups() for line in lines if (m := pattern.search(line))]
     assert found == [("initialize", None), ("handling", "completed"), ("handling", "starting")]
+
+
+def test_records_reach_nvidias_logger() -> None:
+    """Code that captures NVIDIA's ``nvrx`` logger (a handler, a level) sees ours."""
+    records: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    nvrx = logging.getLogger("nvrx")
+    handler, level = Keep(level=logging.INFO), nvrx.level
+    nvrx.addHandler(handler)
+    nvrx.setLevel(logging.INFO)
+    try:
+        inprocess.health_check.ChainedGPUHealthCheck(device_index=0)(State(0, 1).freeze())
+    finally:
+        nvrx.removeHandler(handler)
+        nvrx.setLevel(level)
+    said = [r.getMessage() for r in records if r.name.startswith("nvrx.")]
+    assert any("not available" in m for m in said), said

@@ -13,7 +13,7 @@ import os
 import time
 from collections.abc import Callable
 
-from relaunch._contract import JOIN_WAIT, JOIN_WAIT_ENV
+from relaunch._contract import JOIN_WAIT, JOIN_WAIT_ENV, PRELOAD_ENV
 from relaunch.agent._attempt import Slot, attempt_workers, replacement
 from relaunch.agent._core import DropRanks, Observation
 from relaunch.agent._forking import NodeForkServer, guess_imports
@@ -76,6 +76,7 @@ class NodeWorkers:
             extra["TORCHELASTIC_TIMER_FILE"] = self._timer.path
         if spec.max_restarts > 0 and spec.entrypoint.is_python:
             extra[JOIN_WAIT_ENV] = str(JOIN_WAIT)  # dead in-process ranks are replaced
+            extra[PRELOAD_ENV] = self._forking.modules_file  # what a replacement imports
         self.slots, specs = attempt_workers(
             spec,
             group,

@@ -25,11 +25,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from collections.abc import Mapping
 
-from relaunch._contract import INCARNATION_ENV, JOIN_WAIT_ENV
+from relaunch._contract import INCARNATION_ENV, JOIN_WAIT_ENV, PRELOAD_ENV
 from relaunch.inprocess._coord import COMPLETE, CoordinationStore
+from relaunch.inprocess._logs import get_logger
 from relaunch.inprocess.attribution import Interruption, InterruptionRecord
 from relaunch.inprocess.exception import BarrierTimeoutError, InternalError
 from relaunch.inprocess.state import Mode, State
@@ -44,7 +46,10 @@ __all__ = [
 ]
 
 
+log = get_logger(__name__)
+
 _VERSION = 1
+_MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 
 
 def incarnation(env: Mapping[str, str] | None = None) -> int:
@@ -58,6 +63,36 @@ def incarnation(env: Mapping[str, str] | None = None) -> int:
     if value < 0:
         raise InternalError(f"{INCARNATION_ENV}: expected an int >= 0, got {text!r}")
     return value
+
+
+def preload(env: Mapping[str, str] | None = None) -> int:
+    """Import the modules the agent's ``RELAUNCH_INPROCESS_PRELOAD`` file lists that
+    this process lacks (what the node's workers import: a replacement forked early, or
+    started fresh, would otherwise import them while its peers wait for it in a
+    collective). Returns how many were imported; never raises."""
+    import importlib
+    import sys
+
+    env = os.environ if env is None else env
+    path = env.get(PRELOAD_ENV)
+    if not path:
+        return 0
+    try:
+        with open(path) as f:
+            names = [line.strip() for line in f if line.strip()]
+    except OSError:
+        return 0
+    count, t0 = 0, time.monotonic()
+    for name in names:
+        if name in sys.modules or not _MODULE.fullmatch(name):
+            continue
+        try:
+            importlib.import_module(name)
+            count += 1
+        except (Exception, SystemExit):  # one that cannot be imported here is skipped
+            continue
+    log.debug("%d modules imported in %.2f s before joining", count, time.monotonic() - t0)
+    return count
 
 
 def join_wait(env: Mapping[str, str] | None = None) -> float:

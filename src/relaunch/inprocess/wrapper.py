@@ -229,6 +229,7 @@ class CallWrapper:
         me, timeout = self.state.initial_rank, self.config.seconds("barrier_timeout")
         size = self.state.initial_world_size
         if self.incarnation > 0:
+            _rejoin.preload()  # ready before it asks: its peers must not wait for imports
             roster = _rejoin.wait_for_admission(self.coord, me, self.incarnation, timeout, _POLL)
             if roster is not None:
                 self._new = _rejoin.fresh_ranks(self.coord, roster)
