@@ -1,7 +1,7 @@
 """One DDP job, three faults, three tiers of recovery; no healthy process restarts.
 
     python examples/three_tiers.py            # drives the whole demo on this host
-    python examples/three_tiers.py --steps 600 --gap 4
+    python examples/three_tiers.py --steps 3000 --gap 4
 
 It starts a job of two nodes of two gloo workers (two ``relaunch`` agents, c10d on
 127.0.0.1) and a spare node, all on this host, with this file as the training script
@@ -140,7 +140,7 @@ def descendants(pid: int) -> list[int]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--worker", metavar="OUT", help=argparse.SUPPRESS)
-    parser.add_argument("--steps", type=int, default=500)
+    parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--gap", type=float, default=3.0, help="seconds between faults")
     args = parser.parse_args()
     if args.worker:
