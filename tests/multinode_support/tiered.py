@@ -16,7 +16,7 @@ from pathlib import Path
 
 from multinode_support.stopping import stop_sessions
 from multinode_support.waiting import wait_for
-from relaunch.procs._sys import descendants
+from relaunch.procs._sys import descendants, process_state
 
 __all__ = ["RANKS", "WORKER", "Step", "TieredJob", "check_recovered", "gone"]
 
@@ -107,6 +107,9 @@ class TieredJob:
     tmp: Path
     port: int
     steps_total: int = 400
+    backend: str = "c10d"
+    endpoint: str | None = None
+    """The rendezvous endpoint (default: c10d hosted on 127.0.0.1:``port``)."""
     env: dict[str, str] = field(default_factory=dict)
     agents: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
 
@@ -122,7 +125,8 @@ class TieredJob:
         """Start agent ``name`` (its log dir ``logs<name>``, output ``agent<name>.out``)."""
         cmd = [
             sys.executable, "-m", "relaunch", "--nnodes=2", "--nproc-per-node=2",
-            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{self.port}", "--rdzv-id=tiered",
+            f"--rdzv-backend={self.backend}",
+            f"--rdzv-endpoint={self.endpoint or f'127.0.0.1:{self.port}'}", "--rdzv-id=tiered",
             "--max-restarts=3", "--monitor-interval=0.05", f"--log-dir={self.tmp / f'logs{name}'}",
             "--local-addr=127.0.0.1", *flags, str(self.tmp / "train.py"),
         ]  # fmt: skip
@@ -228,8 +232,9 @@ class TieredJob:
 
 
 def gone(pids: list[int]) -> bool:
-    """Whether none of ``pids`` runs (or waits to be reaped) any more."""
-    return not any(Path(f"/proc/{pid}").exists() for pid in pids)
+    """Whether none of ``pids`` runs any more (a zombie is dead: an orphan waits for
+    whichever init adopted it to reap it)."""
+    return all(process_state(pid) in (None, "Z") for pid in pids)
 
 
 def check_recovered(
