@@ -20,6 +20,7 @@ from relaunch.store import _tcp_handlers as handlers
 from relaunch.store import _tcp_wire as wire
 from relaunch.store._tcp_conn import resolve_host
 from relaunch.store._tcp_handlers import Client
+from relaunch.store._tcp_peer import Peer
 from relaunch.store._tcp_state import StoreState
 
 __all__ = ["TCPStoreServer"]
@@ -31,28 +32,6 @@ _HIGH_WATER = 16 * 1024 * 1024  # stop reading a client whose replies pile up pa
 _ACCEPTS_PER_EVENT = 512
 _BACKLOG = 4096
 _JOIN_TIMEOUT = 10.0
-_COMPACT_AT = 4 * 1024 * 1024
-
-
-def _pending(conn: _Conn) -> int:
-    """Reply bytes not sent yet."""
-    return len(conn.wbuf) - conn.wpos
-
-
-class _Conn:
-    """One client connection of the server."""
-
-    __slots__ = ("addr", "closed", "events", "rbuf", "sock", "validated", "wbuf", "wpos")
-
-    def __init__(self, sock: socket.socket, addr: str) -> None:
-        self.sock = sock
-        self.addr = addr
-        self.rbuf = bytearray()
-        self.wbuf = bytearray()
-        self.wpos = 0  # bytes of wbuf already sent (compacted now and then, not per send)
-        self.validated = False
-        self.closed = False
-        self.events = selectors.EVENT_READ
 
 
 class TCPStoreServer:
@@ -104,8 +83,8 @@ class TCPStoreServer:
             bound = listen_socket.getsockname()
             self._host, self._port = str(bound[0]), int(bound[1])
         self._state: StoreState[Client] = StoreState(max_value=max_value_bytes)
-        self._conns: set[_Conn] = set()
-        self._dirty: set[_Conn] = set()
+        self._conns: set[Peer] = set()
+        self._dirty: set[Peer] = set()
         self._selector: selectors.BaseSelector | None = None
         self._wake_r: socket.socket | None = None
         self._wake_w: socket.socket | None = None
@@ -223,7 +202,7 @@ class TCPStoreServer:
             while True:
                 for key, mask in selector.select():
                     data = key.data
-                    if isinstance(data, _Conn):
+                    if isinstance(data, Peer):
                         self._serve(data, mask)
                     elif data == "listen":
                         self._accept()
@@ -237,7 +216,7 @@ class TCPStoreServer:
         finally:
             self._shutdown()
 
-    def _serve(self, conn: _Conn, mask: int) -> None:
+    def _serve(self, conn: Peer, mask: int) -> None:
         if conn.closed:
             return
         try:
@@ -274,7 +253,7 @@ class TCPStoreServer:
             sock.setblocking(False)
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn = _Conn(sock, f"{peer[0]}:{peer[1]}")
+            conn = Peer(sock, f"{peer[0]}:{peer[1]}")
             self._conns.add(conn)
             self._selector.register(sock, selectors.EVENT_READ, conn)
 
@@ -289,7 +268,7 @@ class TCPStoreServer:
             log.warning("TCP store server refuses %s: not a node of this round", address)
         return False
 
-    def _drop(self, conn: _Conn, reason: str | None) -> None:
+    def _drop(self, conn: Peer, reason: str | None) -> None:
         if conn.closed:
             return
         if reason is not None:
@@ -305,7 +284,7 @@ class TCPStoreServer:
             self._selector.unregister(conn.sock)
         conn.sock.close()
 
-    def _on_readable(self, conn: _Conn) -> None:
+    def _on_readable(self, conn: Peer) -> None:
         try:
             data = conn.sock.recv(_RECV_SIZE)
         except (BlockingIOError, InterruptedError):
@@ -322,12 +301,12 @@ class TCPStoreServer:
         conn.rbuf += data
         self._process(conn)
 
-    def _process(self, conn: _Conn) -> None:
+    def _process(self, conn: Peer) -> None:
         consumed = 0
         reason: str | None = None
         with memoryview(conn.rbuf) as view:
             reader = wire.Reader(view, max_value=self._max_value)
-            while consumed < len(view) and _pending(conn) < _HIGH_WATER:
+            while consumed < len(view) and conn.pending < _HIGH_WATER:
                 reader.pos = consumed
                 try:
                     self._handle_one(conn, reader)
@@ -342,12 +321,12 @@ class TCPStoreServer:
             return
         if consumed:
             del conn.rbuf[:consumed]
-        if _pending(conn):
+        if conn.pending:
             self._dirty.add(conn)
         else:
             self._update_interest(conn)
 
-    def _handle_one(self, conn: _Conn, reader: wire.Reader) -> None:
+    def _handle_one(self, conn: Peer, reader: wire.Reader) -> None:
         query = reader.u8()
         if not conn.validated:
             if query != wire.Query.VALIDATE:
@@ -361,40 +340,25 @@ class TCPStoreServer:
         if woken:
             self._wake(woken)
 
-    def _flush(self, conn: _Conn) -> None:
+    def _flush(self, conn: Peer) -> None:
         if conn.closed:
             return
-        if _pending(conn):
-            try:
-                with memoryview(conn.wbuf) as view:
-                    sent = conn.sock.send(view[conn.wpos :])
-            except (BlockingIOError, InterruptedError):
-                sent = 0
-            except (ConnectionResetError, BrokenPipeError):
-                self._drop(conn, None)
-                return
-            except OSError as exc:
-                self._drop(conn, f"send failed: {exc}")
-                return
-            conn.wpos += sent
-            if conn.wpos == len(conn.wbuf):
-                conn.wbuf.clear()
-                conn.wpos = 0
-            elif conn.wpos > _COMPACT_AT:  # large replies: memmove rarely, not per send
-                del conn.wbuf[: conn.wpos]
-                conn.wpos = 0
-        if conn.rbuf and _pending(conn) < _HIGH_WATER:
+        ok, why = conn.send_some()
+        if not ok:
+            self._drop(conn, why)
+            return
+        if conn.rbuf and conn.pending < _HIGH_WATER:
             self._process(conn)  # requests left unprocessed while replies piled up
-            if conn.closed or _pending(conn):
+            if conn.closed or conn.pending:
                 self._update_interest(conn)
                 return
         self._update_interest(conn)
 
-    def _update_interest(self, conn: _Conn) -> None:
+    def _update_interest(self, conn: Peer) -> None:
         if conn.closed:
             return
-        events = 0 if _pending(conn) >= _HIGH_WATER else selectors.EVENT_READ
-        if _pending(conn):
+        events = 0 if conn.pending >= _HIGH_WATER else selectors.EVENT_READ
+        if conn.pending:
             events |= selectors.EVENT_WRITE
         if events != conn.events:
             conn.events = events
@@ -403,6 +367,6 @@ class TCPStoreServer:
 
     def _wake(self, waiters: list[Client]) -> None:
         for waiter in waiters:
-            assert isinstance(waiter, _Conn)
+            assert isinstance(waiter, Peer)
             waiter.wbuf += handlers.STOP
             self._dirty.add(waiter)
