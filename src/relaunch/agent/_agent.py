@@ -36,7 +36,7 @@ from relaunch.agent._round import (
 )
 from relaunch.agent._spec import RunResult, Worker, WorkerGroup, WorkerSpec, WorkerState
 from relaunch.agent._status import NodeStatus, say
-from relaunch.agent._warmup import next_round, share_modules
+from relaunch.agent._warmup import learn_modules, next_round, share_modules
 from relaunch.agent._watch import causes, failures, observe, report_hang
 from relaunch.agent._workers import NodeWorkers
 from relaunch.errors import (
@@ -365,6 +365,8 @@ class LocalAgent:
             self._membership.lost(
                 {info.rank: info.incarnation}, group, self._restart_count, taking_over=True
             )
+            assert self._workers is not None
+            learn_modules(self._handler, self._workers)
         assert self._workers is not None
         self._workers.start(
             group,

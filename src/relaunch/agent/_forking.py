@@ -74,16 +74,20 @@ class NodeForkServer:
         imports replaces them."""
         if self._refused is not None:
             return
-        known = set(read_module_list(self.modules_file))
-        fresh = [m for m in modules if m not in known]
-        if fresh:
-            with open(self.modules_file, "a") as f:
-                f.write("".join(f"{m}\n" for m in fresh))
+        self.add_modules(modules)
         if self._server is None:
             self._server = ForkServer(
                 env=env, preload_file=self.modules_file, log_file=self._log_file
             )
             self._emit("fork_server_started", pid=self._server.pid, prewarm=True)
+
+    def add_modules(self, modules: list[str]) -> None:
+        """Add to the list the server preloads (and replacements import before joining)."""
+        known = set(read_module_list(self.modules_file))
+        fresh = [m for m in modules if m not in known]
+        if fresh:
+            with open(self.modules_file, "a") as f:
+                f.write("".join(f"{m}\n" for m in fresh))
 
     def modules(self) -> list[str] | None:
         """What the workers import, once the server was started from their own list."""

@@ -17,7 +17,7 @@ from relaunch.agent._workers import NodeWorkers
 from relaunch.errors import StoreError
 from relaunch.rendezvous import RendezvousHandler, RendezvousInfo
 
-__all__ = ["next_round", "share_modules"]
+__all__ = ["learn_modules", "next_round", "share_modules"]
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +40,18 @@ def next_round(
         workers.prewarm(shared)
 
     return handler.next_rendezvous(while_waiting)
+
+
+def learn_modules(handler: RendezvousHandler, workers: NodeWorkers) -> None:
+    """Before this node's workers take a lost node's place: what the other nodes'
+    workers import, so they import it before joining (a node that came after the loss
+    had no time to prewarm; its workers would otherwise import torch's lazy modules at
+    their first step, while the others wait for them in a collective)."""
+    try:
+        shared = decode_modules(handler.worker_modules())
+    except StoreError:
+        return
+    workers.learn_modules(shared)
 
 
 def share_modules(handler: RendezvousHandler, workers: NodeWorkers) -> None:

@@ -91,7 +91,9 @@ class NodeWorkers:
         warm = spec.warm_standby and spec.entrypoint.is_python
         modules = self._forking.modules_file
         # The first workers say what they import (a prewarmed server had a guess).
-        report = {0: modules} if warm and (attempt == 0 or not os.path.exists(modules)) else {}
+        # (not a lost node's replacements: they were given the other nodes' list)
+        first = (attempt == 0 and not incarnation) or not os.path.exists(modules)
+        report = {0: modules} if warm and first else {}
         server = self._forking.usable()
         procs = WorkerProcesses(
             spec.entrypoint, specs, fork_server=server, report_modules=report, name=spec.role
@@ -189,6 +191,14 @@ class NodeWorkers:
             self._forking.prewarm(env=dict(spec.base_env), modules=modules)
         except (OSError, RelaunchError) as exc:
             log.warning("could not start the fork server early: %s", exc)
+
+    def learn_modules(self, shared: list[str]) -> None:
+        """What the other nodes' workers import, for workers that replace a lost node's:
+        they import it before they join (``RELAUNCH_INPROCESS_PRELOAD``). Never raises."""
+        try:
+            self._forking.add_modules(shared)
+        except OSError as exc:
+            log.warning("could not write the list of modules to preload: %s", exc)
 
     def modules_to_share(self) -> list[str] | None:
         """What the workers import, when it grew (checked every few seconds once the
