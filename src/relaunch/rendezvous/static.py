@@ -34,7 +34,27 @@ log = logging.getLogger(__name__)
 _CLOSED_KEY = "closed"
 
 
-class StandaloneRendezvousHandler:
+class _FixedMembership:
+    """The parts of the handler protocol that only dynamic membership gives: a fixed
+    set of nodes has no vacancy to fill and no spare to prepare."""
+
+    def vacancies(self) -> dict[int, int]:
+        return {}
+
+    def replaced(self) -> dict[int, int]:
+        return {}
+
+    def mark_inprocess(self) -> None:
+        return None
+
+    def publish_worker_modules(self, modules: bytes) -> None:
+        return None
+
+    def worker_modules(self) -> bytes | None:
+        return None
+
+
+class StandaloneRendezvousHandler(_FixedMembership):
     """One node, one process: every round completes at once with rank 0 of 1."""
 
     def __init__(self, run_id: str | None = None) -> None:
@@ -68,21 +88,6 @@ class StandaloneRendezvousHandler:
     def num_nodes_waiting(self) -> int:
         return 1 if self._closed else 0
 
-    def vacancies(self) -> dict[int, int]:
-        return {}  # a fixed membership: no node takes a lost one's place
-
-    def replaced(self) -> dict[int, int]:
-        return {}
-
-    def mark_inprocess(self) -> None:
-        return None
-
-    def publish_worker_modules(self, modules: bytes) -> None:
-        return None
-
-    def worker_modules(self) -> bytes | None:
-        return None
-
     def interrupt(self) -> None:
         self._closed = True
 
@@ -105,7 +110,7 @@ class StandaloneRendezvousHandler:
         return True
 
 
-class StaticRendezvousHandler:
+class StaticRendezvousHandler(_FixedMembership):
     """``nnodes`` fixed nodes; node 0 hosts the store; a round is a barrier of all of them."""
 
     def __init__(
@@ -171,21 +176,6 @@ class StaticRendezvousHandler:
 
     def set_closed(self) -> None:
         self._client.set(_CLOSED_KEY, b"1")
-
-    def vacancies(self) -> dict[int, int]:
-        return {}  # a fixed membership: no node takes a lost one's place
-
-    def replaced(self) -> dict[int, int]:
-        return {}
-
-    def mark_inprocess(self) -> None:
-        return None
-
-    def publish_worker_modules(self, modules: bytes) -> None:
-        return None
-
-    def worker_modules(self) -> bytes | None:
-        return None
 
     def num_nodes_waiting(self) -> int:
         if self.is_closed():
