@@ -35,8 +35,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import JsonLines, fmt, free_port, in_loopback_netns, median
-from tiered_recovery import PY, TRAIN, Fault, again, wait_until
+from _common import JsonLines, free_port, in_loopback_netns
+from tiered_recovery import PY, TRAIN, Fault, again, print_results, wait_until
 
 from relaunch.procs._sys import descendants
 
@@ -167,17 +167,7 @@ def main() -> None:
             print("  (a) relaunch, tiered (the spare's workers join in-process)")
             print("  (b) torchrun, process restart with the spare")
             results = {kind: run(kind, args, script) for kind in args.cases}
-        for kind, (faults, ok) in results.items():
-            print(
-                f"  ({kind}) full size again: {fmt([f.full_size for f in faults])}; steps "
-                f"redone median {median([float(f.steps_lost) for f in faults]):.0f}, max "
-                f"{max((f.steps_lost for f in faults), default=0)}; healthy processes "
-                f"restarted {sum(f.healthy_restarted for f in faults)}; finished ok: {ok}"
-            )
-        if "a" in results and "b" in results and results["a"][0] and results["b"][0]:
-            a = median([f.full_size for f in results["a"][0]])
-            b = median([f.full_size for f in results["b"][0]])
-            print(f"  ratio b/a (median full size again): {b / a:.1f}x")
+        print_results(results)
     finally:
         for proc in load:
             proc.kill()

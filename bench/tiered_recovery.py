@@ -210,6 +210,21 @@ def run(kind: str, args: argparse.Namespace, script: str) -> tuple[list[Fault], 
     return faults, ok
 
 
+def print_results(results: dict[str, tuple[list[Fault], bool]]) -> None:
+    """Each case's figures, and the ratio of the medians (b/a) when both ran."""
+    for kind, (faults, ok) in results.items():
+        print(
+            f"  ({kind}) full size again: {fmt([f.full_size for f in faults])}; steps "
+            f"redone median {median([float(f.steps_lost) for f in faults]):.0f}, max "
+            f"{max((f.steps_lost for f in faults), default=0)}; healthy processes "
+            f"restarted {sum(f.healthy_restarted for f in faults)}; finished ok: {ok}"
+        )
+    if "a" in results and "b" in results and results["a"][0] and results["b"][0]:
+        a = median([f.full_size for f in results["a"][0]])
+        b = median([f.full_size for f in results["b"][0]])
+        print(f"  ratio b/a (median full size again): {b / a:.1f}x")
+
+
 def main() -> None:
     in_loopback_netns()
     parser = argparse.ArgumentParser(description=__doc__)
@@ -235,17 +250,7 @@ def main() -> None:
             print("  (a) relaunch, tiered (replacement joins in-process)")
             print("  (b) torchrun, process restart")
             results = {kind: run(kind, args, script) for kind in args.cases}
-        for kind, (faults, ok) in results.items():
-            print(
-                f"  ({kind}) full size again: {fmt([f.full_size for f in faults])}; steps "
-                f"redone median {median([float(f.steps_lost) for f in faults]):.0f}, max "
-                f"{max((f.steps_lost for f in faults), default=0)}; healthy processes "
-                f"restarted {sum(f.healthy_restarted for f in faults)}; finished ok: {ok}"
-            )
-        if "a" in results and "b" in results and results["a"][0] and results["b"][0]:
-            a = median([f.full_size for f in results["a"][0]])
-            b = median([f.full_size for f in results["b"][0]])
-            print(f"  ratio b/a (median full size again): {b / a:.1f}x")
+        print_results(results)
     finally:
         for proc in load:
             proc.kill()
