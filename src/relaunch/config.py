@@ -258,6 +258,15 @@ class LaunchConfig:
     def _set(self, name: str, value: Any) -> None:
         object.__setattr__(self, name, value)
 
+    @property
+    def alone(self) -> bool:
+        """This node is the whole job with nothing to rendezvous with: ``--standalone``,
+        torchrun's single-node default (static, or c10d on port 0, one node)."""
+        if self.standalone:
+            return True
+        port_zero = self.rdzv_backend == "c10d" and self.rdzv_endpoint.endswith(":0")
+        return self.max_nodes == 1 and (self.rdzv_backend == "static" or port_zero)
+
     def rendezvous_parameters(self) -> RendezvousParameters:
         """The rendezvous part of this configuration, for the backend's handler."""
         from relaunch.rendezvous import RendezvousParameters

@@ -35,7 +35,7 @@ def create_rendezvous_handler(config: LaunchConfig) -> RendezvousHandler:
     """The rendezvous handler the config asks for. Raises ConfigError on bad parameters."""
     from relaunch.rendezvous.static import StandaloneRendezvousHandler
 
-    if config.standalone or (config.rdzv_backend == "static" and config.max_nodes == 1):
+    if config.alone:
         return StandaloneRendezvousHandler(config.rdzv_id)
     params = config.rendezvous_parameters()
     if config.rdzv_backend == "static":
@@ -113,7 +113,7 @@ class _JobSource:
         from relaunch.status import local_document, read_job
 
         config = self._config
-        backend = "standalone" if config.standalone else config.rdzv_backend
+        backend = "standalone" if config.alone else config.rdzv_backend
         if backend not in ("c10d", "etcd"):  # nodes share no store: this node alone
             return local_document(self._agent.status_report, run_id=config.rdzv_id, backend=backend)
         from relaunch.rendezvous.registry import connect_store

@@ -64,6 +64,18 @@ def test_standalone_script_runs_every_local_rank(workdir: Path) -> None:
     ]
 
 
+@pytest.mark.parametrize(
+    "rendezvous",
+    [[], ["--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0"]],
+    ids=["no-rendezvous-flags", "c10d-port-0"],
+)
+def test_torchruns_plain_single_node_command_runs(workdir: Path, rendezvous: list[str]) -> None:
+    """``torchrun --nproc-per-node 2 train.py``: one node, no rendezvous flags."""
+    result = _relaunch([*rendezvous, "--nproc-per-node", "2", "train.py"], workdir)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("world=2") == 2
+
+
 def test_env_defaults_reach_the_launch(workdir: Path) -> None:
     result = _relaunch(
         ["train.py"], workdir, PET_NPROC_PER_NODE="2", PET_STANDALONE="1", PET_WARM_STANDBY="0"

@@ -36,9 +36,10 @@ def test_public_names_are_pinned() -> None:
             *("MaxActiveWorldSize", "Mode", "RankAssignment", "RankAssignmentCtx"),
             *("RankDiscarded", "RankFilter", "RankShouldRestart", "RestartAbort", "RestartError"),
             *("RetryController", "ShiftRanks", "State", "Status", "ThreadedFinalize", "Wrapper"),
-            *("WrapperConfig", "abort", "broadcast_state", "compose", "exception", "finalize"),
-            *("health_check", "initialize", "monitor_thread", "nested_restarter"),
-            *("progress_watchdog", "rank_assignment", "rank_filter", "state", "wrap"),
+            *("WrapperConfig", "abort", "auto_restart", "broadcast_state", "compose"),
+            *("exception", "finalize", "health_check", "initialize", "monitor_thread"),
+            *("nested_restarter", "progress_watchdog", "rank_assignment", "rank_filter", "state"),
+            *("tools", "wrap"),
         ]
     )
     for name in inprocess.__all__:
@@ -267,3 +268,19 @@ def test_store_kwargs_take_nvidias_timeout() -> None:
         resolve_store({"timeout": -1}, 60.0, env)
     with pytest.raises(ConfigError, match="expected host, port, timeout"):
         resolve_store({"bogus": 1}, 60.0, env)
+
+
+def test_a_port_of_the_programs_own_is_hosted_by_rank_0_even_under_an_agent() -> None:
+    from relaunch.inprocess._env import resolve_store
+
+    agent = {
+        "MASTER_ADDR": "10.0.0.1",
+        "MASTER_PORT": "29500",
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+    }
+    assert resolve_store({}, 60.0, agent).hosted_by_rank0 is False  # the agent's store
+    assert resolve_store({"port": 29500}, 60.0, agent).hosted_by_rank0 is False
+    own = resolve_store({"port": 29502}, 60.0, agent)  # NVIDIA's examples: MASTER_PORT + 2
+    assert (own.host, own.port, own.hosted_by_rank0) == ("10.0.0.1", 29502, True)
+    alone = resolve_store({}, 60.0, {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"})
+    assert (alone.port, alone.hosted_by_rank0) == (29501, True)

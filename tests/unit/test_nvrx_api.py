@@ -276,14 +276,17 @@ def test_async_raise_interrupts_a_thread() -> None:
         inprocess.monitor_thread.async_raise(2**40, inprocess.RankShouldRestart)
 
 
+class Collect:
+    """A progress watchdog's connection: keeps the timestamps sent."""
+
+    def __init__(self) -> None:
+        self.stamps: list[Any] = []
+
+    def send_timestamp(self, stamp: Any) -> None:
+        self.stamps.append(stamp)
+
+
 def test_progress_watchdog_sends_timestamps_and_pauses() -> None:
-    class Collect:
-        def __init__(self) -> None:
-            self.stamps: list[Any] = []
-
-        def send_timestamp(self, stamp: Any) -> None:
-            self.stamps.append(stamp)
-
     collect = Collect()
     watchdog = inprocess.progress_watchdog.ProgressWatchdog(
         0, collect, datetime.timedelta(milliseconds=5)
@@ -303,6 +306,29 @@ def test_progress_watchdog_sends_timestamps_and_pauses() -> None:
     watchdog.shutdown()
     with pytest.raises(RuntimeError):
         watchdog.resume()
+
+
+def test_progress_watchdog_resumes_with_the_last_progress_and_stops_cleanly() -> None:
+    collect = Collect()
+    interval = datetime.timedelta(milliseconds=1)
+    watchdog = inprocess.progress_watchdog.ProgressWatchdog(0, collect, interval)
+    watchdog.start()
+    while len(collect.stamps) < 5:
+        time.sleep(0.001)
+    watchdog.pause_and_synchronize()
+    before = collect.stamps[-1]
+    time.sleep(0.03)
+    watchdog.resume()
+    while len(collect.stamps) < 2 + collect.stamps.index(before) + 1:
+        time.sleep(0.001)
+    after = collect.stamps[collect.stamps.index(before) + 1 :]
+    assert after[0] == before  # the progress known before the pause, then fresh ones
+    assert after[1].auto - before.auto > 0.02
+    watchdog.shutdown()
+    assert not watchdog.is_alive()
+    last = len(collect.stamps)
+    time.sleep(0.02)  # nothing is sent once shutdown() returned
+    assert len(collect.stamps) == last and collect.stamps[-1].auto > after[-1].auto
 
 
 def test_nested_restarter_lines() -> None:

@@ -22,6 +22,7 @@ from typing import Any
 
 from relaunch.inprocess import (
     abort,
+    auto_restart,
     compose,
     exception,
     finalize,
@@ -33,6 +34,7 @@ from relaunch.inprocess import (
     rank_assignment,
     rank_filter,
     state,
+    tools,
     wrap,
 )
 from relaunch.inprocess.abort import Abort, AbortTorchDistributed
@@ -110,6 +112,7 @@ __all__ = [
     "Wrapper",
     "WrapperConfig",
     "abort",
+    "auto_restart",
     "broadcast_state",
     "compose",
     "exception",
@@ -122,5 +125,6 @@ __all__ = [
     "rank_assignment",
     "rank_filter",
     "state",
+    "tools",
     "wrap",
 ]

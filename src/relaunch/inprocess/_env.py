@@ -7,6 +7,7 @@ import datetime
 import itertools
 import json
 import os
+import signal
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -74,10 +75,12 @@ class StoreEndpoint:
 def resolve_store(
     store_kwargs: Mapping[str, Any], timeout: float, env: Mapping[str, str] | None = None
 ) -> StoreEndpoint:
-    """The default store: the agent's (``TORCHELASTIC_USE_AGENT_STORE=True``) or our own.
+    """The default store: the agent's (``TORCHELASTIC_USE_AGENT_STORE=True``, at
+    ``MASTER_PORT``) or one hosted by rank 0's monitor process.
 
     ``store_kwargs`` may give ``host`` and ``port``. Standalone, the default port is
-    ``MASTER_PORT + 1`` (``MASTER_PORT`` stays free for the user's own use).
+    ``MASTER_PORT + 1`` (``MASTER_PORT`` stays free for the user's own use); a port
+    given other than the agent's ``MASTER_PORT`` is hosted by rank 0.
     """
     env = os.environ if env is None else env
     agent = env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() in ("true", "1")
@@ -102,7 +105,10 @@ def resolve_store(
         )
     if "timeout" in store_kwargs:
         timeout = _seconds(store_kwargs["timeout"])
-    return StoreEndpoint(host=str(host), port=port, hosted_by_rank0=not agent, timeout=timeout)
+    # A port of the program's own (NVIDIA's examples use MASTER_PORT + 2) is hosted by
+    # rank 0, as NVIDIA's wrapper does, even under an agent that hosts MASTER_PORT.
+    agents = agent and str(port) == env.get("MASTER_PORT", "").strip()
+    return StoreEndpoint(host=str(host), port=port, hosted_by_rank0=not agents, timeout=timeout)
 
 
 def _seconds(value: object) -> float:
@@ -210,3 +216,14 @@ def store_factory(cfg: Any, initial_rank: int) -> tuple[Callable[[], Any], int |
         return tcp_client_factory(endpoint), host
     factory = cfg.store_factory
     return (lambda: factory(**kwargs)), None
+
+
+def terminate_self(why: str, grace: float) -> None:
+    """End this rank as NVIDIA's monitor process ends a rank at its hard timeout:
+    SIGTERM (the process's own handler, if any, runs), SIGKILL after ``grace``."""
+    get_logger(__name__).error("%s: terminating (SIGTERM, SIGKILL after %g s)", why, grace)
+    os.kill(os.getpid(), signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline:
+        time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+    os.kill(os.getpid(), signal.SIGKILL)

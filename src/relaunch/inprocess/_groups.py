@@ -12,6 +12,7 @@ during the iteration and drops them once the function's objects are released.
 
 from __future__ import annotations
 
+import sys
 import threading
 import traceback
 from typing import Any
@@ -57,10 +58,20 @@ class GroupRefs:
         """
         with self._lock:
             held, self._held = self._held, {}
+        held.update(_take_runner_kept())
         held.clear()
 
 
-def release_frames(exc: BaseException | None) -> None:
+def _take_runner_kept() -> dict[int, Any]:
+    """The destroyed groups relaunch's worker runner keeps to the end of the process
+    (``procs/_worker_hooks``), handed over to be dropped with the iteration's."""
+    dist = sys.modules.get("torch.distributed")
+    take = getattr(getattr(dist, "destroy_process_group", None), "__relaunch_take_kept__", None)
+    kept: dict[int, Any] = take() if callable(take) else {}
+    return kept
+
+
+def release_frames(exc: BaseException | None, *, chain: bool = True) -> None:
     """Free the locals of the failed iteration's frames (its model, process group, ...).
 
     The traceback keeps them alive; clearing the frames lets their destructors run
@@ -70,8 +81,8 @@ def release_frames(exc: BaseException | None) -> None:
     seen: set[int] = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
-        traceback.clear_frames(exc.__traceback__)
-        exc = exc.__cause__ or exc.__context__
+        traceback.clear_frames(exc.__traceback__)  # (frames still running are skipped)
+        exc = (exc.__cause__ or exc.__context__) if chain else None
 
 
 def reset_group_names() -> None:

@@ -39,7 +39,10 @@ class HealthCheck(abc.ABC):
 
     @abc.abstractmethod
     def __call__(self, state: Any) -> Any:
-        """Raise if this rank cannot take part in the next iteration; return the state."""
+        """Raise if this rank cannot take part in the next iteration; return the state.
+
+        The built-in checks also accept NVIDIA's older call ``check(state, train_ex)``.
+        """
 
 
 class CudaHealthCheck(HealthCheck):
@@ -55,7 +58,7 @@ class CudaHealthCheck(HealthCheck):
             raise ConfigError(f"timeout: expected a positive datetime.timedelta, got {timeout!r}")
         self.timeout = timeout
 
-    def __call__(self, state: Any) -> Any:
+    def __call__(self, state: Any, train_ex: BaseException | None = None) -> Any:
         import torch
 
         if not (torch.cuda.is_available() and torch.cuda.is_initialized()):  # type: ignore[no-untyped-call]
@@ -97,8 +100,8 @@ class FaultCounter(HealthCheck):
     def faults(self) -> int:
         return self.faults_count
 
-    def __call__(self, state: Any) -> Any:
-        if getattr(state, "fn_exception", None) is None:
+    def __call__(self, state: Any, train_ex: BaseException | None = None) -> Any:
+        if getattr(state, "fn_exception", None) is None and train_ex is None:
             return state
         self.faults_count += 1
         if self.max_rank_faults is not None and self.faults_count > self.max_rank_faults:
@@ -123,7 +126,7 @@ class _NvmlCheck(HealthCheck):
             return [self.device_index]
         return list(range(nvml.nvmlDeviceGetCount()))
 
-    def __call__(self, state: Any) -> Any:
+    def __call__(self, state: Any, train_ex: BaseException | None = None) -> Any:
         if not self.available:
             if not self._told:
                 log.info("%s health check not available: %s", self.what, self.reason)
@@ -199,7 +202,7 @@ class ChainedNicHealthCheck(HealthCheck):
         self.device_index = device_index
         self._told = False
 
-    def __call__(self, state: Any) -> Any:
+    def __call__(self, state: Any, train_ex: BaseException | None = None) -> Any:
         ports = sorted(glob.glob("/sys/class/infiniband/*/ports/*/state"))
         if not ports:
             if not self._told:

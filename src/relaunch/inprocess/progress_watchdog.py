@@ -250,9 +250,14 @@ class ProgressWatchdog(threading.Thread):
                 self._paused.set()
                 self._running.wait(seconds)
                 continue
-            self._paused.clear()
+            if self._paused.is_set():
+                # Resumed: first the last progress seen before the pause, as NVIDIA's
+                # watchdog sends the last completed probe before it queues a new one.
+                self._paused.clear()
+                if not self._stop_event.is_set():
+                    self.send()
             started = time.monotonic()
-            if self._probe.wait(seconds) and self._running.is_set():
+            if self._probe.wait(seconds) and self._running.is_set() and not self._stopped:
                 self.timestamp = Timestamp(auto=time.monotonic(), manual=self.timestamp.manual)
                 self.send()
             self._stop_event.wait(max(0.0, seconds - (time.monotonic() - started)))

@@ -17,6 +17,7 @@ from relaunch.inprocess._env import (
     namespace,
     refuse_initialized_group,
     store_factory,
+    terminate_self,
     warn_if_logging_is_off,
 )
 from relaunch.inprocess._groups import GroupRefs, release_frames, reset_group_names
@@ -318,9 +319,10 @@ class CallWrapper:
         """The hard timeout across restarts (see :class:`StallClock`)."""
         me, hard = self.state.initial_rank, self.config.seconds("hard_timeout")
         message = self._stall.overdue(stalled_at, hard, me)
-        if message is not None:
+        if message is not None:  # killed as NVIDIA's monitor process kills at hard_timeout
             self.coord.record_dead(self.state.iteration, me, Interruption.HARD_TIMEOUT, message)
-            raise TimeoutError(message)
+            terminate_self(message, self.config.seconds("termination_grace_time"))
+            raise TimeoutError(message)  # a SIGTERM handler of the program raised
 
     def _call(
         self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -341,6 +343,7 @@ class CallWrapper:
                 self.control.leave()
         except RankShouldRestart as restart:
             self.control.leave()
+            release_frames(restart, chain=False)  # landed in fn: free its frames' objects
             cause = outcome[1] if outcome is not None else restart.__context__
             return "restart", cause
         assert outcome is not None
@@ -370,7 +373,6 @@ class CallWrapper:
         self.shared.arm()
         self._abort_once()
         destroy_default_group()  # here, not in the monitor thread (see abort.py)
-        log.debug("rank %s: aborted", me)
         exc_ = train_ex if isinstance(train_ex, Exception) else None
         self.state = dataclasses.replace(self.state, fn_exception=exc_)
         _params.finalize_then_check(

@@ -49,7 +49,17 @@ def _patch_destroy(module: Any) -> None:
         return original(*args, **kwargs)
 
     destroy_process_group.__relaunch_keeps_groups__ = True  # type: ignore[attr-defined]
+    destroy_process_group.__relaunch_take_kept__ = _take_kept  # type: ignore[attr-defined]
     module.destroy_process_group = destroy_process_group
+
+
+def _take_kept() -> dict[int, Any]:
+    """Hand over (and forget) the groups kept so far: the in-process wrapper takes them
+    once a failed iteration's objects are freed, and drops them (they must not outlive
+    the iteration: a program's own multi-tenant TCPStore would keep the old keys)."""
+    kept = dict(_kept_groups)
+    _kept_groups.clear()
+    return kept
 
 
 class _GroupKeeper(importlib.abc.MetaPathFinder):
