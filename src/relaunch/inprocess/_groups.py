@@ -85,15 +85,24 @@ def release_frames(exc: BaseException | None, *, chain: bool = True) -> None:
         exc = (exc.__cause__ or exc.__context__) if chain else None
 
 
-def reset_group_names() -> None:
-    """Restart torch's process-group naming when no default group exists.
+NAMES_PER_ITERATION = 1_000_000
+"""Group names reserved per iteration: iteration ``k`` names its groups from
+``k * NAMES_PER_ITERATION`` on."""
 
-    torch names an unnamed group by a per-process counter (the default group is
-    ``"0"`` in a fresh process), and the group's store keys live under that name. An
-    ``init_process_group`` interrupted by a restart leaves the counter incremented
-    with no group, so a survivor would name its next default group ``"1"`` while a
-    replacement process names it ``"0"``: they would wait on different keys forever.
-    Called before every iteration, it keeps survivors and replacements in step.
+
+def reset_group_names(iteration: int) -> None:
+    """Name the iteration's process groups from ``iteration * NAMES_PER_ITERATION`` on
+    (when no default group exists).
+
+    torch names an unnamed group by a per-process counter, and the group's keys live
+    under that name in the store it is given. Two reasons to set the counter before
+    every iteration: (1) an ``init_process_group`` interrupted by a restart leaves the
+    counter incremented with no group, so a survivor would name its next default group
+    ``"1"`` while a replacement process names it ``"0"`` and they would wait on
+    different keys forever: all ranks agree on the iteration; (2) a store of the
+    program's own that outlived the failed iteration (a failed DDP backward can keep
+    its group, and so the store, alive in C++) still holds the old group's keys: a new
+    name per iteration never reads them.
     """
     try:
         import torch.distributed as dist
@@ -102,4 +111,4 @@ def reset_group_names() -> None:
         return
     world: Any = getattr(c10d, "_world", None)
     if dist.is_available() and not dist.is_initialized() and hasattr(world, "group_count"):
-        world.group_count = 0
+        world.group_count = iteration * NAMES_PER_ITERATION

@@ -330,7 +330,7 @@ class CallWrapper:
         outcome: tuple[str, Any] | None = None
         try:
             try:
-                reset_group_names()
+                reset_group_names(self.state.iteration)
                 self.control.enter()
                 cfg, state = self.config, self.state
                 _params.initialize_then_check(
