@@ -7,7 +7,6 @@ import datetime
 import itertools
 import json
 import os
-import signal
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -221,9 +220,7 @@ def store_factory(cfg: Any, initial_rank: int) -> tuple[Callable[[], Any], int |
 def terminate_self(why: str, grace: float) -> None:
     """End this rank as NVIDIA's monitor process ends a rank at its hard timeout:
     SIGTERM (the process's own handler, if any, runs), SIGKILL after ``grace``."""
+    from relaunch.procs import terminate
+
     get_logger(__name__).error("%s: terminating (SIGTERM, SIGKILL after %g s)", why, grace)
-    os.kill(os.getpid(), signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    while time.monotonic() < deadline:
-        time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
-    os.kill(os.getpid(), signal.SIGKILL)
+    terminate(os.getpid(), lambda: False, grace=grace, what="this rank")

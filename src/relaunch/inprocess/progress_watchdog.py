@@ -257,7 +257,8 @@ class ProgressWatchdog(threading.Thread):
                 if not self._stop_event.is_set():
                     self.send()
             started = time.monotonic()
-            if self._probe.wait(seconds) and self._running.is_set() and not self._stopped:
+            probed = self._probe.wait(seconds)
+            if probed and self._running.is_set() and not self._stop_event.is_set():
                 self.timestamp = Timestamp(auto=time.monotonic(), manual=self.timestamp.manual)
                 self.send()
             self._stop_event.wait(max(0.0, seconds - (time.monotonic() - started)))
