@@ -245,8 +245,7 @@ def gone(pids: list[int]) -> bool:
 def _hard_timeout_killed(j: TieredJob, node: str) -> bool:
     """Whether the agents say rank ``node`` (``<group rank>_<local rank>``) was killed by
     its hard timeout and replaced in place."""
-    group, local = map(int, node.split("_"))
-    rank = group * 2 + local
+    rank, local = RANKS.index(node), node.split("_")[1]
     said = "\n".join(j.agent_output(name) for name in j.agents)
     return f"rank {rank}: hard timeout" in said and f"local rank {local} replaced in place" in said
 

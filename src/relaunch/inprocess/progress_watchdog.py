@@ -229,7 +229,6 @@ class ProgressWatchdog(threading.Thread):
         self._running = threading.Event()  # cleared: paused
         self._running.set()
         self._paused = threading.Event()
-        self._stopped = False
 
     def send(self) -> None:
         with self._send_lock:
@@ -272,15 +271,14 @@ class ProgressWatchdog(threading.Thread):
             self._paused.wait()
 
     def resume(self) -> None:
-        if self._stopped:
+        if self._stop_event.is_set():
             raise RuntimeError("the progress watchdog was shut down")
         self._running.set()
 
     def shutdown(self, timeout: float | None = None) -> None:
         """Stop the thread (it sends one last timestamp); a second call does nothing."""
-        if self._stopped:
+        if self._stop_event.is_set():
             return
-        self._stopped = True
         self._stop_event.set()
         self._running.set()
         if self.is_alive():
