@@ -37,7 +37,9 @@ OPTS: dict[str, Opt] = {
                        "--rdzv-backend/-endpoint/-id and --nnodes are ignored.", switch=True),
     "max_restarts": Opt("0", "Worker group restarts allowed before the job fails."),
     "monitor_interval": Opt("0.1", "Seconds between two checks of the workers."),
-    "start_method": Opt("spawn", "Start method for function entrypoints: spawn, fork, forkserver."),
+    "start_method": Opt("forkserver", "How workers start: forkserver or fork (forked from a "
+                         "fork server that has imported what the workers import: fast restarts; "
+                         "the default) or spawn (a fresh interpreter for every worker)."),
     "event_log_handler": Opt("null", "Only 'null': relaunch writes its own structured events.",
                               refuse="'null' (relaunch writes its own structured events)"),
     "role": Opt("default", "Role of the workers (ROLE_NAME)."),
@@ -68,8 +70,8 @@ OPTS: dict[str, Opt] = {
     "exit_barrier_timeout": Opt("300", "Seconds a finished node waits for the others."),
     "log_line_prefix_template": Opt(None, "Console line prefix, e.g. '[${role_name}${rank}]:' "
                                      "(default: TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE)."),
-    "warm_standby": Opt(None, "Fork replacement workers from a fork server that has imported "
-                         "what the workers import: fast restarts (default).", switch=True),
+    "warm_standby": Opt(None, "Same as --start-method forkserver (the default); "
+                         "--no-warm-standby is --start-method spawn.", switch=True),
     "hang_timeout": Opt("0", "Seconds without Python code running in a worker's main thread "
                          "after which it is declared hung and the group restarts (0: off)."),
     "status_port": Opt(None, "Serve the job's status page, /status.json and /metrics on this "

@@ -164,6 +164,24 @@ def _rendezvous(values: Values, nnodes: tuple[int, int]) -> tuple[str, str, str,
     return backend, ",".join(normalized), run_id, nnodes
 
 
+def _start_method(values: Values) -> str:
+    """``--start-method``, reconciled with ``--[no-]warm-standby`` (its older spelling):
+    ``fork`` and ``forkserver`` fork workers from the fork server, ``spawn`` starts a fresh
+    interpreter for each. Both given and disagreeing: refused."""
+    method = values.stripped("start_method")
+    if method not in START_METHODS:
+        values.fail("start_method", "one of " + ", ".join(START_METHODS))
+    if not values.given("warm_standby"):
+        return method
+    warm = values.switch("warm_standby")
+    if values.given("start_method") and warm != (method != "spawn"):
+        raise ConfigError(
+            f"{values.label('warm_standby')}: contradicts {values.label('start_method')} "
+            f"{method} (fork and forkserver use the fork server, spawn does not); give one"
+        )
+    return method if values.given("start_method") else ("forkserver" if warm else "spawn")
+
+
 def _entry(values: Values, script: str | None) -> tuple[str, bool, bool, bool]:
     """(entrypoint, module, no_python, run_path) from the flags."""
     module, no_python, run_path = (values.switch(d) for d in ("module", "no_python", "run_path"))
@@ -246,9 +264,7 @@ def parse_args(argv: Sequence[str] | None = None) -> LaunchConfig:
     node_rank = values.integer("node_rank", 0)
     if values.stripped("rdzv_backend") == "static" and node_rank >= nnodes[1]:
         values.fail("node_rank", f"a rank below the number of nodes ({nnodes[1]})")
-    start_method = values.stripped("start_method")
-    if start_method not in START_METHODS:
-        values.fail("start_method", "one of " + ", ".join(START_METHODS))
+    start_method = _start_method(values)
     role = values.stripped("role") or values.fail("role", "a non-empty role name")
     backend, endpoint, run_id, (min_nodes, max_nodes) = _rendezvous(values, nnodes)
     if node_rank and backend != "static":
@@ -256,7 +272,7 @@ def parse_args(argv: Sequence[str] | None = None) -> LaunchConfig:
     log_dir = values.text("log_dir") or None
     if log_dir is not None:
         _check_log_dir(values, log_dir)
-    return LaunchConfig(
+    config = LaunchConfig(
         min_nodes=min_nodes, max_nodes=max_nodes, node_rank=node_rank,
         rdzv_backend=backend, rdzv_endpoint=endpoint, rdzv_id=run_id,
         rdzv_conf=_with_secret(values.parsed("rdzv_conf", parse_rdzv_conf)),
@@ -274,7 +290,6 @@ def parse_args(argv: Sequence[str] | None = None) -> LaunchConfig:
         shutdown_timeout=_shutdown_timeout(values),
         watchdog=os.environ.get("TORCHELASTIC_ENABLE_FILE_TIMER", "").strip() == "1",
         watchdog_file=os.environ.get("TORCHELASTIC_TIMER_FILE", "").strip() or None,
-        warm_standby=values.switch("warm_standby", default=True),
         hang_timeout=values.number("hang_timeout", positive=False),
         status_port=values.integer("status_port", 1, 65535) if values.given("status_port") else None,
         status_host=_check_host(values, "status_host") or "127.0.0.1",
@@ -285,6 +300,13 @@ def parse_args(argv: Sequence[str] | None = None) -> LaunchConfig:
         nproc_per_node=(nproc := _resolve_nproc(values, nproc_kind)),
         redirects=_std(values, "redirects", nproc), tee=_std(values, "tee", nproc),
     )  # fmt: skip
+    if config.alone and values.given("rdzv_conf"):
+        logger.warning(
+            "%s=%s ignored: a single-node job (%s) has no rendezvous to configure",
+            values.label("rdzv_conf"), values.text("rdzv_conf"),
+            "--standalone" if config.standalone else "--nnodes 1 without a rendezvous endpoint",
+        )  # fmt: skip
+    return config
 
 
 def _shutdown_timeout(values: Values) -> float:

@@ -51,7 +51,8 @@ __all__ = [
 BACKENDS = ("static", "c10d", "etcd")
 """The rendezvous backends relaunch implements."""
 START_METHODS = ("spawn", "fork", "forkserver")
-"""The multiprocessing start methods torchrun accepts."""
+"""torchrun's start methods: fork and forkserver fork workers from relaunch's fork server,
+spawn starts a fresh interpreter for each."""
 DEFAULT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
 """torchrun's default ``--signals-to-handle``."""
 
@@ -126,7 +127,9 @@ class LaunchConfig:
     monitor_interval: float
     """Seconds between two checks of the workers, > 0."""
     start_method: str
-    """``"spawn"``, ``"fork"`` or ``"forkserver"`` (for function entrypoints)."""
+    """How workers start: ``"forkserver"`` or ``"fork"``, forked from a fork server that has
+    imported what the workers import (fast restarts; started only while restarts remain,
+    and not for ``no_python`` entrypoints); ``"spawn"``, a fresh interpreter each."""
     role: str
     """The workers' role (``ROLE_NAME``)."""
     entrypoint: str
@@ -155,10 +158,6 @@ class LaunchConfig:
     """This node's address as the others should reach it; None = let the backend decide."""
     exit_barrier_timeout: float
     """Seconds a finished node waits at the exit barrier for the others, >= 0."""
-    warm_standby: bool
-    """Keep a warm interpreter (torch imported) per local rank for fast restarts.
-
-    Meaningless for ``no_python`` entrypoints, where the agent ignores it."""
     log_line_prefix_template: str | None
     """Console prefix template using ``${role_name}``, ``${rank}``, ``${local_rank}``."""
     signals_to_handle: tuple[int, ...]
@@ -212,7 +211,7 @@ class LaunchConfig:
         ):
             raise _bad("args", "a tuple of str", self.args)
         self._set("args", tuple(self.args))
-        for name in ("module", "no_python", "run_path", "warm_standby"):
+        for name in ("module", "no_python", "run_path"):
             _check_bool(name, getattr(self, name))
         if self.module and self.no_python:
             raise _bad("no_python", "False when module is True", self.no_python)
@@ -257,6 +256,11 @@ class LaunchConfig:
 
     def _set(self, name: str, value: Any) -> None:
         object.__setattr__(self, name, value)
+
+    @property
+    def warm_standby(self) -> bool:
+        """Workers are forked from the fork server (``start_method`` fork or forkserver)."""
+        return self.start_method != "spawn"
 
     @property
     def alone(self) -> bool:

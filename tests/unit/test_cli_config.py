@@ -48,7 +48,6 @@ def _config(**overrides: Any) -> LaunchConfig:
         "master_port": None,
         "local_addr": None,
         "exit_barrier_timeout": 300,
-        "warm_standby": True,
         "log_line_prefix_template": None,
         "signals_to_handle": (signal.SIGTERM,),
     }

@@ -42,7 +42,7 @@ def test_defaults_single_node_falls_back_to_c10d_like_torchrun(script: str) -> N
     assert config.args == ("--lr", "0.1")
     assert config.max_restarts == 0
     assert config.monitor_interval == 0.1
-    assert config.start_method == "spawn"
+    assert config.start_method == "forkserver"
     assert config.role == "default"
     assert (config.module, config.no_python, config.run_path) == (False, False, False)
     assert config.log_dir is None

@@ -8,7 +8,13 @@ from dataclasses import dataclass
 
 from relaunch.errors import ConfigError
 
-__all__ = ["COMMON_CONF_KEYS", "RendezvousSettings", "check_conf_keys", "settings_from_conf"]
+__all__ = [
+    "COMMON_CONF_KEYS",
+    "RendezvousSettings",
+    "check_conf_keys",
+    "conf_seconds",
+    "settings_from_conf",
+]
 
 _SECONDS = (
     "join_timeout",
@@ -102,6 +108,13 @@ def _number(conf: Mapping[str, str], key: str) -> float | None:
     if not math.isfinite(value) or value <= 0:
         raise ConfigError(f"--rdzv-conf {key} must be a positive number of seconds, got {raw!r}")
     return value
+
+
+def conf_seconds(conf: Mapping[str, str], key: str, default: float) -> float:
+    """``conf[key]`` as a positive number of seconds, else ``default``; ConfigError naming
+    the key when it is not one."""
+    value = _number(conf, key)
+    return default if value is None else value
 
 
 def settings_from_conf(

@@ -2,9 +2,13 @@
 
 Static: every node knows its rank (``--node-rank``) and the node count; node 0
 hosts a TCP store at ``--master-addr:--master-port`` (or the endpoint). Each
-round is a barrier of all nodes on that store, so a node that restarts its
-workers makes the others restart too (they see it waiting). Standalone: one
-node, no network at all.
+round is a barrier of all nodes on that store: every node writes its own join
+record (``round/<n>/node/<rank>``) and the round is complete when all of them are
+there, so a node that restarts its workers makes the others restart too (they see
+it waiting). ``--rdzv-conf`` keys: ``join_timeout`` (seconds, default 600) and
+``secret_file`` (every record signed with the job's secret, as for the dynamic
+backends: a node without it, or with another, cannot join). Standalone: one node,
+no network at all.
 """
 
 from __future__ import annotations
@@ -19,19 +23,28 @@ from relaunch._endpoint import split_endpoint
 from relaunch.errors import (
     ConfigError,
     RendezvousClosedError,
+    RendezvousStateError,
     RendezvousTimeoutError,
     StoreTimeoutError,
 )
+from relaunch.rendezvous._settings import check_conf_keys, conf_seconds
 from relaunch.rendezvous.api import RendezvousHandler, RendezvousInfo, RendezvousParameters
 from relaunch.store import Store
 from relaunch.store.memory import MemoryStore
 from relaunch.store.prefix import PrefixStore
 
-__all__ = ["StandaloneRendezvousHandler", "StaticRendezvousHandler", "create_static_handler"]
+__all__ = [
+    "STATIC_CONF_KEYS",
+    "StandaloneRendezvousHandler",
+    "StaticRendezvousHandler",
+    "create_static_handler",
+]
 
 log = logging.getLogger(__name__)
 
 _CLOSED_KEY = "closed"
+STATIC_CONF_KEYS = ("join_timeout", "secret_file")
+"""The ``--rdzv-conf`` keys the static backend reads (any other is refused)."""
 
 
 class _FixedMembership:
@@ -123,6 +136,7 @@ class StaticRendezvousHandler(_FixedMembership):
         num_nodes: int,
         timeout: float = 600.0,
         bind_host: str = "0.0.0.0",
+        secret: bytes | None = None,
     ) -> None:
         from relaunch.store.tcp import TCPStoreClient, TCPStoreServer
 
@@ -138,7 +152,12 @@ class StaticRendezvousHandler(_FixedMembership):
         if node_rank == 0:
             self._server = TCPStoreServer(host=bind_host, port=port)
             self._server.start()
-        self._client: Store = TCPStoreClient(host, port, timeout=timeout, prefix=f"static/{run_id}")
+        client: Store = TCPStoreClient(host, port, timeout=timeout, prefix=f"static/{run_id}")
+        if secret is not None:
+            from relaunch.store.signed import SignedStore
+
+            client = SignedStore.over(client, secret)
+        self._client = client
 
     def get_backend(self) -> str:
         return "static"
@@ -149,9 +168,13 @@ class StaticRendezvousHandler(_FixedMembership):
         rnd = self._round
         self._round += 1
         store = PrefixStore(self._client, f"round/{rnd}/")
-        if store.add("joined", 1) >= self._size:
-            store.set("complete", b"1")
+        store.add("joined", 1)  # what num_nodes_waiting counts
+        # Each node writes its own record (signed with the job's secret, if any), so a
+        # round completes only with every rank present, once each.
+        store.set(f"node/{self._rank}", str(self._rank).encode())
+        records = [f"node/{rank}" for rank in range(self._size)]
         deadline = time.monotonic() + self._timeout
+        refused_seen: set[str] = set()
         while True:  # in slices, so that interrupt() is honoured
             if self._interrupted.is_set():
                 raise RendezvousClosedError(f"rendezvous {self._run_id!r} interrupted")
@@ -162,11 +185,51 @@ class StaticRendezvousHandler(_FixedMembership):
                     f"{self._timeout:.0f}s"
                 )
             try:
-                store.wait(["complete"], timeout=min(1.0, left))
-                break
+                store.wait(records, timeout=min(1.0, left))
             except StoreTimeoutError:
                 continue
+            refused = self._refused_record(store, rnd)
+            if refused is None:
+                break
+            if refused not in refused_seen:  # a stranger's record: wait for the real node's
+                refused_seen.add(refused)
+                log.warning("%s; waiting for the node of that rank", refused)
+            self._interrupted.wait(0.2)
         return RendezvousInfo(store=store, rank=self._rank, world_size=self._size, round=rnd)
+
+    def _refused_record(self, store: Store, rnd: int) -> str | None:
+        """Why a join record of round ``rnd`` is refused (signed with another secret, or
+        with none when the job has one), or None when all of them are valid.
+
+        Node 0 hosts the store: a node that cannot verify node 0's record is the one
+        without the job's secret, and ends with RendezvousStateError. A refused record
+        of another rank is a stranger's, which the real node of that rank overwrites."""
+        from relaunch.store.signed import is_signed
+
+        for rank in range(self._size):
+            key = f"node/{rank}"
+            try:
+                raw = store.get(key)
+            except RendezvousStateError as exc:  # this job signs: unsigned or forged
+                why = str(exc)
+            else:
+                if raw == str(rank).encode():
+                    continue
+                why = f"the record at key {key!r} is not rank {rank}'s: refused"
+                if raw is not None and is_signed(raw):
+                    why = (
+                        f"the record at key {key!r} is signed with a job secret this node "
+                        "does not have (--rdzv-conf secret_file): refused"
+                    )
+            why = f"static rendezvous round {rnd}: {why}"
+            if rank == 0 and self._rank != 0:
+                raise RendezvousStateError(
+                    f"{why}; node 0 hosts this job's store: this node's secret is not the job's"
+                )
+            if rank == self._rank:  # a stranger overwrote ours
+                store.set(key, str(rank).encode())
+            return why
+        return None
 
     def interrupt(self) -> None:
         self._interrupted.set()
@@ -180,11 +243,8 @@ class StaticRendezvousHandler(_FixedMembership):
     def num_nodes_waiting(self) -> int:
         if self.is_closed():
             return 1
-        raw = self._client.get(f"round/{self._round}/joined")
-        try:
-            return int(raw) if raw else 0
-        except ValueError:
-            return 0
+        # A counter (add, never signed): read it with add(0), never get.
+        return max(0, self._client.add(f"round/{self._round}/joined", 0))
 
     def record_failure(self, failed_round: int) -> int:
         marker = f"failed/{failed_round}"
@@ -200,7 +260,7 @@ class StaticRendezvousHandler(_FixedMembership):
         """Nothing: the static backend has no status store (the page shows this node)."""
 
     def restart_count(self) -> int:
-        return int(self._client.get("restarts") or b"0")
+        return self._client.add("restarts", 0)
 
     def get_run_id(self) -> str:
         return self._run_id
@@ -222,8 +282,14 @@ def create_static_handler(params: RendezvousParameters) -> RendezvousHandler:
             f"--nnodes: the static backend needs a fixed node count, got "
             f"{params.min_nodes}:{params.max_nodes}"
         )
+    check_conf_keys(params.conf, STATIC_CONF_KEYS)
     host, port = split_endpoint(params.endpoint, None)
-    timeout = float(params.conf.get("join_timeout", "600"))
+    timeout = conf_seconds(params.conf, "join_timeout", 600.0)
+    secret = None
+    if "secret_file" in params.conf:
+        from relaunch.store.signed import read_secret
+
+        secret = read_secret(params.conf["secret_file"])
     bind = params.local_addr if params.local_addr else "0.0.0.0"
     return StaticRendezvousHandler(
         run_id=params.run_id,
@@ -233,4 +299,5 @@ def create_static_handler(params: RendezvousParameters) -> RendezvousHandler:
         num_nodes=params.max_nodes,
         timeout=timeout,
         bind_host=bind,
+        secret=secret,
     )
