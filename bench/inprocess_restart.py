@@ -2,6 +2,7 @@
 
     python bench/inprocess_restart.py [--runs 3] [--faults exception,sigkill,hang]
                                       [--launcher-a relaunch] [--single-node]
+                                      [--watchdog-runs 20] [--watchdog-pause 0.03]
 
 The same 2x2 gloo DDP job (two agents of two workers each on this host, c10d
 rendezvous) and the same fault, injected in rank 1 at step 20, recovered
@@ -12,7 +13,11 @@ Reported: seconds from the fault to the moment every surviving rank completed a
 training step again (median of ``--runs``), and the ratio; then the wrapper's
 overhead on a step loop without faults (one node of ``--overhead-workers``, the
 2x2 job's step time varies too much between runs; ``--overhead-runs`` interleaved
-pairs; the spread of the runs is the noise floor). Run by hand, not in CI.
+pairs; the spread of the runs is the noise floor); then NVIDIA's standalone
+``ProgressWatchdog`` (``--watchdog-runs``, in this process): after a pause of
+``--watchdog-pause`` s, from ``resume()`` to the first fresh progress timestamp, and
+the gap between the last timestamp before the pause and that one. Run by hand, not
+in CI.
 """
 
 from __future__ import annotations
@@ -263,6 +268,46 @@ def overhead(
     return result, shares
 
 
+def watchdog_resume(runs: int, pause: float, interval: float) -> tuple[list[float], list[float]]:
+    """NVIDIA's ProgressWatchdog paused for ``pause`` s, then resumed: seconds from
+    ``resume()`` to the first fresh timestamp, and from the last timestamp before the
+    pause to it (the pause, plus that delay), per run."""
+    import datetime
+
+    from relaunch.inprocess.progress_watchdog import ProgressWatchdog, Timestamp
+
+    class Collect:
+        def __init__(self) -> None:
+            self.stamps: list[Timestamp] = []
+
+        def send_timestamp(self, stamp: Timestamp) -> None:
+            self.stamps.append(stamp)
+
+    latency: list[float] = []
+    gap: list[float] = []
+    for _ in range(runs):
+        collect = Collect()
+        watchdog = ProgressWatchdog(0, collect, datetime.timedelta(seconds=interval))
+        watchdog.start()
+        try:
+            while len(collect.stamps) < 5:
+                time.sleep(interval)  # the main thread runs Python: the probes land
+            watchdog.pause_and_synchronize()
+            before = collect.stamps[-1]
+            time.sleep(pause)
+            resumed = time.monotonic()
+            watchdog.resume()
+            while not [s for s in collect.stamps if s.auto is not None and s.auto > resumed]:
+                time.sleep(interval / 10)
+        finally:
+            watchdog.shutdown()
+        fresh = next(s.auto for s in collect.stamps if s.auto is not None and s.auto > resumed)
+        assert before.auto is not None
+        latency.append(fresh - resumed)
+        gap.append(fresh - before.auto)
+    return latency, gap
+
+
 def main() -> None:
     in_loopback_netns()
     parser = argparse.ArgumentParser(description=__doc__)
@@ -278,6 +323,9 @@ def main() -> None:
     )
     parser.add_argument("--overhead-runs", type=int, default=5, help="interleaved pairs")
     parser.add_argument("--cases", default="ab", help="which of (a) and (b) to run")
+    parser.add_argument("--watchdog-runs", type=int, default=20, help="0: skip")
+    parser.add_argument("--watchdog-pause", type=float, default=0.03, help="seconds")
+    parser.add_argument("--watchdog-interval", type=float, default=0.001, help="seconds")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="relaunch_bench_") as tmp:
         script = os.path.join(tmp, "train.py")
@@ -301,6 +349,19 @@ def main() -> None:
                 print(f"  {fault:9s} ({key}) {fmt(times[key])}")
             if times.get("a") and times.get("b"):
                 print(f"  {'':9s} ratio b/a {median(times['b']) / median(times['a']):.1f}x")
+        if args.watchdog_runs:
+            latency, gap = watchdog_resume(
+                args.watchdog_runs, args.watchdog_pause, args.watchdog_interval
+            )
+            print(
+                f"ProgressWatchdog, interval {args.watchdog_interval * 1e3:g} ms, paused "
+                f"{args.watchdog_pause * 1e3:g} ms, median of {args.watchdog_runs}:"
+            )
+            print(
+                f"  resume -> first fresh timestamp {median(latency) * 1e3:.2f} ms "
+                f"(max {max(latency) * 1e3:.2f}); last timestamp before the pause -> it "
+                f"{median(gap) * 1e3:.2f} ms (min {min(gap) * 1e3:.2f})"
+            )
         if not args.overhead_steps:
             return
         per_step, shares = overhead(args.launcher_a, args, script)

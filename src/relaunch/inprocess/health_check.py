@@ -6,17 +6,23 @@ the job (``HealthCheckError``) and the others go on. The ``Chained*`` checks rea
 hardware through NVML (``pynvml``) or sysfs; where that is not available (no GPU, no
 NVML, no InfiniBand) they can still be built and called: they log once that the check
 is not available and pass, so a CPU job is never failed for lacking a GPU.
+
+After an interruption the wrapper runs :func:`restart_health_check`'s chain, as
+NVIDIA's 0.7 does: with ``LOCAL_RANK`` set, first the NIC, NVLink and GPU checks of
+device ``LOCAL_RANK``, in that order, then the user's ``health_check``.
 """
 
 from __future__ import annotations
 
 import abc
+import asyncio
 import datetime
-import glob
 import os
 import threading
+from collections.abc import Awaitable, Callable
 from typing import Any
 
+from relaunch.inprocess import _nic
 from relaunch.inprocess._logs import get_logger
 from relaunch.inprocess.exception import HealthCheckError, RestartError, TimeoutError
 
@@ -28,6 +34,7 @@ __all__ = [
     "FaultCounter",
     "FaultCounterExceeded",
     "HealthCheck",
+    "NicHealthCheck",
     "restart_health_check",
 ]
 
@@ -193,39 +200,153 @@ class ChainedNVLHealthCheck(_NvmlCheck):
         log.warning("NVLink health: %s", "; ".join(problems))
 
 
+class NicHealthCheck:
+    """NVIDIA's ``shared_utils.health_check.NicHealthCheck``: watches the InfiniBand
+    ports of the NIC nearest to GPU ``device_index`` (NVIDIA's pairing: in the PCI tree,
+    or in ``pci_topo_file``, an XML topology for clouds that hide the PCI tree; the
+    GPUs' bus ids come from NVML), or of every InfiniBand device when ``device_index``
+    is None. A port is unhealthy when it was ``ACTIVE`` and is not
+    (or is gone), or when its ``link_downed`` counter (at ``link_down_path_template``,
+    ``{nic}`` and ``{port}`` filled in) grew since the last healthy reading; the first
+    reading is taken here. Where there is no such NIC (no InfiniBand, no NVML to pair
+    the GPU) nothing is watched (``nics`` is empty, ``reason`` says why) and every
+    check passes. Calling it returns True when healthy.
+
+    ``sysfs_root`` (not NVIDIA's) is where sysfs is read (``/sys``, or a test's tree).
+    ``interval`` and ``on_failure`` serve :meth:`async_check`, as NVIDIA's.
+    """
+
+    def __init__(
+        self,
+        device_index: int | None = None,
+        interval: int = 60,
+        pci_topo_file: str | None = None,
+        link_down_path_template: str | None = None,
+        on_failure: Callable[[], Awaitable[Any]] | None = None,
+        *,
+        sysfs_root: str = "/sys",
+    ) -> None:
+        self.interval = interval
+        self.pci_topo_file = pci_topo_file
+        self.on_failure = on_failure
+        self.sysfs_root = sysfs_root
+        self.link_down_path_template = link_down_path_template or os.path.join(
+            sysfs_root, "class", "infiniband", "{nic}", "ports", "{port}", "counters", "link_downed"
+        )
+        self.nic_name: str | None = None
+        self.nics: tuple[str, ...] = ()
+        self.reason = ""
+        self._accepted: dict[tuple[str, str], _nic.PortReading] = {}
+        if device_index is None:
+            self._watch(tuple(_nic.infiniband_devices(sysfs_root)), "no InfiniBand device")
+        else:
+            self.set_nic_device(device_index)
+
+    def set_nic_device(self, local_rank: int) -> None:
+        """Watch the NIC nearest to GPU ``local_rank`` (none if it cannot be told)."""
+        self.nic_name = None
+        if not _nic.infiniband_devices(self.sysfs_root):
+            self._watch((), "no InfiniBand device")
+            return
+        gpus, name = _nvml_gpus()
+        if not gpus:
+            self._watch((), f"no GPU bus ids from NVML to pair GPU {local_rank} with a NIC")
+            return
+        self.nic_name = _nic.nic_for_gpu(
+            self.sysfs_root, local_rank, gpus, self.pci_topo_file, gb200="B200" in name.upper()
+        )
+        if self.nic_name is None:
+            self._watch((), f"no InfiniBand device is paired with GPU {local_rank}")
+        else:
+            self._watch((self.nic_name,), "")
+
+    def _watch(self, nics: tuple[str, ...], reason: str) -> None:
+        self.nics, self.reason, self._accepted = nics, reason, {}
+        self.check()  # the first reading
+
+    def check(self) -> list[str]:
+        """Read every watched port; what is wrong, one line a port (empty: healthy)."""
+        problems = []
+        for nic in self.nics:
+            ports = _nic.port_names(self.sysfs_root, nic)
+            ports += [p for n, p in self._accepted if n == nic and p not in ports]  # gone
+            for port in ports:
+                now = _nic.read_port(self.sysfs_root, nic, port, self.link_down_path_template)
+                accepted = self._accepted.get((nic, port))
+                problem = _nic.compare(accepted, now) if accepted is not None else None
+                if problem is None:
+                    self._accepted[nic, port] = now
+                else:  # stays unhealthy: the reading is not accepted
+                    problems.append(f"{nic} port {port}: {problem}")
+        return problems
+
+    def __call__(self) -> bool:
+        return not self.check()
+
+    async def async_check(self) -> None:
+        """Check every ``interval`` seconds, forever; await ``on_failure()`` on a failure."""
+        while True:
+            await asyncio.sleep(self.interval)
+            if self.check() and self.on_failure is not None:
+                await self.on_failure()
+
+
+def _nvml_gpus() -> tuple[dict[int, str], str]:
+    """Each GPU's PCI bus id by NVML index (``0000:05:00.0``) and GPU 0's name; nothing
+    where NVML is not available."""
+    available, _ = _nvml()
+    if not available:
+        return {}, ""
+    import pynvml
+
+    try:
+        gpus = {}
+        for index in range(pynvml.nvmlDeviceGetCount()):
+            bus_id = pynvml.nvmlDeviceGetPciInfo(pynvml.nvmlDeviceGetHandleByIndex(index)).busId
+            bus_id = bus_id.decode() if isinstance(bus_id, bytes) else str(bus_id)
+            gpus[index] = bus_id.lower()[-12:]  # NVML's 8-digit domain, sysfs's 4
+        name = pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(0))
+    except Exception as exc:
+        log.info("GPU PCI bus ids not available from NVML (%s)", exc)
+        return {}, ""
+    return gpus, name.decode() if isinstance(name, bytes) else str(name)
+
+
 class ChainedNicHealthCheck(HealthCheck):
-    """Every InfiniBand/RoCE port (sysfs) is ACTIVE; not available without any."""
+    """NVIDIA's NIC check after a fault: :class:`NicHealthCheck` of GPU ``device_index``
+    (every InfiniBand device when None) fails the rank with ``HealthCheckError`` when a
+    port went down or its ``link_downed`` counter grew since the check was built. Where
+    there is no such NIC it says so once and passes. ``sysfs_root``: as NicHealthCheck's."""
 
     what = "NIC"
 
-    def __init__(self, device_index: int | None = None) -> None:
+    def __init__(self, device_index: int | None = None, *, sysfs_root: str = "/sys") -> None:
         self.device_index = device_index
+        self._nic_checker = NicHealthCheck(device_index=device_index, sysfs_root=sysfs_root)
         self._told = False
 
     def __call__(self, state: Any, train_ex: BaseException | None = None) -> Any:
-        ports = sorted(glob.glob("/sys/class/infiniband/*/ports/*/state"))
-        if not ports:
+        checker = self._nic_checker
+        if not checker.nics:
             if not self._told:
-                log.info("NIC health check not available: no InfiniBand port in sysfs")
+                log.info("NIC health check not available: %s", checker.reason)
                 self._told = True
             return state
-        down = []
-        for path in ports:
-            try:
-                with open(path) as f:
-                    if "ACTIVE" not in f.read():
-                        down.append(path.split("/")[4] + " port " + path.split("/")[6])
-            except OSError as exc:
-                down.append(f"{path}: {exc}")
-        if down:
-            raise HealthCheckError("NIC health check failed - link down: " + ", ".join(down))
+        problems = checker.check()
+        if problems:
+            raise HealthCheckError(
+                "NIC health check failed - link down detected: " + "; ".join(problems)
+            )
         return state
 
 
 def restart_health_check(user: Any) -> Any:
-    """The checks run after an interruption: the user's (a list runs in its order; a
-    Compose as composed), then NVIDIA's GPU and NVLink checks of ``LOCAL_RANK``. As
-    one :class:`~relaunch.inprocess.Compose`, or None when there is nothing to run."""
+    """The checks run after an interruption, as one :class:`~relaunch.inprocess.Compose`
+    (None when there is nothing to run), built as NVIDIA's 0.7 builds it:
+    ``Compose(*user, ChainedGPUHealthCheck, ChainedNVLHealthCheck,
+    ChainedNicHealthCheck)``, the three of device ``LOCAL_RANK`` (left out without it).
+    A Compose runs its last instance first, so the hardware runs first, NIC, NVLink,
+    GPU, then the user's checks (a list in its order; a Compose as composed)."""
     from relaunch.inprocess import wrap  # NVIDIA's tests patch the check classes there
     from relaunch.inprocess.compose import Compose
 
@@ -243,5 +364,6 @@ def restart_health_check(user: Any) -> Any:
         items += [
             wrap.ChainedGPUHealthCheck(device_index=device),
             wrap.ChainedNVLHealthCheck(device_index=device),
+            wrap.ChainedNicHealthCheck(device_index=device),
         ]
     return Compose(*items) if items else None

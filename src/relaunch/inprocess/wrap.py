@@ -2,7 +2,8 @@
 per-call :class:`~relaunch.inprocess.wrapper.CallWrapper`.
 
 The Wrapper builds its ``restart_health_check`` from the check classes named here
-(so code that patches ``wrap.ChainedGPUHealthCheck`` changes what it builds).
+(so code that patches ``wrap.ChainedGPUHealthCheck``, ``wrap.ChainedNVLHealthCheck`` or
+``wrap.ChainedNicHealthCheck`` changes what it builds).
 """
 
 from __future__ import annotations
@@ -14,12 +15,19 @@ from typing import Any, TypeVar
 from relaunch.inprocess.config import WrapperConfig
 from relaunch.inprocess.health_check import (
     ChainedGPUHealthCheck,
+    ChainedNicHealthCheck,
     ChainedNVLHealthCheck,
     restart_health_check,
 )
 from relaunch.inprocess.wrapper import CallWrapper
 
-__all__ = ["CallWrapper", "ChainedGPUHealthCheck", "ChainedNVLHealthCheck", "Wrapper"]
+__all__ = [
+    "CallWrapper",
+    "ChainedGPUHealthCheck",
+    "ChainedNVLHealthCheck",
+    "ChainedNicHealthCheck",
+    "Wrapper",
+]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -37,8 +45,10 @@ class Wrapper:
     def __init__(self, **kwargs: Any) -> None:
         self.config = WrapperConfig(**kwargs)
         self.restart_health_check = restart_health_check(self.config.health_check)
-        """What runs after an interruption: the user's health checks, then NVIDIA's GPU and
-        NVLink checks for ``LOCAL_RANK`` (None without ``LOCAL_RANK`` and user checks)."""
+        """What runs after an interruption, as NVIDIA's 0.7: the NIC, NVLink and GPU checks
+        of device ``LOCAL_RANK`` first (in that order), then the user's ``health_check``
+        (a Compose whose ``instances`` are the user's, GPU, NVLink, NIC: the last runs
+        first). None without ``LOCAL_RANK`` and user checks."""
 
     def __getattr__(self, name: str) -> Any:
         if name in ("config", "restart_health_check"):
