@@ -95,6 +95,89 @@ def test_a_fork_unsafe_server_refuses_and_workers_start_fresh(
         server.close()
 
 
+# A thread of C code only, started with libc's pthread_create: it runs pause() with every
+# signal blocked (so it never returns) and has no Python thread state.
+NATIVE_THREAD = """
+import ctypes, signal
+
+def start_native_thread():
+    libc = ctypes.CDLL(None, use_errno=True)
+    pause = ctypes.cast(libc.pause, ctypes.c_void_p)
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
+    try:
+        assert libc.pthread_create(ctypes.byref(ctypes.c_ulong()), None, pause, None) == 0
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+"""
+
+
+@pytest.mark.parametrize(
+    ("module", "why"),
+    [
+        # started while the server imported the module
+        ("native_at_import", "importing native_at_import started 1 thread"),
+        # started after the preload (here from a timer's signal handler): seen at fork time
+        ("native_later", "1 native thread(s) running"),
+    ],
+)
+def test_a_native_thread_makes_the_server_refuse(tmp_path: Path, module: str, why: str) -> None:
+    (tmp_path / "native_at_import.py").write_text(NATIVE_THREAD + "start_native_thread()\n")
+    (tmp_path / "native_later.py").write_text(
+        NATIVE_THREAD
+        + "import os\n"
+        + "def later(signum, frame):\n"
+        + "    start_native_thread()\n"
+        + "    open(os.path.join(os.path.dirname(__file__), 'started'), 'w').close()\n"
+        + "signal.signal(signal.SIGALRM, later)\n"
+        + "signal.setitimer(signal.ITIMER_REAL, 0.2)\n"
+    )
+    server = server_for(tmp_path, ["json", module])
+    try:
+        if module == "native_later":
+            wait_for(lambda: (tmp_path / "started").exists(), what="the late native thread")
+        entry, specs = job(tmp_path, SCRIPT)
+        procs = WorkerProcesses(entry, specs, fork_server=server)
+        procs.start()
+        assert procs.forked == []
+        assert procs.fork_refused is not None and why in procs.fork_refused
+        wait_for(lambda: all(c is not None for c in procs.poll().values()))
+        assert procs.close() == {0: 0, 1: 3}
+        assert (tmp_path / "out_0.log").read_text().strip() == "cold"
+    finally:
+        server.close()
+
+
+def test_initialized_cuda_makes_the_server_refuse(tmp_path: Path) -> None:
+    """The check asks the server's torch, ``torch.cuda.is_initialized()``. Without a GPU
+    CUDA cannot be initialized: the module sets the flag ``torch.cuda._lazy_init`` sets
+    once CUDA is up. With a GPU it initializes CUDA for real; the driver's own threads
+    or files may then be what the refusal names first."""
+    (tmp_path / "cuda_user.py").write_text(
+        "import os, torch\n"
+        "if torch.cuda.is_available():\n"
+        "    torch.cuda.init()\n"
+        "    open(os.path.join(os.path.dirname(__file__), 'real_cuda'), 'w').close()\n"
+        "else:\n"
+        "    torch.cuda._initialized = True\n"
+        "assert torch.cuda.is_initialized()\n"
+    )
+    server = server_for(tmp_path, ["json", "cuda_user"])
+    try:
+        entry, specs = job(tmp_path, SCRIPT)
+        procs = WorkerProcesses(entry, specs, fork_server=server)
+        procs.start()
+        assert procs.forked == []
+        if (tmp_path / "real_cuda").exists():
+            assert procs.fork_refused is not None
+        else:
+            assert procs.fork_refused == "CUDA is initialized"
+        wait_for(lambda: all(c is not None for c in procs.poll().values()))
+        assert procs.close() == {0: 0, 1: 3}
+        assert (tmp_path / "out_0.log").read_text().strip() == "cold"
+    finally:
+        server.close()
+
+
 def test_forked_workers_die_with_the_server(tmp_path: Path) -> None:
     server = server_for(tmp_path, ["json"])
     body = "import os, time\nopen(os.environ['OUT'] + '/up_' + os.environ['LOCAL_RANK'], 'w')\n"
