@@ -5,9 +5,13 @@ agent share, named in the worker's environment and written by the runner (``_war
 
 - ``TORCHELASTIC_ERROR_FILE``: torch's error file (``@record``, or the runner when the
   script raised without it).
-- ``RELAUNCH_EXIT_FILE``: ``{"version": 1, "exitcode": N, "time": T}``, written by the
-  runner when the script ended with a non-zero status, before the interpreter tears
-  down: the agent treats the worker as exited with N from then on.
+- ``RELAUNCH_EXIT_FILE``: ``{"version": 2, "exitcode": N, "time": T}``, written by the
+  runner when the script ended, before the interpreter tears down. N != 0 (it raised
+  or exited non-zero): the agent treats the worker as exited with N from then on.
+  N == 0 (it returned, or exited 0): the worker is done and succeeded, whatever its
+  interpreter does afterwards (atexit handlers, C++ destructors that abort, a hang or
+  a signal death in teardown); T tells the agent when its teardown began. (Version 1
+  announced failures only.)
 - ``RELAUNCH_INPROCESS_MARKER``: exists while the worker runs under
   ``relaunch.inprocess`` (its peers go on without a lost rank).
 - ``RELAUNCH_INPROCESS_INCARNATION``: set for a replacement process of an in-process
@@ -26,6 +30,7 @@ agent share, named in the worker's environment and written by the runner (``_war
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 from dataclasses import dataclass
@@ -39,11 +44,12 @@ __all__ = [
     "PRELOAD_ENV",
     "STACK_SIGNAL",
     "AttemptFiles",
+    "ExitRecord",
     "read_exit_file",
     "read_marker",
 ]
 
-EXIT_FILE_VERSION = 1
+EXIT_FILE_VERSION = 2
 INCARNATION_ENV = "RELAUNCH_INPROCESS_INCARNATION"
 MARKER_ENV = "RELAUNCH_INPROCESS_MARKER"
 JOIN_WAIT_ENV = "RELAUNCH_INPROCESS_JOIN_WAIT"
@@ -92,9 +98,24 @@ class AttemptFiles:
         return env
 
 
-def read_exit_file(path: str) -> int | None:
-    """The exit code a runner announced, or None (no file, or not a valid one: the
-    process's real exit is awaited then)."""
+@dataclass(frozen=True)
+class ExitRecord:
+    """How a runner announced that its script ended (``RELAUNCH_EXIT_FILE``)."""
+
+    exitcode: int
+    """The status the script ended with: 0 when it returned (or exited 0)."""
+    time: float
+    """Wall-clock time of the announcement: when the interpreter's teardown began."""
+
+    @property
+    def returned(self) -> bool:
+        """The script returned (or exited 0): the worker succeeded, whatever follows."""
+        return self.exitcode == 0
+
+
+def read_exit_file(path: str) -> ExitRecord | None:
+    """What a runner announced, or None (no file, or not a valid one: the process's
+    real exit is awaited then)."""
     try:
         with open(path) as f:
             data = json.load(f)
@@ -102,10 +123,12 @@ def read_exit_file(path: str) -> int | None:
         return None
     if not isinstance(data, dict) or data.get("version") != EXIT_FILE_VERSION:
         return None
-    code = data.get("exitcode")
-    if isinstance(code, bool) or not isinstance(code, int) or code == 0:
+    code, when = data.get("exitcode"), data.get("time")
+    if isinstance(code, bool) or not isinstance(code, int):
         return None
-    return code
+    if isinstance(when, bool) or not isinstance(when, (int, float)) or not math.isfinite(when):
+        return None
+    return ExitRecord(exitcode=code, time=float(when))
 
 
 def read_marker(path: str) -> tuple[int | None, bool | None]:

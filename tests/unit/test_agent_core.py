@@ -3,6 +3,7 @@ sleeps, no processes); and the loop's bookkeeping of lost ranks around it."""
 
 from __future__ import annotations
 
+import json
 import signal
 from pathlib import Path
 
@@ -29,7 +30,7 @@ from relaunch.agent._core import (
     remaining_restarts,
     wants_fork_server,
 )
-from relaunch.agent._watch import drop, observe
+from relaunch.agent._watch import after_return, drop, observe
 
 T0 = 1_000_000.0
 POLICY = Policy(max_restarts=3)
@@ -185,6 +186,72 @@ def test_a_failure_is_reported_before_a_hang() -> None:
         RankView(local_rank=1, exitcode=3),
     ]
     assert decide(obs(ranks), HANGS) == RestartGroup(failed=(1,))
+
+
+# -- a worker whose script returned is done ------------------------------------------------
+TEARDOWN = Policy(max_restarts=3, hang_timeout=5.0, teardown_grace=30.0)
+
+
+def returned(lr: int, exitcode: int | None, at: float = T0, **kw: object) -> RankView:
+    return RankView(local_rank=lr, exitcode=exitcode, returned=at, **kw)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("code", [-signal.SIGABRT, -signal.SIGKILL, -signal.SIGSEGV, 7])
+def test_a_death_after_the_script_returned_is_a_success(code: int) -> None:
+    ranks = [returned(0, 0), returned(1, code)]
+    assert decide(obs(ranks), TEARDOWN) == ExitBarrier()
+
+
+def test_a_death_after_return_while_others_run_is_no_failure() -> None:
+    ranks = with_rank(running(3), returned(1, -signal.SIGABRT))
+    assert decide(obs(ranks), TEARDOWN) == Monitor()
+
+
+def test_a_death_before_return_still_fails_the_group() -> None:
+    ranks = [returned(0, -signal.SIGABRT), RankView(local_rank=1, exitcode=-signal.SIGABRT)]
+    assert decide(obs(ranks), TEARDOWN) == RestartGroup(failed=(1,))
+
+
+def test_a_teardown_is_awaited_for_the_grace_then_killed_as_a_success() -> None:
+    # Rank 1 returned first and hangs in teardown; the grace counts from the last return.
+    ranks = [returned(0, 0, at=T0 + 10.0), returned(1, None, at=T0, progress=T0)]
+    assert decide(obs(ranks, now=T0 + 39.9), TEARDOWN) == Monitor()  # no hang either
+    assert decide(obs(ranks, now=T0 + 40.0), TEARDOWN) == ExitBarrier(kill=(1,))
+
+
+def test_a_returned_inprocess_worker_that_dies_is_neither_dropped_nor_replaced() -> None:
+    ranks = with_rank(running(3, inprocess=True), returned(2, -signal.SIGKILL, inprocess=True))
+    assert decide(obs(ranks), Policy(max_restarts=2, max_respawns=2)) == Monitor()
+
+
+def test_a_tearing_down_worker_is_no_running_inprocess_peer() -> None:
+    ranks = [
+        returned(0, None, inprocess=True),
+        RankView(local_rank=1, exitcode=-signal.SIGKILL, inprocess=True),
+    ]
+    assert decide(obs(ranks), Policy(max_restarts=2, max_respawns=2)) == RestartGroup(failed=(1,))
+
+
+def test_waiting_nodes_never_restart_workers_that_returned() -> None:
+    ranks = with_rank(running(2), returned(1, None))
+    assert decide(obs(ranks, nodes_waiting=1), TEARDOWN) == Monitor()
+
+
+def test_the_loop_sees_a_returned_worker_in_its_exit_file(tmp_path: Path) -> None:
+    slots: dict[int, Slot] = {}
+    for lr in range(2):
+        files = AttemptFiles.in_dir(str(tmp_path / str(lr)))
+        Path(files.exit_file).parent.mkdir(parents=True)
+        Path(files.exit_file).write_text(json.dumps({"version": 2, "exitcode": 0, "time": T0}))
+        slots[lr] = Slot(env={}, files=files, started=T0)
+    codes: dict[int, int | None] = {0: 0, 1: -signal.SIGABRT}
+    seen = observe(slots, codes, watch_progress=False, stop_signal=None, nodes_waiting=0)
+    assert [(v.exitcode, v.returned) for v in seen.ranks] == [(0, T0), (-signal.SIGABRT, T0)]
+    action = decide(seen, POLICY)
+    assert action == ExitBarrier()
+    workers = [Worker(local_rank=lr, global_rank=2 + lr) for lr in range(2)]
+    notes = after_return(action, seen, workers, grace=30.0)
+    assert notes == {3: "died by SIGABRT in interpreter teardown"}
 
 
 # -- the restart budget -------------------------------------------------------------------

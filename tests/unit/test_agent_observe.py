@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from relaunch._contract import AttemptFiles, read_exit_file
+from relaunch._contract import AttemptFiles, ExitRecord, read_exit_file
 from relaunch.agent._core import oldest_hung
-from relaunch.agent._observe import announced_exit, last_progress
+from relaunch.agent._observe import announced_exit, last_progress, returned_at
 
 
 @pytest.fixture
@@ -28,22 +28,39 @@ def test_no_file_no_announced_exit(files: AttemptFiles) -> None:
         "",
         "{",
         "[]",
+        '{"version": 3, "exitcode": 1, "time": 1.0}',
+        '{"version": 1, "exitcode": 1, "time": 1.0}',
+        '{"version": 2}',
         '{"version": 2, "exitcode": 1}',
-        '{"version": 1}',
-        '{"version": 1, "exitcode": "1"}',
-        '{"version": 1, "exitcode": true}',
-        '{"version": 1, "exitcode": 0}',
+        '{"version": 2, "exitcode": "1", "time": 1.0}',
+        '{"version": 2, "exitcode": true, "time": 1.0}',
+        '{"version": 2, "exitcode": 0, "time": "1.0"}',
+        '{"version": 2, "exitcode": 0, "time": NaN}',
     ],
 )
 def test_a_corrupt_exit_file_is_ignored(files: AttemptFiles, content: str) -> None:
     Path(files.exit_file).write_text(content)
     assert read_exit_file(files.exit_file) is None
     assert announced_exit(files) is None
+    assert returned_at(files) is None
 
 
 def test_an_exit_file_announces_its_code(files: AttemptFiles) -> None:
-    Path(files.exit_file).write_text(json.dumps({"version": 1, "exitcode": 3, "time": 1.0}))
+    Path(files.exit_file).write_text(json.dumps({"version": 2, "exitcode": 3, "time": 1.0}))
+    assert read_exit_file(files.exit_file) == ExitRecord(exitcode=3, time=1.0)
     assert announced_exit(files) == 3
+    assert returned_at(files) is None
+
+
+def test_an_exit_file_with_status_0_says_the_script_returned(files: AttemptFiles) -> None:
+    Path(files.exit_file).write_text(json.dumps({"version": 2, "exitcode": 0, "time": 5.5}))
+    assert read_exit_file(files.exit_file) == ExitRecord(exitcode=0, time=5.5)
+    assert announced_exit(files) is None  # not a failure
+    assert returned_at(files) == 5.5
+    Path(files.error_file).write_text('{"message": "ValueError: x"}')
+    assert announced_exit(files) is None  # it returned: an error file changes nothing
+    Path(files.marker).write_text("")
+    assert returned_at(files) == 5.5  # in-process workers that returned too
 
 
 def test_a_complete_error_file_is_a_failure_a_partial_one_is_not_yet(
@@ -57,7 +74,7 @@ def test_a_complete_error_file_is_a_failure_a_partial_one_is_not_yet(
 
 def test_in_process_workers_announce_nothing(files: AttemptFiles) -> None:
     Path(files.marker).write_text("")
-    Path(files.exit_file).write_text(json.dumps({"version": 1, "exitcode": 3}))
+    Path(files.exit_file).write_text(json.dumps({"version": 2, "exitcode": 3, "time": 1.0}))
     assert announced_exit(files) is None
 
 

@@ -37,7 +37,7 @@ from relaunch.agent._round import (
 from relaunch.agent._spec import RunResult, Worker, WorkerGroup, WorkerSpec, WorkerState
 from relaunch.agent._status import NodeStatus, say
 from relaunch.agent._warmup import learn_modules, next_round, share_modules
-from relaunch.agent._watch import causes, failures, observe, report_hang
+from relaunch.agent._watch import after_return, causes, failures, observe, report_hang
 from relaunch.agent._workers import NodeWorkers
 from relaunch.errors import (
     ProcessFailure,
@@ -79,6 +79,7 @@ class LocalAgent:
             max_restarts=spec.max_restarts,
             fork_server=spec.warm_standby,
             max_respawns=spec.max_restarts if spec.entrypoint.is_python else 0,
+            teardown_grace=spec.stop_grace,
         )
         self._restart_count = 0
         self._attempt = -1
@@ -207,7 +208,8 @@ class LocalAgent:
         failures: dict[int, ProcessFailure] = {}
         if self._workers is not None and self._workers.running:
             obs = self._observe(ask_rendezvous=False)
-            failures = self._failures(tuple(v.local_rank for v in obs.ranks if v.exitcode), obs)
+            failed = tuple(v.local_rank for v in obs.ranks if v.exitcode and v.returned is None)
+            failures = self._failures(failed, obs)
         self._status.stop_publishing()
         self._stop_workers(signal.SIGTERM)
         if isinstance(exc, RendezvousStateError):
@@ -282,8 +284,11 @@ class LocalAgent:
             self._membership.mark()
             return None
         if isinstance(action, ExitBarrier):
+            notes = after_return(action, obs, self._group.workers, self._policy.teardown_grace)
+            if action.kill:
+                self._stop_workers(signal.SIGKILL)  # returned, then stuck in teardown
             self._group.state = WorkerState.SUCCEEDED
-            self._emit("workers_succeeded", attempt=self._attempt)
+            self._emit("workers_succeeded", attempt=self._attempt, after_return=notes)
             note = finish_round(
                 self._handler, self._info, self._spec.exit_barrier_timeout, self._emit
             )

@@ -13,7 +13,11 @@ The actions, in the order :func:`decide` considers them:
   the peers restart in their own processes; the dead ones are replaced by new
   processes that join the peers (``respawn``, while the rank's replacements are
   within the restart budget) or the group goes on without them;
-- :class:`ExitBarrier`: every worker exited and at least one succeeded;
+- :class:`ExitBarrier`: every worker is done (exited, or its script returned) and at
+  least one succeeded; a worker whose script returned is a success whatever its
+  interpreter's teardown does (an abort, a signal, a non-zero status), and one still
+  tearing down after the policy's ``teardown_grace`` (counted from the node's last
+  return) is killed, a success still;
 - :class:`NodeLost`: another node of the round was lost and its rank left vacant (every
   node's workers restart in-process): tell this node's workers that its ranks are dead,
   so they go on without them at once and take its replacement in when it comes;
@@ -67,6 +71,10 @@ class RankView:
     """Dropped earlier in this attempt: it died and its in-process peers went on."""
     respawns: int = 0
     """Replacement processes this local rank had in this attempt."""
+    returned: float | None = None
+    """Wall-clock time its script returned (or exited 0), as its runner announced
+    before the interpreter tore down; None when it did not. Such a worker succeeded,
+    whatever ``exitcode`` its teardown ends with."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -98,6 +106,11 @@ class Policy:
     max_respawns: int = 0
     """Replacement processes allowed per local rank and attempt for in-process workers
     (the agent uses ``max_restarts``); 0: the group goes on without a dead rank."""
+    teardown_grace: float = 30.0
+    """Seconds a worker whose script returned may spend tearing down its interpreter
+    once every worker of the node is done, counted from the node's last return; then
+    it is killed and counted as succeeded all the same (the agent uses
+    ``--shutdown-timeout``: the time a worker gets to end when the agent stops it)."""
 
 
 @dataclass(frozen=True)
@@ -145,7 +158,12 @@ class DropRanks:
 
 @dataclass(frozen=True)
 class ExitBarrier:
-    """The workers are done: wait for the other nodes, then end the run with success."""
+    """The workers are done: wait for the other nodes, then end the run with success.
+
+    ``kill`` names the local ranks whose script returned but whose interpreter is still
+    tearing down after the teardown grace: they are killed first (and succeeded)."""
+
+    kill: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -174,7 +192,15 @@ Action = Monitor | Stop | RestartGroup | DropRanks | ExitBarrier | NodeLost | Ma
 
 
 def _failed(view: RankView) -> bool:
-    return view.exitcode is not None and view.exitcode != 0 and not view.lost
+    """Exited non-zero (or announced it) before its script returned."""
+    return (
+        view.exitcode is not None and view.exitcode != 0 and not view.lost and view.returned is None
+    )
+
+
+def _done(view: RankView) -> bool:
+    """Exited, or its script returned (its interpreter may still be tearing down)."""
+    return view.exitcode is not None or view.returned is not None
 
 
 def oldest_hung(progress: Mapping[int, float], now: float, timeout: float) -> int | None:
@@ -190,11 +216,12 @@ def oldest_hung(progress: Mapping[int, float], now: float, timeout: float) -> in
 def _hang(obs: Observation, timeout: float) -> Hang | None:
     """The running, non-in-process worker hung longest past the timeout, if any.
 
-    In-process workers are watched by their own wrapper (soft and hard timeouts)."""
+    In-process workers are watched by their own wrapper (soft and hard timeouts); a
+    worker whose script returned is past hanging (its teardown has a grace of its own)."""
     progress = {
         v.local_rank: v.progress
         for v in obs.ranks
-        if v.exitcode is None and not v.inprocess and v.progress is not None
+        if not _done(v) and not v.inprocess and v.progress is not None
     }
     lr = oldest_hung(progress, obs.now, timeout)
     return Hang(local_rank=lr, since=progress[lr]) if lr is not None else None
@@ -205,7 +232,7 @@ def decide(obs: Observation, policy: Policy) -> Action:
     if obs.stop_signal is not None:
         return Stop(obs.stop_signal)
     failed = [v for v in obs.ranks if _failed(v)]
-    running_inprocess = {v.local_rank for v in obs.ranks if v.exitcode is None and v.inprocess}
+    running_inprocess = {v.local_rank for v in obs.ranks if not _done(v) and v.inprocess}
     dropped = tuple(
         v.local_rank for v in failed if v.inprocess and running_inprocess - {v.local_rank}
     )
@@ -228,12 +255,15 @@ def decide(obs: Observation, policy: Policy) -> Action:
             if (views[lr].exitcode or 0) < 0 and views[lr].respawns < policy.max_respawns
         )
         return DropRanks(dropped, respawn)
-    if obs.ranks and all(v.exitcode is not None for v in obs.ranks):
+    if obs.ranks and all(_done(v) for v in obs.ranks):
         if len(lost) == len(obs.ranks):
             return RestartGroup(failed=lost)  # every worker died, none is left to finish
-        return ExitBarrier()
-    if obs.nodes_waiting > 0:
-        return RestartGroup(reason="membership")
+        tearing_down = tuple(v.local_rank for v in obs.ranks if v.exitcode is None)
+        if tearing_down and obs.now < _last_return(obs) + policy.teardown_grace:
+            return Monitor()
+        return ExitBarrier(kill=tearing_down)
+    if obs.nodes_waiting > 0 and not any(v.returned is not None for v in obs.ranks):
+        return RestartGroup(reason="membership")  # (never a worker that finished)
     fresh = {g: i for g, i in obs.vacancies.items() if (g, i) not in obs.declared}
     if fresh:
         return NodeLost(fresh)
@@ -245,6 +275,10 @@ def decide(obs: Observation, policy: Policy) -> Action:
     ):
         return MarkInprocess()
     return Monitor()
+
+
+def _last_return(obs: Observation) -> float:
+    return max((v.returned for v in obs.ranks if v.returned is not None), default=obs.now)
 
 
 def after_failure(failures_recorded: int, max_restarts: int) -> RestartGroup | GiveUp:

@@ -1,4 +1,5 @@
-"""What the agent reads of a running worker: an announced exit, its progress, its stacks.
+"""What the agent reads of a running worker: an announced exit or return, its progress,
+its stacks.
 
 These are the worker-contract files (``_contract.py``); everything here takes the
 time as an argument and returns facts, so the agent loop stays a loop.
@@ -16,7 +17,7 @@ from relaunch.errors import ErrorRecord, read_error_file, write_error_file
 from relaunch.errors._file import error_data
 from relaunch.procs import is_stopped
 
-__all__ = ["announced_exit", "collect_stacks", "last_progress", "record_hang"]
+__all__ = ["announced_exit", "collect_stacks", "last_progress", "record_hang", "returned_at"]
 
 
 def announced_exit(files: AttemptFiles) -> int | None:
@@ -27,14 +28,22 @@ def announced_exit(files: AttemptFiles) -> int | None:
     """
     if os.path.exists(files.marker):
         return None
-    code = read_exit_file(files.exit_file)
-    if code is not None:
-        return code
+    record = read_exit_file(files.exit_file)
+    if record is not None:
+        return None if record.returned else record.exitcode
     if os.path.exists(files.error_file) and isinstance(
         read_error_file(files.error_file), ErrorRecord
     ):
         return 1
     return None
+
+
+def returned_at(files: AttemptFiles) -> float | None:
+    """When the worker's script returned (or exited 0), as its runner announced before
+    the interpreter tore down; None when it did not (yet). Such a worker succeeded,
+    whatever its process does afterwards -- an in-process worker too."""
+    record = read_exit_file(files.exit_file)
+    return record.time if record is not None and record.returned else None
 
 
 def last_progress(files: AttemptFiles, started: float) -> float | None:

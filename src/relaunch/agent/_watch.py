@@ -14,12 +14,19 @@ import time
 from collections.abc import Mapping, Sequence
 
 from relaunch.agent._attempt import Slot
-from relaunch.agent._core import Hang, Observation, RankView
-from relaunch.agent._observe import announced_exit, collect_stacks, last_progress, record_hang
+from relaunch.agent._core import ExitBarrier, Hang, Observation, RankView
+from relaunch.agent._observe import (
+    announced_exit,
+    collect_stacks,
+    last_progress,
+    record_hang,
+    returned_at,
+)
 from relaunch.agent._spec import Worker
 from relaunch.errors import ProcessFailure
+from relaunch.errors._failure import signal_name
 
-__all__ = ["causes", "drop", "failures", "observe", "report_hang"]
+__all__ = ["after_return", "causes", "drop", "failures", "observe", "report_hang"]
 
 log = logging.getLogger(__name__)
 
@@ -32,14 +39,16 @@ def observe(
     stop_signal: int | None,
     nodes_waiting: int,
 ) -> Observation:
-    """One poll: each local rank's exit code (announced ones included), in-process
-    marker, progress (when hangs are watched) and whether it was dropped already."""
+    """One poll: each local rank's exit code (announced ones included), whether its
+    script returned, in-process marker, progress (when hangs are watched) and whether
+    it was dropped already."""
     ranks: list[RankView] = []
     for lr, slot in sorted(slots.items()):
         inprocess = os.path.exists(slot.files.marker)
         code = codes.get(lr)
-        if code is None and not inprocess:  # in-process workers announce nothing
-            code = announced_exit(slot.files)
+        returned = returned_at(slot.files)
+        if code is None and not inprocess and returned is None:
+            code = announced_exit(slot.files)  # (in-process workers announce no failure)
         ranks.append(
             RankView(
                 local_rank=lr,
@@ -48,6 +57,7 @@ def observe(
                 progress=last_progress(slot.files, slot.started) if watch_progress else None,
                 lost=slot.lost is not None,
                 respawns=slot.respawns,
+                returned=returned,
             )
         )
     return Observation(
@@ -76,6 +86,34 @@ def failures(
             error_file=slot.files.error_file,
         )
     return result
+
+
+def after_return(
+    action: ExitBarrier, obs: Observation, workers: Sequence[Worker], grace: float
+) -> dict[int, str]:
+    """Log (one line per rank) what the interpreters of workers whose script returned
+    did afterwards that would otherwise have been a failure: a signal death or a non-zero
+    status in teardown, or a teardown still going after the grace (``action.kill``: the
+    loop kills them). Returns those lines' facts by global rank, for the event."""
+    notes: dict[int, str] = {}
+    for view in obs.ranks:
+        if view.returned is None:
+            continue
+        if view.local_rank in action.kill:
+            what = (
+                f"was still tearing down its interpreter {obs.now - view.returned:.1f} s "
+                f"later (teardown grace {grace:g} s): killed"
+            )
+        elif view.exitcode is not None and view.exitcode < 0:
+            what = f"died by {signal_name(-view.exitcode)} in interpreter teardown"
+        elif view.exitcode:
+            what = f"exited with status {view.exitcode} in interpreter teardown"
+        else:
+            continue
+        rank = workers[view.local_rank].global_rank
+        log.warning("rank %s returned, then %s: counted as succeeded", rank, what)
+        notes[rank] = what
+    return notes
 
 
 def causes(failures: Mapping[int, ProcessFailure]) -> dict[int, dict[str, object]]:

@@ -11,11 +11,15 @@ exits 0.
 What the runner adds to a plain ``python script.py`` (the worker contract; the
 variables are set by the agent, see ``relaunch/agent/_contract.py``):
 
-- ``RELAUNCH_EXIT_FILE``: when the script raises (or exits non-zero), the runner
-  writes the exit code there *before* the interpreter tears down (atexit handlers,
-  gloo threads: seconds), so the agent restarts the group at once. It also writes
-  the error file (``TORCHELASTIC_ERROR_FILE``) with the traceback when the script
-  did not (no ``@record``).
+- ``RELAUNCH_EXIT_FILE``: when the script ends, the runner writes how *before* the
+  interpreter tears down (atexit handlers, gloo threads: seconds). A non-zero code
+  (it raised or exited non-zero) has the agent restart the group at once; 0 (it
+  returned or exited 0) makes the worker succeeded, whatever the teardown does next
+  (an atexit handler or a C++ destructor that aborts, a hang). Only the process the
+  runner started announces: a child the script forked (``os.fork``) that unwinds
+  through the runner does not. When the script raised, the runner also writes the
+  error file (``TORCHELASTIC_ERROR_FILE``) with the traceback if the script did not
+  (no ``@record``).
 - Process groups are kept alive to the end of the process: torch's teardown of a
   DDP model whose process group was destroyed first deadlocks under the GIL
   (``~Reducer -> ~ProcessGroupGloo -> join`` while a gloo thread waits for the GIL).
@@ -50,7 +54,7 @@ import zipfile
 import _worker_hooks  # type: ignore[import-not-found]  # beside this file (sys.path[0])
 
 REQUEST_VERSION = 1
-EXIT_FILE_VERSION = 1
+EXIT_FILE_VERSION = 2
 
 
 def _read_all(fd: int) -> bytes:
@@ -232,10 +236,12 @@ def _exit_code(exc: SystemExit) -> int:
     return code if isinstance(code, int) else 1
 
 
-def _announce_exit(code: int) -> None:
-    """Tell the agent this worker is done with ``code`` before the slow interpreter teardown."""
+def _announce_exit(code: int, worker: int) -> None:
+    """Tell the agent this worker is done with ``code`` before the slow interpreter
+    teardown (0: it succeeded, whatever the teardown does). ``worker``: the pid that
+    runs the script; a process it forked does not speak for it."""
     path = os.environ.get("RELAUNCH_EXIT_FILE")
-    if not path or code == 0:
+    if not path or os.getpid() != worker:
         return
     with contextlib.suppress(OSError):
         data = {"version": EXIT_FILE_VERSION, "exitcode": code, "time": time.time()}
@@ -264,14 +270,15 @@ def _write_error_file(exc: BaseException, tb: types.TracebackType | None) -> Non
 
 def run_request(request: dict[str, object]) -> None:
     """Become the worker; report how it ended; exit as ``python script.py`` would."""
+    worker = os.getpid()
     try:
         become_worker(request)
     except KeyboardInterrupt:
-        _announce_exit(-2)  # Python exits by SIGINT then
+        _announce_exit(-2, worker)  # Python exits by SIGINT then
         _worker_hooks.immortalize_groups()
         raise
     except SystemExit as exc:
-        _announce_exit(_exit_code(exc))
+        _announce_exit(_exit_code(exc), worker)
         _worker_hooks.immortalize_groups()
         raise
     except BaseException as exc:
@@ -281,10 +288,11 @@ def run_request(request: dict[str, object]) -> None:
         while tb is not None and tb.tb_frame.f_code.co_filename in ours:
             tb = tb.tb_next
         _write_error_file(exc, tb)
-        _announce_exit(1)
+        _announce_exit(1, worker)
         sys.excepthook(type(exc), exc.with_traceback(tb), tb)
         _worker_hooks.immortalize_groups()
         sys.exit(1)
+    _announce_exit(0, worker)  # it returned: done, whatever the teardown does
     _worker_hooks.immortalize_groups()
 
 
