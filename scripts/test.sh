@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Installs what the tests need, checks lint, format and types, and runs every test.
 # Extra arguments go to pytest (e.g. `bash scripts/test.sh -k agent`).
+# Everything runs with the `python` on PATH (an activated virtualenv's, as .ci/run does):
+# the packages go into it and ruff, mypy and pytest are its own.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -13,9 +15,21 @@ if ! command -v chromium >/dev/null && command -v apt-get >/dev/null && [ "$(id 
     >/dev/null 2>&1 || echo "note: cannot install chromium; the page's browser check is skipped" >&2
 fi
 
-ruff check src tests bench examples
-ruff format --check src tests bench examples
-mypy src
+# `srun relaunch ...` is checked on a real Slurm (controller, node daemons, munge) from
+# Debian's packages, run by the tests in network namespaces; nothing is started here.
+if ! command -v slurmctld >/dev/null; then
+  if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+      slurmctld slurmd munge slurm-client) >/dev/null 2>&1 \
+      || echo "note: cannot install Slurm; the Slurm tests are skipped" >&2
+  else
+    echo "note: no apt-get as root to install Slurm; the Slurm tests are skipped" >&2
+  fi
+fi
+
+python -m ruff check src tests bench examples
+python -m ruff format --check src tests bench examples
+python -m mypy src
 
 # torch's TCPStore does a reverse DNS lookup per connection, which can stall for
 # seconds: run the tests in a loopback-only network namespace where permitted.
