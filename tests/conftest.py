@@ -40,6 +40,22 @@ def _private_tmpdir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
         os.environ["TMPDIR"] = previous
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _no_scheduler_environment() -> Iterator[None]:
+    """The suite run inside a Slurm step or a Kubeflow pod (PET_*) must not see the
+    scheduler's variables: the launchers the tests start would take them as settings.
+    Tests that need them set them themselves."""
+    saved = {
+        key: value
+        for key, value in os.environ.items()
+        if key.startswith(("SLURM_", "PET_")) or key == "RELAUNCH_RDZV_SECRET_FILE"
+    }
+    for key in saved:
+        del os.environ[key]
+    yield
+    os.environ.update(saved)
+
+
 @pytest.fixture(autouse=True)
 def no_leftovers(request: pytest.FixtureRequest) -> Iterator[None]:
     """Fail a test that leaves a child process or a new thread running."""

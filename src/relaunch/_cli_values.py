@@ -48,7 +48,7 @@ def build_parser() -> Parser:
             help=opt.help + hint,
         )  # fmt: skip
     parser.add_argument("--no-warm-standby", "--no_warm_standby", dest="warm_standby",
-                        action=_Store, nargs=0, const=False, help="No fork server: start every worker cold.")  # fmt: skip
+                        action=_Store, nargs=0, const=False, help="Same as --start-method spawn.")  # fmt: skip
     parser.add_argument("training_script", nargs="?", help="Script, module or binary to run.")
     parser.add_argument("training_script_args", nargs=argparse.REMAINDER)
     parser.set_defaults(**dict.fromkeys(OPTS))
@@ -56,11 +56,24 @@ def build_parser() -> Parser:
 
 
 class Values:
-    """Each setting with its source: flag > PET_<DEST> environment variable > default."""
+    """Each setting with its source: flag > PET_<DEST> environment variable > fallback
+    (e.g. Slurm's, :mod:`relaunch._cli_slurm`) > default."""
 
-    def __init__(self, ns: argparse.Namespace, env: Mapping[str, str]) -> None:
+    def __init__(
+        self,
+        ns: argparse.Namespace,
+        env: Mapping[str, str],
+        fallback: Mapping[str, tuple[str, str]] | None = None,
+    ) -> None:
+        """``fallback``: dest -> (value, source), used after the flag and the PET_
+        variable, before the default (e.g. what Slurm's environment says)."""
         self._ns = ns
         self._env = env
+        self._fallback = fallback or {}
+
+    def with_fallback(self, fallback: Mapping[str, tuple[str, str]]) -> Values:
+        """The same settings, with ``fallback`` between the environment and the default."""
+        return Values(self._ns, self._env, {**self._fallback, **fallback})
 
     def label(self, dest: str) -> str:
         """The flag as the user spelled it, or its canonical spelling and the PET_ variable."""
@@ -70,6 +83,8 @@ class Values:
         canonical = next(f for f in OPTS[dest].flags(dest) if f.startswith("--"))
         if self._env_value(dest) is not None:
             return f"{canonical} (from PET_{dest.upper()})"
+        if dest in self._fallback:
+            return f"{canonical} (from {self._fallback[dest][1]})"
         return canonical
 
     def _env_value(self, dest: str) -> str | None:
@@ -78,6 +93,10 @@ class Values:
         return self._env.get(f"PET_{dest.upper()}") or None
 
     def given(self, dest: str) -> bool:
+        return self.explicit(dest) or dest in self._fallback
+
+    def explicit(self, dest: str) -> bool:
+        """Given by a flag or a PET_ variable (not a fallback)."""
         return getattr(self._ns, dest) is not None or self._env_value(dest) is not None
 
     def stripped(self, dest: str) -> str:
@@ -88,6 +107,8 @@ class Values:
         value = getattr(self._ns, dest)
         if value is None:
             value = self._env_value(dest)
+        if value is None and dest in self._fallback:
+            value = self._fallback[dest][0]
         return OPTS[dest].default if value is None else str(value)
 
     def switch(self, dest: str, default: bool = False) -> bool:

@@ -1,8 +1,9 @@
 """The ``relaunch`` command: a drop-in for ``torchrun`` (torch 2.13 flags and PET_* defaults).
 
 Every value comes from, in this order: the flag, the ``PET_<FLAG>`` environment
-variable, the default. This module is the only one that reads the environment for
-configuration. Everything is validated before anything starts: a bad value ends with
+variable, Slurm's job step when run by ``srun`` on several nodes (``_cli_slurm``), the
+default. This module is the only one that reads the environment for configuration.
+Everything is validated before anything starts: a bad value ends with
 exit code 2 and one line on stderr naming the flag, the value and what was expected.
 torchrun flags relaunch cannot honour are refused the same way, never ignored.
 """
@@ -23,6 +24,7 @@ from importlib.machinery import PathFinder
 from typing import TypeVar
 
 from relaunch._cli_options import OPTS
+from relaunch._cli_slurm import slurm_defaults
 from relaunch._cli_values import Values, build_parser
 from relaunch._endpoint import C10D_PORT, ETCD_PORT
 from relaunch.config import (
@@ -255,6 +257,10 @@ def parse_args(argv: Sequence[str] | None = None) -> LaunchConfig:
     parser.argv = sys.argv[1:] if argv is None else argv
     ns = parser.parse_args(parser.argv, namespace=argparse.Namespace(spelling={}))
     values = Values(ns, os.environ)
+    slurm = slurm_defaults(values, os.environ)  # `srun relaunch ...`: Slurm's step
+    values = values.with_fallback(slurm.fallback)
+    if slurm.summary:
+        print(f"relaunch: {slurm.summary}", file=sys.stderr, flush=True)
     for dest, opt in OPTS.items():
         if opt.refuse and (values.switch(dest) if opt.switch else values.text(dest) != opt.default):
             values.fail(dest, opt.refuse, "set" if opt.switch else None)
@@ -275,7 +281,7 @@ def parse_args(argv: Sequence[str] | None = None) -> LaunchConfig:
     config = LaunchConfig(
         min_nodes=min_nodes, max_nodes=max_nodes, node_rank=node_rank,
         rdzv_backend=backend, rdzv_endpoint=endpoint, rdzv_id=run_id,
-        rdzv_conf=_with_secret(values.parsed("rdzv_conf", parse_rdzv_conf)),
+        rdzv_conf=slurm.conf(_with_secret(values.parsed("rdzv_conf", parse_rdzv_conf))),
         standalone=values.switch("standalone"),
         max_restarts=values.integer("max_restarts", 0),
         monitor_interval=values.number("monitor_interval", positive=True),

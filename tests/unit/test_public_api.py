@@ -57,6 +57,7 @@ def test_procs() -> None:
 def test_events_and_static_rendezvous() -> None:
     assert sorted(relaunch.events.__all__) == ["EVENT_VERSION", "Event", "EventSink"]
     assert sorted(relaunch.rendezvous.static.__all__) == [
+        "STATIC_CONF_KEYS",
         "StandaloneRendezvousHandler",
         "StaticRendezvousHandler",
         "create_static_handler",
