@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -41,11 +40,21 @@ def test_a_node_running_another_program_is_refused(tmp_path: Path) -> None:
             lambda: all("refused node" in cluster.output(n) for n in ("a", "b")),
             timeout=30,
         )
-        time.sleep(1.0)
+        # Training goes on after both agents read the refusal (each node trains more steps
+        # than it had then), so any reaction to the stranger had its chance to show.
+        seen = {n: len(cluster.steps(n)) for n in ("a", "b")}
+        cluster.wait_for(
+            "training to go on after the refusal",
+            lambda: all(len(cluster.steps(n)) >= seen[n] + 10 for n in ("a", "b")),
+        )
         go.touch()
         assert cluster.wait_exit("a") == 0, cluster.outputs()
         assert cluster.wait_exit("b") == 0, cluster.outputs()
         assert {r.world for r in cluster.steps()} == {2}  # never restarted with the stranger
         assert {r.restart for r in cluster.steps()} == {0}
+        for node in ("a", "b"):  # one round, no membership restart either
+            names = [e["name"] for e in cluster.events(node)]
+            assert names.count("rendezvous_complete") == 1, names
+            assert "membership_changed" not in names, names
     finally:
         cluster.close()

@@ -192,7 +192,13 @@ def test_gloo_workers_returning_with_their_group_alive_then_aborting(tmp_path: P
     assert r.returncode == 0, r.stderr
     assert not named(evs, "restart")
     (succeeded,) = named(evs, "workers_succeeded")
-    assert metadata(succeeded)["after_return"] == {"1": "died by SIGABRT in interpreter teardown"}
+    # Rank 1 aborts in its atexit handler; torch's own teardown of a live gloo group can
+    # abort the other rank too ("terminate called without an active exception", seen in
+    # CI on rank 0): either way each death after return is counted as succeeded.
+    after = metadata(succeeded)["after_return"]
+    assert isinstance(after, dict) and after, after
+    assert set(after) <= {"0", "1"}, after
+    assert set(after.values()) == {"died by SIGABRT in interpreter teardown"}, after
 
 
 # Two in-process workers (relaunch.inprocess.Wrapper): rank 1 aborts in teardown while

@@ -172,10 +172,13 @@ def test_exhausted_restarts_report_names_the_first_failure(tmp_path: Path) -> No
     r = relaunch("--standalone", "--nproc-per-node=4", "--max-restarts=1", s)
     assert r.returncode == 1
     report = r.stderr
-    root = report.split("Root Cause")[1]
+    root = report.split("Root Cause")[1].split("Other Failures")[0]
     assert "ValueError: rank two broke first" in root
-    assert "rank" in root and "2" in root
-    assert "Traceback" in root or "line" in root
+    assert "rank      : 2 (local_rank: 2)" in root, report
+    # the worker's own traceback (written by @record): the raising line in fail.py's main
+    assert "Traceback (most recent call last)" in root, report
+    assert 'fail.py", line' in root and "in main" in root, report
+    assert 'raise ValueError("rank two broke first")' in root, report
     assert report.count("Root Cause") == 1
 
 

@@ -87,7 +87,7 @@ def test_env_defaults_reach_the_launch(workdir: Path) -> None:
 def test_failing_worker_gives_non_zero_exit(workdir: Path) -> None:
     argv = ["--standalone", "--no-warm-standby", "train.py"]
     result = _relaunch(argv, workdir, EXIT_CODE="3")
-    assert result.returncode != 0
+    assert result.returncode == 1, result.stderr  # README: 1, the workers failed for good
     assert "relaunch: error:" not in result.stderr  # a job failure, not a usage error
 
 

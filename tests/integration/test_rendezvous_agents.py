@@ -6,6 +6,7 @@ Workers are small Python scripts (no torch) that print one line per start:
 
 from __future__ import annotations
 
+import json
 import signal
 import socket
 import subprocess
@@ -13,10 +14,13 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from multinode_support.stopping import stop_sessions
+from multinode_support.waiting import wait_for
+from relaunch.store.tcp import TCPStoreClient
 
 WORKER = r"""
 import os, sys, time
@@ -79,6 +83,15 @@ class Agents:
     def log(self, i: int) -> str:
         return (self.tmp / f"agent{i}.out").read_text(errors="replace")[-3000:]
 
+    def state(self) -> dict[str, Any]:
+        """The job's rendezvous state, as the agents wrote it in their store."""
+        host, port = self.endpoint.rsplit(":", 1)
+        with TCPStoreClient(host, int(port), timeout=10) as store:
+            raw = store.get("relaunch/rdzv/job/state")
+        assert raw is not None
+        doc: dict[str, Any] = json.loads(raw)
+        return doc
+
     def wait(self, i: int, timeout: float = 90) -> int:
         return self.procs[i].wait(timeout=timeout)
 
@@ -126,8 +139,13 @@ def test_spare_takes_the_lost_nodes_place(agents: Agents) -> None:
     for i in range(2):
         agents.wait_starts(i, 1)
     spare = agents.start("2:2", "until-smaller", "0", host=False)
-    time.sleep(0.5)  # let the spare register (it starts no worker)
-    assert agents.starts(spare) == []
+    wait_for(
+        lambda: len(agents.state()["redundancy_list"]) == 1,
+        60,
+        what="the spare on the redundancy list",
+        detail=lambda: agents.log(spare),
+    )
+    assert agents.starts(spare) == []  # registered, and it started no worker
     agents.kill(1)
     agents.wait_starts(0, 2)
     agents.wait_starts(spare, 1)

@@ -12,6 +12,7 @@ import time
 import pytest
 import torch.distributed as dist
 
+from multinode_support.waiting import wait_for
 from relaunch.errors import ConfigError, StoreError
 from relaunch.rendezvous._state import RendezvousState, encode_state
 from relaunch.store.tcp import TCPStoreClient, TCPStoreServer
@@ -24,34 +25,36 @@ def torch_client(port: int) -> dist.TCPStore:
 
 
 def test_a_44_mb_value_is_refused_and_the_others_go_on() -> None:
+    # (the good client's latency meanwhile, and the server's close: bench/hostile_input.py)
     with TCPStoreServer(host="127.0.0.1", port=0) as server:
         good = TCPStoreClient("127.0.0.1", server.port, timeout=10)
         hostile = torch_client(server.port)
         try:
             stop = threading.Event()
-            latencies: list[float] = []
+            beats: list[int] = []
 
             def poll() -> None:
                 while not stop.is_set():
-                    t0 = time.monotonic()
-                    good.set("beat", b"1")
-                    latencies.append(time.monotonic() - t0)
+                    beats.append(good.add("beats", 1))
                     time.sleep(0.01)
 
             poller = threading.Thread(target=poll, name="good-client")
             poller.start()
+            wait_for(lambda: len(beats) >= 3, 30, what="the good client's first calls")
             with pytest.raises(Exception):  # noqa: B017 (torch's error type varies)
                 hostile.set("relaunch/rdzv/job/state", b"x" * (44 * 1024 * 1024))
                 hostile.get("relaunch/rdzv/job/state")  # the dropped connection shows here
+            refused = len(beats)
+            # the good client goes on after it, on its own connection
+            wait_for(lambda: len(beats) >= refused + 3, 30, what="the good client's calls")
             stop.set()
             poller.join(30)
+            assert not poller.is_alive()
+            assert beats == list(range(1, len(beats) + 1))  # every call answered, in order
             assert good.get("relaunch/rdzv/job/state") is None  # nothing of it was stored
-            assert max(latencies) < 5.0  # loose: the good client was never stuck behind it
         finally:
             good.close()
             del hostile
-        t0 = time.monotonic()
-    assert time.monotonic() - t0 < 5.0
 
 
 def test_appends_cannot_grow_a_value_past_the_limit() -> None:

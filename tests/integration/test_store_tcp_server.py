@@ -15,6 +15,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from multinode_support.waiting import wait_for
 from relaunch.errors import (
     ConfigError,
     StoreClosedError,
@@ -175,7 +176,8 @@ def test_client_threads_share_one_client(server: TCPStoreServer) -> None:
         assert store.add("sum", 0) == 1600
 
 
-def test_client_waits_for_a_late_server() -> None:
+def test_client_waits_for_a_late_server(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG, logger="relaunch.store._tcp_client")
     port = _free_port()
     result: list[object] = []
 
@@ -189,7 +191,9 @@ def test_client_waits_for_a_late_server() -> None:
 
     thread = threading.Thread(target=connect, name="test-late-client")
     thread.start()
-    threading.Event().wait(0.3)
+    # the client tried while no server listened (and goes on trying)
+    wait_for(lambda: "not reachable yet" in caplog.text, 30, what="a failed connect attempt")
+    assert result == []
     with TCPStoreServer(port=port) as srv:
         with TCPStoreClient("127.0.0.1", srv.port) as store:
             store.set("late", b"ok")

@@ -273,12 +273,18 @@ def test_close_removes_pipe_and_dir_and_is_idempotent(tmp_path: Path) -> None:
 def test_close_with_a_client_holding_the_pipe_open() -> None:
     server = TimerServer()
     server.start()
-    fd = os.open(server.path, os.O_WRONLY | os.O_NONBLOCK)
+    path = Path(server.path)
+    fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
     try:
         os.write(fd, b'{"version": 1')  # a writer stuck mid-line
-        server.close()
+        server.close()  # returns: it waits neither for the line's end nor for the writer
+        assert "relaunch-timer-server" not in {t.name for t in threading.enumerate()}
+        assert not path.exists() and not path.parent.exists()
+        with pytest.raises(BrokenPipeError):  # nobody reads the pipe any more
+            os.write(fd, b"}\n")
     finally:
         os.close(fd)
+    server.close()  # idempotent
 
 
 def test_start_refuses_a_path_that_is_not_a_pipe(tmp_path: Path) -> None:

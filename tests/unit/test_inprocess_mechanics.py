@@ -103,18 +103,36 @@ def test_restart_exception_wakes_a_sleeping_main_thread() -> None:
         control.uninstall()
 
 
+class CountedProgress(SharedProgress):
+    """SharedProgress that counts the automatic timestamps written into it."""
+
+    writes = 0
+
+    @SharedProgress.auto_ts.setter
+    def auto_ts(self, value: float) -> None:
+        self.writes += 1
+        SharedProgress.auto_ts.fset(self, value)
+
+
 @pytest.mark.timeout(30)
 def test_watchdog_timestamps_only_while_python_runs() -> None:
-    shared = SharedProgress()
+    # (how fresh the timestamp is, and how stale it gets: bench/progress_watchdog.py)
+    shared = CountedProgress()
     watchdog = MainThreadProgress(shared, 0.02)
     watchdog.start()
     try:
-        end = time.monotonic() + 0.3
-        while time.monotonic() < end:
+        first = shared.writes
+        while shared.writes < first + 3:  # Python runs: the timestamps land, again and again
             pass
-        assert time.monotonic() - shared.auto_ts < 0.25
-        time.sleep(0.5)  # GIL released, no bytecode: no timestamp
-        assert time.monotonic() - shared.auto_ts >= 0.4
+        before = shared.writes
+        time.sleep(1.0)  # 50 intervals with the GIL released and no bytecode run
+        # None lands while no bytecode runs: at most the one whose probe ran just before
+        # the sleep, one more that ran between reading ``before`` and the sleep, and the
+        # one queued during the sleep, which runs as soon as the main thread wakes.
+        assert shared.writes - before <= 3
+        woke = shared.writes
+        while shared.writes < woke + 2:  # and they land again once Python runs
+            pass
         assert shared.ping_ts == 0.0
         watchdog.ping()
         assert shared.progress() <= shared.ping_ts

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import random
-import time
 from typing import Any
 
 import pytest
@@ -80,8 +79,8 @@ def blobs(seed: int, count: int) -> list[bytes]:
 
 
 def test_decoding_thousands_of_random_states_only_ever_refuses_cleanly() -> None:
+    # (how long a decode takes: bench/hostile_input.py; a hang is the test's timeout)
     decoded = refused = 0
-    t0 = time.monotonic()
     for raw in blobs(seed=20261123, count=4000):
         try:
             state = decode_state(raw, key=KEY, run_id="job", now=NOW, max_nodes=4)
@@ -93,7 +92,6 @@ def test_decoding_thousands_of_random_states_only_ever_refuses_cleanly() -> None
         assert state.round >= 0 and state.restarts >= 0 and len(state.participants) <= 4
         assert all(0 <= t <= NOW + CLOCK_SKEW for t in state.last_heartbeats.values())
     assert decoded > 500 and refused > 2000
-    assert time.monotonic() - t0 < 30
 
 
 def test_the_handler_reads_random_states_without_crashing_or_spinning() -> None:
@@ -107,12 +105,10 @@ def test_the_handler_reads_random_states_without_crashing_or_spinning() -> None:
         for raw in blobs(seed=7, count=300):
             store.set(KEY, raw)
             store.set(f"relaunch/rdzv/job/epoch/{10**6}", b"1")  # make every read a fresh one
-            t0 = time.monotonic()
-            try:
+            try:  # (how long a read takes: bench/hostile_input.py)
                 handler.num_nodes_waiting()
                 handler.is_closed()
             except RendezvousStateError:
                 pass
-            assert time.monotonic() - t0 < 1.0
     finally:
         handler.shutdown()
