@@ -56,7 +56,7 @@ TRAIN = textwrap.dedent(
         rank, world = dist.get_rank(), dist.get_world_size()
         if cw is not None:
             state = {"model": MODEL.state_dict(), "opt": OPT.state_dict(), "step": HOLD["step"]}
-            state = inprocess.broadcast_state(cw, state)
+            state = inprocess.broadcast_state(cw, state, version=HOLD["step"])
             MODEL.load_state_dict(state["model"]); OPT.load_state_dict(state["opt"])
             HOLD["step"] = state["step"]
         finish = os.path.join(out, "finish")

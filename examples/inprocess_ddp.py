@@ -82,7 +82,8 @@ def make_train(args: argparse.Namespace, ckpt: Checkpoint) -> Any:
         rank, world = dist.get_rank(), dist.get_world_size()
         # A replacement process (relaunch --max-restarts N replaces a rank whose process
         # died) starts with nothing: it takes the checkpoint of a surviving rank, in
-        # memory. With no new rank this returns at once, without a collective.
+        # memory; after a restart, a survivor a step behind takes it too. In the
+        # first iteration, with no new rank, this returns at once, without a collective.
         state = inprocess.broadcast_state(
             call_wrapper,
             {
@@ -90,6 +91,7 @@ def make_train(args: argparse.Namespace, ckpt: Checkpoint) -> Any:
                 "optimizer": ckpt.optimizer_state,
                 "step": ckpt.step,
             },
+            version=ckpt.step,
         )
         ckpt.model.load_state_dict(state["model"])
         ckpt.optimizer_state, ckpt.step = state["optimizer"], state["step"]

@@ -64,7 +64,9 @@ def worker(out: Path, steps: int) -> None:
         dist.init_process_group("gloo")
         rank, world = dist.get_rank(), dist.get_world_size()
         state = {"model": model.state_dict(), "opt": optimizer.state_dict(), **held}
-        state = inprocess.broadcast_state(call_wrapper, state)  # new ranks: a survivor's
+        # new ranks, and survivors a step behind after a fault, get the state of the
+        # survivor with the highest step
+        state = inprocess.broadcast_state(call_wrapper, state, version=held["step"])
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["opt"])
         held["step"] = state["step"]

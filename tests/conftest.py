@@ -1,9 +1,12 @@
-"""Shared test fixtures: every test must leave no process and no thread behind."""
+"""Shared test fixtures: every test must leave no process, no thread and no snapshot
+folder in /dev/shm behind."""
 
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
+import shutil
 import signal
 import threading
 import time
@@ -56,12 +59,18 @@ def _no_scheduler_environment() -> Iterator[None]:
     os.environ.update(saved)
 
 
+def _snapshot_dirs() -> set[str]:
+    """The agents' default snapshot folders in node memory (relaunch.checkpoint)."""
+    return set(glob.glob("/dev/shm/relaunch-*"))
+
+
 @pytest.fixture(autouse=True)
 def no_leftovers(request: pytest.FixtureRequest) -> Iterator[None]:
     """Fail a test that leaves a child process or a new thread running."""
     me = os.getpid()
     before_procs = set(descendants(me))
     before_threads = set(threading.enumerate())
+    before_shm = _snapshot_dirs()
     yield
     deadline = time.monotonic() + 10.0
     left: set[int] = set()
@@ -80,5 +89,9 @@ def no_leftovers(request: pytest.FixtureRequest) -> Iterator[None]:
         if not threads:
             break
         time.sleep(0.05)
+    shm = _snapshot_dirs() - before_shm
+    for path in shm:  # do not let one leak poison the next tests
+        shutil.rmtree(path, ignore_errors=True)
     assert not left, f"test left processes behind: {sorted(left)}"
     assert not threads, f"test left threads behind: {[t.name for t in threads]}"
+    assert not shm, f"test left snapshot folders in /dev/shm: {sorted(shm)}"

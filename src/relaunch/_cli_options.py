@@ -74,6 +74,13 @@ OPTS: dict[str, Opt] = {
                          "--no-warm-standby is --start-method spawn.", switch=True),
     "hang_timeout": Opt("0", "Seconds without Python code running in a worker's main thread "
                          "after which it is declared hung and the group restarts (0: off)."),
+    "snapshot_dir": Opt(None, "Where this node keeps its ranks' relaunch.checkpoint snapshots "
+                         "(default: a new folder under /dev/shm, removed when the job ends)."),
+    "snapshot_keep": Opt("2", "Snapshots each rank keeps, newest first."),
+    "snapshot_limit": Opt(None, "Most bytes this node's snapshots may take, e.g. 16G "
+                           "(default: half the file system that holds them)."),
+    "checkpoint_dir": Opt(None, "Shared storage that receives copies of the snapshots in the "
+                           "background; checkpoint.load() restores from it when no node has one."),
     "status_port": Opt(None, "Serve the job's status page, /status.json and /metrics on this "
                         "port (off by default; a port in use costs a warning, not the job)."),
     "status_host": Opt("127.0.0.1", "Address the status page listens on."),

@@ -17,6 +17,7 @@ __all__ = [
     "bad",
     "check_run_id",
     "check_template",
+    "parse_bytes",
     "parse_endpoint",
     "parse_nnodes",
     "parse_rdzv_conf",
@@ -32,6 +33,19 @@ _PREFIX_KEYS = {"role_name": "role", "rank": 0, "local_rank": 0}
 
 def bad(name: str, expected: str, got: object) -> ConfigError:
     return ConfigError(f"{name}: expected {expected}, got {got!r}")
+
+
+_BYTES_RE = re.compile(r"(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)", re.IGNORECASE)
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_bytes(text: str, name: str = "--snapshot-limit") -> int:
+    """A size such as ``8G``, ``512MiB`` or ``1000000`` (binary units), > 0."""
+    match = _BYTES_RE.fullmatch(text.strip())
+    size = int(float(match.group(1)) * _UNITS[match.group(2).lower()]) if match else 0
+    if size <= 0:
+        raise bad(name, "a size in bytes, e.g. 8G, 512M or 1000000", text)
+    return size
 
 
 def parse_nnodes(text: str, name: str = "--nnodes") -> tuple[int, int]:

@@ -27,6 +27,7 @@ from relaunch._cli_options import OPTS
 from relaunch._cli_slurm import slurm_defaults
 from relaunch._cli_values import Values, build_parser
 from relaunch._endpoint import C10D_PORT, ETCD_PORT
+from relaunch._parse import parse_bytes
 from relaunch.config import (
     BACKENDS,
     START_METHODS,
@@ -300,6 +301,11 @@ def parse_args(argv: Sequence[str] | None = None) -> LaunchConfig:
         status_port=values.integer("status_port", 1, 65535) if values.given("status_port") else None,
         status_host=_check_host(values, "status_host") or "127.0.0.1",
         log_line_prefix_template=_template(values),
+        snapshot_dir=_check_dir(values, "snapshot_dir"),
+        snapshot_keep=values.integer("snapshot_keep", 1),
+        snapshot_limit=values.parsed("snapshot_limit", parse_bytes)
+        if values.given("snapshot_limit") else None,
+        checkpoint_dir=_check_dir(values, "checkpoint_dir"),
         signals_to_handle=values.parsed("signals_to_handle", parse_signals),
         # Last: the file system, then counting devices (may import torch).
         entrypoint=_check_exists(entrypoint, module, no_python),
@@ -313,6 +319,20 @@ def parse_args(argv: Sequence[str] | None = None) -> LaunchConfig:
             "--standalone" if config.standalone else "--nnodes 1 without a rendezvous endpoint",
         )  # fmt: skip
     return config
+
+
+def _check_dir(values: Values, dest: str) -> str | None:
+    """A directory the agent can create and write in (made now), or None when not given."""
+    path = values.text(dest) or None
+    if path is None:
+        return None
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(prefix=".relaunch-probe-", dir=path):
+            pass
+    except OSError as exc:
+        values.fail(dest, f"a writable directory ({exc.strerror or exc})")
+    return os.path.abspath(path)
 
 
 def _shutdown_timeout(values: Values) -> float:

@@ -174,6 +174,16 @@ class LaunchConfig:
     """Serve the job's status page, ``/status.json`` and ``/metrics`` on this port; None: off."""
     status_host: str = "127.0.0.1"
     """The address the status page binds to."""
+    snapshot_dir: str | None = None
+    """Where this node keeps its ranks' snapshots (``relaunch.checkpoint``); None: a new
+    folder under /dev/shm, removed when the agent ends."""
+    snapshot_keep: int = 2
+    """Snapshots each rank keeps, newest first, >= 1."""
+    snapshot_limit: int | None = None
+    """Bytes the node's snapshots may take, all ranks together; None: half the size of
+    the file system that holds them."""
+    checkpoint_dir: str | None = None
+    """Shared storage that receives copies of the snapshots in the background; None: off."""
 
     def __post_init__(self) -> None:
         _check_int("min_nodes", self.min_nodes, 1)
@@ -241,6 +251,11 @@ class LaunchConfig:
             _check_int("status_port", self.status_port, 1, 65535)
         _check_text("status_host", self.status_host)
         _check_text("watchdog_file", self.watchdog_file, optional=True)
+        _check_text("snapshot_dir", self.snapshot_dir, optional=True)
+        _check_int("snapshot_keep", self.snapshot_keep, 1)
+        if self.snapshot_limit is not None:
+            _check_int("snapshot_limit", self.snapshot_limit, 1)
+        _check_text("checkpoint_dir", self.checkpoint_dir, optional=True)
         if self.log_line_prefix_template is not None:
             check_template(self.log_line_prefix_template, "log_line_prefix_template")
         signals = self.signals_to_handle

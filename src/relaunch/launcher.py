@@ -19,6 +19,7 @@ from types import FrameType
 from typing import Any
 
 from relaunch.agent import LocalAgent, WorkerSpec, WorkerState
+from relaunch.checkpoint._area import SnapshotArea
 from relaunch.config import LaunchConfig
 from relaunch.errors import ChildFailedError, ConfigError, RelaunchError, StoreError
 from relaunch.procs import Entrypoint
@@ -182,36 +183,64 @@ def launch(config: LaunchConfig, environ: Mapping[str, str] | None = None) -> in
         except (OSError, ValueError):
             log.warning("cannot handle signal %s", sig)
     try:
+        area = _snapshot_area(config)
         try:
-            handler = create_rendezvous_handler(config)
-            if isinstance(handler, DynamicRendezvousHandler):
-                handler.set_program(_program(config))
-            spec = build_spec(config, handler, environ)
-        except ConfigError as exc:
-            _error(str(exc))
+            area.open()
+        except OSError as exc:
+            _error(f"cannot prepare the snapshot directory: {exc}")
             return 2
-        except RelaunchError as exc:
-            _error(str(exc))
-            return 128 + received[0] if received else 1
-        agent = LocalAgent(spec)
-        agents.append(agent)
-        if received:
-            agent.request_stop(received[0])
-        status = _status_server(config, agent)
         try:
-            result = agent.run()
-        except RelaunchError as exc:
-            if agent.stop_signal is not None:
-                return 128 + agent.stop_signal
-            _error(f"{type(exc).__name__}: {exc}")
-            return 1
+            return _launch(config, {**environ, **area.env()}, agents, received)
         finally:
-            if status is not None:
-                status[0].close()
-                status[1].close()
+            area.close()
     finally:
         for sig, handler_ in previous.items():
             signal.signal(sig, handler_)
+
+
+def _snapshot_area(config: LaunchConfig) -> SnapshotArea:
+    return SnapshotArea(
+        job=config.rdzv_id,
+        directory=config.snapshot_dir,
+        keep=config.snapshot_keep,
+        limit=config.snapshot_limit,
+        durable=config.checkpoint_dir,
+    )
+
+
+def _launch(
+    config: LaunchConfig,
+    environ: Mapping[str, str],
+    agents: list[LocalAgent],
+    received: list[int],
+) -> int:
+    try:
+        handler = create_rendezvous_handler(config)
+        if isinstance(handler, DynamicRendezvousHandler):
+            handler.set_program(_program(config))
+        spec = build_spec(config, handler, environ)
+    except ConfigError as exc:
+        _error(str(exc))
+        return 2
+    except RelaunchError as exc:
+        _error(str(exc))
+        return 128 + received[0] if received else 1
+    agent = LocalAgent(spec)
+    agents.append(agent)
+    if received:
+        agent.request_stop(received[0])
+    status = _status_server(config, agent)
+    try:
+        result = agent.run()
+    except RelaunchError as exc:
+        if agent.stop_signal is not None:
+            return 128 + agent.stop_signal
+        _error(f"{type(exc).__name__}: {exc}")
+        return 1
+    finally:
+        if status is not None:
+            status[0].close()
+            status[1].close()
     if result.state == WorkerState.SUCCEEDED:
         if result.reason:
             print(f"relaunch: warning: {result.reason}", file=sys.stderr, flush=True)

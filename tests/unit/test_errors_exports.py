@@ -24,6 +24,7 @@ ERRORS = {
     "RendezvousGracefulExitError",
     "RendezvousStateError",
     "RendezvousTimeoutError",
+    "SnapshotError",
     "StatusError",
     "StoreClosedError",
     "StoreConnectionError",

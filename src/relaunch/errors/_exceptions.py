@@ -17,6 +17,7 @@ Every error relaunch raises on purpose derives from :class:`RelaunchError`::
     │   └── ChildFailedError        workers failed; carries the root-cause report
     ├── TimerError                  the worker watchdog could not be used
     ├── StatusError                 a job's status could not be read (not found, corrupt)
+    ├── SnapshotError               a snapshot cannot be taken (unsupported value, over the limit)
     └── InProcessError              in-process restart (see relaunch.inprocess.exception)
 
 "We closed it" (``StoreClosedError``, ``RendezvousClosedError``) is kept apart from
@@ -36,6 +37,7 @@ __all__ = [
     "RendezvousGracefulExitError",
     "RendezvousStateError",
     "RendezvousTimeoutError",
+    "SnapshotError",
     "StatusError",
     "StoreClosedError",
     "StoreConnectionError",
@@ -103,6 +105,11 @@ class TimerError(RelaunchError):
 
 class StatusError(RelaunchError):
     """A job's status could not be read: no such job, or a corrupt status record."""
+
+
+class SnapshotError(RelaunchError):
+    """A snapshot cannot be taken or read: a value of an unsupported type (the message
+    names its key path), a save over the node's limit, no snapshot directory."""
 
 
 class InProcessError(RelaunchError):

@@ -1,0 +1,94 @@
+"""The pause a snapshot costs a training step: ``relaunch.checkpoint.save`` (node memory,
+/dev/shm) beside ``torch.save`` to a file, for models of about 10M and 100M parameters
+with Adam (state: weights + two moments, 3x the parameters), on the CPU.
+
+    python bench/snapshot_save.py [--sizes 10,100] [--reps 5]
+
+Prints, per size: one training step (forward, backward, Adam) without snapshots, the
+same with ``save()`` after every step (the last one waited for), their difference (the
+pause a snapshot per step costs: whatever the writer thread does not hide behind the
+next step), as a share of the step, and one ``torch.save`` of the same state to a file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import tempfile
+import time
+
+import torch
+from torch import nn
+
+
+def build(million: int) -> tuple[nn.Module, torch.optim.Optimizer, int]:
+    width = 2048
+    layers = max(1, round(million * 1e6 / (width * width)))
+    model = nn.Sequential(*(nn.Linear(width, width) for _ in range(layers)))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
+    return model, optimizer, width
+
+
+def train(
+    model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, reps: int, snap: bool
+) -> float:
+    """Seconds per step of ``reps`` steps, with a snapshot after each when ``snap``."""
+    from relaunch import checkpoint
+
+    t0 = time.perf_counter()
+    for step in range(reps):
+        model(x).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if snap:
+            checkpoint.save(step, {"model": model.state_dict(), "opt": optimizer.state_dict()})
+    checkpoint.wait()
+    return (time.perf_counter() - t0) / reps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--sizes", default="10,100", help="millions of parameters")
+    parser.add_argument("--reps", type=int, default=5)
+    args = parser.parse_args()
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    root = tempfile.mkdtemp(prefix="relaunch-bench-snap-", dir=base)
+    disk = tempfile.mkdtemp(prefix="relaunch-bench-torchsave-")
+    os.environ.update(RELAUNCH_SNAPSHOT_DIR=root, RANK="0", WORLD_SIZE="1")
+
+    print(f"{'params':>8} {'state MB':>9} {'step s':>8} {'with save s':>12} {'pause ms':>9} "
+          f"{'pause/step':>11} {'torch.save ms':>14}")  # fmt: skip
+    try:
+        for million in (int(x) for x in args.sizes.split(",")):
+            model, optimizer, width = build(million)
+            x = torch.randn(64, width)
+
+            train(model, optimizer, x, 2, True)  # warm: Adam's state, the first files
+            plain = statistics.median(
+                train(model, optimizer, x, args.reps, False) for _ in range(3)
+            )
+            saving = statistics.median(
+                train(model, optimizer, x, args.reps, True) for _ in range(3)
+            )
+            t0 = time.perf_counter()
+            torch.save(
+                {"model": model.state_dict(), "opt": optimizer.state_dict()},
+                os.path.join(disk, "ckpt.pt"),
+            )
+            torch_save = time.perf_counter() - t0
+            n = sum(p.numel() for p in model.parameters())
+            mb = 3 * n * 4 / 2**20
+            pause = max(saving - plain, 0.0)
+            print(f"{n / 1e6:7.1f}M {mb:9.0f} {plain:8.2f} {saving:12.2f} {pause * 1e3:9.0f} "
+                  f"{pause / plain:10.1%} {torch_save * 1e3:14.0f}")  # fmt: skip
+            del model, optimizer
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree(disk, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

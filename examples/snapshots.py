@@ -1,0 +1,100 @@
+"""DDP training that loses at most one step per fault: a snapshot every step.
+
+    relaunch --nproc-per-node 2 --max-restarts 3 examples/snapshots.py --steps 300
+
+Every step ends with ``checkpoint.save(step, state)``: the tensors are copied into the
+node's snapshot directory (node memory, /dev/shm) and the call returns. When a worker
+dies (``kill -9`` one of them while it runs), the agent restarts the group and every
+rank resumes with ``checkpoint.load()`` from the newest step all ranks hold: at most
+the step in flight is redone. ``--checkpoint-dir DIR`` on the ``relaunch`` line also
+copies the snapshots to DIR in the background; a job started again with the same
+``--rdzv-id`` and ``--checkpoint-dir`` resumes from there.
+
+Options for trying faults: ``--kill RANK:STEP`` makes that rank SIGKILL itself at that
+step (first attempt only); ``--log-to DIR`` writes one line per step and rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from relaunch import checkpoint
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--kill", metavar="RANK:STEP", default=None)
+    parser.add_argument("--kill-after-save", action="store_true",
+                        help="kill right after that step's save() returned (mid-save)")  # fmt: skip
+    parser.add_argument("--extra-mb", type=int, default=0,
+                        help="an extra tensor of this many MB in the state")  # fmt: skip
+    parser.add_argument("--log-to", metavar="DIR", default=None)
+    parser.add_argument("--sleep", type=float, default=0.0)
+    args = parser.parse_args()
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    extra = torch.zeros(args.extra_mb * (1 << 18))  # float32: 4 bytes each
+    start = 0
+    restored = checkpoint.load()
+    if restored is not None:
+        done, state = restored
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        start = done + 1
+    ddp = DistributedDataParallel(model)
+    log = open(os.path.join(args.log_to, f"rank{rank}.jsonl"), "a") if args.log_to else None  # noqa: SIM115
+    kill_rank, kill_step = (int(x) for x in args.kill.split(":")) if args.kill else (-1, -1)
+    for step in range(start, args.steps):
+        # the same batch for the same (rank, step), whatever happened before
+        gen = torch.Generator().manual_seed(step * 1000 + rank)
+        x = torch.randn(8, 16, generator=gen)
+        loss = (ddp(x) - x.sum(dim=1, keepdim=True)).pow(2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        if attempt == 0 and rank == kill_rank and step == kill_step and not args.kill_after_save:
+            os.kill(os.getpid(), signal.SIGKILL)
+        state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+        if args.extra_mb:
+            state["extra"] = extra
+        checkpoint.save(step, state)
+        if attempt == 0 and rank == kill_rank and step == kill_step:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if log is not None:
+            doc = {"rank": rank, "world": world, "step": step, "attempt": attempt,
+                   "resumed_from": start, "pid": os.getpid(), "t": time.time()}  # fmt: skip
+            log.write(json.dumps(doc) + "\n")
+            log.flush()
+        if args.sleep:
+            time.sleep(args.sleep)
+    checkpoint.wait()
+    digest = hashlib.sha256(
+        b"".join(p.detach().numpy().tobytes() for p in model.parameters())
+    ).hexdigest()
+    if log is not None:
+        log.write(json.dumps({"rank": rank, "final": digest, "attempt": attempt}) + "\n")
+        log.close()
+    if rank == 0:
+        print(f"trained {args.steps} steps (resumed at step {start}); weights {digest[:16]}")
+    del ddp
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

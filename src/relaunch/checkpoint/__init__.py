@@ -1,0 +1,137 @@
+"""Snapshots of the training state in node memory: a fault costs at most the steps since
+the last ``save``, one when you save every step.
+
+In the training script (under ``relaunch``)::
+
+    from relaunch import checkpoint
+
+    dist.init_process_group("gloo")
+    restored = checkpoint.load()                     # None on a fresh start
+    if restored is not None:
+        step, state = restored
+        model.load_state_dict(state["model"]); optimizer.load_state_dict(state["opt"])
+    for step in range(step + 1 if restored else 0, steps):
+        ...train one step...
+        checkpoint.save(step, {"model": model.state_dict(), "opt": optimizer.state_dict()})
+
+``save(step, state)`` returns at once; a writer thread copies the tensors into the
+node's snapshot directory (the agent's ``--snapshot-dir``, by default a folder under
+/dev/shm removed when the job ends), then checksums them, writes the manifest and
+renames the folder, which makes the snapshot complete. The copy is finished before any
+optimizer steps again (a ``torch.optim`` pre-step hook waits for it); a tensor of the
+state that you change otherwise must wait for ``wait_copied()``. The node keeps each rank's newest ``--snapshot-keep`` snapshots: they
+survive the worker's death and the group's restart. ``load()`` returns
+``(step, state)`` for the newest step that every rank of the current world can
+restore, the same on every rank (ranks compare what they have over the default process
+group: call it after ``init_process_group``), or None. A snapshot that is not whole
+(killed mid-save, truncated, corrupt) is never loaded: the older one is, after one
+warning. Tensors come back on the CPU; ``load_state_dict`` copies them where they
+belong. With ``--checkpoint-dir`` the agent also copies snapshots to shared storage in
+the background, and ``load()`` falls back to those when the nodes' memory has none
+(every node lost, a new allocation).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import Any
+
+from relaunch.checkpoint import _layout as layout
+from relaunch.errors import SnapshotError
+
+__all__ = ["SnapshotError", "load", "save", "wait", "wait_copied"]
+
+log = logging.getLogger("relaunch.checkpoint")
+
+_lock = threading.Lock()
+_saver: Any = None
+
+
+def save(step: int, state: object, *, blocking: bool = False) -> None:
+    """Snapshot ``state`` (what ``state_dict()`` returns) as of ``step``.
+
+    Returns at once: a writer thread copies the tensors into node memory (CUDA ones
+    through pinned host buffers, queued on their stream before this returns). The copy
+    is done before any ``torch.optim`` optimizer steps again, before the next ``save``
+    or ``load``, and before this returns with ``blocking=True``; a tensor of the state
+    that you change otherwise (in place, by hand) must wait for :func:`wait_copied`.
+    SnapshotError for a value of an unsupported type (naming its key path), a save over
+    the node's limit, or a failure of the previous save's writer."""
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise SnapshotError(f"save: step must be a non-negative int, got {step!r}")
+    _get().save(step, state, blocking=blocking)
+
+
+def wait_copied() -> None:
+    """Wait until the tensors of the last ``save`` are copied (not yet complete)."""
+    if _saver is not None:
+        _saver.wait_copied()
+
+
+def wait() -> None:
+    """Wait until the last ``save`` is complete on the node."""
+    if _saver is not None:
+        _saver.wait()
+
+
+def load() -> tuple[int, Any] | None:
+    """``(step, state)`` of the newest snapshot every rank can restore, or None."""
+    from relaunch.checkpoint._agree import newest_common
+
+    saver = _get()
+    saver.wait()
+    found = None
+    for root, what in ((None, "node memory"), (saver.where.durable, "--checkpoint-dir")):
+        if what != "node memory" and root is None:
+            continue
+        found = newest_common(saver, root)
+        if found is not None:
+            log.info("rank %s: restored step %s from %s", saver.where.rank, found[0], what)
+            break
+    saver.discard_newer(None if found is None else found[0])
+    return found
+
+
+def _get() -> Any:
+    global _saver
+    with _lock:
+        if _saver is None:
+            from relaunch.checkpoint._saver import Saver
+
+            _saver = Saver(_where_from_env(os.environ))
+        return _saver
+
+
+def _where_from_env(env: Any) -> Any:
+    from relaunch.checkpoint._saver import Where
+
+    root = env.get(layout.ENV_DIR)
+    if not root:
+        raise SnapshotError(
+            f"no snapshot directory: {layout.ENV_DIR} is not set (run the script under "
+            "`relaunch`, which sets it, or set it to a directory)"
+        )
+    durable = env.get(layout.ENV_DURABLE) or None
+    job = env.get("TORCHELASTIC_RUN_ID") or "none"
+    return Where(
+        root=root,
+        job=job,
+        rank=_int(env, "RANK", "0", 0),
+        world_size=_int(env, "WORLD_SIZE", "1", 1),
+        keep=_int(env, layout.ENV_KEEP, "2", 1),
+        limit=_int(env, layout.ENV_LIMIT, "0", 0) or None,
+        durable=os.path.join(durable, layout.safe_job(job)) if durable else None,
+    )
+
+
+def _int(env: Any, name: str, default: str, low: int) -> int:
+    text = env.get(name) or default
+    try:
+        value = int(text)
+    except ValueError:
+        value = low - 1
+    if value < low:
+        raise SnapshotError(f"{name}={text!r}: expected an int >= {low}")
+    return value

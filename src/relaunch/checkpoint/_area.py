@@ -1,0 +1,204 @@
+"""The agent's side of the snapshots (standard library only: the agent never imports
+torch): the node's snapshot directory for one run, the workers' environment that
+points at it, and the durable copier.
+
+The default directory is a new folder under /dev/shm (node memory that outlives the
+workers), named ``relaunch-<job>-<agent pid>-<random>``, made by the first save and
+removed when the agent ends; one that an agent killed outright left behind is removed
+by the next agent on the machine that finds its owner gone. A directory given with ``--snapshot-dir`` is
+kept.
+
+The durable copier (``--checkpoint-dir``) is a thread that, every half second, copies
+each rank's newest complete snapshot to ``<checkpoint-dir>/<job>/rank-N/step-N`` (under
+a partial name, renamed when whole) and keeps the newest ``keep`` there. It first pins
+the snapshot with hard links, so a worker pruning it meanwhile does not cut the copy
+short; training never waits for it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import random
+import re
+import shutil
+import string
+import tempfile
+import threading
+
+from relaunch.checkpoint import _layout as layout
+
+__all__ = ["SnapshotArea"]
+
+log = logging.getLogger(__name__)
+
+_SHM = "/dev/shm"
+_OWNED = re.compile(r"relaunch-.*-(\d+)-[a-z0-9_]{8}\Z")
+_PIN = ".durable-pin"
+_RANK = re.compile(r"rank-(\d{5})\Z")
+
+
+class SnapshotArea:
+    """The snapshot directory of this agent's run (a context manager)."""
+
+    def __init__(
+        self,
+        *,
+        job: str,
+        directory: str | None,
+        keep: int,
+        limit: int | None,
+        durable: str | None,
+        interval: float = 0.5,
+    ) -> None:
+        self.job = job
+        self.keep = keep
+        self._given = directory
+        self._limit = limit
+        self._durable_base = durable
+        self._interval = interval
+        self.root = ""
+        self._stop = threading.Event()
+        self._copier: threading.Thread | None = None
+        self._copied: dict[int, int] = {}
+
+    @property
+    def durable(self) -> str | None:
+        if self._durable_base is None:
+            return None
+        return os.path.join(self._durable_base, layout.safe_job(self.job))
+
+    def __enter__(self) -> SnapshotArea:
+        return self.open()
+
+    def open(self) -> SnapshotArea:
+        """Create (or adopt) the directory and start the durable copier."""
+        if self._given is not None:
+            os.makedirs(self._given, exist_ok=True)
+            self.root = self._given
+        else:
+            base = _SHM if os.path.isdir(_SHM) and os.access(_SHM, os.W_OK) else None
+            base = base or tempfile.gettempdir()
+            _remove_orphans(base)
+            # named now, made by the first save: a job that takes no snapshot leaves
+            # nothing in node memory, even when its agent is killed
+            suffix = "".join(random.choices(string.ascii_lowercase + string.digits, k=8))
+            name = f"relaunch-{layout.safe_job(self.job)[:40]}-{os.getpid()}-{suffix}"
+            self.root = os.path.join(base, name)
+        if self.durable is not None:
+            os.makedirs(self.durable, exist_ok=True)
+            self._copier = threading.Thread(
+                target=self._copy_loop, name="relaunch-durable-copier", daemon=True
+            )
+            self._copier.start()
+        return self
+
+    def env(self) -> dict[str, str]:
+        """What the workers need to find the directory (``relaunch.checkpoint`` reads it)."""
+        out = {
+            layout.ENV_DIR: self.root,
+            layout.ENV_KEEP: str(self.keep),
+            layout.ENV_LIMIT: str(self.limit()),
+        }
+        if self._durable_base is not None:
+            out[layout.ENV_DURABLE] = self._durable_base
+        return out
+
+    def limit(self) -> int:
+        """The node's limit in bytes: the one given, else half the file system's size."""
+        if self._limit is not None:
+            return self._limit
+        st = os.statvfs(self.root if os.path.isdir(self.root) else os.path.dirname(self.root))
+        return max(st.f_blocks * st.f_frsize // 2, 1)
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        copier, self._copier = self._copier, None
+        if copier is not None:
+            self._stop.set()
+            copier.join(60.0)
+            if copier.is_alive():
+                log.warning("the durable copier did not finish within 60 s; left running")
+            else:
+                self._copy_newest()  # the last snapshots too
+        shutil.rmtree(os.path.join(self.root, _PIN), ignore_errors=True)
+        if self._given is None and self.root:
+            shutil.rmtree(self.root, ignore_errors=True)
+
+    # -- durable copies ------------------------------------------------------------------
+    def _copy_loop(self) -> None:
+        while not self._stop.wait(self._interval):
+            try:
+                self._copy_newest()
+            except Exception:  # a full or gone shared file system must not end the job
+                log.exception("durable copy failed; retrying")
+
+    def _copy_newest(self) -> None:
+        durable = self.durable
+        if durable is None:
+            return
+        for name in sorted(_listdir(self.root)):
+            match = _RANK.match(name)
+            if not match:
+                continue
+            rank = int(match.group(1))
+            steps = layout.complete_steps(os.path.join(self.root, name))
+            if not steps or self._copied.get(rank) == steps[0]:
+                continue
+            if self._copy_one(os.path.join(self.root, name), rank, steps[0], durable):
+                self._copied[rank] = steps[0]
+
+    def _copy_one(self, rank_root: str, rank: int, step: int, durable: str) -> bool:
+        source = layout.step_dir(rank_root, step)
+        pin = os.path.join(self.root, _PIN, f"{rank}-{step}")
+        shutil.rmtree(pin, ignore_errors=True)
+        try:
+            os.makedirs(pin)
+            for name in (layout.DATA, layout.MANIFEST):
+                os.link(os.path.join(source, name), os.path.join(pin, name))
+        except OSError:  # pruned under us: a newer one is there
+            shutil.rmtree(pin, ignore_errors=True)
+            return False
+        target_root = layout.rank_dir(durable, rank)
+        partial = layout.partial_dir(target_root, step)
+        try:
+            os.makedirs(partial, exist_ok=True)
+            shutil.copyfile(os.path.join(pin, layout.DATA), os.path.join(partial, layout.DATA))
+            with open(os.path.join(partial, layout.DATA), "rb+") as f:
+                os.fsync(f.fileno())
+            shutil.copyfile(
+                os.path.join(pin, layout.MANIFEST), os.path.join(partial, layout.MANIFEST)
+            )
+            final = layout.step_dir(target_root, step)
+            if os.path.exists(final):
+                shutil.rmtree(final, ignore_errors=True)
+            os.rename(partial, final)
+            layout.prune(target_root, self.keep)
+        finally:
+            shutil.rmtree(partial, ignore_errors=True)
+            shutil.rmtree(pin, ignore_errors=True)
+        return True
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []
+
+
+def _remove_orphans(base: str) -> None:
+    """Remove default snapshot folders whose agent is gone (killed before its cleanup)."""
+    for name in _listdir(base):
+        match = _OWNED.match(name)
+        if match is None or layout.alive(int(match.group(1))):
+            continue
+        path = os.path.join(base, name)
+        with contextlib.suppress(OSError):
+            mine = os.stat(path).st_uid == os.getuid()
+            if mine and os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path, ignore_errors=True)
+                log.info("removed %s, the snapshots of an agent that is gone", path)

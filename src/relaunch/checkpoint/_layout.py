@@ -1,0 +1,223 @@
+"""Where snapshots live and how one is recognised as complete (standard library only:
+the agent uses it too, and never imports torch).
+
+A node's snapshot directory holds one folder per global rank, and in it one folder per
+snapshot::
+
+    <root>/rank-00003/step-000000001200/{data,manifest.json}
+    <root>/rank-00003/.partial-step-000000001201-<pid>/        (being written)
+
+A snapshot is complete when its folder has its final name: it is written under a
+``.partial-`` name and renamed once its data and manifest are on disk, so a process
+killed during a save leaves a partial folder, never a snapshot that looks whole. The
+manifest (versioned JSON) names the job, the rank, the world size, the step, the data's
+length and CRC-32, and the tree of the state; :func:`read_manifest` checks every field
+and names the one that is wrong.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from typing import Any
+
+from relaunch.errors import SnapshotError
+
+__all__ = [
+    "DATA",
+    "ENV_DIR",
+    "ENV_DURABLE",
+    "ENV_KEEP",
+    "ENV_LIMIT",
+    "FORMAT",
+    "MANIFEST",
+    "VERSION",
+    "CorruptSnapshot",
+    "Manifest",
+    "alive",
+    "complete_steps",
+    "discard_newer",
+    "partial_dir",
+    "prune",
+    "rank_dir",
+    "read_manifest",
+    "safe_job",
+    "step_dir",
+    "usage",
+    "write_manifest",
+]
+
+ENV_DIR = "RELAUNCH_SNAPSHOT_DIR"
+"""The node's snapshot directory (the agent sets it for its workers)."""
+ENV_KEEP = "RELAUNCH_SNAPSHOT_KEEP"
+"""How many snapshots each rank keeps (newest first)."""
+ENV_LIMIT = "RELAUNCH_SNAPSHOT_LIMIT"
+"""Bytes the node's snapshot directory may hold, all its ranks together."""
+ENV_DURABLE = "RELAUNCH_CHECKPOINT_DIR"
+"""Shared storage that receives durable copies (``<dir>/<job>/rank-N/step-N``)."""
+
+FORMAT = "relaunch.snapshot"
+VERSION = 1
+MANIFEST = "manifest.json"
+DATA = "data"
+
+_STEP = re.compile(r"step-(\d{12})\Z")
+_PARTIAL = re.compile(r"\.partial-step-\d{12}-(\d+)\Z")
+
+
+class CorruptSnapshot(SnapshotError):
+    """A snapshot that cannot be used: unreadable, truncated, of another job or layout."""
+
+
+def rank_dir(root: str, rank: int) -> str:
+    return os.path.join(root, f"rank-{rank:05d}")
+
+
+def step_dir(rank_root: str, step: int) -> str:
+    return os.path.join(rank_root, f"step-{step:012d}")
+
+
+def partial_dir(rank_root: str, step: int) -> str:
+    return os.path.join(rank_root, f".partial-step-{step:012d}-{os.getpid()}")
+
+
+def complete_steps(rank_root: str) -> list[int]:
+    """Steps of the complete snapshots in ``rank_root``, newest first."""
+    try:
+        names = os.listdir(rank_root)
+    except OSError:
+        return []
+    steps = []
+    for name in names:
+        match = _STEP.match(name)
+        if match and os.path.isfile(os.path.join(rank_root, name, MANIFEST)):
+            steps.append(int(match.group(1)))
+    return sorted(steps, reverse=True)
+
+
+def prune(rank_root: str, keep: int, *, besides: int | None = None) -> None:
+    """Keep the ``keep`` newest complete snapshots (``besides``, the step being written
+    again, neither counts nor goes); remove the partial folders of processes that are
+    gone (a save that a kill interrupted)."""
+    for step in [s for s in complete_steps(rank_root) if s != besides][keep:]:
+        shutil.rmtree(step_dir(rank_root, step), ignore_errors=True)
+    with contextlib.suppress(OSError):
+        for name in os.listdir(rank_root):
+            match = _PARTIAL.match(name)
+            if match and int(match.group(1)) != os.getpid() and not alive(int(match.group(1))):
+                shutil.rmtree(os.path.join(rank_root, name), ignore_errors=True)
+
+
+def discard_newer(rank_root: str, step: int | None) -> list[int]:
+    """Remove the snapshots newer than ``step`` (all when None): after a restore they
+    belong to a timeline the job left. Returns their steps."""
+    gone = [s for s in complete_steps(rank_root) if step is None or s > step]
+    for s in gone:
+        shutil.rmtree(step_dir(rank_root, s), ignore_errors=True)
+    return gone
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def usage(root: str) -> int:
+    """Bytes under ``root`` (every rank's snapshots, partial ones included; a file
+    linked twice counts once)."""
+    total, seen = 0, set()
+    for folder, _dirs, files in os.walk(root):
+        for name in files:
+            with contextlib.suppress(OSError):
+                st = os.stat(os.path.join(folder, name))
+                if (st.st_dev, st.st_ino) not in seen:
+                    seen.add((st.st_dev, st.st_ino))
+                    total += st.st_size
+    return total
+
+
+def safe_job(job: str) -> str:
+    """The job id as a file name."""
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in job) or "none"
+
+
+@dataclass(frozen=True)
+class Manifest:
+    job: str
+    rank: int
+    world_size: int
+    step: int
+    nbytes: int
+    crc32: int
+    tree: Any
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "format": FORMAT,
+                "version": VERSION,
+                "job": self.job,
+                "rank": self.rank,
+                "world_size": self.world_size,
+                "step": self.step,
+                "nbytes": self.nbytes,
+                "crc32": self.crc32,
+                "tree": self.tree,
+            },
+            separators=(",", ":"),
+        )
+
+
+def write_manifest(folder: str, manifest: Manifest) -> None:
+    path = os.path.join(folder, MANIFEST)
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+        f.write(manifest.to_json())
+        f.flush()
+        os.fsync(f.fileno())
+    os.rename(path + ".tmp", path)
+
+
+def read_manifest(folder: str) -> Manifest:
+    """The manifest of the snapshot in ``folder``; CorruptSnapshot naming the field
+    that is missing or wrong (or the file that cannot be read)."""
+    path = os.path.join(folder, MANIFEST)
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise CorruptSnapshot(f"{path}: unreadable manifest ({exc})") from exc
+    if not isinstance(doc, dict):
+        raise CorruptSnapshot(f"{path}: expected a JSON object, got {type(doc).__name__}")
+    if doc.get("format") != FORMAT:
+        raise CorruptSnapshot(f"{path}: format: expected {FORMAT!r}, got {doc.get('format')!r}")
+    if doc.get("version") != VERSION:
+        raise CorruptSnapshot(f"{path}: version: expected {VERSION}, got {doc.get('version')!r}")
+
+    def field(key: str, kind: type) -> Any:
+        value = doc.get(key)
+        if not isinstance(value, kind) or (isinstance(value, bool) and kind is int):
+            raise CorruptSnapshot(f"{path}: {key}: expected {kind.__name__}, got {value!r}")
+        if kind is int and isinstance(value, int) and value < 0:
+            raise CorruptSnapshot(f"{path}: {key}: expected a non-negative int, got {value}")
+        return value
+
+    if "tree" not in doc:
+        raise CorruptSnapshot(f"{path}: tree: missing")
+    return Manifest(
+        job=field("job", str),
+        rank=field("rank", int),
+        world_size=field("world_size", int),
+        step=field("step", int),
+        nbytes=field("nbytes", int),
+        crc32=field("crc32", int),
+        tree=doc["tree"],
+    )

