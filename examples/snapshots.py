@@ -41,6 +41,10 @@ def main() -> None:
                         help="an extra tensor of this many MB in the state")  # fmt: skip
     parser.add_argument("--log-to", metavar="DIR", default=None)
     parser.add_argument("--sleep", type=float, default=0.0)
+    parser.add_argument("--disk-every", metavar="K", type=int, default=0,
+                        help="no snapshots: rank 0 torch.saves to --disk-dir every K steps "
+                             "(the usual script, for comparison; runs under torchrun)")  # fmt: skip
+    parser.add_argument("--disk-dir", default=None)
     args = parser.parse_args()
 
     dist.init_process_group("gloo")
@@ -51,7 +55,11 @@ def main() -> None:
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
     extra = torch.zeros(args.extra_mb * (1 << 18))  # float32: 4 bytes each
     start = 0
-    restored = checkpoint.load()
+    disk = os.path.join(args.disk_dir or ".", "ckpt.pt")
+    if args.disk_every:
+        restored = torch.load(disk, weights_only=True) if os.path.exists(disk) else None
+    else:
+        restored = checkpoint.load()
     if restored is not None:
         done, state = restored
         model.load_state_dict(state["model"])
@@ -73,7 +81,11 @@ def main() -> None:
         state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
         if args.extra_mb:
             state["extra"] = extra
-        checkpoint.save(step, state)
+        if not args.disk_every:
+            checkpoint.save(step, state)
+        elif rank == 0 and (step + 1) % args.disk_every == 0:
+            torch.save((step, state), disk + ".tmp")
+            os.replace(disk + ".tmp", disk)
         if attempt == 0 and rank == kill_rank and step == kill_step:
             os.kill(os.getpid(), signal.SIGKILL)
         if log is not None:
@@ -83,7 +95,8 @@ def main() -> None:
             log.flush()
         if args.sleep:
             time.sleep(args.sleep)
-    checkpoint.wait()
+    if not args.disk_every:
+        checkpoint.wait()
     digest = hashlib.sha256(
         b"".join(p.detach().numpy().tobytes() for p in model.parameters())
     ).hexdigest()

@@ -190,7 +190,11 @@ def launch(config: LaunchConfig, environ: Mapping[str, str] | None = None) -> in
             _error(f"cannot prepare the snapshot directory: {exc}")
             return 2
         try:
-            return _launch(config, {**environ, **area.env()}, agents, received)
+            code = _launch(config, {**environ, **area.env()}, agents, received)
+            line = area.summary()
+            if line is not None:
+                print(f"relaunch: {line}", file=sys.stderr, flush=True)
+            return code
         finally:
             area.close()
     finally:

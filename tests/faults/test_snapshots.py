@@ -165,6 +165,10 @@ def test_a_killed_worker_resumes_at_its_step_and_ends_with_the_fault_free_weight
     # in flight is the only one redone
     assert j.resumed(1) == {30}, (sorted(j.resumed(1)), j.output())
     assert j.finals() == {_reference(tmp_path, 2, 1)}, j.output()
+    # each agent's last line says it: rank 0 had made step 30, which is done again
+    said = j.output()
+    assert said.count("restored step 29 from memory, 1 step redone") == 2, said
+    assert said.count(f"snapshots: newest step {STEPS - 1}") == 2, said
 
 
 def test_a_kill_during_a_save_resumes_from_the_older_snapshot(job: Job, tmp_path: Path) -> None:
@@ -242,12 +246,12 @@ def test_every_node_lost_resumes_from_the_checkpoint_dir(job: Job, tmp_path: Pat
     flags = ("--checkpoint-dir", str(durable))
     for node in ("a", "b"):
         job.start(node, "--sleep", "0.2", nproc=1, flags=flags)
-    copies = durable / "snap" / "rank-00001"
+    ranks = [durable / "snap" / f"rank-0000{r}" for r in (0, 1)]
 
-    def copied() -> bool:
-        return any(int(p.name[5:]) >= 15 for p in copies.glob("step-*"))
+    def copied() -> bool:  # the step every rank can restore: the oldest rank's newest
+        return all(any(int(p.name[5:]) >= 15 for p in c.glob("step-*")) for c in ranks)
 
-    wait_for(copied, 120, what="a durable copy of step 15", detail=job.output)
+    wait_for(copied, 120, what="durable copies of step 15", detail=job.output)
     for node in ("a", "b"):
         job.kill_agent(node)  # every machine gone, node memory included
     lost_at = max(r["step"] for r in job.rows() if "step" in r)
@@ -264,3 +268,63 @@ def test_every_node_lost_resumes_from_the_checkpoint_dir(job: Job, tmp_path: Pat
     # the newest copy the copier had finished: behind the lost step by the copy's lag
     assert 16 <= start <= lost_at + 1, (start, lost_at)
     assert again.finals() == {_reference(tmp_path, 2, 1)}, again.output()
+
+
+def test_a_lost_node_s_ranks_resume_on_a_spare_from_the_durable_copies(
+    job: Job, tmp_path: Path
+) -> None:
+    durable = tmp_path / "durable"
+    flags = ("--checkpoint-dir", str(durable))
+    job.start("a", "--sleep", "0.2", nproc=1, flags=flags)
+    job.start("b", "--sleep", "0.2", nproc=1, flags=flags)
+    copies = durable / "snap" / "rank-00001"
+
+    def copied() -> bool:
+        return any(int(p.name[5:]) >= 15 for p in copies.glob("step-*"))
+
+    wait_for(copied, 120, what="a durable copy of step 15", detail=job.output)
+    logs = tmp_path / "logs-spare"
+    job.start("spare", "--sleep", "0.2", nproc=1, flags=(*flags, "--log-dir", str(logs)))
+
+    def spare_ready() -> bool:  # it waits as a spare, its fork server started
+        return any("fork_server_started" in p.read_text() for p in logs.glob("*/events.jsonl"))
+
+    wait_for(spare_ready, 60, what="the spare's fork server", detail=job.output)
+    # the node of rank 1 is lost, memory included: its rank comes back on the spare
+    lost = next(n for n in ("a", "b") if _hosts_rank(job, n, 1))
+    job.kill_agent(lost)
+    survivor = "b" if lost == "a" else "a"
+    assert job.procs[survivor].wait(timeout=180) == 0, job.output()
+    assert job.procs["spare"].wait(timeout=60) == 0, job.output()
+    # rank 0 kept its snapshots in memory; rank 1 took the same step from the durable
+    # copies: both resumed where the copier had got to
+    resumed = job.resumed(1) | {r for r in job.resumed(0) if r > 0}
+    assert len(resumed) == 1 and min(resumed) >= 16, (resumed, job.output())
+    assert job.finals() == {_reference(tmp_path, 2, 1)}, job.output()
+
+
+def _hosts_rank(job: Job, node: str, rank: int) -> bool:
+    """Whether agent ``node`` runs global rank ``rank`` (its pid is that rank's parent)."""
+    pids = {r["pid"] for r in job.rows() if r.get("rank") == rank and "pid" in r}
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid == job.procs[node].pid or _ancestor(job.procs[node].pid, ppid):
+            return True
+    return False
+
+
+def _ancestor(agent: int, pid: int) -> bool:
+    for _ in range(5):
+        if pid == agent:
+            return True
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                pid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except OSError:
+            return False
+    return False

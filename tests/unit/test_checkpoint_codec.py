@@ -145,3 +145,14 @@ def test_a_bad_snapshot_limit_is_one_clear_error(text: str, tmp_path: Path) -> N
     script.write_text("")
     with pytest.raises(ConfigError, match="--snapshot-limit: expected a size in bytes"):
         parse_args([f"--snapshot-limit={text}", str(script)])
+
+
+def test_restore_records_are_read_strictly(tmp_path: Path) -> None:
+    layout.append_restore(str(tmp_path), layout.Restore(1, 29, 30, "memory"))
+    with open(tmp_path / layout.RESTORES, "a") as f:
+        f.write('{"v":1,"rank":-1,"step":3,"newest":4,"source":"memory"}\n{not json\n')
+    layout.append_restore(str(tmp_path), layout.Restore(0, None, 7, None))
+    found, bad = layout.read_restores(str(tmp_path))
+    assert bad == 2
+    assert found == [layout.Restore(1, 29, 30, "memory"), layout.Restore(0, None, 7, None)]
+    assert [r.redone for r in found] == [1, 8]

@@ -27,8 +27,8 @@ group: call it after ``init_process_group``), or None. A snapshot that is not wh
 (killed mid-save, truncated, corrupt) is never loaded: the older one is, after one
 warning. Tensors come back on the CPU; ``load_state_dict`` copies them where they
 belong. With ``--checkpoint-dir`` the agent also copies snapshots to shared storage in
-the background, and ``load()`` falls back to those when the nodes' memory has none
-(every node lost, a new allocation).
+the background, and a rank whose node memory lacks a step takes it from there (the
+ranks of a lost node on their replacement; every rank after every node was lost).
 """
 
 from __future__ import annotations
@@ -82,16 +82,16 @@ def load() -> tuple[int, Any] | None:
 
     saver = _get()
     saver.wait()
-    found = None
-    for root, what in ((None, "node memory"), (saver.where.durable, "--checkpoint-dir")):
-        if what != "node memory" and root is None:
-            continue
-        found = newest_common(saver, root)
-        if found is not None:
-            log.info("rank %s: restored step %s from %s", saver.where.rank, found[0], what)
-            break
-    saver.discard_newer(None if found is None else found[0])
-    return found
+    durable = saver.where.durable
+    found, newest = newest_common(saver, [None] if durable is None else [None, durable])
+    step = None if found is None else found[0]
+    source = None if found is None else "memory" if found[2] is None else "durable"
+    saver.note_restore(step, newest, source)
+    saver.discard_newer(step)
+    if found is None:
+        return None
+    log.info("rank %s: restored step %s from %s", saver.where.rank, step, source)
+    return found[0], found[1]
 
 
 def _get() -> Any:

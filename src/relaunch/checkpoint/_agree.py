@@ -1,9 +1,12 @@
 """The ranks agree on the step they restore: the newest one every rank has whole.
 
-Each rank offers its snapshots' steps (manifests checked); the newest step in every
-offer is read by every rank (data length and CRC-32 checked); when any rank's copy is
-not whole, every rank drops that step and tries the next one. Two all-gathers of small
-lists per step tried, over the default process group.
+Each rank offers the steps of its snapshots in node memory and in the durable copies
+(manifests checked); the newest step in every offer is read by every rank, from node
+memory when it is there, else from the durable copy (data length and CRC-32 checked);
+when any rank has no whole copy of it, every rank drops that step and tries the next
+one. A replacement for a lost node, with no snapshot in its memory, restores the
+survivors' step from the durable copies when the copier got there. Small all-gathers
+over the default process group.
 """
 
 from __future__ import annotations
@@ -19,22 +22,33 @@ __all__ = ["newest_common"]
 log = logging.getLogger("relaunch.checkpoint")
 
 
-def newest_common(saver: Any, root: str | None) -> tuple[int, Any] | None:
-    offers = _gather(saver, saver.steps(root))
+def newest_common(
+    saver: Any, roots: list[str | None]
+) -> tuple[tuple[int, Any, str | None] | None, int | None]:
+    """``(step, state, root)``: the newest step every rank holds whole in one of
+    ``roots`` (None: node memory; tried in order), this rank's state of it and where it
+    came from, or None when there is no such step; and the newest step any rank
+    offered (what the job had done: the steps between are redone)."""
+    where: dict[int, list[str | None]] = {}
+    for root in roots:
+        for step in saver.steps(root):
+            where.setdefault(step, []).append(root)
+    offers = _gather(saver, sorted(where))
     common = set(offers[0]).intersection(*offers[1:]) if offers else set()
+    newest = max((max(o) for o in offers if o), default=None)
     for step in sorted(common, reverse=True):
-        state: Any = None
-        try:
-            state = saver.read(step, root)
-            whole = True
-        except CorruptSnapshot as exc:
-            log.warning(
-                "rank %s: snapshot not used: %s; trying an older one", saver.where.rank, exc
-            )
-            whole = False
-        if all(_gather(saver, whole)):
-            return step, state
-    return None
+        found: tuple[int, Any, str | None] | None = None
+        for root in where[step]:
+            try:
+                found = step, saver.read(step, root), root
+                break
+            except CorruptSnapshot as exc:
+                log.warning(
+                    "rank %s: snapshot not used: %s; trying an older one", saver.where.rank, exc
+                )
+        if all(_gather(saver, found is not None)):
+            return found, newest
+    return None, newest
 
 
 def _gather(saver: Any, mine: Any) -> list[Any]:

@@ -112,6 +112,40 @@ class SnapshotArea:
         st = os.statvfs(self.root if os.path.isdir(self.root) else os.path.dirname(self.root))
         return max(st.f_blocks * st.f_frsize // 2, 1)
 
+    def summary(self) -> str | None:
+        """One line on this node's snapshots: each rank's newest step, and each restore
+        (the step, where from, the steps redone); None when there were none."""
+        newest: dict[int, int] = {}
+        for name in _listdir(self.root):
+            match = _RANK.match(name)
+            steps = layout.complete_steps(os.path.join(self.root, name)) if match else []
+            if match and steps:
+                newest[int(match.group(1))] = steps[0]
+        restores, bad = layout.read_restores(self.root)
+        if bad:
+            log.warning("%s: %s lines that are not restore records; skipped", self.root, bad)
+        done: dict[tuple[int | None, int | None, str | None], list[int]] = {}
+        for r in restores:
+            if r.step is not None or r.newest is not None:  # not the job's first start
+                done.setdefault((r.step, r.newest, r.source), []).append(r.rank)
+        if not newest and not done:
+            return None
+        parts = []
+        if newest:
+            by_step: dict[int, list[int]] = {}
+            for rank, last in sorted(newest.items()):
+                by_step.setdefault(last, []).append(rank)
+            parts.append(
+                "newest "
+                + ", ".join(f"step {s} (ranks {_ranks(r)})" for s, r in sorted(by_step.items()))
+            )
+        for (restored, top, source), ranks in done.items():
+            redone = layout.Restore(0, restored, top, source).redone
+            what = "a fresh start" if restored is None else f"step {restored} from {source}"
+            unit = "step" if redone == 1 else "steps"
+            parts.append(f"restored {what}, {redone} {unit} redone (ranks {_ranks(ranks)})")
+        return "snapshots: " + "; ".join(parts)
+
     def __exit__(self, *exc: object) -> None:
         self.close()
 
@@ -188,6 +222,10 @@ def _listdir(path: str) -> list[str]:
         return os.listdir(path)
     except OSError:
         return []
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ", ".join(str(r) for r in sorted(set(ranks)))
 
 
 def _remove_orphans(base: str) -> None:

@@ -35,16 +35,20 @@ __all__ = [
     "ENV_LIMIT",
     "FORMAT",
     "MANIFEST",
+    "RESTORES",
     "VERSION",
     "CorruptSnapshot",
     "Manifest",
+    "Restore",
     "alive",
+    "append_restore",
     "complete_steps",
     "discard_newer",
     "partial_dir",
     "prune",
     "rank_dir",
     "read_manifest",
+    "read_restores",
     "safe_job",
     "step_dir",
     "usage",
@@ -64,6 +68,8 @@ FORMAT = "relaunch.snapshot"
 VERSION = 1
 MANIFEST = "manifest.json"
 DATA = "data"
+RESTORES = "restores.jsonl"
+"""At the root: one JSON line per ``load()`` of each rank (what the agent summarises)."""
 
 _STEP = re.compile(r"step-(\d{12})\Z")
 _PARTIAL = re.compile(r"\.partial-step-\d{12}-(\d+)\Z")
@@ -221,3 +227,67 @@ def read_manifest(folder: str) -> Manifest:
         crc32=field("crc32", int),
         tree=doc["tree"],
     )
+
+
+@dataclass(frozen=True)
+class Restore:
+    """One rank's ``load()``: the step it restored (None: a fresh start), the newest step
+    any rank offered, where the state came from ("memory", "durable" or None)."""
+
+    rank: int
+    step: int | None
+    newest: int | None
+    source: str | None
+
+    @property
+    def redone(self) -> int:
+        """Steps done before the fault that the job does again."""
+        if self.newest is None:
+            return 0
+        return self.newest - (-1 if self.step is None else self.step)
+
+
+def append_restore(root: str, restore: Restore) -> None:
+    line = json.dumps(
+        {
+            "v": 1,
+            "rank": restore.rank,
+            "step": restore.step,
+            "newest": restore.newest,
+            "source": restore.source,
+        },
+        separators=(",", ":"),
+    )
+    fd = os.open(os.path.join(root, RESTORES), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    try:
+        os.write(fd, (line + "\n").encode())  # one write: lines of ranks never mix
+    finally:
+        os.close(fd)
+
+
+def read_restores(root: str) -> tuple[list[Restore], int]:
+    """The restores recorded under ``root`` and how many lines were not valid records."""
+    try:
+        with open(os.path.join(root, RESTORES), encoding="utf-8", errors="replace") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return [], 0
+    found, bad = [], 0
+    for line in lines:
+        try:
+            doc = json.loads(line)
+            ok = isinstance(doc, dict) and doc.get("v") == 1
+            ints = [doc.get(k) for k in ("step", "newest")] if ok else []
+            ok = ok and _is_count(doc.get("rank")) and all(v is None or _is_count(v) for v in ints)
+            ok = ok and doc.get("source") in (None, "memory", "durable")
+        except ValueError:
+            ok = False
+        if not ok:
+            bad += 1
+            continue
+        found.append(Restore(doc["rank"], doc["step"], doc["newest"], doc["source"]))
+    return found, bad
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0

@@ -252,6 +252,16 @@ class Saver:
         if error is not None:
             raise SnapshotError(f"the last snapshot could not be written: {error!r}") from error
 
+    def note_restore(self, step: int | None, newest: int | None, source: str | None) -> None:
+        """Record this rank's restore for the agent's summary (never fails the load)."""
+        try:
+            os.makedirs(self.where.root, exist_ok=True)
+            layout.append_restore(
+                self.where.root, layout.Restore(self.where.rank, step, newest, source)
+            )
+        except OSError as exc:
+            log.warning("cannot record the restore in %s: %s", self.where.root, exc)
+
     def discard_newer(self, step: int | None) -> None:
         """Forget this rank's snapshots in node memory newer than the restored ``step``
         (all of them after a fresh start): the job left their timeline."""
