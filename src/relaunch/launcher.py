@@ -18,7 +18,16 @@ from collections.abc import Mapping
 from types import FrameType
 from typing import Any
 
-from relaunch.agent import LocalAgent, WorkerSpec, WorkerState
+from relaunch.agent import (
+    LocalAgent,
+    RoundHook,
+    RoundStart,
+    SnapshotFacts,
+    SnapshotSource,
+    WorkerSpec,
+    WorkerState,
+)
+from relaunch.checkpoint import _layout as layout
 from relaunch.checkpoint._area import SnapshotArea
 from relaunch.config import LaunchConfig
 from relaunch.errors import ChildFailedError, ConfigError, RelaunchError, StoreError
@@ -72,7 +81,11 @@ def _worker_base_env(config: LaunchConfig, environ: Mapping[str, str]) -> dict[s
 
 
 def build_spec(
-    config: LaunchConfig, handler: RendezvousHandler, environ: Mapping[str, str]
+    config: LaunchConfig,
+    handler: RendezvousHandler,
+    environ: Mapping[str, str],
+    round_hooks: tuple[RoundHook, ...] = (),
+    snapshots: SnapshotSource | None = None,
 ) -> WorkerSpec:
     """The agent's WorkerSpec for a parsed command line."""
     return WorkerSpec(
@@ -98,7 +111,43 @@ def build_spec(
         watchdog=config.watchdog,
         watchdog_file=config.watchdog_file,
         base_env=_worker_base_env(config, environ),
+        round_hooks=round_hooks,
+        snapshots=snapshots,
     )
+
+
+class _Snapshots:
+    """The node's snapshot area as the agent sees it: told of each round (the peer
+    copies), read for the status report."""
+
+    def __init__(self, area: SnapshotArea) -> None:
+        self._area = area
+
+    def snapshot_facts(self) -> SnapshotFacts:
+        try:
+            restores = self._area.restores()
+            return SnapshotFacts(
+                newest=self._area.newest_steps(),
+                restores=len(restores),
+                steps_redone=sum(
+                    layout.Restore(0, step, newest, source).redone
+                    for step, newest, source in restores
+                ),
+            )
+        except OSError as exc:
+            log.warning("cannot read the snapshot directory for the status: %s", exc)
+            return SnapshotFacts()
+
+    def round_started(self, start: RoundStart) -> None:
+        info = start.info
+        self._area.round_started(
+            info.store,
+            group_rank=info.rank,
+            world_size=info.world_size,
+            ranks=start.ranks,
+            addr=start.addr,
+            allowed=info.peers,
+        )
 
 
 class _JobSource:
@@ -190,7 +239,7 @@ def launch(config: LaunchConfig, environ: Mapping[str, str] | None = None) -> in
             _error(f"cannot prepare the snapshot directory: {exc}")
             return 2
         try:
-            code = _launch(config, {**environ, **area.env()}, agents, received)
+            code = _launch(config, {**environ, **area.env()}, agents, received, _Snapshots(area))
             line = area.summary()
             if line is not None:
                 print(f"relaunch: {line}", file=sys.stderr, flush=True)
@@ -203,12 +252,17 @@ def launch(config: LaunchConfig, environ: Mapping[str, str] | None = None) -> in
 
 
 def _snapshot_area(config: LaunchConfig) -> SnapshotArea:
+    peers = None  # a job of one node has no peer to copy its snapshots to
+    if not config.alone and config.max_nodes > 1:
+        local = config.local_addr or ""
+        peers = "127.0.0.1" if local.startswith("127.") or local == "localhost" else "0.0.0.0"
     return SnapshotArea(
         job=config.rdzv_id,
         directory=config.snapshot_dir,
         keep=config.snapshot_keep,
         limit=config.snapshot_limit,
         durable=config.checkpoint_dir,
+        peers=peers,
     )
 
 
@@ -217,12 +271,14 @@ def _launch(
     environ: Mapping[str, str],
     agents: list[LocalAgent],
     received: list[int],
+    snapshots: _Snapshots | None = None,
 ) -> int:
     try:
         handler = create_rendezvous_handler(config)
         if isinstance(handler, DynamicRendezvousHandler):
             handler.set_program(_program(config))
-        spec = build_spec(config, handler, environ)
+        hooks = () if snapshots is None else (snapshots,)
+        spec = build_spec(config, handler, environ, hooks, snapshots)
     except ConfigError as exc:
         _error(str(exc))
         return 2

@@ -328,3 +328,42 @@ def _ancestor(agent: int, pid: int) -> bool:
         except OSError:
             return False
     return False
+
+
+def _shm_dirs(job: Job, node: str) -> list[Path]:
+    return [Path(p) for p in glob.glob(f"/dev/shm/relaunch-snap-{job.procs[node].pid}-*")]
+
+
+def test_a_lost_node_s_ranks_resume_on_a_spare_from_a_peer_s_copy(job: Job, tmp_path: Path) -> None:
+    # no --checkpoint-dir: the only other copy of a node's snapshots is on its peer
+    job.start("a", "--sleep", "0.2", nproc=1)
+    job.start("b", "--sleep", "0.2", nproc=1)
+
+    def copied() -> bool:  # each node holds its own rank's snapshots and the other's
+        for node in ("a", "b"):
+            ranks = [d / f"rank-0000{r}" for d in _shm_dirs(job, node) for r in (0, 1)]
+            if sum(any(int(p.name[5:]) >= 15 for p in r.glob("step-*")) for r in ranks) < 2:
+                return False
+        return True
+
+    wait_for(copied, 120, what="peer copies of step 15", detail=job.output)
+    logs = tmp_path / "logs-spare"
+    job.start("spare", "--sleep", "0.2", nproc=1, flags=("--log-dir", str(logs)))
+
+    def spare_ready() -> bool:
+        return any("fork_server_started" in p.read_text() for p in logs.glob("*/events.jsonl"))
+
+    wait_for(spare_ready, 60, what="the spare's fork server", detail=job.output)
+    lost = next(n for n in ("a", "b") if _hosts_rank(job, n, 1))
+    job.kill_agent(lost)  # its memory goes with it (kill_agent removes its folder)
+    made = max(r["step"] for r in job.rows() if "step" in r)  # the newest step any rank made
+    survivor = "b" if lost == "a" else "a"
+    assert job.procs[survivor].wait(timeout=180) == 0, job.output()
+    assert job.procs["spare"].wait(timeout=60) == 0, job.output()
+    said = job.output()
+    assert "fetched ranks 1 (step" in said, said
+    # rank 1 restarted on the spare from the survivor's copy: a snapshot counts once its
+    # copy is made, so the job went back at most to the step before the one in flight
+    resumed = job.resumed(1) | {r for r in job.resumed(0) if r > 0}
+    assert len(resumed) == 1 and min(resumed) >= made - 1, (resumed, made, said)
+    assert job.finals() == {_reference(tmp_path, 2, 1)}, said

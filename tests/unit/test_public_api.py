@@ -20,7 +20,11 @@ def test_top_level() -> None:
 def test_agent() -> None:
     assert sorted(relaunch.agent.__all__) == [
         "LocalAgent",
+        "RoundHook",
+        "RoundStart",
         "RunResult",
+        "SnapshotFacts",
+        "SnapshotSource",
         "Worker",
         "WorkerGroup",
         "WorkerSpec",

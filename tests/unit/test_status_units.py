@@ -144,3 +144,50 @@ def test_the_document_has_its_documented_shape_and_its_views_render() -> None:
 def test_escape_shows_control_characters() -> None:
     assert escape("a\x1b]0;title\x07b\r\n") == "a\\x1b]0;title\\x07b\\x0d\\n"
     assert escape("naïve ünïcode\t") == "naïve ünïcode\t"
+
+
+def test_the_snapshots_show_in_the_document_the_views_and_the_metrics() -> None:
+    import dataclasses
+
+    from rich.console import Console
+
+    from relaunch.status import render_text
+
+    board, _ = board_after_a_failure()
+    state = RendezvousState(
+        run_id="job", round=1, complete=True, participants={"a_1_0": 0, "b_2_0": 1}
+    )
+    reports = {}
+    for node, ranks, newest in (("a_1_0", (0, 1), (41, 42)), ("b_2_0", (2, 3), (42, 42))):
+        rows = [
+            WorkerRow(local_rank=i, rank=r, pid=None, state="running", snapshot=s)
+            for i, (r, s) in enumerate(zip(ranks, newest, strict=True))
+        ]
+        # each node records the restore its ranks took part in: step 29 of 30, one redone
+        report = dataclasses.replace(board.report(rows), node=node, restores=1, steps_redone=1)
+        assert decode_report(encode_report(report), key="k") == report
+        reports[node] = report
+    doc = job_document(state, reports, backend="c10d", now=100.0)
+    jsonschema.validate(doc, SCHEMA)
+    assert doc["snapshots"] == {
+        "restorable": 41, "newest": 42, "restores": 1, "steps_redone": 1,
+        "redone_per_restore": 1.0,
+    }  # fmt: skip
+    line = "snapshots: every rank can restore step 41; 1 restores, 1 steps redone (1 per restore)"
+    assert line in render_html(doc)
+    console = Console(width=200, record=True)
+    console.print(render_text(doc))
+    text = console.export_text()
+    assert line in text and "step 41" in text
+    families = {f.name: f for f in text_string_to_metric_families(render_metrics(doc).decode())}
+    steps = {s.labels["rank"]: s.value for s in families["relaunch_snapshot_step"].samples}
+    assert steps == {"0": 41, "1": 42, "2": 42, "3": 42}
+    assert families["relaunch_steps_redone"].samples[0].value == 1
+    # a report of an agent older than the snapshots reads as no snapshot
+    old = json.loads(encode_report(reports["a_1_0"]))
+    del old["restores"], old["steps_redone"]
+    for w in old["workers"]:
+        del w["snapshot"]
+    back = decode_report(json.dumps(old).encode(), key="k")
+    assert back.restores == 0 and all(w.snapshot is None for w in back.workers)
+    assert job_document(state, {"a_1_0": back}, backend="c10d", now=1.0)["snapshots"] is None

@@ -2,11 +2,25 @@
 
 from relaunch.agent._agent import LocalAgent
 from relaunch.agent._env import worker_env
-from relaunch.agent._spec import RunResult, Worker, WorkerGroup, WorkerSpec, WorkerState
+from relaunch.agent._spec import (
+    RoundHook,
+    RoundStart,
+    RunResult,
+    SnapshotFacts,
+    SnapshotSource,
+    Worker,
+    WorkerGroup,
+    WorkerSpec,
+    WorkerState,
+)
 
 __all__ = [
     "LocalAgent",
+    "RoundHook",
+    "RoundStart",
     "RunResult",
+    "SnapshotFacts",
+    "SnapshotSource",
     "Worker",
     "WorkerGroup",
     "WorkerSpec",

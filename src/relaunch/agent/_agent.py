@@ -34,7 +34,14 @@ from relaunch.agent._round import (
     store_lost_reason,
     worker_store,
 )
-from relaunch.agent._spec import RunResult, Worker, WorkerGroup, WorkerSpec, WorkerState
+from relaunch.agent._spec import (
+    RoundStart,
+    RunResult,
+    Worker,
+    WorkerGroup,
+    WorkerSpec,
+    WorkerState,
+)
 from relaunch.agent._status import NodeStatus, say
 from relaunch.agent._warmup import learn_modules, next_round, share_modules
 from relaunch.agent._watch import after_return, causes, failures, observe, report_hang
@@ -101,6 +108,7 @@ class LocalAgent:
             host=self._host,
             role=spec.role,
             max_restarts=spec.max_restarts,
+            snapshots=spec.snapshots,
         )
 
     # -- public -------------------------------------------------------------------
@@ -372,6 +380,13 @@ class LocalAgent:
             )
             assert self._workers is not None
             learn_modules(self._handler, self._workers)
+        start = RoundStart(
+            info=info,
+            ranks=tuple(w.global_rank for w in group.workers),
+            addr=self._spec.local_addr or self._host,
+        )
+        for hook in self._spec.round_hooks:
+            hook.round_started(start)
         assert self._workers is not None
         self._workers.start(
             group,

@@ -5,17 +5,65 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from relaunch.errors import ConfigError
 from relaunch.procs import Entrypoint, Std
-from relaunch.rendezvous import RendezvousHandler
+from relaunch.rendezvous import RendezvousHandler, RendezvousInfo
 from relaunch.store import Store
 
 if TYPE_CHECKING:
     from relaunch.errors import ProcessFailure
 
-__all__ = ["RunResult", "Worker", "WorkerGroup", "WorkerSpec", "WorkerState"]
+__all__ = [
+    "RoundHook",
+    "RoundStart",
+    "RunResult",
+    "SnapshotFacts",
+    "SnapshotSource",
+    "Worker",
+    "WorkerGroup",
+    "WorkerSpec",
+    "WorkerState",
+]
+
+
+@dataclass(frozen=True, kw_only=True)
+class RoundStart:
+    """A round this node takes part in, just before its workers of the round start."""
+
+    info: RendezvousInfo
+    ranks: tuple[int, ...]
+    """The global ranks this node's workers run in the round."""
+    addr: str
+    """This node's address as the round's other nodes reach it."""
+
+
+class RoundHook(Protocol):
+    """Something the composition root plugs into the agent's rounds (the snapshots' peer
+    copies): called in the agent's thread before the round's workers start; it must not
+    raise, and blocks their start for as long as it runs."""
+
+    def round_started(self, start: RoundStart) -> None: ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class SnapshotFacts:
+    """What the node's snapshots say, for its status report."""
+
+    newest: Mapping[int, int] = field(default_factory=dict)
+    """Global rank -> step of its newest complete snapshot on this node."""
+    restores: int = 0
+    """Restores from snapshots this node's ranks took part in."""
+    steps_redone: int = 0
+    """Steps done before those faults that the job did again."""
+
+
+class SnapshotSource(Protocol):
+    """The node's snapshots as the status report shows them (read at most once a
+    second, from the agent's thread; it must not raise)."""
+
+    def snapshot_facts(self) -> SnapshotFacts: ...
 
 
 class WorkerState(str, enum.Enum):
@@ -76,6 +124,10 @@ class WorkerSpec:
     """Named pipe path for the timer server (``TORCHELASTIC_TIMER_FILE``); created if None."""
     base_env: Mapping[str, str] = field(default_factory=dict)
     """The environment workers inherit (the agent's, read by the CLI)."""
+    round_hooks: tuple[RoundHook, ...] = ()
+    """Called before each round's workers start (see RoundHook)."""
+    snapshots: SnapshotSource | None = None
+    """The node's snapshots, for the status report (None: none shown)."""
 
     def __post_init__(self) -> None:
         if self.local_world_size < 1:

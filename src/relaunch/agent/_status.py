@@ -9,6 +9,7 @@ stops the agent.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 import time
@@ -16,7 +17,7 @@ from collections.abc import Mapping
 
 from relaunch._contract import read_marker
 from relaunch.agent._attempt import Slot
-from relaunch.agent._spec import WorkerGroup, WorkerState
+from relaunch.agent._spec import SnapshotFacts, SnapshotSource, WorkerGroup, WorkerState
 from relaunch.errors import RendezvousError, StoreError
 from relaunch.events import Event
 from relaunch.rendezvous import RendezvousHandler
@@ -48,9 +49,17 @@ class NodeStatus:
     """The node's status board and its publication (called from the agent's loop only)."""
 
     def __init__(
-        self, handler: RendezvousHandler, *, node: str, host: str, role: str, max_restarts: int
+        self,
+        handler: RendezvousHandler,
+        *,
+        node: str,
+        host: str,
+        role: str,
+        max_restarts: int,
+        snapshots: SnapshotSource | None = None,
     ) -> None:
         self._handler = handler
+        self._snapshots = snapshots
         self.board = StatusBoard(
             node=node, host=host, role=role, max_restarts=max_restarts, say=say
         )
@@ -80,7 +89,11 @@ class NodeStatus:
         if now < self._paused_until or (not force and now - self._sent_at < PUBLISH_INTERVAL):
             return
         self._sent_at = now
-        self.report = self.board.report(_rows(group, slots, pids))
+        facts = self._snapshots.snapshot_facts() if self._snapshots else SnapshotFacts()
+        report = self.board.report(_rows(group, slots, pids, facts.newest))
+        self.report = dataclasses.replace(
+            report, restores=facts.restores, steps_redone=facts.steps_redone
+        )
         raw = encode_report(self.report)
         if raw == self._sent:
             return
@@ -96,7 +109,10 @@ class NodeStatus:
 
 
 def _rows(
-    group: WorkerGroup, slots: Mapping[int, Slot], pids: Mapping[int, int]
+    group: WorkerGroup,
+    slots: Mapping[int, Slot],
+    pids: Mapping[int, int],
+    snapshots: Mapping[int, int],
 ) -> list[WorkerRow]:
     state = _STATES.get(group.state, "starting")
     rows = []
@@ -114,6 +130,7 @@ def _rows(
                 respawns=slot.respawns if slot else 0,
                 iteration=iteration,
                 active=active,
+                snapshot=snapshots.get(worker.global_rank),
             )
         )
     return rows

@@ -123,7 +123,17 @@ def _where_from_env(env: Any) -> Any:
         keep=_int(env, layout.ENV_KEEP, "2", 1),
         limit=_int(env, layout.ENV_LIMIT, "0", 0) or None,
         durable=os.path.join(durable, layout.safe_job(job)) if durable else None,
+        agent=_agent(env.get(layout.ENV_AGENT)),
     )
+
+
+def _agent(value: str | None) -> tuple[str, int] | None:
+    if not value:
+        return None
+    host, _, port = value.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise SnapshotError(f"{layout.ENV_AGENT}: expected HOST:PORT, got {value!r}")
+    return host, int(port)
 
 
 def _int(env: Any, name: str, default: str, low: int) -> int:

@@ -28,6 +28,8 @@ import tempfile
 import threading
 
 from relaunch.checkpoint import _layout as layout
+from relaunch.checkpoint._peers import PeerCopies
+from relaunch.store import Store
 
 __all__ = ["SnapshotArea"]
 
@@ -50,8 +52,11 @@ class SnapshotArea:
         keep: int,
         limit: int | None,
         durable: str | None,
+        peers: str | None = None,
         interval: float = 0.5,
     ) -> None:
+        """``peers``: the address the snapshot server binds (other nodes fetch this
+        node's snapshots there); None for a job of one node (no peer copies)."""
         self.job = job
         self.keep = keep
         self._given = directory
@@ -61,7 +66,10 @@ class SnapshotArea:
         self.root = ""
         self._stop = threading.Event()
         self._copier: threading.Thread | None = None
-        self._copied: dict[int, int] = {}
+        self._copied: dict[int, tuple[int, int]] = {}
+        self._peers_bind = peers
+        self._peers: PeerCopies | None = None
+        self._bad_restores = 0
 
     @property
     def durable(self) -> str | None:
@@ -86,6 +94,8 @@ class SnapshotArea:
             suffix = "".join(random.choices(string.ascii_lowercase + string.digits, k=8))
             name = f"relaunch-{layout.safe_job(self.job)[:40]}-{os.getpid()}-{suffix}"
             self.root = os.path.join(base, name)
+        if self._peers_bind is not None:
+            self._peers = PeerCopies(self.root, self.job, bind=self._peers_bind)
         if self.durable is not None:
             os.makedirs(self.durable, exist_ok=True)
             self._copier = threading.Thread(
@@ -103,6 +113,8 @@ class SnapshotArea:
         }
         if self._durable_base is not None:
             out[layout.ENV_DURABLE] = self._durable_base
+        if self._peers is not None:
+            out[layout.ENV_AGENT] = f"127.0.0.1:{self._peers.port}"
         return out
 
     def limit(self) -> int:
@@ -112,22 +124,34 @@ class SnapshotArea:
         st = os.statvfs(self.root if os.path.isdir(self.root) else os.path.dirname(self.root))
         return max(st.f_blocks * st.f_frsize // 2, 1)
 
-    def summary(self) -> str | None:
-        """One line on this node's snapshots: each rank's newest step, and each restore
-        (the step, where from, the steps redone); None when there were none."""
+    def newest_steps(self) -> dict[int, int]:
+        """Global rank -> step of its newest complete snapshot in this node's directory
+        (its own workers' ranks and the copies it keeps of a peer's)."""
         newest: dict[int, int] = {}
         for name in _listdir(self.root):
             match = _RANK.match(name)
             steps = layout.complete_steps(os.path.join(self.root, name)) if match else []
             if match and steps:
                 newest[int(match.group(1))] = steps[0]
-        restores, bad = layout.read_restores(self.root)
-        if bad:
+        return newest
+
+    def restores(self) -> dict[tuple[int | None, int | None, str | None], list[int]]:
+        """This node's ranks' restores, ``(step, newest, source)`` -> ranks (the job's
+        first start, with nothing to restore, is none)."""
+        records, bad = layout.read_restores(self.root)
+        if bad and bad != self._bad_restores:
             log.warning("%s: %s lines that are not restore records; skipped", self.root, bad)
+        self._bad_restores = bad
         done: dict[tuple[int | None, int | None, str | None], list[int]] = {}
-        for r in restores:
-            if r.step is not None or r.newest is not None:  # not the job's first start
+        for r in records:
+            if r.step is not None or r.newest is not None:
                 done.setdefault((r.step, r.newest, r.source), []).append(r.rank)
+        return done
+
+    def summary(self) -> str | None:
+        """One line on this node's snapshots: each rank's newest step, and each restore
+        (the step, where from, the steps redone); None when there were none."""
+        newest, done = self.newest_steps(), self.restores()
         if not newest and not done:
             return None
         parts = []
@@ -146,10 +170,37 @@ class SnapshotArea:
             parts.append(f"restored {what}, {redone} {unit} redone (ranks {_ranks(ranks)})")
         return "snapshots: " + "; ".join(parts)
 
+    def round_started(
+        self,
+        store: Store,
+        *,
+        group_rank: int,
+        world_size: int,
+        ranks: tuple[int, ...],
+        addr: str,
+        allowed: frozenset[str] | None,
+    ) -> None:
+        """A rendezvous round starts on this node (before its workers): the peer copies
+        (``_peers``) publish, fetch what this node's ranks lack and pull the ring
+        predecessor's snapshots. Never raises."""
+        if self._peers is None:
+            return
+        self._peers.round_started(
+            store,
+            group_rank=group_rank,
+            world_size=world_size,
+            ranks=ranks,
+            addr=addr,
+            allowed=allowed,
+        )
+
     def __exit__(self, *exc: object) -> None:
         self.close()
 
     def close(self) -> None:
+        peers, self._peers = self._peers, None
+        if peers is not None:
+            peers.close()
         copier, self._copier = self._copier, None
         if copier is not None:
             self._stop.set()
@@ -179,11 +230,18 @@ class SnapshotArea:
             if not match:
                 continue
             rank = int(match.group(1))
-            steps = layout.complete_steps(os.path.join(self.root, name))
-            if not steps or self._copied.get(rank) == steps[0]:
+            rank_root = os.path.join(self.root, name)
+            steps = layout.complete_steps(rank_root)
+            if not steps:
                 continue
-            if self._copy_one(os.path.join(self.root, name), rank, steps[0], durable):
-                self._copied[rank] = steps[0]
+            try:  # the step and its CRC: a step written again after a restore is copied
+                done = (steps[0], layout.read_manifest(layout.step_dir(rank_root, steps[0])).crc32)
+            except layout.CorruptSnapshot:
+                continue
+            if self._copied.get(rank) != done and self._copy_one(
+                rank_root, rank, steps[0], durable
+            ):
+                self._copied[rank] = done
 
     def _copy_one(self, rank_root: str, rank: int, step: int, durable: str) -> bool:
         source = layout.step_dir(rank_root, step)

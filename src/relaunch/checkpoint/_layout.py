@@ -22,6 +22,8 @@ import json
 import os
 import re
 import shutil
+import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +31,7 @@ from relaunch.errors import SnapshotError
 
 __all__ = [
     "DATA",
+    "ENV_AGENT",
     "ENV_DIR",
     "ENV_DURABLE",
     "ENV_KEEP",
@@ -45,12 +48,14 @@ __all__ = [
     "complete_steps",
     "discard_newer",
     "partial_dir",
+    "pin",
     "prune",
     "rank_dir",
     "read_manifest",
     "read_restores",
     "safe_job",
     "step_dir",
+    "unpinned",
     "usage",
     "write_manifest",
 ]
@@ -62,6 +67,9 @@ ENV_KEEP = "RELAUNCH_SNAPSHOT_KEEP"
 ENV_LIMIT = "RELAUNCH_SNAPSHOT_LIMIT"
 """Bytes the node's snapshot directory may hold, all its ranks together."""
 ENV_DURABLE = "RELAUNCH_CHECKPOINT_DIR"
+ENV_AGENT = "RELAUNCH_SNAPSHOT_AGENT"
+"""``127.0.0.1:PORT``: the node's agent, told of each snapshot; a snapshot counts as
+complete once the agent's ring successor holds a copy (multi-node jobs only)."""
 """Shared storage that receives durable copies (``<dir>/<job>/rank-N/step-N``)."""
 
 FORMAT = "relaunch.snapshot"
@@ -125,6 +133,25 @@ def discard_newer(rank_root: str, step: int | None) -> list[int]:
     for s in gone:
         shutil.rmtree(step_dir(rank_root, s), ignore_errors=True)
     return gone
+
+
+def pin(path: str, pins: str) -> str:
+    """Link the file ``path`` under the folder ``pins`` (a new name) and return the link:
+    while it exists, the saver never reuses the file for another snapshot (its bytes
+    stay those of the snapshot being copied). Remove the link when done. OSError when
+    ``path`` is gone."""
+    os.makedirs(pins, exist_ok=True)
+    link = os.path.join(pins, f"{os.getpid()}-{threading.get_ident()}-{time.monotonic_ns()}")
+    os.link(path, link)
+    return link
+
+
+def unpinned(path: str) -> bool:
+    """Whether no one copies the file ``path`` (it has no other link; see :func:`pin`)."""
+    try:
+        return os.stat(path).st_nlink == 1
+    except OSError:
+        return False
 
 
 def alive(pid: int) -> bool:

@@ -29,6 +29,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from relaunch.checkpoint import _layout as layout
+from relaunch.checkpoint import _wire as wire
 from relaunch.checkpoint._tree import Leaf, decode, encode
 from relaunch.errors import SnapshotError
 
@@ -48,6 +49,8 @@ class Where:
     keep: int
     limit: int | None
     durable: str | None
+    agent: tuple[str, int] | None = None
+    """The node's agent (multi-node jobs): told of each snapshot; its successor copies it."""
 
 
 @dataclass
@@ -72,9 +75,23 @@ class Saver:
         self._error: BaseException | None = None
         self._pinned: dict[int, torch.Tensor] = {}
         self._copied = threading.Event()
-        atexit.register(self.wait, 120.0)
+        self._peer = False
+        """Whether the last snapshot had a peer copy made (the node keeps one more)."""
+        self._exiting = threading.Event()
+        self._warned_peer = False
+        atexit.register(self._at_exit)
         # a fence: no optimizer changes the tensors of a save still being copied
         self._hook = register_optimizer_step_pre_hook(self._before_optimizer_step)
+
+    def _at_exit(self) -> None:
+        self._exiting.set()  # the last snapshot waits for no copy: the peers may be gone
+        self.wait(120.0)
+
+    @property
+    def window(self) -> int:
+        """Complete snapshots this rank keeps: ``keep``, and one more while a peer copy
+        is made (so the step every rank's copy holds is still in every rank's memory)."""
+        return self.where.keep + (1 if self._peer else 0)
 
     def _before_optimizer_step(self, *_: object) -> None:
         self.wait_copied()
@@ -122,8 +139,8 @@ class Saver:
         limit = self.where.limit
         if limit is None:
             return
-        # what stays while this one is written: the other ranks' and our newest keep-1
-        keep = max(self.where.keep - 1, 1)
+        # what stays while this one is written: the other ranks' and our newest window-1
+        keep = max(self.window - 1, 1)
         ours = layout.rank_dir(self.where.root, self.where.rank)
         kept = [s for s in layout.complete_steps(ours) if s != step][:keep]
         mine_after = sum(layout.usage(layout.step_dir(ours, s)) for s in kept)
@@ -178,13 +195,14 @@ class Saver:
     def _data_file(self, p: _Pending) -> Any:
         """The partial snapshot's data file: the oldest snapshot's beyond the newest
         keep-1 (at least one) when there is one to retire, its pages reused (a new file
-        costs zeroed pages, freeing one costs as much), else a new file."""
+        costs zeroed pages, freeing one costs as much), else a new file. A data file
+        that an agent is copying (pinned: linked twice) is never reused."""
         path = os.path.join(p.folder, layout.DATA)
-        keep = max(self.where.keep - 1, 1)
+        keep = max(self.window - 1, 1)
         retire = [s for s in layout.complete_steps(self.rank_root) if s != p.step][keep:]
         for step in retire:
             old = layout.step_dir(self.rank_root, step)
-            if not os.path.exists(path):
+            if not os.path.exists(path) and layout.unpinned(os.path.join(old, layout.DATA)):
                 with contextlib.suppress(OSError):
                     os.remove(os.path.join(old, layout.MANIFEST))  # no longer complete
                     os.rename(os.path.join(old, layout.DATA), path)
@@ -231,13 +249,35 @@ class Saver:
             if os.path.exists(p.final):  # the same step again (after a restart)
                 shutil.rmtree(p.final, ignore_errors=True)
             os.rename(p.folder, p.final)
-            layout.prune(self.rank_root, w.keep)
+            layout.prune(self.rank_root, self.window)
+            self._replicate(p.step, crc)
         except BaseException as exc:
             self._error = exc
             if f is not None:
                 with contextlib.suppress(Exception):
                     f.close()
             shutil.rmtree(p.folder, ignore_errors=True)
+
+    def _replicate(self, step: int, crc: int) -> None:
+        """Tell the agent of this snapshot and wait until its ring successor holds a
+        copy (the next save waits for this one: the copy's pace is the snapshots'
+        pace). No agent, no successor, an agent that cannot be reached, or the process
+        exiting: no wait."""
+        agent = self.where.agent
+        if agent is None:
+            return
+        base = {"job": self.where.job, "rank": self.where.rank, "step": step}
+        try:
+            self._peer = wire.flag(wire.ask(*agent, {**base, "op": "saved"}, 10.0), "peer")
+            while self._peer and not self._exiting.is_set():
+                raw = wire.ask(*agent, {**base, "op": "wait_ack", "crc": crc}, 10.0)
+                if wire.flag(raw, "acked"):
+                    return
+                self._peer = wire.flag(raw, "peer")
+        except (OSError, wire.WireError) as exc:
+            if not self._warned_peer:
+                log.warning("rank %s: no peer copy of the snapshots: %s", self.where.rank, exc)
+                self._warned_peer = True
 
     def wait(self, timeout: float | None = None) -> None:
         """Wait until the save in flight is complete; raise what it failed with."""

@@ -14,7 +14,14 @@ from typing import Any
 from relaunch.errors import RendezvousStateError, StatusError
 from relaunch.rendezvous._backend import key_prefix
 from relaunch.rendezvous._state import RendezvousState, decode_state, node_sort_key
-from relaunch.status._report import FAULT_KINDS, RECOVERY_BUCKETS, TIERS, NodeReport, decode_report
+from relaunch.status._report import (
+    FAULT_KINDS,
+    RECOVERY_BUCKETS,
+    TIERS,
+    NodeReport,
+    WorkerRow,
+    decode_report,
+)
 from relaunch.store import BatchStore, Store
 
 __all__ = ["JOB_VERSION", "job_document", "local_document", "read_job", "status_key"]
@@ -103,6 +110,26 @@ def _report_doc(report: NodeReport) -> dict[str, Any]:
             "buckets": list(report.recovery.buckets),
         },
         "last_failure": None if last is None else dict(vars(last)),
+        "restores": report.restores,
+        "steps_redone": report.steps_redone,
+    }
+
+
+def _snapshots(live: list[NodeReport], workers: list[WorkerRow]) -> dict[str, Any] | None:
+    """The job's snapshots: the step every rank can restore (the oldest of the ranks'
+    newest), and the restores and steps redone (each node records every restore its
+    ranks took part in: the most any node saw). None when no rank took a snapshot."""
+    steps = [w.snapshot for w in workers]
+    restores = max((r.restores for r in live), default=0)
+    if all(s is None for s in steps) and not restores:
+        return None
+    redone = max((r.steps_redone for r in live), default=0)
+    return {
+        "restorable": None if None in steps else min(s for s in steps if s is not None),
+        "newest": max((s for s in steps if s is not None), default=None),
+        "restores": restores,
+        "steps_redone": redone,
+        "redone_per_restore": round(redone / restores, 3) if restores else None,
     }
 
 
@@ -182,6 +209,7 @@ def job_document(
             "buckets": buckets,
         },
         "inprocess": inprocess,
+        "snapshots": _snapshots(live, workers),
         "timeline": timeline,
         "problems": problems or [],
     }

@@ -58,6 +58,8 @@ class WorkerRow:
     """The in-process restart iteration the worker is in (in-process jobs only)."""
     active: bool | None = None
     """Whether the in-process rank calls the training function (False: a spare)."""
+    snapshot: int | None = None
+    """The step of the rank's newest complete snapshot on this node (``relaunch.checkpoint``)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -121,6 +123,10 @@ class NodeReport:
     recovery: Recovery = field(default_factory=Recovery)
     last_failure: FailureLine | None = None
     timeline: tuple[TimelineEntry, ...] = ()
+    restores: int = 0
+    """Restores from snapshots that this node's ranks took part in (a fresh start is none)."""
+    steps_redone: int = 0
+    """Steps done before those faults that the job did again (``newest - restored``)."""
 
 
 def encode_report(report: NodeReport) -> bytes:
@@ -229,6 +235,7 @@ def decode_report(raw: bytes, *, key: str) -> NodeReport:
                 respawns=w.integer("respawns"),
                 iteration=w.integer("iteration", optional=True),
                 active=w.flag("active"),
+                snapshot=w.integer("snapshot", optional=True),
             )
         )
     timeline = []
@@ -273,4 +280,7 @@ def decode_report(raw: bytes, *, key: str) -> NodeReport:
         ),
         last_failure=last,
         timeline=tuple(timeline),
+        # absent from the reports of agents older than the snapshots: none
+        restores=r.integer("restores", optional=True) or 0,
+        steps_redone=r.integer("steps_redone", optional=True) or 0,
     )

@@ -52,7 +52,7 @@ def render_text(doc: dict[str, Any]) -> RenderableType:
     for column in ("rank", "role", "host", "address", "heartbeat", "state", "attempt"):
         nodes.add_column(column)
     workers = Table(title="workers", title_justify="left", expand=False)
-    for column in ("rank", "node", "local", "pid", "state", "restarts", "iteration"):
+    for column in ("rank", "node", "local", "pid", "state", "restarts", "iteration", "snapshot"):
         workers.add_column(column)
     for row in doc["nodes"]:
         report = row["report"] or {}
@@ -77,6 +77,7 @@ def render_text(doc: dict[str, Any]) -> RenderableType:
                 escape(w["state"]),
                 str(w["respawns"]),
                 iteration,
+                "-" if w.get("snapshot") is None else f"step {w['snapshot']}",
             )
     parts: list[RenderableType] = [head, nodes, workers]
     last = doc["last_failure"]
@@ -93,7 +94,19 @@ def render_text(doc: dict[str, Any]) -> RenderableType:
                 f"inactive {ip['inactive']}"
             )
         )
+    if doc.get("snapshots"):
+        parts.append(Text(snapshot_line(doc["snapshots"])))
     for problem in doc["problems"]:
         parts.append(Text(f"warning: {escape(problem)}", style="yellow"))
     parts.append(Text(time.strftime("read at %H:%M:%S", time.localtime(doc["read_at"])), "dim"))
     return Group(*parts)
+
+
+def snapshot_line(snap: dict[str, Any]) -> str:
+    """The job's snapshots in one line (the text view and the page)."""
+    restorable = "none yet" if snap["restorable"] is None else f"step {snap['restorable']}"
+    per = snap["redone_per_restore"]
+    redone = f"{snap['steps_redone']} steps redone" + (
+        "" if per is None else f" ({per:g} per restore)"
+    )
+    return f"snapshots: every rank can restore {restorable}; {snap['restores']} restores, {redone}"

@@ -16,7 +16,7 @@ from prometheus_client.core import (
 )
 
 from relaunch.status._board import escape
-from relaunch.status._text import failure_line
+from relaunch.status._text import failure_line, snapshot_line
 
 __all__ = ["render_html", "render_metrics"]
 
@@ -151,7 +151,8 @@ def render_html(doc: dict[str, Any], *, refresh: float = 2.0) -> str:
             it = "-" if w["iteration"] is None else w["iteration"]
             worker_rows.append(
                 (w["rank"], row["host"] or row["addr"], w["local_rank"], w["pid"] or "-",
-                 w["state"], w["respawns"], it if w["active"] is not False else f"{it} (spare)")
+                 w["state"], w["respawns"], it if w["active"] is not False else f"{it} (spare)",
+                 "-" if w.get("snapshot") is None else w["snapshot"])
             )  # fmt: skip
     last = doc["last_failure"]
     failure = (
@@ -180,9 +181,14 @@ def render_html(doc: dict[str, Any], *, refresh: float = 2.0) -> str:
         )
         + "<h2>workers</h2>"
         + _table(
-            ("rank", "host", "local", "pid", "state", "restarts", "iteration"),
+            ("rank", "host", "local", "pid", "state", "restarts", "iteration", "snapshot"),
             worker_rows,
             "workers",
+        )
+        + (
+            f'<p id="snapshots">{_e(snapshot_line(doc["snapshots"]))}</p>'
+            if doc.get("snapshots")
+            else ""
         )
         + "<h2>timeline</h2>"
         + _timeline(doc)
@@ -253,6 +259,26 @@ class _Collector:
             if row["heartbeat_age"] is not None:
                 beats.add_metric([*job, row["node"]], row["heartbeat_age"])
         yield beats
+        steps = GaugeMetricFamily(
+            "relaunch_snapshot_step", "Step of a rank's newest complete snapshot",
+            labels=[*labels, "rank"],
+        )  # fmt: skip
+        for row in doc["nodes"]:
+            for w in (row["report"] or {}).get("workers", ()):
+                if w.get("snapshot") is not None:
+                    steps.add_metric([*job, str(w["rank"])], w["snapshot"])
+        yield steps
+        snap = doc.get("snapshots") or {"restores": 0, "steps_redone": 0}
+        restores = CounterMetricFamily(
+            "relaunch_snapshot_restores", "Restores from snapshots", labels=labels
+        )
+        restores.add_metric(job, snap["restores"])
+        yield restores
+        redone = CounterMetricFamily(
+            "relaunch_steps_redone", "Steps the job did again after restores", labels=labels
+        )
+        redone.add_metric(job, snap["steps_redone"])
+        yield redone
 
 
 def render_metrics(doc: dict[str, Any]) -> bytes:

@@ -1,0 +1,108 @@
+"""How fast the agents move a lost node's snapshots: one peer's snapshot fetched over
+loopback by the code the agents run (``relaunch.checkpoint._peers``: the server, in a
+process of its own as on the other node, sends with sendfile; the receiver writes to
+node memory and checks the CRC-32 as it goes, on a second thread).
+
+    python bench/snapshot_transfer.py [--sizes 256,1024] [--repeat 3]
+
+Prints per size (MB): the median seconds of a fetch, its throughput in GB/s, and
+beside it a plain ``shutil.copyfile`` of the same file in /dev/shm (the machine's
+memory bandwidth for one copy), which bounds what any transfer here can reach.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import zlib
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import in_loopback_netns
+
+from relaunch.checkpoint import _layout as layout
+from relaunch.checkpoint._peers import fetch_step
+
+JOB = "bench"
+
+
+def _make(root: str, nbytes: int) -> str:
+    folder = layout.step_dir(layout.rank_dir(root, 0), 1)
+    os.makedirs(folder)
+    path = os.path.join(folder, layout.DATA)
+    block = os.urandom(1 << 20)
+    crc = 0
+    with open(path, "wb") as f:
+        for _ in range(nbytes >> 20):
+            f.write(block)
+            crc = zlib.crc32(block, crc)
+    layout.write_manifest(folder, layout.Manifest(JOB, 0, 2, 1, nbytes, crc, {}))
+    return path
+
+
+class _Server:
+    """A SnapshotServer in a child process (the other node's agent)."""
+
+    def __init__(self, root: str) -> None:
+        code = (
+            "import sys\n"
+            "from relaunch.checkpoint._peers import SnapshotServer\n"
+            f"s = SnapshotServer({root!r}, {JOB!r}, '127.0.0.1')\n"
+            "print(s.port, flush=True)\n"
+            "sys.stdin.read()\n"
+            "s.close()\n"
+        )
+        self._proc = subprocess.Popen(
+            [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+        )
+        assert self._proc.stdout is not None
+        self.port = int(self._proc.stdout.readline())
+
+    def close(self) -> None:
+        assert self._proc.stdin is not None
+        self._proc.stdin.close()
+        self._proc.wait(30)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--sizes", default="256,1024", help="snapshot sizes in MB")
+    parser.add_argument("--repeat", type=int, default=3)
+    args = parser.parse_args()
+    in_loopback_netns()
+    base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+    print(f"{'MB':>6} {'fetch s':>8} {'GB/s':>6} {'copyfile s':>11} {'GB/s':>6}")
+    for mb in (int(s) for s in args.sizes.split(",")):
+        work = tempfile.mkdtemp(prefix="bench-snapshot-transfer-", dir=base)
+        try:
+            source = os.path.join(work, "source")
+            data = _make(source, mb << 20)
+            server = _Server(source)
+            fetches, copies = [], []
+            try:
+                for i in range(args.repeat):
+                    into = os.path.join(work, f"into-{i}")
+                    t0 = time.perf_counter()
+                    fetch_step("127.0.0.1", server.port, JOB, 0, 1, into)
+                    fetches.append(time.perf_counter() - t0)
+                    shutil.rmtree(into)
+                    t0 = time.perf_counter()
+                    shutil.copyfile(data, os.path.join(work, "copy"))
+                    copies.append(time.perf_counter() - t0)
+                    os.unlink(os.path.join(work, "copy"))
+            finally:
+                server.close()
+            f, c = statistics.median(fetches), statistics.median(copies)
+            gb = (mb << 20) / 1e9
+            print(f"{mb:>6} {f:8.3f} {gb / f:6.2f} {c:11.3f} {gb / c:6.2f}")
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,229 @@
+"""The agents' snapshot exchange on loopback: a real server, real sockets, real files.
+
+A copy is kept only when whole (its manifest one, its length and CRC-32 the
+manifest's); a request of another job, a malformed request or answer is one clear
+error; the puller copies its ring predecessor's newest snapshot, keeps the older copies
+the predecessor still has, fetches a step written again with other bytes, and never
+drops a copy its source does not have.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import zlib
+from pathlib import Path
+
+import pytest
+
+from multinode_support.waiting import wait_for
+from relaunch.checkpoint import _layout as layout
+from relaunch.checkpoint._peers import (
+    PeerCopies,
+    PeerRecord,
+    SnapshotServer,
+    fetch_step,
+    held_steps,
+    list_steps,
+)
+from relaunch.checkpoint._wire import WireError, ask
+from relaunch.store.tcp import TCPStoreClient, TCPStoreServer
+
+pytestmark = pytest.mark.timeout(60)
+
+JOB = "peers"
+
+
+def _snapshot(root: Path, rank: int, step: int, data: bytes, job: str = JOB) -> None:
+    folder = layout.step_dir(layout.rank_dir(str(root), rank), step)
+    os.makedirs(folder)
+    with open(os.path.join(folder, layout.DATA), "wb") as f:
+        f.write(data)
+    m = layout.Manifest(job, rank, 2, step, len(data), zlib.crc32(data), {"t": "leaf"})
+    layout.write_manifest(folder, m)
+
+
+def _data(root: Path, rank: int, step: int) -> bytes:
+    path = os.path.join(layout.step_dir(layout.rank_dir(str(root), rank), step), layout.DATA)
+    with open(path, "rb") as f:
+        return f.read()
+
+
+@pytest.fixture
+def source(tmp_path: Path):  # type: ignore[no-untyped-def]
+    root = tmp_path / "source"
+    root.mkdir()
+    server = SnapshotServer(str(root), JOB, "127.0.0.1")
+    try:
+        yield root, server
+    finally:
+        server.close()
+
+
+def test_a_snapshot_is_copied_whole_and_listed(source, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    root, server = source
+    payload = os.urandom(3 << 20)
+    _snapshot(root, 1, 7, b"old")
+    _snapshot(root, 1, 8, payload)
+    steps, _ = list_steps("127.0.0.1", server.port, JOB)
+    assert steps == {1: [(8, zlib.crc32(payload)), (7, zlib.crc32(b"old"))]}
+    into = tmp_path / "into"
+    assert fetch_step("127.0.0.1", server.port, JOB, 1, 8, str(into)) == len(payload)
+    assert _data(into, 1, 8) == payload
+    assert held_steps(str(into)) == {1: [(8, zlib.crc32(payload))]}
+
+
+def test_a_copy_whose_bytes_do_not_match_is_not_kept(source, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    root, server = source
+    _snapshot(root, 0, 3, b"x" * 1000)
+    path = os.path.join(layout.step_dir(layout.rank_dir(str(root), 0), 3), layout.DATA)
+    with open(path, "r+b") as f:  # the bytes change after the manifest was written
+        f.write(b"y")
+    into = tmp_path / "into"
+    with pytest.raises(WireError, match="CRC-32"):
+        fetch_step("127.0.0.1", server.port, JOB, 0, 3, str(into))
+    assert held_steps(str(into)) == {}
+    assert not any(p.name.startswith(".partial") for p in into.rglob("*"))
+
+
+def test_another_job_and_bad_requests_are_refused_clearly(source, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    root, server = source
+    _snapshot(root, 0, 3, b"abc")
+    with pytest.raises(WireError, match="job: expected 'peers', got 'other'"):
+        list_steps("127.0.0.1", server.port, "other")
+    with pytest.raises(WireError, match="no snapshot of rank 0 at step 4"):
+        fetch_step("127.0.0.1", server.port, JOB, 0, 4, str(tmp_path / "into"))
+    for line, said in (
+        (b"not json\n", "not JSON"),
+        (b'{"v": 2, "job": "peers", "op": "list"}\n', "v: expected 1"),
+        (b'{"v": 1, "job": "peers", "op": "get", "rank": -1, "step": 0}\n', "rank: expected"),
+        (b'{"v": 1, "job": "peers", "op": "drop"}\n', "op: expected"),
+        (b'{"v": 1, "job": "peers", "op": "ack", "rank": 0, "step": 3}\n', "crc: expected"),
+        (b"x" * 5000, "longer than 4096"),
+    ):
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+            sock.sendall(line)
+            answer = sock.makefile("rb").readline()
+        assert b'"ok":false' in answer and said.encode() in answer, (line[:40], answer)
+    # the server still serves
+    assert list_steps("127.0.0.1", server.port, JOB)[0] == {0: [(3, zlib.crc32(b"abc"))]}
+
+
+def test_a_corrupt_peer_record_names_its_key() -> None:
+    with pytest.raises(WireError, match="k/1: port: expected 1-65535"):
+        PeerRecord.from_bytes(b'{"v":1,"addr":"h","port":0,"ranks":[1]}', "k/1")
+    with pytest.raises(WireError, match="k/1: ranks"):
+        PeerRecord.from_bytes(b'{"v":1,"addr":"h","port":5,"ranks":[true]}', "k/1")
+    assert PeerRecord.from_bytes(PeerRecord("h", 5, (2, 3)).to_bytes(), "k") == PeerRecord(
+        "h", 5, (2, 3)
+    )
+
+
+def test_the_successor_copies_its_predecessor_s_newest(tmp_path: Path) -> None:
+    server = TCPStoreServer(host="127.0.0.1", port=0)
+    server.start()
+    roots = [tmp_path / "node0", tmp_path / "node1"]
+    nodes = [PeerCopies(str(r), JOB, bind="127.0.0.1") for r in roots]
+    stores = [TCPStoreClient("127.0.0.1", server.port, timeout=10) for _ in nodes]
+    try:
+        _snapshot(roots[0], 0, 1, b"one")
+        _snapshot(roots[0], 0, 2, b"two")
+        for g, (node, store) in enumerate(zip(nodes, stores, strict=True)):
+            node.round_started(
+                store, group_rank=g, world_size=2, ranks=(g,), addr="127.0.0.1", allowed=None
+            )
+
+        def mirrored(want: dict[int, bytes]) -> bool:
+            held = dict(held_steps(str(roots[1])).get(0, []))
+            return held == {s: zlib.crc32(d) for s, d in want.items()}
+
+        # only the newest moves (the source reuses the older one's file for its next save)
+        wait_for(lambda: mirrored({2: b"two"}), 20, what="node 1's copy")
+        # a newer step: both copies stay while the source has both
+        _snapshot(roots[0], 0, 3, b"three")
+        layout.prune(layout.rank_dir(str(roots[0]), 0), 2)
+        wait_for(lambda: mirrored({2: b"two", 3: b"three"}), 20, what="the newest copies")
+        # a restore dropped step 3; the job wrote step 3 again, with other bytes
+        layout.discard_newer(layout.rank_dir(str(roots[0]), 0), 2)
+        _snapshot(roots[0], 0, 3, b"three, again")
+        wait_for(lambda: mirrored({2: b"two", 3: b"three, again"}), 20, what="the new step 3")
+        # the source loses everything (its node was replaced): the copies stay
+        layout.discard_newer(layout.rank_dir(str(roots[0]), 0), None)
+        seen = nodes[1].pulls
+        wait_for(lambda: nodes[1].pulls >= seen + 2, 10, what="two pulls of the empty source")
+        assert mirrored({2: b"two", 3: b"three, again"})
+    finally:
+        for node in nodes:
+            node.close()
+        for store in stores:
+            store.close()
+        server.close()
+
+
+def test_a_node_fetches_the_ranks_it_lacks_before_its_workers_start(tmp_path: Path) -> None:
+    server = TCPStoreServer(host="127.0.0.1", port=0)
+    server.start()
+    holder, newcomer = tmp_path / "holder", tmp_path / "newcomer"
+    _snapshot(holder, 1, 41, b"older")
+    _snapshot(holder, 1, 42, b"rank one at 42")  # a copy of a lost node's rank
+    _snapshot(holder, 0, 42, b"rank zero")
+    nodes = [PeerCopies(str(p), JOB, bind="127.0.0.1") for p in (holder, newcomer)]
+    stores = [TCPStoreClient("127.0.0.1", server.port, timeout=10) for _ in nodes]
+    try:
+        nodes[0].round_started(
+            stores[0], group_rank=0, world_size=2, ranks=(0,), addr="127.0.0.1", allowed=None
+        )
+        nodes[1].round_started(
+            stores[1], group_rank=1, world_size=2, ranks=(1,), addr="127.0.0.1", allowed=None
+        )
+        assert nodes[1].fetched == {1: 42}
+        assert _data(newcomer, 1, 42) == b"rank one at 42"
+    finally:
+        for node in nodes:
+            node.close()
+        for store in stores:
+            store.close()
+        server.close()
+
+
+def test_a_worker_s_snapshot_counts_once_its_successor_holds_a_copy(tmp_path: Path) -> None:
+    server = TCPStoreServer(host="127.0.0.1", port=0)
+    server.start()
+    roots = [tmp_path / "node0", tmp_path / "node1"]
+    nodes = [PeerCopies(str(r), JOB, bind="127.0.0.1") for r in roots]
+    stores = [TCPStoreClient("127.0.0.1", server.port, timeout=10) for _ in nodes]
+
+    def worker(op: str, step: int, crc: int = 0) -> dict[str, object]:
+        doc = {"job": JOB, "op": op, "rank": 0, "step": step, "crc": crc}
+        return json.loads(ask("127.0.0.1", nodes[0].port, doc, 10.0))  # type: ignore[no-any-return]
+
+    try:
+        nodes[0].round_started(
+            stores[0], group_rank=0, world_size=2, ranks=(0,), addr="127.0.0.1", allowed=None
+        )
+        _snapshot(roots[0], 0, 5, b"five")
+        # the successor has not started its round: the worker is told to wait for it
+        assert worker("saved", 5)["peer"] is True
+        nodes[1].round_started(
+            stores[1], group_rank=1, world_size=2, ranks=(1,), addr="127.0.0.1", allowed=None
+        )
+        wait_for(
+            lambda: worker("wait_ack", 5, zlib.crc32(b"five"))["acked"] is True,
+            20,
+            what="node 1's ack of step 5",
+        )
+        assert _data(roots[1], 0, 5) == b"five"
+        # the successor is gone: after a few seconds without its polls, no one waits
+        nodes[1].close()
+        wait_for(
+            lambda: worker("wait_ack", 6, 0) == {"v": 1, "ok": True, "acked": False, "peer": False},
+            20,
+            what="the successor counted as gone",
+        )
+    finally:
+        for node in nodes:
+            node.close()
+        for store in stores:
+            store.close()
+        server.close()
