@@ -47,7 +47,9 @@ def run(launcher: str, args: argparse.Namespace, faults: bool, mode: str) -> dic
         "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-id=goodput",
         *script,
     ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # torchrun recovers only with a store of its own per round (without it, its
+    # restarted workers hang: bench/launch_recovery.py)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     rng = random.Random(args.seed)
     t0 = time.monotonic()
     proc = subprocess.Popen(
@@ -58,6 +60,9 @@ def run(launcher: str, args: argparse.Namespace, faults: bool, mode: str) -> dic
         next_fault = t0 + args.fault_every
         while proc.poll() is None:
             time.sleep(0.05)
+            if time.monotonic() - t0 > args.limit:
+                print(f"  note: {launcher} {mode} did not finish in {args.limit:g} s: stopped")
+                break
             if faults and time.monotonic() >= next_fault:
                 rows = _rows(out)
                 latest = {r["rank"]: r["pid"] for r in rows if "pid" in r}
@@ -99,6 +104,7 @@ def main() -> None:
     parser.add_argument("--fault-every", type=float, default=8.0)
     parser.add_argument("--every", type=int, default=50, help="torchrun's checkpoint interval")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--limit", type=float, default=600.0, help="seconds a run may take")
     args = parser.parse_args()
     in_loopback_netns()
     print(f"{args.steps} steps of {args.step_time} s, a SIGKILL every {args.fault_every} s; "

