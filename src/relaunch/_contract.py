@@ -25,6 +25,13 @@ agent share, named in the worker's environment and written by the runner (``_war
 - ``RELAUNCH_PROGRESS_FILE`` (with ``--hang-timeout``): its mtime is the last time the
   worker's main thread ran Python code; ``RELAUNCH_STACK_FILE`` receives its Python
   stacks when the agent sends ``RELAUNCH_STACK_SIGNAL`` (faulthandler).
+
+And in the workers' store: ``/relaunch/inprocess/<run id>/<restart count>/`` holds
+the keys of ``relaunch.inprocess`` (one ``call<n>/`` prefix per wrapped call) and
+``lost``, where the agent records the ranks lost with their node.
+
+Standard library only: the runner (``procs/_warm.py``) loads this file by path, so
+both sides of the contract read one definition.
 """
 
 from __future__ import annotations
@@ -36,7 +43,9 @@ import signal
 from dataclasses import dataclass
 
 __all__ = [
+    "ERROR_FILE_ENV",
     "EXIT_FILE_ENV",
+    "EXIT_FILE_VERSION",
     "INCARNATION_ENV",
     "JOIN_WAIT",
     "JOIN_WAIT_ENV",
@@ -45,6 +54,11 @@ __all__ = [
     "STACK_SIGNAL",
     "AttemptFiles",
     "ExitRecord",
+    "call_namespace",
+    "error_record",
+    "exit_record",
+    "lost_key",
+    "lost_key_of",
     "read_exit_file",
     "read_marker",
 ]
@@ -58,6 +72,8 @@ JOIN_WAIT = 2.0
 """Seconds in-process peers wait, in a restart after a death, for the replacement the
 agent starts (it joins in that restart instead of causing another)."""
 EXIT_FILE_ENV = "RELAUNCH_EXIT_FILE"
+ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
+INPROCESS_ROOT = "/relaunch/inprocess"
 STACK_SIGNAL = signal.SIGRTMIN + 5
 """The signal that makes a runner write its Python stacks (relaunch.inprocess uses +4)."""
 
@@ -96,6 +112,46 @@ class AttemptFiles:
                 RELAUNCH_STACK_SIGNAL=str(int(STACK_SIGNAL)),
             )
         return env
+
+
+def exit_record(code: int, now: float) -> dict[str, object]:
+    """The exit file's JSON object: the script ended with ``code`` at ``now``."""
+    return {"version": EXIT_FILE_VERSION, "exitcode": code, "time": now}
+
+
+def error_record(message: str, callstack: str, now: float) -> dict[str, object]:
+    """The error file's JSON object, in torch's layout (``@record`` writes the same)."""
+    return {
+        "message": {
+            "message": message,
+            "extraInfo": {
+                "py_callstack": callstack,
+                "timestamp": str(int(now)),
+                "relaunch_time": now,
+            },
+        }
+    }
+
+
+def _attempt_prefix(run_id: str, restart_count: int | str) -> str:
+    return f"{INPROCESS_ROOT}/{run_id}/{restart_count}"
+
+
+def call_namespace(run_id: str, restart_count: int | str, call: int) -> str:
+    """The workers' store prefix of one wrapped call of ``relaunch.inprocess``."""
+    return f"{_attempt_prefix(run_id, restart_count)}/call{call}/"
+
+
+def lost_key(run_id: str, restart_count: int | str) -> str:
+    """The workers' store key of the ranks lost with their node (every call's)."""
+    return f"{_attempt_prefix(run_id, restart_count)}/lost"
+
+
+def lost_key_of(namespace: str) -> str | None:
+    """:func:`lost_key` of the attempt a :func:`call_namespace` belongs to; None for
+    a prefix that is not one."""
+    head, sep, call = namespace.rstrip("/").rpartition("/call")
+    return f"{head}/lost" if sep and call.isdigit() else None
 
 
 @dataclass(frozen=True)

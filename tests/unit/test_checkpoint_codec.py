@@ -13,7 +13,7 @@ import torch
 
 from relaunch.checkpoint import _layout as layout
 from relaunch.checkpoint._saver import Saver, Where
-from relaunch.checkpoint._tree import decode, encode
+from relaunch.checkpoint._tree import decode, encode, finish
 from relaunch.cli import parse_args
 from relaunch.errors import ConfigError, SnapshotError
 
@@ -37,7 +37,10 @@ def _roundtrip(state: object) -> Any:
             assert leaf.tensor is not None
             flat = leaf.tensor.contiguous().reshape(-1).view(torch.uint8)
             data[leaf.offset : leaf.offset + leaf.nbytes] = flat
-    return decode(json.loads(json.dumps(tree)), data, "here")
+    state, regions = decode(json.loads(json.dumps(tree)), size, "here")
+    for offset, nbytes, target in regions:
+        target[:] = data[offset : offset + nbytes].numpy().data
+    return finish(state)
 
 
 def test_every_supported_value_comes_back_equal() -> None:
@@ -81,7 +84,7 @@ def test_an_unsupported_value_names_its_key_path_and_type() -> None:
 )
 def test_a_corrupt_tree_names_the_node(tree: object, message: str) -> None:
     with pytest.raises(layout.CorruptSnapshot, match=message):
-        decode(tree, torch.zeros(8, dtype=torch.uint8), "here")
+        decode(tree, 8, "here")
 
 
 def test_a_manifest_is_checked_field_by_field(tmp_path: Path) -> None:
@@ -156,3 +159,20 @@ def test_restore_records_are_read_strictly(tmp_path: Path) -> None:
     assert bad == 2
     assert found == [layout.Restore(1, 29, 30, "memory"), layout.Restore(0, None, 7, None)]
     assert [r.redone for r in found] == [1, 8]
+
+
+def test_restored_tensors_own_their_storage(tmp_path: Path) -> None:
+    # torch.set_rng_state (and torch.save) need a tensor at the start of its own storage
+    from relaunch.checkpoint._saver import Saver, Where
+
+    saver = Saver(Where(str(tmp_path), "j", 0, 1, 2, None, None))
+    state = {"a": torch.arange(5.0), "rng": torch.random.get_rng_state(), "b": b"xyz"}
+    saver.save(3, state, blocking=True)
+    saver.wait()
+    back = saver.read(3)
+    assert isinstance(back, dict) and back["b"] == b"xyz"
+    for key in ("a", "rng"):
+        assert torch.equal(back[key], state[key])
+        assert back[key].storage_offset() == 0
+        assert back[key].untyped_storage().nbytes() == state[key].untyped_storage().nbytes()
+    torch.random.set_rng_state(back["rng"])

@@ -167,7 +167,7 @@ def test_shutdown_new_connections_releases_a_blocked_reader() -> None:
 
 @pytest.mark.timeout(30)
 def test_a_lost_nodes_ranks_are_dead_until_their_replacements_are_admitted(server: Any) -> None:
-    from relaunch.agent._membership import lost_key
+    from relaunch._contract import lost_key
     from relaunch.inprocess._rejoin import fresh_ranks
     from relaunch.inprocess.state import State
 

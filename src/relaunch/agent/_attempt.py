@@ -10,7 +10,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from relaunch._contract import INCARNATION_ENV, AttemptFiles
+from relaunch._contract import ERROR_FILE_ENV, INCARNATION_ENV, AttemptFiles
 from relaunch.agent._env import substitute_local_rank, worker_env, worker_streams
 from relaunch.agent._spec import Worker, WorkerGroup, WorkerSpec
 from relaunch.errors import ProcessFailure
@@ -117,7 +117,7 @@ def replacement(
     env = {
         **slot.env,
         **files.env(hang_timeout),
-        "TORCHELASTIC_ERROR_FILE": files.error_file,
+        ERROR_FILE_ENV: files.error_file,
         INCARNATION_ENV: str(incarnation),
     }
     new_slot = Slot(

@@ -17,20 +17,15 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from relaunch._contract import lost_key
 from relaunch.agent._spec import WorkerGroup
 from relaunch.errors import RelaunchError
 from relaunch.rendezvous import RendezvousHandler
 from relaunch.store.tcp import TCPStoreClient
 
-__all__ = ["Membership", "declare_lost", "lost_key"]
+__all__ = ["Membership", "declare_lost"]
 
 log = logging.getLogger(__name__)
-
-
-def lost_key(run_id: str, restart_count: int) -> str:
-    """The workers' store key of the ranks lost with their node, for every wrapped call
-    of this attempt (``relaunch.inprocess`` derives the same from its namespace)."""
-    return f"/relaunch/inprocess/{run_id}/{restart_count}/lost"
 
 
 def declare_lost(

@@ -30,7 +30,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from relaunch.checkpoint import _layout as layout
 from relaunch.checkpoint import _wire as wire
-from relaunch.checkpoint._tree import Leaf, decode, encode
+from relaunch.checkpoint._tree import Leaf, Region, decode, encode, finish
 from relaunch.errors import SnapshotError
 
 __all__ = ["Saver", "Where"]
@@ -343,28 +343,50 @@ class Saver:
                 )
 
     def read(self, step: int, root: str | None = None) -> object:
-        """The state of snapshot ``step``; CorruptSnapshot when it is not whole."""
+        """The state of snapshot ``step``; CorruptSnapshot when it is not whole. Each
+        tensor is read straight into a storage of its own (no second copy of the state)."""
         folder = layout.step_dir(layout.rank_dir(root or self.where.root, self.where.rank), step)
         manifest = layout.read_manifest(folder)
         self._check(manifest, folder, step)
         path = os.path.join(folder, layout.DATA)
+        state, regions = decode(manifest.tree, manifest.nbytes, folder)
         try:
             size = os.path.getsize(path)
             if size != manifest.nbytes:
                 raise layout.CorruptSnapshot(
                     f"{path}: {size} bytes, the manifest says {manifest.nbytes} (truncated?)"
                 )
-            data = torch.empty(size, dtype=torch.uint8)
-            if size:
-                with open(path, "rb") as f:
-                    got = f.readinto(data.numpy().data)
-                if got != size:
-                    raise layout.CorruptSnapshot(f"{path}: read {got} of {size} bytes")
+            with open(path, "rb", buffering=0) as f:
+                crc = _read_regions(f, regions, size, path)
         except OSError as exc:
             raise layout.CorruptSnapshot(f"{path}: unreadable ({exc})") from exc
-        crc = zlib.crc32(data.numpy().data) if size else 0
         if crc != manifest.crc32:
             raise layout.CorruptSnapshot(
                 f"{path}: CRC-32 {crc:#010x}, the manifest says {manifest.crc32:#010x}"
             )
-        return decode(manifest.tree, data, folder)
+        return finish(state)
+
+
+def _read_regions(f: Any, regions: list[Region], size: int, path: str) -> int:
+    """Read the data file into the regions' targets (the bytes between them into a
+    scratch buffer); return the CRC-32 of all ``size`` bytes."""
+    scratch = memoryview(bytearray(1 << 20))
+    crc, pos = 0, 0
+
+    def fill(view: memoryview) -> None:
+        nonlocal crc, pos
+        got = 0
+        while got < len(view):
+            n = f.readinto(view[got:])
+            if not n:
+                raise layout.CorruptSnapshot(f"{path}: ended at byte {pos + got} of {size}")
+            got += n
+        crc = zlib.crc32(view, crc)
+        pos += len(view)
+
+    for offset, nbytes, target in [*regions, (size, 0, memoryview(b""))]:
+        while pos < offset:  # padding between values: checked, not kept
+            fill(scratch[: min(len(scratch), offset - pos)])
+        if nbytes:
+            fill(target)
+    return crc

@@ -16,6 +16,7 @@ length and names the path of the first one that is wrong.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Any
 
@@ -104,10 +105,21 @@ def _plain(obj: object, path: str) -> Any:
     )
 
 
-def decode(tree: Any, data: torch.Tensor, where: str) -> Any:
-    """The state ``tree`` describes, its tensors views of ``data`` (uint8, on the CPU).
-    CorruptSnapshot naming ``where`` and the path of the first wrong node."""
-    size = data.numel()
+Region = tuple[int, int, memoryview]
+"""``(offset, nbytes, target)``: bytes of the data file that go into ``target``."""
+
+
+class _Bytes(bytearray):
+    """A ``bytes`` leaf while its bytes are read (made ``bytes`` afterwards)."""
+
+
+def decode(tree: Any, size: int, where: str) -> tuple[Any, list[Region]]:
+    """The state ``tree`` describes, with its tensors allocated (each owns its storage,
+    as ``torch.load`` gives them: ``torch.set_rng_state`` and the like need that), and
+    the regions of the data file (``size`` bytes) to read into them, by offset. Call
+    :func:`finish` once they are read. CorruptSnapshot naming ``where`` and the path
+    of the first wrong node."""
+    regions: list[Region] = []
 
     def bad(path: str, what: str) -> CorruptSnapshot:
         return CorruptSnapshot(f"{where}: tree{path}: {what}")
@@ -139,9 +151,11 @@ def decode(tree: Any, data: torch.Tensor, where: str) -> Any:
                 count *= d
             if count * dtype.itemsize != nbytes:
                 raise bad(path, f"{nbytes} bytes for shape {shape} of {value[0]}")
-            if nbytes == 0:
-                return torch.empty(shape, dtype=dtype)
-            return data[offset : offset + nbytes].view(dtype).reshape(shape)
+            tensor = torch.empty(shape, dtype=dtype)
+            if nbytes:
+                target = tensor.reshape(-1).view(torch.uint8).numpy().data
+                regions.append((offset, nbytes, target.cast("B")))
+            return tensor
         if kind == "dict":
             if not isinstance(value, list):
                 raise bad(path, "expected a list of [key, value] pairs")
@@ -161,10 +175,32 @@ def decode(tree: Any, data: torch.Tensor, where: str) -> Any:
             if not isinstance(value, list) or len(value) != 2:
                 raise bad(path, f"expected [offset, nbytes], got {value!r}")
             offset, nbytes = span(value, path, 2)
-            return bytes(data[offset : offset + nbytes].numpy())
+            raw = _Bytes(nbytes)
+            if nbytes:
+                regions.append((offset, nbytes, memoryview(raw)))
+            return raw
         return _plain_value(kind, value, path, bad)
 
-    return walk(tree, "")
+    state = walk(tree, "")
+    regions.sort(key=lambda r: r[0])
+    for (a, n, _), (b, _m, _t) in itertools.pairwise(regions):
+        if a + n > b:
+            raise bad("", f"bytes {a}..{a + n} overlap the next value's at {b}")
+    return state, regions
+
+
+def finish(state: Any) -> Any:
+    """The state :func:`decode` made, once its regions are read: ``bytes`` leaves made
+    ``bytes``."""
+    if isinstance(state, _Bytes):
+        return bytes(state)
+    if isinstance(state, dict):
+        return {k: finish(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [finish(v) for v in state]
+    if isinstance(state, tuple):
+        return tuple(finish(v) for v in state)
+    return state
 
 
 def _plain_value(kind: str, value: Any, path: str, bad: Any) -> Any:

@@ -30,6 +30,8 @@ import traceback
 from dataclasses import dataclass
 from typing import Any
 
+from relaunch._contract import ERROR_FILE_ENV, error_record
+
 __all__ = [
     "ERROR_FILE_ENV",
     "NOT_AVAILABLE",
@@ -43,8 +45,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: The environment variable naming the file a worker writes its uncaught exception to.
-ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
 #: Placeholder torch uses for a missing value (e.g. no error file).
 NOT_AVAILABLE = "<N/A>"
 #: Error files larger than this are not read (a sane bound on agent memory).
@@ -111,17 +111,7 @@ def build_error_data(exc: BaseException, *, now: float | None = None) -> dict[st
 
 def error_data(message: str, callstack: str, *, now: float | None = None) -> dict[str, Any]:
     """The error-file JSON object (torch layout) for a message and a call stack."""
-    when = time.time() if now is None else now
-    return {
-        "message": {
-            "message": message,
-            "extraInfo": {
-                "py_callstack": callstack,
-                "timestamp": str(int(when)),
-                "relaunch_time": when,
-            },
-        }
-    }
+    return error_record(message, callstack, time.time() if now is None else now)
 
 
 def write_error_file(path: str, content: dict[str, Any] | bytes) -> None:

@@ -31,6 +31,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Protocol
 
+from relaunch._contract import lost_key_of
 from relaunch.inprocess._logs import get_logger
 from relaunch.inprocess.attribution import Interruption, InterruptionRecord, decode_records
 from relaunch.inprocess.exception import BarrierTimeoutError, InternalError
@@ -73,9 +74,8 @@ class CoordinationStore:
     def __init__(self, store: TorchStore, namespace: str) -> None:
         self.store = store
         self.namespace = namespace.rstrip("/") + "/"
-        # (the relaunch agent writes it: ``agent/_membership.lost_key``)
-        head, sep, _ = self.namespace.rstrip("/").rpartition("/call")
-        self.lost_key = f"{head}/lost" if sep else self.key("lost")
+        # where the relaunch agent records the ranks lost with their node
+        self.lost_key = lost_key_of(self.namespace) or self.key("lost")
         self._dead_keys = [self.key("dead"), self.lost_key]
         self._ensured: set[str] = set()
         self.incarnations: dict[int, int] = {}

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from relaunch._contract import MARKER_ENV
+from relaunch._contract import MARKER_ENV, call_namespace
 from relaunch.errors import ConfigError
 from relaunch.inprocess._logs import get_logger
 
@@ -30,7 +30,7 @@ def namespace(env: Mapping[str, str] | None = None) -> str:
     env = os.environ if env is None else env
     run_id = env.get("TORCHELASTIC_RUN_ID", "standalone")
     attempt = env.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return f"/relaunch/inprocess/{run_id}/{attempt}/call{next(_calls)}/"
+    return call_namespace(run_id, attempt, next(_calls))
 
 
 def announce_to_agent(

@@ -8,8 +8,8 @@ module args...`` would: same ``sys.argv``, ``__main__``, ``sys.path[0]``,
 environment and tracebacks. End of file without a request means "not needed": it
 exits 0.
 
-What the runner adds to a plain ``python script.py`` (the worker contract; the
-variables are set by the agent, see ``relaunch/agent/_contract.py``):
+What the runner adds to a plain ``python script.py`` (the worker contract, defined in
+``relaunch/_contract.py``, which the runner loads by path; the agent sets the variables):
 
 - ``RELAUNCH_EXIT_FILE``: when the script ends, the runner writes how *before* the
   interpreter tears down (atexit handlers, gloo threads: seconds). A non-zero code
@@ -30,7 +30,8 @@ variables are set by the agent, see ``relaunch/agent/_contract.py``):
 - ``report_modules``: a daemon thread keeps a list of the modules this worker
   imported current during its first two minutes, for the fork server to preload.
 
-This file runs by path, outside the relaunch package: it must import nothing of relaunch.
+This file runs by path, outside the relaunch package: it imports nothing of relaunch
+(the contract module is loaded from its file: standard library only).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ import contextlib
 import ctypes
 import importlib
 import importlib.machinery
+import importlib.util
 import json
 import os
 import runpy
@@ -54,7 +56,23 @@ import zipfile
 import _worker_hooks  # type: ignore[import-not-found]  # beside this file (sys.path[0])
 
 REQUEST_VERSION = 1
-EXIT_FILE_VERSION = 2
+
+
+def _load_contract() -> types.ModuleType:
+    """``relaunch/_contract.py``, by path (this file runs outside the package)."""
+    name = "_relaunch_worker_contract"
+    if name in sys.modules:
+        return sys.modules[name]
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "_contract.py")
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None, path
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+_contract = _load_contract()
 
 
 def _read_all(fd: int) -> bytes:
@@ -240,30 +258,23 @@ def _announce_exit(code: int, worker: int) -> None:
     """Tell the agent this worker is done with ``code`` before the slow interpreter
     teardown (0: it succeeded, whatever the teardown does). ``worker``: the pid that
     runs the script; a process it forked does not speak for it."""
-    path = os.environ.get("RELAUNCH_EXIT_FILE")
+    path = os.environ.get(_contract.EXIT_FILE_ENV)
     if not path or os.getpid() != worker:
         return
     with contextlib.suppress(OSError):
-        data = {"version": EXIT_FILE_VERSION, "exitcode": code, "time": time.time()}
-        _write_atomic(path, json.dumps(data))
+        _write_atomic(path, json.dumps(_contract.exit_record(code, time.time())))
 
 
 def _write_error_file(exc: BaseException, tb: types.TracebackType | None) -> None:
     """The error file in torch's layout, unless the script wrote one (``@record``)."""
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    path = os.environ.get(_contract.ERROR_FILE_ENV)
     if not path or os.path.exists(path):
         return
-    now = time.time()
-    data = {
-        "message": {
-            "message": f"{type(exc).__name__}: {exc}",
-            "extraInfo": {
-                "py_callstack": "".join(traceback.format_exception(type(exc), exc, tb)),
-                "timestamp": str(int(now)),
-                "relaunch_time": now,
-            },
-        }
-    }
+    data = _contract.error_record(
+        f"{type(exc).__name__}: {exc}",
+        "".join(traceback.format_exception(type(exc), exc, tb)),
+        time.time(),
+    )
     with contextlib.suppress(OSError, TypeError, ValueError):
         _write_atomic(path, json.dumps(data))
 
