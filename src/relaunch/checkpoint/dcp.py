@@ -47,6 +47,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from relaunch import checkpoint
+from relaunch.checkpoint._formats import restored_as, tagged
 from relaunch.errors import SnapshotError
 
 __all__ = ["SnapshotReader", "SnapshotWriter"]
@@ -117,9 +118,7 @@ class SnapshotWriter(StorageWriter):
             items.append(value)
         metadata = {"tensors": tensors, "bytes": blobs, "storage": storage,
                     "planner_data": plan.planner_data}  # fmt: skip
-        checkpoint.save(
-            self.step, {"format": FORMAT, "version": VERSION, "metadata": metadata, "items": items}
-        )
+        checkpoint.save(self.step, tagged(FORMAT, VERSION, metadata=metadata, items=items))
         done: Future[list[WriteResult]] = Future()
         done.set_result(results)
         return done
@@ -139,22 +138,13 @@ class SnapshotReader(StorageReader):
 
     def __init__(self) -> None:
         super().__init__()
-        restored = checkpoint.load()
+        restored = restored_as(checkpoint.load(), FORMAT, VERSION, "dcp.SnapshotWriter")
         self.step: int | None = None
         self._items: list[Any] = []
         self._metadata: Metadata | None = None
         if restored is None:
             return
         step, snap = restored
-        if (
-            not isinstance(snap, dict)
-            or snap.get("format") != FORMAT
-            or snap.get("version") != VERSION
-        ):
-            raise SnapshotError(
-                f"the snapshot of step {step} was not written by dcp.SnapshotWriter "
-                f"(format {FORMAT!r} version {VERSION})"
-            )
         self.step, self._items = step, snap["items"]
         self._metadata = _metadata(snap["metadata"], len(self._items))
 

@@ -38,6 +38,7 @@ import torch
 from transformers import TrainerCallback
 
 from relaunch import checkpoint
+from relaunch.checkpoint._formats import check_every, restored_as, tagged
 from relaunch.errors import SnapshotError
 
 __all__ = ["SnapshotCallback", "resume_from"]
@@ -57,9 +58,7 @@ class SnapshotCallback(TrainerCallback):
     """A snapshot of the Trainer's state after every ``every``-th optimizer step."""
 
     def __init__(self, every: int = 1) -> None:
-        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-            raise SnapshotError(f"SnapshotCallback: every must be an int >= 1, got {every!r}")
-        self.every = every
+        self.every = check_every(every, "hf.SnapshotCallback")
         self.resumed_from: str | None = None
         """The folder :func:`resume_from` wrote (removed once training went on)."""
 
@@ -78,15 +77,15 @@ class SnapshotCallback(TrainerCallback):
             return
         # as the Trainer's own save does: the control's state goes in the trainer state
         state.stateful_callbacks["TrainerControl"] = control.state()
-        snapshot = {
-            "format": FORMAT,
-            "version": VERSION,
-            "model": model.state_dict(),
-            "optimizer": optimizer.state_dict(),
-            "scheduler": None if lr_scheduler is None else lr_scheduler.state_dict(),
-            "trainer_state": json.dumps(dataclasses.asdict(state), sort_keys=True),
-            "rng": _rng_state(),
-        }
+        snapshot = tagged(
+            FORMAT,
+            VERSION,
+            model=model.state_dict(),
+            optimizer=optimizer.state_dict(),
+            scheduler=None if lr_scheduler is None else lr_scheduler.state_dict(),
+            trainer_state=json.dumps(dataclasses.asdict(state), sort_keys=True),
+            rng=_rng_state(),
+        )
         checkpoint.save(state.global_step, snapshot)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -111,15 +110,10 @@ def resume_from(trainer: Any) -> str | None:
             "resume_from: the trainer has no hf.SnapshotCallback among its callbacks"
         )
     trainer.args.device  # noqa: B018  (sets up the default process group under relaunch)
-    restored = checkpoint.load()
+    restored = restored_as(checkpoint.load(), FORMAT, VERSION, "hf.SnapshotCallback")
     if restored is None:
         return None
     step, snap = restored
-    if not isinstance(snap, dict) or snap.get("format") != FORMAT or snap.get("version") != VERSION:
-        raise SnapshotError(
-            f"the snapshot of step {step} is not one of hf.SnapshotCallback "
-            f"(format {FORMAT!r} version {VERSION}): written by another script?"
-        )
     folder = tempfile.mkdtemp(prefix=f"relaunch-hf-checkpoint-{step}-")
     atexit.register(shutil.rmtree, folder, True)
     with open(os.path.join(folder, _STATE), "w", encoding="utf-8") as f:

@@ -29,7 +29,7 @@ from typing import Any
 from pytorch_lightning import Callback
 
 from relaunch import checkpoint
-from relaunch.errors import SnapshotError
+from relaunch.checkpoint._formats import check_every, restored_as, tagged
 
 __all__ = ["SnapshotCallback"]
 
@@ -42,9 +42,7 @@ class SnapshotCallback(Callback):
     newest one restored when ``fit`` starts (``restore=False``: never)."""
 
     def __init__(self, every: int = 1, *, restore: bool = True) -> None:
-        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-            raise SnapshotError(f"SnapshotCallback: every must be an int >= 1, got {every!r}")
-        self.every = every
+        self.every = check_every(every, "lightning.SnapshotCallback")
         self.restore = restore
         self.restored_step: int | None = None
         """The step restored when ``fit`` started (None: a fresh start)."""
@@ -53,19 +51,10 @@ class SnapshotCallback(Callback):
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if stage != "fit" or not self.restore:
             return
-        restored = checkpoint.load()
+        restored = restored_as(checkpoint.load(), FORMAT, VERSION, "lightning.SnapshotCallback")
         if restored is None:
             return
         step, snap = restored
-        if (
-            not isinstance(snap, dict)
-            or snap.get("format") != FORMAT
-            or snap.get("version") != VERSION
-        ):
-            raise SnapshotError(
-                f"the snapshot of step {step} is not one of lightning.SnapshotCallback "
-                f"(format {FORMAT!r} version {VERSION}): written by another script?"
-            )
         connector = trainer._checkpoint_connector
         connector._loaded_checkpoint = snap["checkpoint"]  # restored as fit(ckpt_path=) does
         self.restored_step = step
@@ -77,7 +66,7 @@ class SnapshotCallback(Callback):
         if step == self._saved or step % self.every:
             return  # no optimizer step in this batch (gradient accumulation), or not due
         dumped = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
-        checkpoint.save(step, {"format": FORMAT, "version": VERSION, "checkpoint": dumped})
+        checkpoint.save(step, tagged(FORMAT, VERSION, checkpoint=dumped))
         self._saved = step
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
