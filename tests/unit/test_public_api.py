@@ -59,7 +59,13 @@ def test_procs() -> None:
 
 
 def test_events_and_static_rendezvous() -> None:
-    assert sorted(relaunch.events.__all__) == ["EVENT_VERSION", "Event", "EventSink"]
+    # one frozen dataclass per event (the detail), the envelope, the sink
+    details = {name for name, value in vars(relaunch.events).items() if hasattr(value, "metadata")}
+    assert sorted(relaunch.events.__all__) == sorted(
+        {"EVENT_VERSION", "Cause", "Detail", "Emit", "Event", "EventSink"}
+        | (details - {"_Detail", "Event"})
+    )
+    assert len(details) == 23, details  # 22 events and their base
     assert sorted(relaunch.rendezvous.static.__all__) == [
         "STATIC_CONF_KEYS",
         "StandaloneRendezvousHandler",

@@ -12,7 +12,18 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from relaunch.errors import StatusError
-from relaunch.events import Event
+from relaunch.events import (
+    Cause,
+    Detail,
+    Event,
+    RendezvousComplete,
+    Restart,
+    WorkerHung,
+    WorkerLost,
+    WorkerRespawned,
+    WorkersFailed,
+    WorkersStarted,
+)
 from relaunch.rendezvous._state import RendezvousState
 from relaunch.status import (
     MAX_REPORT_BYTES,
@@ -29,9 +40,13 @@ from relaunch.status import (
 SCHEMA = json.loads((Path(__file__).parents[2] / "docs" / "status.schema.json").read_text())
 
 
-def event(name: str, t: float, **metadata: object) -> Event:
-    return Event(
-        name=name, run_id="job", host="host-a", group_rank=0, timestamp=t, metadata=metadata
+def event(detail: Detail, t: float) -> Event:
+    return Event(detail=detail, run_id="job", host="host-a", group_rank=0, timestamp=t)
+
+
+def started(attempt: int, pids: dict[int, int]) -> WorkersStarted:
+    return WorkersStarted(
+        attempt=attempt, pids=pids, forked=(), seconds=0.1, master_addr="h", master_port=1
     )
 
 
@@ -40,14 +55,14 @@ def board_after_a_failure() -> tuple[StatusBoard, list[str]]:
     board = StatusBoard(
         node="a_1_0", host="host-a", role="default", max_restarts=3, say=said.append
     )
-    board.observe(event("rendezvous_complete", 100.0, round=0, world_size=2))
-    board.observe(event("workers_started", 100.5, attempt=0, pids={0: 11, 1: 12}))
-    cause = {"local_rank": 1, "pid": 12, "exitcode": 1, "time": 110.0,
-             "message": "ValueError: bad \x1b[2J batch\nsecond line"}  # fmt: skip
-    board.observe(event("workers_failed", 110.2, failures={1: 1}, causes={1: cause}))
-    board.observe(event("restart", 110.3, restarts=1, max_restarts=3))
-    board.observe(event("rendezvous_complete", 111.0, round=1, world_size=2))
-    board.observe(event("workers_started", 111.4, attempt=1, pids={0: 21, 1: 22}))
+    board.observe(event(RendezvousComplete(round=0, world_size=2, seconds=0.1), 100.0))
+    board.observe(event(started(0, {0: 11, 1: 12}), 100.5))
+    cause = Cause(local_rank=1, pid=12, exitcode=1, time=110.0,
+                  message="ValueError: bad \x1b[2J batch\nsecond line")  # fmt: skip
+    board.observe(event(WorkersFailed(attempt=0, failures={1: 1}, causes={1: cause}), 110.2))
+    board.observe(event(Restart(restarts=1, max_restarts=3), 110.3))
+    board.observe(event(RendezvousComplete(round=1, world_size=2, seconds=0.1), 111.0))
+    board.observe(event(started(1, {0: 21, 1: 22}), 111.4))
     return board, said
 
 
@@ -71,13 +86,21 @@ def test_the_board_says_the_failure_the_restart_and_counts_the_recovery() -> Non
 def test_a_hang_is_counted_once_and_a_lost_process_is_the_process_tier() -> None:
     said: list[str] = []
     board = StatusBoard(node="n", host="h", role="r", max_restarts=1, say=said.append)
-    board.observe(event("worker_hung", 5.0, local_rank=0, pid=7, reason="no progress for 3 s"))
-    board.observe(event("workers_failed", 5.1, failures={0: -9},
-                        causes={0: {"local_rank": 0, "pid": 7, "exitcode": -9, "message": "x"}}))  # fmt: skip
+    board.observe(
+        event(WorkerHung(local_rank=0, pid=7, reason="no progress for 3 s", stacks=""), 5.0)
+    )
+    cause = Cause(local_rank=0, pid=7, exitcode=-9, message="x", time=5.0)
+    board.observe(event(WorkersFailed(attempt=0, failures={0: -9}, causes={0: cause}), 5.1))
     assert board.report().faults == {"hang": 1}
-    board.observe(event("worker_lost", 9.0, rank=3, local_rank=1, exitcode=-signal.SIGKILL))
-    board.observe(event("worker_respawned", 9.2, local_rank=1, pid=8, incarnation=1, forked=True,
-                        seconds=0.01))  # fmt: skip
+    lost = WorkerLost(rank=3, local_rank=1, exitcode=-signal.SIGKILL, reason="")
+    board.observe(event(lost, 9.0))
+    board.observe(
+        event(
+            WorkerRespawned(attempt=0, local_rank=1, pid=8, incarnation=1, replacement=1,
+                            forked=True, seconds=0.01),
+            9.2,
+        )
+    )  # fmt: skip
     report = board.report()
     assert report.faults == {"hang": 1, "lost": 1} and report.tiers["process"] == 1
     assert any("replaced in place" in line for line in said)
@@ -89,7 +112,7 @@ def test_a_report_round_trips_and_stays_bounded() -> None:
     report = board.report(rows)
     assert decode_report(encode_report(report), key="k") == report
     for i in range(5000):
-        board.observe(event("restart", 200.0 + i, restarts=i, max_restarts=3))
+        board.observe(event(Restart(restarts=i, max_restarts=3), 200.0 + i))
     assert len(encode_report(board.report(rows))) <= MAX_REPORT_BYTES
 
 

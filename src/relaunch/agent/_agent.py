@@ -9,6 +9,7 @@ import signal
 import socket
 import threading
 import time
+from typing import assert_never
 
 from relaunch.agent._attempt import Slot, return_values
 from relaunch.agent._core import (
@@ -16,11 +17,13 @@ from relaunch.agent._core import (
     DropRanks,
     ExitBarrier,
     GiveUp,
+    Hang,
     MarkInprocess,
     Monitor,
     NodeLost,
     Observation,
     Policy,
+    RestartGroup,
     Stop,
     after_failure,
     decide,
@@ -54,7 +57,22 @@ from relaunch.errors import (
     RendezvousStateError,
     StoreError,
 )
-from relaunch.events import Event, EventSink
+from relaunch.events import (
+    Detail,
+    Event,
+    EventSink,
+    MembershipChanged,
+    NotNeeded,
+    RendezvousClosed,
+    RendezvousComplete,
+    Restart,
+    RunFailed,
+    Stopped,
+    StoreLost,
+    WorkerHung,
+    WorkersFailed,
+    WorkersSucceeded,
+)
 from relaunch.procs import (
     RunLogDir,
     set_child_subreaper,
@@ -151,7 +169,7 @@ class LocalAgent:
                 return self._stopped()  # our own interrupt() ended a rendezvous
             if self._attempt < 0:
                 # Closed before this node ever ran workers: a spare the job did not need.
-                self._emit("not_needed")
+                self._emit(NotNeeded())
                 return RunResult(state=WorkerState.SUCCEEDED)
             raise
 
@@ -182,15 +200,14 @@ class LocalAgent:
             if kept is not None:
                 say(f"the failed run's logs and error files are kept in {kept}")
 
-    def _emit(self, name: str, **metadata: object) -> None:
+    def _emit(self, detail: Detail) -> None:
         event = Event(
-            name=name,
+            detail=detail,
             run_id=self._run_id,
             role=self._spec.role,
             host=self._host,
             group_rank=self._group.group_rank,
             restart_count=self._restart_count,
-            metadata=metadata,
         )
         self._events.emit(event)
         self._status.observe(event)
@@ -224,7 +241,7 @@ class LocalAgent:
             reason = f"{exc} (for longer than this node can go on without it)"
         else:
             reason = store_lost_reason(self._handler.get_backend(), exc)
-        self._emit("store_lost", reason=reason)
+        self._emit(StoreLost(reason=reason))
         return RunResult(state=WorkerState.FAILED, failures=failures, reason=reason)
 
     def _loop_once_started(self) -> RunResult:
@@ -241,7 +258,7 @@ class LocalAgent:
                     return self._stopped()
                 # Another node gave up on the job (or it was closed): we fail with it.
                 self._stop_workers(signal.SIGTERM)
-                self._emit("rendezvous_closed")
+                self._emit(RendezvousClosed())
                 return RunResult(state=WorkerState.FAILED, failures=self._job_failures({}))
             if result is not None:
                 return result
@@ -274,74 +291,78 @@ class LocalAgent:
 
     def _act(self, action: Action, obs: Observation) -> RunResult | None:
         """Carry out the core's decision; a RunResult ends the run."""
-        if isinstance(action, Stop):
-            return self._stopped()
-        if isinstance(action, Monitor):
-            assert self._workers is not None
-            self._workers.tick(wanted=self._wants_fork_server())
-            share_modules(self._handler, self._workers)
-            return None
-        if isinstance(action, DropRanks):
-            assert self._workers is not None
-            self._workers.drop(action, obs, self._group, self._attempt)
-            return None
-        if isinstance(action, NodeLost):
-            self._membership.lost(action.vacancies, self._group, self._restart_count)
-            return None
-        if isinstance(action, MarkInprocess):
-            self._membership.mark()
-            return None
-        if isinstance(action, ExitBarrier):
-            notes = after_return(action, obs, self._group.workers, self._policy.teardown_grace)
-            if action.kill:
-                self._stop_workers(signal.SIGKILL)  # returned, then stuck in teardown
-            self._group.state = WorkerState.SUCCEEDED
-            self._emit("workers_succeeded", attempt=self._attempt, after_return=notes)
-            note = finish_round(
-                self._handler, self._info, self._spec.exit_barrier_timeout, self._emit
-            )
-            values = return_values(self._spec, self._group.workers, self._slots())
-            return RunResult(state=WorkerState.SUCCEEDED, return_values=values, reason=note)
-        if action.reason == "membership":
-            self._emit("membership_changed")
-            self._restart()
-            return None
-        if action.hang is not None:
-            assert self._workers is not None and self._policy.hang_timeout is not None
-            lr = action.hang.local_rank
-            pid = self._workers.pids()[lr]
-            fields = report_hang(action.hang, self._slots()[lr], pid, self._policy.hang_timeout)
-            self._emit("worker_hung", **fields)
-        self._group.state = WorkerState.FAILED
-        return self._on_failure(self._failures(action.failed, obs))
+        match action:
+            case Stop():
+                return self._stopped()
+            case Monitor():
+                assert self._workers is not None
+                self._workers.tick(wanted=self._wants_fork_server())
+                share_modules(self._handler, self._workers)
+            case DropRanks():
+                assert self._workers is not None
+                self._workers.drop(action, obs, self._group, self._attempt)
+            case NodeLost():
+                self._membership.lost(action.vacancies, self._group, self._restart_count)
+            case MarkInprocess():
+                self._membership.mark()
+            case ExitBarrier():
+                return self._succeeded(action, obs)
+            case RestartGroup(reason="membership"):
+                self._emit(MembershipChanged())
+                self._restart()
+            case RestartGroup():
+                if action.hang is not None:
+                    self._emit(self._report_hang(action.hang))
+                self._group.state = WorkerState.FAILED
+                return self._on_failure(self._failures(action.failed, obs))
+            case _:
+                assert_never(action)
+        return None
+
+    def _succeeded(self, action: ExitBarrier, obs: Observation) -> RunResult:
+        """Every worker is done: wait for the round's other nodes, then end the run."""
+        notes = after_return(action, obs, self._group.workers, self._policy.teardown_grace)
+        if action.kill:
+            self._stop_workers(signal.SIGKILL)  # returned, then stuck in teardown
+        self._group.state = WorkerState.SUCCEEDED
+        self._emit(WorkersSucceeded(attempt=self._attempt, after_return=notes))
+        note = finish_round(self._handler, self._info, self._spec.exit_barrier_timeout, self._emit)
+        values = return_values(self._spec, self._group.workers, self._slots())
+        return RunResult(state=WorkerState.SUCCEEDED, return_values=values, reason=note)
+
+    def _report_hang(self, hang: Hang) -> WorkerHung:
+        assert self._workers is not None and self._policy.hang_timeout is not None
+        pid = self._workers.pids()[hang.local_rank]
+        return report_hang(hang, self._slots()[hang.local_rank], pid, self._policy.hang_timeout)
 
     def _on_failure(self, failures: dict[int, ProcessFailure]) -> RunResult | None:
         """Restart after a worker failure, or end the run when the job's budget is spent."""
         assert self._info is not None
         self._emit(
-            "workers_failed",
-            attempt=self._attempt,
-            failures={r: f.exitcode for r, f in failures.items()},
-            causes=causes(failures),
+            WorkersFailed(
+                attempt=self._attempt,
+                failures={r: f.exitcode for r, f in failures.items()},
+                causes=causes(failures),
+            )
         )
         publish_failures(self._info, failures)
         total = self._handler.record_failure(self._info.round)
         verdict = after_failure(total, self._policy.max_restarts)
         if isinstance(verdict, GiveUp):
             self._stop_workers(signal.SIGTERM)
-            self._emit("run_failed", attempt=self._attempt, restarts=verdict.restarts)
+            self._emit(RunFailed(attempt=self._attempt, restarts=verdict.restarts))
             try:
                 self._handler.set_closed()  # the other nodes stop too
             except (RendezvousError, StoreError) as exc:
                 log.warning("could not close the rendezvous: %s", exc)
             return RunResult(state=WorkerState.FAILED, failures=self._job_failures(failures))
-        self._emit("restart", restarts=total, max_restarts=self._spec.max_restarts)
+        self._emit(Restart(restarts=total, max_restarts=self._spec.max_restarts))
         self._restart()
         return None
 
     def _stopped(self) -> RunResult:
         sig = self._stop_signal or signal.SIGTERM
-        self._emit("stopped", signal=sig)
+        self._emit(Stopped(signal=sig))
         self._stop_workers(sig)
         return RunResult(state=WorkerState.STOPPED)
 
@@ -361,14 +382,15 @@ class LocalAgent:
         group.place(info.rank, info.world_size, info.store)
         group.master_addr, group.master_port = self._publish_worker_store(info)
         self._membership.new_round(info.rank, info.incarnation)
+        replacing = bool(info.incarnation)
         self._emit(
-            "rendezvous_complete",
-            round=info.round,
-            world_size=info.world_size,
-            seconds=round(time.monotonic() - t0, 4),
-            **(
-                {"replaces": info.rank, "incarnation": info.incarnation} if info.incarnation else {}
-            ),
+            RendezvousComplete(
+                round=info.round,
+                world_size=info.world_size,
+                seconds=round(time.monotonic() - t0, 4),
+                replaces=info.rank if replacing else None,
+                incarnation=info.incarnation if replacing else None,
+            )
         )
         self._attempt += 1
         if info.incarnation:

@@ -9,8 +9,9 @@ import logging
 import os
 import re
 import sysconfig
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 
+from relaunch.events import Emit, ForkServerReady, ForkServerRefused, ForkServerStarted
 from relaunch.procs import Entrypoint, ForkServer
 
 __all__ = ["NodeForkServer", "decode_modules", "encode_modules", "guess_imports"]
@@ -27,9 +28,7 @@ class NodeForkServer:
     30 s, and ``delay`` seconds after they started), announces it ready, and drops it for
     good when it refuses to fork. Owned by the agent until :meth:`close`."""
 
-    def __init__(
-        self, *, modules_file: str, log_dir: str, delay: float, emit: Callable[..., None]
-    ) -> None:
+    def __init__(self, *, modules_file: str, log_dir: str, delay: float, emit: Emit) -> None:
         self.modules_file = modules_file
         self._log_file = os.path.join(log_dir, "fork_server.log")
         self._delay = delay
@@ -51,7 +50,7 @@ class NodeForkServer:
                 server.pump(0.0)
                 if server.ready:
                     self._ready = True
-                    self._emit("fork_server_ready", pid=server.pid)
+                    self._emit(ForkServerReady(pid=server.pid))
             return
         if not wanted or self._refused is not None or running_for < self._delay:
             return
@@ -60,7 +59,7 @@ class NodeForkServer:
         if not os.path.exists(self.modules_file) and running_for < 30.0:
             return
         self._server = ForkServer(env=env, preload_file=self.modules_file, log_file=self._log_file)
-        self._emit("fork_server_started", pid=self._server.pid)
+        self._emit(ForkServerStarted(pid=self._server.pid))
 
     @property
     def started(self) -> bool:
@@ -79,7 +78,7 @@ class NodeForkServer:
             self._server = ForkServer(
                 env=env, preload_file=self.modules_file, log_file=self._log_file
             )
-            self._emit("fork_server_started", pid=self._server.pid, prewarm=True)
+            self._emit(ForkServerStarted(pid=self._server.pid, prewarm=True))
 
     def add_modules(self, modules: list[str]) -> None:
         """Add to the list the server preloads (and replacements import before joining)."""
@@ -102,7 +101,7 @@ class NodeForkServer:
             "the fork server cannot fork workers (%s): starting fresh interpreters from now on",
             reason,
         )
-        self._emit("fork_server_refused", reason=reason)
+        self._emit(ForkServerRefused(reason=reason))
         self.close()
 
     def close(self) -> None:

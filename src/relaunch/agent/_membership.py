@@ -14,12 +14,13 @@ replacements do (``inprocess/_rejoin.py``).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from relaunch._contract import lost_key
 from relaunch.agent._spec import WorkerGroup
 from relaunch.errors import RelaunchError
+from relaunch.events import Emit, NodeLost, NodeReplaced
 from relaunch.rendezvous import RendezvousHandler
 from relaunch.store.tcp import TCPStoreClient
 
@@ -57,7 +58,7 @@ def declare_lost(
 class Membership:
     """What this node did about the current round's vacancies; reset at each round."""
 
-    def __init__(self, handler: RendezvousHandler, emit: Callable[..., None], run_id: str) -> None:
+    def __init__(self, handler: RendezvousHandler, emit: Emit, run_id: str) -> None:
         self._handler = handler
         self._emit = emit
         self._run_id = run_id
@@ -88,10 +89,11 @@ class Membership:
                 self._told.add(seat)
                 group_rank, incarnation = seat
                 self._emit(
-                    "node_replaced",
-                    group_rank=group_rank,
-                    lost_at=incarnation / 1_000_000,  # the incarnation is the loss's time
-                    seen_lost=seat in self.declared,
+                    NodeReplaced(
+                        group_rank=group_rank,
+                        lost_at=incarnation / 1_000_000,  # the incarnation is the loss's time
+                        seen_lost=seat in self.declared,
+                    )
                 )
         return self._handler.vacancies()
 
@@ -125,4 +127,4 @@ class Membership:
             self.declared |= {(group_rank, incarnation)}
             if taking_over:
                 continue
-            self._emit("node_lost", group_rank=group_rank, ranks=[ranks.start, ranks.stop - 1])
+            self._emit(NodeLost(group_rank=group_rank, ranks=(ranks.start, ranks.stop - 1)))

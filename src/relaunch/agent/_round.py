@@ -24,6 +24,7 @@ from relaunch.errors import (
     StoreError,
     StoreTimeoutError,
 )
+from relaunch.events import Emit, ExitBarrierTimeout
 from relaunch.rendezvous import RendezvousHandler, RendezvousInfo
 from relaunch.store.tcp import TCPStoreServer
 
@@ -152,7 +153,7 @@ def finish_round(
     handler: RendezvousHandler,
     info: RendezvousInfo | None,
     timeout: float,
-    emit: Callable[..., None],
+    emit: Emit,
 ) -> str | None:
     """This node's workers succeeded: wait for the round's other nodes (the lost ones
     nobody replaced excepted); then the job is over: rank 0 closes the rendezvous, so
@@ -162,7 +163,7 @@ def finish_round(
         return None
     note = exit_barrier(info, timeout, vacant=lambda: len(handler.vacancies()))
     if note is not None:
-        emit("exit_barrier_timeout", world_size=info.world_size)
+        emit(ExitBarrierTimeout(world_size=info.world_size))
         return note
     if info.rank == 0:
         try:

@@ -25,6 +25,7 @@ from relaunch.agent._observe import (
 from relaunch.agent._spec import Worker
 from relaunch.errors import ProcessFailure
 from relaunch.errors._failure import signal_name
+from relaunch.events import Cause, WorkerHung
 
 __all__ = ["after_return", "causes", "drop", "failures", "observe", "report_hang"]
 
@@ -116,16 +117,12 @@ def after_return(
     return notes
 
 
-def causes(failures: Mapping[int, ProcessFailure]) -> dict[int, dict[str, object]]:
+def causes(failures: Mapping[int, ProcessFailure]) -> dict[int, Cause]:
     """What the ``workers_failed`` event says of each failure (the status board reads it)."""
     return {
-        rank: {
-            "local_rank": f.local_rank,
-            "pid": f.pid,
-            "exitcode": f.exitcode,
-            "message": f.message,
-            "time": f.time,
-        }
+        rank: Cause(
+            local_rank=f.local_rank, pid=f.pid, exitcode=f.exitcode, message=f.message, time=f.time
+        )
         for rank, f in failures.items()
     }
 
@@ -145,9 +142,9 @@ def drop(
     return dropped
 
 
-def report_hang(hang: Hang, slot: Slot, pid: int, timeout: float) -> dict[str, object]:
-    """Collect the hung worker's stacks and write its error file; the event's fields."""
+def report_hang(hang: Hang, slot: Slot, pid: int, timeout: float) -> WorkerHung:
+    """Collect the hung worker's stacks and write its error file; the event."""
     stacks = collect_stacks(pid, slot.files)
     message = record_hang(slot.files, since=hang.since, timeout=timeout, stacks=stacks)
     log.error("local rank %s (pid %s): %s; its stacks:\n%s", hang.local_rank, pid, message, stacks)
-    return {"local_rank": hang.local_rank, "pid": pid, "reason": message, "stacks": stacks}
+    return WorkerHung(local_rank=hang.local_rank, pid=pid, reason=message, stacks=stacks)

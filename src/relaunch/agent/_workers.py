@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable
 
 from relaunch._contract import JOIN_WAIT, JOIN_WAIT_ENV, PRELOAD_ENV
 from relaunch.agent._attempt import Slot, attempt_workers, replacement
@@ -20,6 +19,14 @@ from relaunch.agent._forking import NodeForkServer, guess_imports
 from relaunch.agent._spec import WorkerGroup, WorkerSpec, WorkerState
 from relaunch.agent._watch import drop
 from relaunch.errors import RelaunchError, WorkerError
+from relaunch.events import (
+    Emit,
+    WatchdogExpired,
+    WorkerLost,
+    WorkerRespawned,
+    WorkersStarted,
+    WorkersStopped,
+)
 from relaunch.procs import ProcessSpec, RunLogDir, WorkerProcesses
 from relaunch.timer import TimerExpiry, TimerServer
 
@@ -31,7 +38,7 @@ log = logging.getLogger(__name__)
 class NodeWorkers:
     """The running attempt's processes and slots; the fork and timer servers."""
 
-    def __init__(self, spec: WorkerSpec, logdir: RunLogDir, emit: Callable[..., None]) -> None:
+    def __init__(self, spec: WorkerSpec, logdir: RunLogDir, emit: Emit) -> None:
         self._spec = spec
         self._logdir = logdir
         self._emit = emit
@@ -112,13 +119,14 @@ class NodeWorkers:
             self._timer.watch_pids(set(pids.values()))
         group.state = WorkerState.HEALTHY
         self._emit(
-            "workers_started",
-            attempt=attempt,
-            pids=pids,
-            forked=sorted(procs.forked),
-            seconds=seconds,
-            master_addr=group.master_addr,
-            master_port=group.master_port,
+            WorkersStarted(
+                attempt=attempt,
+                pids=pids,
+                forked=tuple(sorted(procs.forked)),
+                seconds=seconds,
+                master_addr=group.master_addr,
+                master_port=group.master_port,
+            )
         )
 
     def drop(self, action: DropRanks, obs: Observation, group: WorkerGroup, attempt: int) -> None:
@@ -126,11 +134,12 @@ class NodeWorkers:
         a replacement for those to respawn (a failure to start leaves the rank out)."""
         for failure in drop(action.local_ranks, obs, group.workers, self.slots, self.pids()):
             self._emit(
-                "worker_lost",
-                rank=group.workers[failure.local_rank].global_rank,
-                local_rank=failure.local_rank,
-                exitcode=failure.exitcode,
-                reason=failure.message,
+                WorkerLost(
+                    rank=group.workers[failure.local_rank].global_rank,
+                    local_rank=failure.local_rank,
+                    exitcode=failure.exitcode,
+                    reason=failure.message,
+                )
             )
         for lr in action.respawn:
             try:
@@ -154,14 +163,15 @@ class NodeWorkers:
         if self._timer is not None:
             self._timer.watch_pids({pid})
         self._emit(
-            "worker_respawned",
-            attempt=attempt,
-            local_rank=local_rank,
-            pid=pid,
-            incarnation=slot.incarnation,
-            replacement=slot.respawns,
-            forked=forked,
-            seconds=seconds,
+            WorkerRespawned(
+                attempt=attempt,
+                local_rank=local_rank,
+                pid=pid,
+                incarnation=slot.incarnation,
+                replacement=slot.respawns,
+                forked=forked,
+                seconds=seconds,
+            )
         )
 
     def poll(self) -> dict[int, int | None]:
@@ -232,7 +242,7 @@ class NodeWorkers:
         if self._timer is not None:
             for pid in procs.pids().values():
                 self._timer.clear_pid(pid)
-        self._emit("workers_stopped", attempt=attempt, exitcodes=codes)
+        self._emit(WorkersStopped(attempt=attempt, exitcodes=codes))
 
     def close(self, sig: int, attempt: int) -> None:
         """Stop the workers, then the fork server and the timer server."""
@@ -243,4 +253,4 @@ class NodeWorkers:
             self._timer = None
 
     def _on_timer_expiry(self, expiry: TimerExpiry) -> None:
-        self._emit("watchdog_expired", pid=expiry.pid, scope=expiry.scope_id, signal=expiry.signal)
+        self._emit(WatchdogExpired(pid=expiry.pid, scope=expiry.scope_id, signal=expiry.signal))

@@ -14,11 +14,36 @@ import dataclasses
 import signal
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, assert_never
 
 from relaunch._text import printable
-from relaunch.events import Event
+from relaunch.events import (
+    Detail,
+    Event,
+    ExitBarrierTimeout,
+    ForkServerReady,
+    ForkServerRefused,
+    ForkServerStarted,
+    MembershipChanged,
+    NodeLost,
+    NodeReplaced,
+    NotNeeded,
+    RendezvousClosed,
+    RendezvousComplete,
+    Restart,
+    RunFailed,
+    Stopped,
+    StoreLost,
+    WatchdogExpired,
+    WorkerHung,
+    WorkerLost,
+    WorkerRespawned,
+    WorkersFailed,
+    WorkersStarted,
+    WorkersStopped,
+    WorkersSucceeded,
+)
 from relaunch.status._report import (
     TIMELINE_LENGTH,
     FailureLine,
@@ -47,6 +72,13 @@ def _how(exitcode: int) -> str:
         except ValueError:
             return f"killed by signal {-exitcode}"
     return f"exit code {exitcode}"
+
+
+def _signal(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return str(signum)
 
 
 class StatusBoard:
@@ -113,13 +145,94 @@ class StatusBoard:
     # -- feeding ----------------------------------------------------------------------
     def observe(self, event: Event) -> None:
         """Take one event: update the counters and the timeline, say what a user must hear."""
-        handler = getattr(self, "_on_" + event.name, None)
-        text = handler(event.metadata, event) if handler is not None else None
+        text = self._voice(event.detail, event)
         restarts = max(self._report.restarts, event.restart_count)
         self._update(group_rank=event.group_rank, restarts=restarts, updated=event.timestamp)
         if text:
             self._timeline.append(TimelineEntry(time=event.timestamp, name=event.name, text=text))
             self._say(text)
+
+    def _voice(self, detail: Detail, ev: Event) -> str | None:
+        """What ``detail`` changes on the board, and the line a user hears, if any."""
+        match detail:
+            case RendezvousComplete():
+                return self._rendezvous_complete(detail, ev)
+            case WorkersStarted():
+                return self._workers_started(detail, ev)
+            case WorkersFailed():
+                return self._workers_failed(detail, ev)
+            case Restart():
+                self._update(restarts=detail.restarts)
+                return (
+                    f"restarting this node's workers (restart {detail.restarts} of "
+                    f"{detail.max_restarts}, after a worker failure; tier: group restart)"
+                )
+            case MembershipChanged():
+                self._fault(ev.timestamp, "membership")
+                return (
+                    "a new round is starting (a node joined, left, or restarts after a "
+                    "failure): restarting this node's workers (tier: membership restart)"
+                )
+            case WorkerHung():
+                self._hung.add(detail.local_rank)
+                self._count("faults", "hang")
+                return (
+                    f"local rank {detail.local_rank} (pid {detail.pid}) hung: "
+                    f"{_first_line(detail.reason)}"
+                )
+            case WorkerLost():
+                return self._worker_lost(detail, ev)
+            case WorkerRespawned():
+                self._recovered(ev.timestamp)
+                how = "forked" if detail.forked else "started"
+                return (
+                    f"local rank {detail.local_rank} replaced in place: pid {detail.pid} {how} "
+                    f"in {detail.seconds:.2f} s (replacement {detail.replacement}); "
+                    "healthy processes kept running (tier: process)"
+                )
+            case NodeLost():
+                self._count("faults", "node")
+                self._fault(ev.timestamp, "node")
+                first, last = detail.ranks
+                return (
+                    f"node of group rank {detail.group_rank} lost (ranks {first}-{last}): this "
+                    "node's workers go on without them in their processes; a spare or a new "
+                    "node takes its place (tier: node)"
+                )
+            case NodeReplaced():
+                return self._node_replaced(detail, ev)
+            case RunFailed():
+                self._update(state="failed")
+                return (
+                    f"no restarts left ({detail.restarts} of {self._report.max_restarts} "
+                    "used): the job fails"
+                )
+            case WorkersSucceeded():
+                self._update(state="succeeded")
+            case Stopped():
+                self._update(state="stopped")
+                return f"stopping the workers ({_signal(detail.signal)} received)"
+            case StoreLost():
+                self._update(state="failed")  # the launcher prints the reason itself
+            case RendezvousClosed():
+                self._update(state="failed")
+                return "another node closed the job (after its failure): stopping"
+            case NotNeeded():
+                self._update(state="succeeded")
+                return "this spare node was not needed: the job finished without it"
+            case WatchdogExpired():
+                return f"watchdog expired for pid {detail.pid} (scope {escape(detail.scope)})"
+            case (
+                ExitBarrierTimeout()
+                | WorkersStopped()
+                | ForkServerStarted()
+                | ForkServerReady()
+                | ForkServerRefused()
+            ):
+                pass
+            case _:
+                assert_never(detail)
+        return None
 
     def _update(self, **changes: Any) -> None:
         self._report = dataclasses.replace(self._report, **changes)
@@ -142,60 +255,52 @@ class StatusBoard:
         self._fault_at = self._tier = None
         self._update(state="running")
 
-    # -- one handler per event the board cares about --------------------------------
-    def _on_rendezvous_complete(self, md: Mapping[str, Any], ev: Event) -> str | None:
-        world = int(md.get("world_size", 0))
-        before, self._world = self._world, world
-        self._update(round=md.get("round"))
-        if "replaces" in md:
+    # -- the events with more to say ---------------------------------------------------
+    def _rendezvous_complete(self, e: RendezvousComplete, ev: Event) -> str | None:
+        before, self._world = self._world, e.world_size
+        self._update(round=e.round)
+        if e.replaces is not None:
             return (
-                f"round {md.get('round')}: this node takes the place of lost group rank "
-                f"{md.get('replaces')}; its workers join the running ones in-process (tier: node)"
+                f"round {e.round}: this node takes the place of lost group rank "
+                f"{e.replaces}; its workers join the running ones in-process (tier: node)"
             )
         if before is None:
-            joins = " (joining a running job)" if int(md.get("round") or 0) > 0 else ""
+            joins = " (joining a running job)" if e.round > 0 else ""
             return (
-                f"round {md.get('round')}: {world} node(s); this node is rank "
-                f"{ev.group_rank}{joins}"
+                f"round {e.round}: {e.world_size} node(s); this node is rank {ev.group_rank}{joins}"
             )
-        if before != world:
-            verb = "joined" if world > before else "left"
-            return f"round {md.get('round')}: a node {verb}; {world} node(s) now (was {before})"
+        if before != e.world_size:
+            verb = "joined" if e.world_size > before else "left"
+            return f"round {e.round}: a node {verb}; {e.world_size} node(s) now (was {before})"
         return None
 
-    def _on_workers_started(self, md: Mapping[str, Any], ev: Event) -> str | None:
-        self._update(attempt=int(md.get("attempt", 0)))
+    def _workers_started(self, e: WorkersStarted, ev: Event) -> str | None:
+        self._update(attempt=e.attempt)
         recovering = self._fault_at is not None
         self._recovered(ev.timestamp)
         if recovering:
-            return f"workers running again (attempt {md.get('attempt')})"
+            return f"workers running again (attempt {e.attempt})"
         return None
 
-    def _on_workers_failed(self, md: Mapping[str, Any], ev: Event) -> str | None:
-        causes: Mapping[str, Any] = md.get("causes") or {}
+    def _workers_failed(self, e: WorkersFailed, ev: Event) -> str:
         lines = []
         first: FailureLine | None = None
-        for rank, cause in sorted(causes.items(), key=lambda kv: kv[1].get("time", 0.0)):
-            code = int(cause.get("exitcode", 1))
-            if int(cause.get("local_rank", -1)) in self._hung:
-                kind = None
-            else:
-                kind = "signal" if code < 0 else "exit"
-            if kind:
-                self._count("faults", kind)
-            message = _first_line(cause.get("message", ""))
+        for rank, cause in sorted(e.causes.items(), key=lambda kv: kv[1].time):
+            if cause.local_rank not in self._hung:
+                self._count("faults", "signal" if cause.exitcode < 0 else "exit")
+            message = _first_line(cause.message)
             line = FailureLine(
-                rank=int(rank),
+                rank=rank,
                 host=ev.host,
-                exitcode=code,
+                exitcode=cause.exitcode,
                 message=message,
-                time=float(cause.get("time", ev.timestamp)),
+                time=cause.time,
                 round=self._report.round or 0,
             )
             first = first or line
             lines.append(
-                f"rank {rank} (local rank {cause.get('local_rank')}, pid {cause.get('pid')}, "
-                f"host {ev.host}) failed: {_how(code)}: {message}"
+                f"rank {rank} (local rank {cause.local_rank}, pid {cause.pid}, "
+                f"host {ev.host}) failed: {_how(cause.exitcode)}: {message}"
             )
         self._hung.clear()
         if first is not None:
@@ -203,100 +308,28 @@ class StatusBoard:
         self._fault(ev.timestamp, "group")
         return "; ".join(lines) or "workers failed"
 
-    def _on_restart(self, md: Mapping[str, Any], ev: Event) -> str:
-        used, most = md.get("restarts"), md.get("max_restarts")
-        self._update(restarts=int(used or 0))
-        return (
-            f"restarting this node's workers (restart {used} of {most}, after a worker "
-            "failure; tier: group restart)"
-        )
-
-    def _on_membership_changed(self, md: Mapping[str, Any], ev: Event) -> str:
-        self._fault(ev.timestamp, "membership")
-        return (
-            "a new round is starting (a node joined, left, or restarts after a failure): "
-            "restarting this node's workers (tier: membership restart)"
-        )
-
-    def _on_worker_hung(self, md: Mapping[str, Any], ev: Event) -> str:
-        self._hung.add(int(md.get("local_rank", -1)))
-        self._count("faults", "hang")
-        return (
-            f"local rank {md.get('local_rank')} (pid {md.get('pid')}) hung: "
-            f"{_first_line(md.get('reason', ''))}"
-        )
-
-    def _on_worker_lost(self, md: Mapping[str, Any], ev: Event) -> str:
+    def _worker_lost(self, e: WorkerLost, ev: Event) -> str:
         self._count("faults", "lost")
-        code = int(md.get("exitcode") or -signal.SIGKILL)
-        message = _first_line(md.get("reason", ""))
-        rank = int(md.get("rank", -1))
+        code = e.exitcode or -signal.SIGKILL
+        message = _first_line(e.reason)
+        rank = -1 if e.rank is None else e.rank
         line = FailureLine(
             rank=rank, host=ev.host, exitcode=code, message=message, time=ev.timestamp
         )
         self._update(last_failure=line)
         self._fault(ev.timestamp, "process")
         return (
-            f"rank {rank} (local rank {md.get('local_rank')}) died: {_how(code)}; "
+            f"rank {rank} (local rank {e.local_rank}) died: {_how(code)}; "
             "its in-process peers keep running"
         )
 
-    def _on_worker_respawned(self, md: Mapping[str, Any], ev: Event) -> str:
-        self._recovered(ev.timestamp)
-        how = "forked" if md.get("forked") else "started"
-        nth = md.get("replacement", md.get("incarnation"))
-        return (
-            f"local rank {md.get('local_rank')} replaced in place: pid {md.get('pid')} {how} "
-            f"in {float(md.get('seconds') or 0):.2f} s (replacement {nth}); "
-            "healthy processes kept running (tier: process)"
-        )
-
-    def _on_node_lost(self, md: Mapping[str, Any], ev: Event) -> str:
-        self._count("faults", "node")
-        self._fault(ev.timestamp, "node")
-        first, last = [*list(md.get("ranks") or []), -1, -1][:2]
-        return (
-            f"node of group rank {md.get('group_rank')} lost (ranks {first}-{last}): this "
-            "node's workers go on without them in their processes; a spare or a new node "
-            "takes its place (tier: node)"
-        )
-
-    def _on_node_replaced(self, md: Mapping[str, Any], ev: Event) -> str:
-        lost = "" if md.get("seen_lost", True) else " (lost moments before)"
-        if not md.get("seen_lost", True):
+    def _node_replaced(self, e: NodeReplaced, ev: Event) -> str:
+        lost = "" if e.seen_lost else " (lost moments before)"
+        if not e.seen_lost:
             self._count("faults", "node")
-            self._fault(float(md.get("lost_at") or ev.timestamp), "node")
+            self._fault(e.lost_at or ev.timestamp, "node")
         self._recovered(ev.timestamp)
         return (
-            f"a new node took group rank {md.get('group_rank')}{lost}; its workers join "
+            f"a new node took group rank {e.group_rank}{lost}; its workers join "
             "the running ones in-process (tier: node)"
         )
-
-    def _on_run_failed(self, md: Mapping[str, Any], ev: Event) -> str:
-        self._update(state="failed")
-        return f"no restarts left ({md.get('restarts')} of {self._report.max_restarts} used): the job fails"
-
-    def _on_workers_succeeded(self, md: Mapping[str, Any], ev: Event) -> None:
-        self._update(state="succeeded")
-
-    def _on_stopped(self, md: Mapping[str, Any], ev: Event) -> str:
-        self._update(state="stopped")
-        try:
-            name = signal.Signals(int(md.get("signal", 0))).name
-        except ValueError:
-            name = str(md.get("signal"))
-        return f"stopping the workers ({name} received)"
-
-    def _on_store_lost(self, md: Mapping[str, Any], ev: Event) -> None:
-        self._update(state="failed")  # the launcher prints the reason itself
-
-    def _on_rendezvous_closed(self, md: Mapping[str, Any], ev: Event) -> str:
-        self._update(state="failed")
-        return "another node closed the job (after its failure): stopping"
-
-    def _on_not_needed(self, md: Mapping[str, Any], ev: Event) -> str:
-        self._update(state="succeeded")
-        return "this spare node was not needed: the job finished without it"
-
-    def _on_watchdog_expired(self, md: Mapping[str, Any], ev: Event) -> str:
-        return f"watchdog expired for pid {md.get('pid')} (scope {escape(str(md.get('scope')))})"
