@@ -1,124 +1,33 @@
-"""The per-node agent: rendezvous, start workers, monitor, restart, exit barrier."""
+"""The per-node agent: one role's workers on this node, run by :class:`AgentRun`."""
 
 from __future__ import annotations
 
-import dataclasses
-import logging
 import os
-import signal
 import socket
-import threading
-import time
-from typing import assert_never
 
-from relaunch.agent._attempt import Slot, return_values
-from relaunch.agent._core import (
-    Action,
-    DropRanks,
-    ExitBarrier,
-    GiveUp,
-    Hang,
-    MarkInprocess,
-    Monitor,
-    NodeLost,
-    Observation,
-    Policy,
-    RestartGroup,
-    Stop,
-    after_failure,
-    decide,
-    wants_fork_server,
-)
-from relaunch.agent._membership import Membership
-from relaunch.agent._round import (
-    finish_round,
-    gather_failures,
-    publish_failures,
-    store_lost_reason,
-    worker_store,
-)
-from relaunch.agent._spec import (
-    RoundStart,
-    RunResult,
-    Worker,
-    WorkerGroup,
-    WorkerSpec,
-    WorkerState,
-)
-from relaunch.agent._status import NodeStatus, say
-from relaunch.agent._warmup import learn_modules, next_round, share_modules
-from relaunch.agent._watch import after_return, causes, failures, observe, report_hang
-from relaunch.agent._workers import NodeWorkers
-from relaunch.errors import (
-    ProcessFailure,
-    RendezvousClosedError,
-    RendezvousError,
-    RendezvousGracefulExitError,
-    RendezvousStateError,
-    StoreError,
-)
-from relaunch.events import (
-    Detail,
-    Event,
-    EventSink,
-    MembershipChanged,
-    NotNeeded,
-    RendezvousClosed,
-    RendezvousComplete,
-    Restart,
-    RunFailed,
-    Stopped,
-    StoreLost,
-    WorkerHung,
-    WorkersFailed,
-    WorkersSucceeded,
-)
-from relaunch.procs import (
-    RunLogDir,
-    set_child_subreaper,
-)
-from relaunch.rendezvous import RendezvousInfo
+from relaunch.agent._run import AgentRun, StopRequest, leave_rendezvous
+from relaunch.agent._spec import RunResult, WorkerSpec
+from relaunch.agent._status import NodeStatus
 from relaunch.status import NodeReport
-from relaunch.store.tcp import TCPStoreServer
 
 __all__ = ["LocalAgent"]
-
-log = logging.getLogger(__name__)
 
 
 class LocalAgent:
     """Runs one role's workers on this node until they succeed, fail for good, or a signal.
 
-    Owns: the worker processes, the fork server, the workers' store (on the
-    rank-0 node), the timer server, the run log directory. :meth:`run` releases
-    all of them before it returns.
+    What a run owns (the worker processes, the fork server, the workers' store, the
+    timer server, the run log directory) belongs to the :class:`AgentRun` that
+    :meth:`run` builds, and is released before :meth:`run` returns. The agent itself
+    keeps what outlives a run: the node's status and a stop request.
     """
 
     def __init__(self, spec: WorkerSpec) -> None:
         self._spec = spec
         self._handler = spec.rdzv_handler
-        self._run_id = self._handler.get_run_id()
         self._host = socket.gethostname()
-        self._policy = Policy(
-            hang_timeout=spec.hang_timeout if spec.entrypoint.is_python else None,
-            max_restarts=spec.max_restarts,
-            fork_server=spec.warm_standby,
-            max_respawns=spec.max_restarts if spec.entrypoint.is_python else 0,
-            teardown_grace=spec.stop_grace,
-        )
-        self._restart_count = 0
-        self._attempt = -1
-        self._group = WorkerGroup(
-            spec=spec, workers=[Worker(local_rank=i) for i in range(spec.local_world_size)]
-        )
-        self._workers: NodeWorkers | None = None
-        self._worker_store: TCPStoreServer | None = None
-        self._info: RendezvousInfo | None = None
-        self._wake = threading.Event()
-        self._stop_signal: int | None = None
-        self._logdir: RunLogDir | None = None
-        self._events = EventSink(None)
-        self._membership = Membership(self._handler, self._emit, self._run_id)
+        self._stop = StopRequest()
+        self._run: AgentRun | None = None
         node = getattr(self._handler, "node_id", None) or f"{self._host}_{os.getpid()}_0"
         self._status = NodeStatus(
             self._handler,
@@ -129,15 +38,14 @@ class LocalAgent:
             snapshots=spec.snapshots,
         )
 
-    # -- public -------------------------------------------------------------------
     @property
     def stop_signal(self) -> int | None:
         """The signal that stopped the run, if one did."""
-        return self._stop_signal
+        return self._stop.signum
 
     @property
     def run_log_dir(self) -> str | None:
-        return self._logdir.path if self._logdir else None
+        return self._run.logdir.path if self._run is not None else None
 
     @property
     def status_report(self) -> NodeReport:
@@ -146,297 +54,15 @@ class LocalAgent:
 
     def request_stop(self, signum: int) -> None:
         """Ask the run to stop (safe to call from a signal handler: it only sets flags)."""
-        self._stop_signal = signum
-        self._wake.set()
+        self._stop.set(signum)
         self._handler.interrupt()  # a blocked rendezvous returns soon
 
     def run(self) -> RunResult:
         """Run to the end. Raises RendezvousError or StoreError when the job cannot continue."""
-        keep = True  # a run that fails keeps its temporary log dir (the error files)
         try:
-            result = self._run()
-            keep = result.state == WorkerState.FAILED
-            return result
-        finally:
-            self._teardown(keep_logs=keep)
-
-    def _run(self) -> RunResult:
-        self._setup()
-        try:
-            return self._loop()
-        except (RendezvousClosedError, RendezvousGracefulExitError):
-            if self._stop_signal is not None:
-                return self._stopped()  # our own interrupt() ended a rendezvous
-            if self._attempt < 0:
-                # Closed before this node ever ran workers: a spare the job did not need.
-                self._emit(NotNeeded())
-                return RunResult(state=WorkerState.SUCCEEDED)
+            run = AgentRun(self._spec, status=self._status, stop=self._stop, host=self._host)
+        except BaseException:
+            leave_rendezvous(self._handler)  # as a run that failed at its start would
             raise
-
-    # -- lifecycle ----------------------------------------------------------------
-    def _setup(self) -> None:
-        set_child_subreaper()
-        self._logdir = RunLogDir(self._spec.log_dir, self._run_id)
-        self._events = EventSink(os.path.join(self._logdir.path, "events.jsonl"))
-        self._workers = NodeWorkers(self._spec, self._logdir, self._emit)
-
-    def _teardown(self, *, keep_logs: bool) -> None:
-        sig = self._stop_signal or signal.SIGTERM
-        if self._workers is not None:
-            self._workers.close(sig, self._attempt)
-            self._group.state = WorkerState.STOPPED
-        self._publish_status(force=True)
-        if self._attempt >= 0:
-            self._status.board.say_summary()
-        if self._worker_store is not None:
-            self._worker_store.close()
-            self._worker_store = None
-        try:
-            self._handler.shutdown()
-        except (RendezvousError, StoreError) as exc:
-            log.warning("rendezvous shutdown failed: %s", exc)
-        if self._logdir is not None:
-            kept = self._logdir.close(keep=keep_logs)
-            if kept is not None:
-                say(f"the failed run's logs and error files are kept in {kept}")
-
-    def _emit(self, detail: Detail) -> None:
-        event = Event(
-            detail=detail,
-            run_id=self._run_id,
-            role=self._spec.role,
-            host=self._host,
-            group_rank=self._group.group_rank,
-            restart_count=self._restart_count,
-        )
-        self._events.emit(event)
-        self._status.observe(event)
-        self._publish_status()
-
-    def _publish_status(self, *, force: bool = False) -> None:
-        ws = self._workers
-        pids = ws.pids() if ws is not None and ws.running else {}
-        self._status.publish(self._group, self._slots(), pids, force=force)
-
-    # -- the loop -----------------------------------------------------------------
-    def _loop(self) -> RunResult:
-        try:
-            return self._loop_once_started()
-        except (StoreError, RendezvousStateError) as exc:
-            if self._stop_signal is not None:
-                return self._stopped()
-            return self._store_lost(exc)
-
-    def _store_lost(self, exc: StoreError | RendezvousStateError) -> RunResult:
-        """The rendezvous store is unreachable (or its state stayed corrupt): the job
-        cannot go on; say why, and stop."""
-        failures: dict[int, ProcessFailure] = {}
-        if self._workers is not None and self._workers.running:
-            obs = self._observe(ask_rendezvous=False)
-            failed = tuple(v.local_rank for v in obs.ranks if v.exitcode and v.returned is None)
-            failures = self._failures(failed, obs)
-        self._status.stop_publishing()
-        self._stop_workers(signal.SIGTERM)
-        if isinstance(exc, RendezvousStateError):
-            reason = f"{exc} (for longer than this node can go on without it)"
-        else:
-            reason = store_lost_reason(self._handler.get_backend(), exc)
-        self._emit(StoreLost(reason=reason))
-        return RunResult(state=WorkerState.FAILED, failures=failures, reason=reason)
-
-    def _loop_once_started(self) -> RunResult:
-        self._rendezvous_and_start()
-        while True:
-            self._wake.wait(self._spec.monitor_interval)
-            obs = self._observe()
-            action = decide(obs, self._policy)
-            try:
-                result = self._act(action, obs)
-                self._publish_status()
-            except RendezvousClosedError:
-                if self._stop_signal is not None:
-                    return self._stopped()
-                # Another node gave up on the job (or it was closed): we fail with it.
-                self._stop_workers(signal.SIGTERM)
-                self._emit(RendezvousClosed())
-                return RunResult(state=WorkerState.FAILED, failures=self._job_failures({}))
-            if result is not None:
-                return result
-
-    def _observe(self, *, ask_rendezvous: bool = True) -> Observation:
-        """Poll the processes (and the rendezvous for waiting nodes while they all run)."""
-        assert self._workers is not None
-        codes = self._workers.poll()
-        slots = self._workers.slots
-        running = all(code is None or slots[lr].lost for lr, code in codes.items())
-        ask = ask_rendezvous and running and self._stop_signal is None
-        obs = observe(
-            slots,
-            codes,
-            watch_progress=bool(self._policy.hang_timeout),
-            stop_signal=self._stop_signal,
-            nodes_waiting=self._handler.num_nodes_waiting() if ask else 0,
-        )
-        return dataclasses.replace(obs, **self._membership.observation(ask=ask))
-
-    def _failures(
-        self, local_ranks: tuple[int, ...], obs: Observation
-    ) -> dict[int, ProcessFailure]:
-        assert self._workers is not None
-        workers = self._workers
-        return failures(local_ranks, obs, self._group.workers, workers.slots, workers.pids())
-
-    def _slots(self) -> dict[int, Slot]:
-        return self._workers.slots if self._workers is not None else {}
-
-    def _act(self, action: Action, obs: Observation) -> RunResult | None:
-        """Carry out the core's decision; a RunResult ends the run."""
-        match action:
-            case Stop():
-                return self._stopped()
-            case Monitor():
-                assert self._workers is not None
-                self._workers.tick(wanted=self._wants_fork_server())
-                share_modules(self._handler, self._workers)
-            case DropRanks():
-                assert self._workers is not None
-                self._workers.drop(action, obs, self._group, self._attempt)
-            case NodeLost():
-                self._membership.lost(action.vacancies, self._group, self._restart_count)
-            case MarkInprocess():
-                self._membership.mark()
-            case ExitBarrier():
-                return self._succeeded(action, obs)
-            case RestartGroup(reason="membership"):
-                self._emit(MembershipChanged())
-                self._restart()
-            case RestartGroup():
-                if action.hang is not None:
-                    self._emit(self._report_hang(action.hang))
-                self._group.state = WorkerState.FAILED
-                return self._on_failure(self._failures(action.failed, obs))
-            case _:
-                assert_never(action)
-        return None
-
-    def _succeeded(self, action: ExitBarrier, obs: Observation) -> RunResult:
-        """Every worker is done: wait for the round's other nodes, then end the run."""
-        notes = after_return(action, obs, self._group.workers, self._policy.teardown_grace)
-        if action.kill:
-            self._stop_workers(signal.SIGKILL)  # returned, then stuck in teardown
-        self._group.state = WorkerState.SUCCEEDED
-        self._emit(WorkersSucceeded(attempt=self._attempt, after_return=notes))
-        note = finish_round(self._handler, self._info, self._spec.exit_barrier_timeout, self._emit)
-        values = return_values(self._spec, self._group.workers, self._slots())
-        return RunResult(state=WorkerState.SUCCEEDED, return_values=values, reason=note)
-
-    def _report_hang(self, hang: Hang) -> WorkerHung:
-        assert self._workers is not None and self._policy.hang_timeout is not None
-        pid = self._workers.pids()[hang.local_rank]
-        return report_hang(hang, self._slots()[hang.local_rank], pid, self._policy.hang_timeout)
-
-    def _on_failure(self, failures: dict[int, ProcessFailure]) -> RunResult | None:
-        """Restart after a worker failure, or end the run when the job's budget is spent."""
-        assert self._info is not None
-        self._emit(
-            WorkersFailed(
-                attempt=self._attempt,
-                failures={r: f.exitcode for r, f in failures.items()},
-                causes=causes(failures),
-            )
-        )
-        publish_failures(self._info, failures)
-        total = self._handler.record_failure(self._info.round)
-        verdict = after_failure(total, self._policy.max_restarts)
-        if isinstance(verdict, GiveUp):
-            self._stop_workers(signal.SIGTERM)
-            self._emit(RunFailed(attempt=self._attempt, restarts=verdict.restarts))
-            try:
-                self._handler.set_closed()  # the other nodes stop too
-            except (RendezvousError, StoreError) as exc:
-                log.warning("could not close the rendezvous: %s", exc)
-            return RunResult(state=WorkerState.FAILED, failures=self._job_failures(failures))
-        self._emit(Restart(restarts=total, max_restarts=self._spec.max_restarts))
-        self._restart()
-        return None
-
-    def _stopped(self) -> RunResult:
-        sig = self._stop_signal or signal.SIGTERM
-        self._emit(Stopped(signal=sig))
-        self._stop_workers(sig)
-        return RunResult(state=WorkerState.STOPPED)
-
-    def _restart(self) -> None:
-        self._stop_workers(signal.SIGTERM)
-        self._rendezvous_and_start()
-
-    # -- rendezvous and start -------------------------------------------------------
-    def _rendezvous_and_start(self) -> None:
-        self._publish_status(force=True)  # what happened shows while the rendezvous waits
-        t0 = time.monotonic()
-        prewarm = self._attempt < 0 and self._wants_fork_server()
-        info = next_round(self._handler, self._workers, prewarm=prewarm)
-        self._info = info
-        self._restart_count = self._handler.restart_count()
-        group = self._group
-        group.place(info.rank, info.world_size, info.store)
-        group.master_addr, group.master_port = self._publish_worker_store(info)
-        self._membership.new_round(info.rank, info.incarnation)
-        replacing = bool(info.incarnation)
-        self._emit(
-            RendezvousComplete(
-                round=info.round,
-                world_size=info.world_size,
-                seconds=round(time.monotonic() - t0, 4),
-                replaces=info.rank if replacing else None,
-                incarnation=info.incarnation if replacing else None,
-            )
-        )
-        self._attempt += 1
-        if info.incarnation:
-            # This node takes a lost one's place: its ranks' old processes are dead to
-            # the running workers before the new ones ask to join (the other nodes may
-            # not have seen the vacancy before it was filled).
-            self._membership.lost(
-                {info.rank: info.incarnation}, group, self._restart_count, taking_over=True
-            )
-            assert self._workers is not None
-            learn_modules(self._handler, self._workers)
-        start = RoundStart(
-            info=info,
-            ranks=tuple(w.global_rank for w in group.workers),
-            addr=self._spec.local_addr or self._host,
-        )
-        for hook in self._spec.round_hooks:
-            hook.round_started(start)
-        assert self._workers is not None
-        self._workers.start(
-            group,
-            self._attempt,
-            restart_count=self._restart_count,
-            run_id=self._run_id,
-            incarnation=info.incarnation,
-        )
-
-    def _wants_fork_server(self) -> bool:
-        return wants_fork_server(
-            self._policy,
-            is_python=self._spec.entrypoint.is_python,
-            restart_count=self._restart_count,
-        )
-
-    def _publish_worker_store(self, info: RendezvousInfo) -> tuple[str, int]:
-        """Rank 0 hosts a fresh store for this round's workers; the others read its address."""
-        if self._worker_store is not None:
-            self._worker_store.close()
-            self._worker_store = None
-        self._worker_store, addr, port = worker_store(info, self._spec, self._host)
-        return addr, port
-
-    def _stop_workers(self, sig: int) -> None:
-        if self._workers is not None and self._workers.running:
-            self._workers.stop(sig, self._attempt)
-            self._group.state = WorkerState.STOPPED
-
-    def _job_failures(self, own: dict[int, ProcessFailure]) -> dict[int, ProcessFailure]:
-        return gather_failures(self._info, own) if self._info is not None else dict(own)
+        self._run = run
+        return run.run()
