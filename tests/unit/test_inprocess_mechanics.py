@@ -15,7 +15,7 @@ from relaunch.inprocess._coord import CoordinationStore
 from relaunch.inprocess.attribution import Interruption, InterruptionRecord
 from relaunch.inprocess.exception import BarrierTimeoutError, RankShouldRestart
 from relaunch.inprocess.monitor_thread import MainThreadControl
-from relaunch.inprocess.progress_watchdog import MainThreadProgress, SharedProgress
+from relaunch.inprocess.progress_watchdog import MainThreadProgress, SharedProgress, idle_since
 
 
 @pytest.fixture
@@ -203,3 +203,21 @@ def test_a_lost_nodes_ranks_are_dead_until_their_replacements_are_admitted(serve
     assert fresh_ranks(survivor_view, roster) == {2}
     coord.mark_stated(2, 1000)
     assert fresh_ranks(survivor_view, roster) == set()
+
+
+def test_the_idle_time_comes_from_the_older_timestamp_and_refuses_impossible_ones() -> None:
+    assert idle_since(105.0, 0.0, created=100.0, now=110.0) == 5.0  # no ping yet
+    assert idle_since(105.0, 108.0, created=100.0, now=110.0) == 5.0  # the older one counts
+    assert idle_since(109.0, 102.0, created=100.0, now=110.0) == 8.0
+    # a time the record cannot hold is a bad read, not a hang of 110 s
+    assert idle_since(0.0, 0.0, created=100.0, now=110.0) is None
+    assert idle_since(105.0, 1e-310, created=100.0, now=110.0) is None
+    assert idle_since(200.0, 0.0, created=100.0, now=110.0) is None
+    shared = SharedProgress()
+    try:
+        idle = shared.idle(time.monotonic())
+        assert idle is not None and idle >= 0.0
+        shared.auto_ts = 0.0
+        assert shared.idle(time.monotonic()) is None
+    finally:
+        shared.close()

@@ -235,6 +235,7 @@ class _Loop:
         self.coord = coord
         self.hosting = hosting
         self.parent_gone = False
+        self.bad_read = False
         self.last_beat = -1e9
         now = time.monotonic()
         others = set(range(settings.initial_world_size)) - {settings.initial_rank}
@@ -275,7 +276,19 @@ class _Loop:
     def _check_progress(self) -> None:
         if not self.shared.armed or self.shared.killed:
             return
-        idle = time.monotonic() - self.shared.progress()
+        now = time.monotonic()
+        idle = self.shared.idle(now)
+        if idle is None:
+            if not self.bad_read:  # once per run of bad reads
+                log.warning(
+                    "rank %s: its progress record holds an impossible time (automatic "
+                    "%r, manual %r, made at %.3f, now %.3f): not a hang, read again",
+                    self.s.initial_rank, self.shared.auto_ts, self.shared.ping_ts,
+                    self.shared.created, now,
+                )  # fmt: skip
+            self.bad_read = True
+            return
+        self.bad_read = False
         if idle <= self.s.hard_timeout:
             return
         log.warning(

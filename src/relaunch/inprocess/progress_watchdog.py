@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 
 from relaunch.inprocess._logs import get_logger
 
-__all__ = ["MainThreadProgress", "ProgressWatchdog", "SharedProgress", "Timestamp"]
+__all__ = ["MainThreadProgress", "ProgressWatchdog", "SharedProgress", "Timestamp", "idle_since"]
 
 log = get_logger(__name__)
 
@@ -40,7 +40,10 @@ class SharedProgress:
 
     def __init__(self) -> None:
         self._map = mmap.mmap(-1, _SIZE, flags=mmap.MAP_SHARED)
-        self.auto_ts = time.monotonic()
+        self.created = time.monotonic()
+        """When the record was made (before the monitor process is forked): no progress
+        time it holds can be earlier."""
+        self.auto_ts = self.created
 
     def _get_d(self, index: int) -> float:
         value: float = struct.unpack_from("d", self._map, 8 * index)[0]
@@ -84,6 +87,11 @@ class SharedProgress:
         auto, ping = self.auto_ts, self.ping_ts
         return min(auto, ping) if ping > 0 else auto
 
+    def idle(self, now: float) -> float | None:
+        """Seconds since the last progress at ``now``; None when the record holds a time
+        it cannot hold (before it was made, or after ``now``): a bad read, not a hang."""
+        return idle_since(self.auto_ts, self.ping_ts, created=self.created, now=now)
+
     def reset(self) -> None:
         """Start of an iteration: progress now, manual timeout inactive."""
         self.auto_ts = time.monotonic()
@@ -111,6 +119,16 @@ class SharedProgress:
 
     def close(self) -> None:
         self._map.close()
+
+
+def idle_since(auto: float, ping: float, *, created: float, now: float) -> float | None:
+    """Seconds since the last progress (the older of the automatic and, once used, the
+    manual timestamp) at ``now``; None unless each timestamp in use lies between
+    ``created`` and ``now`` (a little slack for the clock read after the write)."""
+    used = (auto, ping) if ping != 0.0 else (auto,)
+    if not all(created <= t <= now + 1.0 for t in used):
+        return None
+    return max(0.0, now - min(used))
 
 
 class _Timespec(ctypes.Structure):
