@@ -30,7 +30,7 @@ from relaunch.agent._core import (
     remaining_restarts,
     wants_fork_server,
 )
-from relaunch.agent._watch import after_return, drop, observe
+from relaunch.agent._watch import after_return, failures, observe
 
 T0 = 1_000_000.0
 POLICY = Policy(max_restarts=3)
@@ -299,9 +299,12 @@ def test_a_lost_worker_on_a_node_of_group_rank_1_is_lost_once(tmp_path: Path) ->
     first = observe(slots, codes, watch_progress=False, stop_signal=None, nodes_waiting=0)
     action = decide(first, POLICY)
     assert action == DropRanks((1,))
-    dropped = drop(action.local_ranks, first, workers, slots, pids)
-    assert [(f.local_rank, f.exitcode, f.pid) for f in dropped] == [(1, -signal.SIGKILL, 1001)]
-    assert slots[1].lost is not None and slots[0].lost is None
+    dropped = failures(action.local_ranks, first, workers, slots, pids)
+    assert [(f.local_rank, f.exitcode, f.pid) for f in dropped.values()] == [
+        (1, -signal.SIGKILL, 1001)
+    ]
+    (lost,) = dropped.values()  # keyed by global rank
+    slots[lost.local_rank].lost = lost  # as NodeWorkers.drop records it
 
     for _ in range(3):  # every later poll: nothing new
         later = observe(slots, codes, watch_progress=False, stop_signal=None, nodes_waiting=0)

@@ -10,7 +10,7 @@ import pytest
 
 from relaunch._contract import AttemptFiles, ExitRecord, read_exit_file
 from relaunch.agent._core import oldest_hung
-from relaunch.agent._observe import announced_exit, last_progress, returned_at
+from relaunch.agent._worker_files import announced_exit, last_progress, returned_at
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""The loop's eyes and hands around the core: observe one poll, build the failures.
+"""The loop's eyes around the core: observe one poll, describe the failures.
 
 :func:`observe` turns the process table and the worker-contract files into the
 :class:`~relaunch.agent._core.Observation` the core decides on; :func:`failures`
@@ -15,19 +15,19 @@ from collections.abc import Mapping, Sequence
 
 from relaunch.agent._attempt import Slot
 from relaunch.agent._core import ExitBarrier, Hang, Observation, RankView
-from relaunch.agent._observe import (
+from relaunch.agent._spec import Worker
+from relaunch.agent._worker_files import (
     announced_exit,
     collect_stacks,
     last_progress,
     record_hang,
     returned_at,
 )
-from relaunch.agent._spec import Worker
 from relaunch.errors import ProcessFailure
 from relaunch.errors._failure import signal_name
 from relaunch.events import Cause, WorkerHung
 
-__all__ = ["after_return", "causes", "drop", "failures", "observe", "report_hang"]
+__all__ = ["after_return", "causes", "failures", "observe", "report_hang"]
 
 log = logging.getLogger(__name__)
 
@@ -125,21 +125,6 @@ def causes(failures: Mapping[int, ProcessFailure]) -> dict[int, Cause]:
         )
         for rank, f in failures.items()
     }
-
-
-def drop(
-    local_ranks: Sequence[int],
-    obs: Observation,
-    workers: Sequence[Worker],
-    slots: Mapping[int, Slot],
-    pids: Mapping[int, int],
-) -> list[ProcessFailure]:
-    """Mark these local ranks lost in their slots (by local rank: the slot's key);
-    return their failures, for the ``worker_lost`` events."""
-    dropped = list(failures(local_ranks, obs, workers, slots, pids).values())
-    for failure in dropped:
-        slots[failure.local_rank].lost = failure
-    return dropped
 
 
 def report_hang(hang: Hang, slot: Slot, pid: int, timeout: float) -> WorkerHung:

@@ -17,7 +17,7 @@ from relaunch.agent._attempt import Slot, attempt_workers, replacement
 from relaunch.agent._core import DropRanks, Observation
 from relaunch.agent._forking import NodeForkServer, guess_imports
 from relaunch.agent._spec import WorkerGroup, WorkerSpec, WorkerState
-from relaunch.agent._watch import drop
+from relaunch.agent._watch import failures
 from relaunch.errors import RelaunchError, WorkerError
 from relaunch.events import (
     Emit,
@@ -132,7 +132,9 @@ class NodeWorkers:
     def drop(self, action: DropRanks, obs: Observation, group: WorkerGroup, attempt: int) -> None:
         """These in-process workers died (their peers went on): record them, and start
         a replacement for those to respawn (a failure to start leaves the rank out)."""
-        for failure in drop(action.local_ranks, obs, group.workers, self.slots, self.pids()):
+        lost = failures(action.local_ranks, obs, group.workers, self.slots, self.pids())
+        for failure in lost.values():
+            self.slots[failure.local_rank].lost = failure  # never counted again
             self._emit(
                 WorkerLost(
                     rank=group.workers[failure.local_rank].global_rank,
