@@ -32,7 +32,7 @@ from relaunch.checkpoint._area import SnapshotArea
 from relaunch.config import LaunchConfig
 from relaunch.errors import ChildFailedError, ConfigError, RelaunchError, StoreError
 from relaunch.procs import Entrypoint
-from relaunch.rendezvous import DynamicRendezvousHandler, RendezvousHandler
+from relaunch.rendezvous import RendezvousHandler, SharedBoard
 from relaunch.status import StatusServer
 from relaunch.store import Store
 
@@ -275,7 +275,7 @@ def _launch(
 ) -> int:
     try:
         handler = create_rendezvous_handler(config)
-        if isinstance(handler, DynamicRendezvousHandler):
+        if isinstance(handler, SharedBoard):
             handler.set_program(_program(config))
         hooks = () if snapshots is None else (snapshots,)
         spec = build_spec(config, handler, environ, hooks, snapshots)

@@ -16,10 +16,34 @@ def test_rendezvous_exports() -> None:
         "RendezvousInfo",
         "RendezvousParameters",
         "RendezvousSettings",
+        "SharedBoard",
+        "TieredMembership",
         "create_handler",
     ]
     for name in relaunch.rendezvous.__all__:
         assert getattr(relaunch.rendezvous, name) is not None
+
+
+def _methods(cls: type) -> set[str]:
+    return {n for n, v in vars(cls).items() if callable(v) and not n.startswith("_")}
+
+
+def test_a_small_handler_and_optional_capabilities() -> None:
+    from relaunch.rendezvous import (
+        DynamicRendezvousHandler,
+        RendezvousHandler,
+        SharedBoard,
+        TieredMembership,
+    )
+    from relaunch.rendezvous.static import StandaloneRendezvousHandler, StaticRendezvousHandler
+
+    assert len(_methods(RendezvousHandler)) == 10, _methods(RendezvousHandler)
+    for capability in (TieredMembership, SharedBoard):
+        for name in _methods(capability):  # the dynamic backends have every capability
+            assert callable(getattr(DynamicRendezvousHandler, name)), name
+        for static in (StaticRendezvousHandler, StandaloneRendezvousHandler):
+            # no no-op stand-ins: a fixed set of nodes simply lacks the capability
+            assert not _methods(capability) & _methods(static), (static, capability)
 
 
 def test_store_exports() -> None:

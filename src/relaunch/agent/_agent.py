@@ -8,6 +8,7 @@ import socket
 from relaunch.agent._run import AgentRun, StopRequest, leave_rendezvous
 from relaunch.agent._spec import RunResult, WorkerSpec
 from relaunch.agent._status import NodeStatus
+from relaunch.rendezvous import SharedBoard
 from relaunch.status import NodeReport
 
 __all__ = ["LocalAgent"]
@@ -28,7 +29,10 @@ class LocalAgent:
         self._host = socket.gethostname()
         self._stop = StopRequest()
         self._run: AgentRun | None = None
-        node = getattr(self._handler, "node_id", None) or f"{self._host}_{os.getpid()}_0"
+        handler = self._handler
+        node = (
+            handler.node_id if isinstance(handler, SharedBoard) else f"{self._host}_{os.getpid()}_0"
+        )
         self._status = NodeStatus(
             self._handler,
             node=node,

@@ -21,7 +21,7 @@ from relaunch._contract import lost_key
 from relaunch.agent._spec import WorkerGroup
 from relaunch.errors import RelaunchError
 from relaunch.events import Emit, NodeLost, NodeReplaced
-from relaunch.rendezvous import RendezvousHandler
+from relaunch.rendezvous import RendezvousHandler, TieredMembership
 from relaunch.store.tcp import TCPStoreClient
 
 __all__ = ["Membership", "declare_lost"]
@@ -59,7 +59,8 @@ class Membership:
     """What this node did about the current round's vacancies; reset at each round."""
 
     def __init__(self, handler: RendezvousHandler, emit: Emit, run_id: str) -> None:
-        self._handler = handler
+        self._tiers = handler if isinstance(handler, TieredMembership) else None
+        """None for a backend whose rounds end with a lost node (static): no vacancy."""
         self._emit = emit
         self._run_id = run_id
         self.declared: frozenset[tuple[int, int]] = frozenset()
@@ -71,7 +72,7 @@ class Membership:
         """This node's place in a new round (``incarnation`` > 0: it replaced a lost one)."""
         self.declared, self.marked, self._rank = frozenset(), False, group_rank
         # (seats taken before this node came are not news to it)
-        self._told = {(group_rank, incarnation), *self._handler.replaced().items()}
+        self._told = {(group_rank, incarnation), *self._replaced().items()}
 
     def observation(self, *, ask: bool) -> dict[str, Any]:
         """The Observation's membership fields (``ask``: read the rendezvous)."""
@@ -84,7 +85,7 @@ class Membership:
     def vacancies(self) -> dict[int, int]:
         """The round's vacancies (one cheap read); says when a node took a lost one's
         place, whether or not this node saw the vacancy first."""
-        for seat in self._handler.replaced().items():
+        for seat in self._replaced().items():
             if seat not in self._told:
                 self._told.add(seat)
                 group_rank, incarnation = seat
@@ -95,10 +96,14 @@ class Membership:
                         seen_lost=seat in self.declared,
                     )
                 )
-        return self._handler.vacancies()
+        return self._tiers.vacancies() if self._tiers is not None else {}
+
+    def _replaced(self) -> dict[int, int]:
+        return self._tiers.replaced() if self._tiers is not None else {}
 
     def mark(self) -> None:
-        self._handler.mark_inprocess()
+        if self._tiers is not None:
+            self._tiers.mark_inprocess()
         self.marked = True
 
     def lost(

@@ -25,7 +25,7 @@ from relaunch.errors import (
     StoreTimeoutError,
 )
 from relaunch.events import Emit, ExitBarrierTimeout
-from relaunch.rendezvous import RendezvousHandler, RendezvousInfo
+from relaunch.rendezvous import RendezvousHandler, RendezvousInfo, TieredMembership
 from relaunch.store.tcp import TCPStoreServer
 
 if TYPE_CHECKING:
@@ -161,7 +161,8 @@ def finish_round(
     the user when the other nodes did not all arrive."""
     if info is None:
         return None
-    note = exit_barrier(info, timeout, vacant=lambda: len(handler.vacancies()))
+    tiers = handler if isinstance(handler, TieredMembership) else None
+    note = exit_barrier(info, timeout, vacant=lambda: len(tiers.vacancies()) if tiers else 0)
     if note is not None:
         emit(ExitBarrierTimeout(world_size=info.world_size))
         return note

@@ -20,7 +20,7 @@ from relaunch.agent._attempt import Slot
 from relaunch.agent._spec import SnapshotFacts, SnapshotSource, WorkerGroup, WorkerState
 from relaunch.errors import RendezvousError, StoreError
 from relaunch.events import Event
-from relaunch.rendezvous import RendezvousHandler
+from relaunch.rendezvous import RendezvousHandler, SharedBoard
 from relaunch.status import NodeReport, StatusBoard, WorkerRow, encode_report
 
 __all__ = ["NodeStatus", "say"]
@@ -58,7 +58,8 @@ class NodeStatus:
         max_restarts: int,
         snapshots: SnapshotSource | None = None,
     ) -> None:
-        self._handler = handler
+        self._shared = handler if isinstance(handler, SharedBoard) else None
+        """Where the report is published; None: nowhere (static: the page shows this node)."""
         self._snapshots = snapshots
         self.board = StatusBoard(
             node=node, host=host, role=role, max_restarts=max_restarts, say=say
@@ -95,10 +96,10 @@ class NodeStatus:
             report, restores=facts.restores, steps_redone=facts.steps_redone
         )
         raw = encode_report(self.report)
-        if raw == self._sent:
+        if raw == self._sent or self._shared is None:
             return
         try:
-            self._handler.publish_status(raw)
+            self._shared.publish_status(raw)
         except (StoreError, RendezvousError) as exc:
             log.warning(
                 "cannot publish this node's status (next try in %g s): %s", RETRY_AFTER, exc

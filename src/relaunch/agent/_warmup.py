@@ -15,7 +15,7 @@ import logging
 from relaunch.agent._forking import decode_modules, encode_modules
 from relaunch.agent._workers import NodeWorkers
 from relaunch.errors import StoreError
-from relaunch.rendezvous import RendezvousHandler, RendezvousInfo
+from relaunch.rendezvous import RendezvousHandler, RendezvousInfo, SharedBoard
 
 __all__ = ["learn_modules", "next_round", "share_modules"]
 
@@ -33,11 +33,7 @@ def next_round(
         return handler.next_rendezvous()
 
     def while_waiting() -> None:
-        try:
-            shared = decode_modules(handler.worker_modules())
-        except StoreError:
-            shared = []
-        workers.prewarm(shared)
+        workers.prewarm(_shared_modules(handler) or [])
 
     return handler.next_rendezvous(while_waiting)
 
@@ -47,18 +43,27 @@ def learn_modules(handler: RendezvousHandler, workers: NodeWorkers) -> None:
     workers import, so they import it before joining (a node that came after the loss
     had no time to prewarm; its workers would otherwise import torch's lazy modules at
     their first step, while the others wait for them in a collective)."""
-    try:
-        shared = decode_modules(handler.worker_modules())
-    except StoreError:
-        return
-    workers.learn_modules(shared)
+    shared = _shared_modules(handler)
+    if shared is not None:
+        workers.learn_modules(shared)
 
 
 def share_modules(handler: RendezvousHandler, workers: NodeWorkers) -> None:
     """Publish what this node's workers import, when that list grew. Never raises."""
     modules = workers.modules_to_share()
-    if modules:
+    if modules and isinstance(handler, SharedBoard):
         try:
             handler.publish_worker_modules(encode_modules(modules))
         except StoreError as exc:
             log.warning("could not share the workers' imports with spares: %s", exc)
+
+
+def _shared_modules(handler: RendezvousHandler) -> list[str] | None:
+    """What the other nodes' workers import; None when it cannot be read (no shared
+    store, or the store failed)."""
+    if not isinstance(handler, SharedBoard):
+        return None
+    try:
+        return decode_modules(handler.worker_modules())
+    except StoreError:
+        return None

@@ -7,7 +7,13 @@
 """
 
 from relaunch.rendezvous._settings import RendezvousSettings
-from relaunch.rendezvous.api import RendezvousHandler, RendezvousInfo, RendezvousParameters
+from relaunch.rendezvous.api import (
+    RendezvousHandler,
+    RendezvousInfo,
+    RendezvousParameters,
+    SharedBoard,
+    TieredMembership,
+)
 from relaunch.rendezvous.handler import DynamicRendezvousHandler
 from relaunch.rendezvous.registry import create_handler
 
@@ -17,5 +23,7 @@ __all__ = [
     "RendezvousInfo",
     "RendezvousParameters",
     "RendezvousSettings",
+    "SharedBoard",
+    "TieredMembership",
     "create_handler",
 ]

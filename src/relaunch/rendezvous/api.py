@@ -4,11 +4,17 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from relaunch.store import Store
 
-__all__ = ["RendezvousHandler", "RendezvousInfo", "RendezvousParameters"]
+__all__ = [
+    "RendezvousHandler",
+    "RendezvousInfo",
+    "RendezvousParameters",
+    "SharedBoard",
+    "TieredMembership",
+]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -57,7 +63,12 @@ class RendezvousInfo:
 
 
 class RendezvousHandler(Protocol):
-    """The interface the agent drives. Every backend (static, c10d, etcd) implements it."""
+    """The interface the agent drives. Every backend (static, c10d, etcd) implements it.
+
+    What only some backends can do is an optional capability, a protocol of its own
+    that the agent checks for: :class:`TieredMembership` (rounds that go on when a node
+    is lost) and :class:`SharedBoard` (a store the job's nodes share).
+    """
 
     def get_backend(self) -> str:
         """The backend name: ``"static"``, ``"c10d"`` or ``"etcd"``."""
@@ -93,36 +104,6 @@ class RendezvousHandler(Protocol):
         """
         ...
 
-    def vacancies(self) -> dict[int, int]:
-        """Group ranks of this node's round that lost nodes left (tiered recovery: the
-        round goes on), each with the incarnation its replacement starts at. Empty for
-        backends without dynamic membership. Called with :meth:`num_nodes_waiting`:
-        keep it to the same cheap read."""
-        ...
-
-    def replaced(self) -> dict[int, int]:
-        """Group ranks of this node's round that a node took over from a lost one, with
-        the incarnation its workers started at (so a node that did not see the vacancy
-        still learns of the loss). Empty for backends without dynamic membership."""
-        ...
-
-    def mark_inprocess(self) -> None:
-        """Say that this node's workers restart in-process, so that losing a node of
-        the round leaves a vacancy instead of restarting every node (a no-op for
-        backends without dynamic membership)."""
-        ...
-
-    def publish_worker_modules(self, modules: bytes) -> None:
-        """Publish what this node's workers import (versioned JSON made by the agent),
-        for the fork server of a node that has no workers yet (a no-op without a
-        shared store). Raises StoreError."""
-        ...
-
-    def worker_modules(self) -> bytes | None:
-        """What another node published with :meth:`publish_worker_modules`, unchecked
-        (None: nothing yet, or no shared store). Raises StoreError."""
-        ...
-
     def record_failure(self, failed_round: int) -> int:
         """Count one failure restart of the job for ``failed_round``; return the job's total.
 
@@ -149,6 +130,59 @@ class RendezvousHandler(Protocol):
 
     def shutdown(self) -> bool:
         """Leave the rendezvous and release resources (threads, connections). Idempotent."""
+        ...
+
+
+@runtime_checkable
+class TieredMembership(Protocol):
+    """A backend whose running round outlives a lost node (tiered recovery): the dynamic
+    backends (c10d, etcd). Without it a lost node restarts the round."""
+
+    def vacancies(self) -> dict[int, int]:
+        """Group ranks of this node's round that lost nodes left (tiered recovery: the
+        round goes on), each with the incarnation its replacement starts at. Empty for
+        backends without dynamic membership. Called with :meth:`num_nodes_waiting`:
+        keep it to the same cheap read."""
+        ...
+
+    def replaced(self) -> dict[int, int]:
+        """Group ranks of this node's round that a node took over from a lost one, with
+        the incarnation its workers started at (so a node that did not see the vacancy
+        still learns of the loss). Empty for backends without dynamic membership."""
+        ...
+
+    def mark_inprocess(self) -> None:
+        """Say that this node's workers restart in-process, so that losing a node of
+        the round leaves a vacancy instead of restarting every node (a no-op for
+        backends without dynamic membership)."""
+        ...
+
+
+@runtime_checkable
+class SharedBoard(Protocol):
+    """A backend with a store every node of the job reads: the dynamic backends. The
+    agent publishes its status and its workers' imports there (for a spare's fork
+    server)."""
+
+    @property
+    def node_id(self) -> str:
+        """This node's name in the job (the status report's key)."""
+        ...
+
+    def set_program(self, program: str) -> None:
+        """What this node runs (a node running another program under the job's id is
+        refused); before the first round."""
+        ...
+
+    def publish_worker_modules(self, modules: bytes) -> None:
+        """Publish what this node's workers import (versioned JSON made by the agent),
+        for the fork server of a node that has no workers yet (a no-op without a
+        shared store). Raises StoreError."""
+        ...
+
+    def worker_modules(self) -> bytes | None:
+        """What another node published with :meth:`publish_worker_modules`, unchecked
+        (None: nothing yet, or no shared store). Raises StoreError."""
         ...
 
     def publish_status(self, report: bytes) -> None:

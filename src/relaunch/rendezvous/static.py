@@ -47,27 +47,7 @@ STATIC_CONF_KEYS = ("join_timeout", "secret_file")
 """The ``--rdzv-conf`` keys the static backend reads (any other is refused)."""
 
 
-class _FixedMembership:
-    """The parts of the handler protocol that only dynamic membership gives: a fixed
-    set of nodes has no vacancy to fill and no spare to prepare."""
-
-    def vacancies(self) -> dict[int, int]:
-        return {}
-
-    def replaced(self) -> dict[int, int]:
-        return {}
-
-    def mark_inprocess(self) -> None:
-        return None
-
-    def publish_worker_modules(self, modules: bytes) -> None:
-        return None
-
-    def worker_modules(self) -> bytes | None:
-        return None
-
-
-class StandaloneRendezvousHandler(_FixedMembership):
+class StandaloneRendezvousHandler:
     """One node, one process: every round completes at once with rank 0 of 1."""
 
     def __init__(self, run_id: str | None = None) -> None:
@@ -109,9 +89,6 @@ class StandaloneRendezvousHandler(_FixedMembership):
             self._failed_rounds.add(failed_round)
         return len(self._failed_rounds)
 
-    def publish_status(self, report: bytes) -> None:
-        """Nothing: the static backend has no status store (the page shows this node)."""
-
     def restart_count(self) -> int:
         return len(self._failed_rounds)
 
@@ -123,7 +100,7 @@ class StandaloneRendezvousHandler(_FixedMembership):
         return True
 
 
-class StaticRendezvousHandler(_FixedMembership):
+class StaticRendezvousHandler:
     """``nnodes`` fixed nodes; node 0 hosts the store; a round is a barrier of all of them."""
 
     def __init__(
@@ -255,9 +232,6 @@ class StaticRendezvousHandler(_FixedMembership):
             return total
         self._client.wait([f"{marker}/total"], timeout=self._timeout)
         return int(self._client.get(f"{marker}/total") or b"0")
-
-    def publish_status(self, report: bytes) -> None:
-        """Nothing: the static backend has no status store (the page shows this node)."""
 
     def restart_count(self) -> int:
         return self._client.add("restarts", 0)
