@@ -74,6 +74,13 @@ def _how(exitcode: int) -> str:
     return f"exit code {exitcode}"
 
 
+_EndOrQuiet = (
+    RunFailed | WorkersSucceeded | Stopped | StoreLost | RendezvousClosed | NotNeeded
+    | WatchdogExpired | ExitBarrierTimeout | WorkersStopped | ForkServerStarted
+    | ForkServerReady | ForkServerRefused
+)  # fmt: skip
+
+
 def _signal(signum: int) -> str:
     try:
         return signal.Signals(signum).name
@@ -174,39 +181,25 @@ class StatusBoard:
                     "failure): restarting this node's workers (tier: membership restart)"
                 )
             case WorkerHung():
-                self._hung.add(detail.local_rank)
-                self._count("faults", "hang")
-                return (
-                    f"local rank {detail.local_rank} (pid {detail.pid}) hung: "
-                    f"{_first_line(detail.reason)}"
-                )
+                return self._worker_hung(detail)
             case WorkerLost():
                 return self._worker_lost(detail, ev)
             case WorkerRespawned():
-                self._recovered(ev.timestamp)
-                how = "forked" if detail.forked else "started"
-                return (
-                    f"local rank {detail.local_rank} replaced in place: pid {detail.pid} {how} "
-                    f"in {detail.seconds:.2f} s (replacement {detail.replacement}); "
-                    "healthy processes kept running (tier: process)"
-                )
+                return self._worker_respawned(detail, ev)
             case NodeLost():
-                self._count("faults", "node")
-                self._fault(ev.timestamp, "node")
-                first, last = detail.ranks
-                return (
-                    f"node of group rank {detail.group_rank} lost (ranks {first}-{last}): this "
-                    "node's workers go on without them in their processes; a spare or a new "
-                    "node takes its place (tier: node)"
-                )
+                return self._node_lost(detail, ev)
             case NodeReplaced():
                 return self._node_replaced(detail, ev)
+            case _:
+                return self._voice_of_the_end(detail)
+
+    def _voice_of_the_end(self, detail: _EndOrQuiet) -> str | None:
+        """The events that end a run, and those the board only counts on (no line)."""
+        match detail:
             case RunFailed():
                 self._update(state="failed")
-                return (
-                    f"no restarts left ({detail.restarts} of {self._report.max_restarts} "
-                    "used): the job fails"
-                )
+                used = f"{detail.restarts} of {self._report.max_restarts}"
+                return f"no restarts left ({used} used): the job fails"
             case WorkersSucceeded():
                 self._update(state="succeeded")
             case Stopped():
@@ -321,6 +314,30 @@ class StatusBoard:
         return (
             f"rank {rank} (local rank {e.local_rank}) died: {_how(code)}; "
             "its in-process peers keep running"
+        )
+
+    def _worker_hung(self, e: WorkerHung) -> str:
+        self._hung.add(e.local_rank)
+        self._count("faults", "hang")
+        return f"local rank {e.local_rank} (pid {e.pid}) hung: {_first_line(e.reason)}"
+
+    def _worker_respawned(self, e: WorkerRespawned, ev: Event) -> str:
+        self._recovered(ev.timestamp)
+        how = "forked" if e.forked else "started"
+        return (
+            f"local rank {e.local_rank} replaced in place: pid {e.pid} {how} in "
+            f"{e.seconds:.2f} s (replacement {e.replacement}); healthy processes kept "
+            "running (tier: process)"
+        )
+
+    def _node_lost(self, e: NodeLost, ev: Event) -> str:
+        self._count("faults", "node")
+        self._fault(ev.timestamp, "node")
+        first, last = e.ranks
+        return (
+            f"node of group rank {e.group_rank} lost (ranks {first}-{last}): this node's "
+            "workers go on without them in their processes; a spare or a new node takes "
+            "its place (tier: node)"
         )
 
     def _node_replaced(self, e: NodeReplaced, ev: Event) -> str:
