@@ -1,6 +1,6 @@
 """How fast the agents move a lost node's snapshots: one peer's snapshot fetched over
-loopback by the code the agents run (``relaunch.checkpoint._peers``: the server, in a
-process of its own as on the other node, sends with sendfile; the receiver writes to
+loopback by the code the agents run (``relaunch.checkpoint._peer_server`` and
+``_peer_client``: the server, in a process of its own as on the other node, sends with sendfile; the receiver writes to
 node memory and checks the CRC-32 as it goes, on a second thread).
 
     python bench/snapshot_transfer.py [--sizes 256,1024] [--repeat 3]
@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import in_loopback_netns
 
 from relaunch.checkpoint import _layout as layout
-from relaunch.checkpoint._peers import fetch_step
+from relaunch.checkpoint._peer_client import fetch_step
 
 JOB = "bench"
 
@@ -51,7 +51,7 @@ class _Server:
     def __init__(self, root: str) -> None:
         code = (
             "import sys\n"
-            "from relaunch.checkpoint._peers import SnapshotServer\n"
+            "from relaunch.checkpoint._peer_server import SnapshotServer\n"
             f"s = SnapshotServer({root!r}, {JOB!r}, '127.0.0.1')\n"
             "print(s.port, flush=True)\n"
             "sys.stdin.read()\n"

@@ -20,14 +20,9 @@ import pytest
 
 from multinode_support.waiting import wait_for
 from relaunch.checkpoint import _layout as layout
-from relaunch.checkpoint._peers import (
-    PeerCopies,
-    PeerRecord,
-    SnapshotServer,
-    fetch_step,
-    held_steps,
-    list_steps,
-)
+from relaunch.checkpoint._peer_client import fetch_step, list_steps
+from relaunch.checkpoint._peer_server import SnapshotServer, held_steps
+from relaunch.checkpoint._peers import PeerCopies, PeerRecord
 from relaunch.checkpoint._wire import WireError, ask
 from relaunch.store.tcp import TCPStoreClient, TCPStoreServer
 

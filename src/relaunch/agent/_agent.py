@@ -5,8 +5,9 @@ from __future__ import annotations
 import os
 import socket
 
-from relaunch.agent._run import AgentRun, StopRequest, leave_rendezvous
-from relaunch.agent._spec import RunResult, WorkerSpec
+from relaunch.agent._round import leave_rendezvous
+from relaunch.agent._run import AgentRun
+from relaunch.agent._spec import RunResult, StopRequest, WorkerSpec
 from relaunch.agent._status import NodeStatus
 from relaunch.rendezvous import SharedBoard
 from relaunch.status import NodeReport

@@ -32,14 +32,15 @@ if TYPE_CHECKING:
     from relaunch.agent._spec import WorkerSpec
 
 __all__ = [
+    "WorkerStore",
     "exit_barrier",
     "finish_round",
     "gather_failures",
+    "leave_rendezvous",
     "publish_failures",
     "publish_worker_store",
     "read_worker_store",
     "store_lost_reason",
-    "worker_store",
 ]
 
 log = logging.getLogger(__name__)
@@ -184,24 +185,47 @@ def store_lost_reason(backend: str, exc: BaseException) -> str:
     return f"the rendezvous store cannot be reached ({exc})"
 
 
-def worker_store(
-    info: RendezvousInfo, spec: WorkerSpec, host: str
-) -> tuple[TCPStoreServer | None, str, int]:
-    """The round's store for the workers (``MASTER_ADDR:MASTER_PORT``): rank 0 starts it
-    and publishes its address; the others read it. Returns (server or None, addr, port)."""
-    if info.rank != 0:
-        addr, port = read_worker_store(info, timeout=max(60.0, spec.exit_barrier_timeout))
-        return None, addr, port
-    local = "127.0.0.1" if info.world_size == 1 else host
-    addr = spec.master_addr or spec.local_addr or local
-    bind = "127.0.0.1" if addr.startswith("127.") else "0.0.0.0"
-    port = spec.master_port if info.world_size == 1 and spec.master_port else 0
-    server = TCPStoreServer(host=bind, port=port, allowed=info.peers)
-    server.start()
-    if info.world_size > 1:
-        try:
-            publish_worker_store(info, addr, server.port)
-        except BaseException:
+class WorkerStore:
+    """The store this node hosts for a round's workers (``MASTER_ADDR:MASTER_PORT``),
+    when it is the round's rank 0: a fresh one each round; the other nodes read its
+    address."""
+
+    def __init__(self, spec: WorkerSpec, host: str) -> None:
+        self._spec = spec
+        self._host = host
+        self._server: TCPStoreServer | None = None
+
+    def open(self, info: RendezvousInfo) -> tuple[str, int]:
+        """The round's store address; rank 0 closes the last round's server, starts one
+        and publishes its address."""
+        self.close()
+        spec = self._spec
+        if info.rank != 0:
+            return read_worker_store(info, timeout=max(60.0, spec.exit_barrier_timeout))
+        local = "127.0.0.1" if info.world_size == 1 else self._host
+        addr = spec.master_addr or spec.local_addr or local
+        bind = "127.0.0.1" if addr.startswith("127.") else "0.0.0.0"
+        port = spec.master_port if info.world_size == 1 and spec.master_port else 0
+        server = TCPStoreServer(host=bind, port=port, allowed=info.peers)
+        server.start()
+        if info.world_size > 1:
+            try:
+                publish_worker_store(info, addr, server.port)
+            except BaseException:
+                server.close()
+                raise
+        self._server = server
+        return addr, server.port
+
+    def close(self) -> None:
+        server, self._server = self._server, None
+        if server is not None:
             server.close()
-            raise
-    return server, addr, server.port
+
+
+def leave_rendezvous(handler: RendezvousHandler) -> None:
+    """Shut the rendezvous handler down (its heartbeats, its store), whatever happened."""
+    try:
+        handler.shutdown()
+    except (RendezvousError, StoreError) as exc:
+        log.warning("rendezvous shutdown failed: %s", exc)

@@ -12,9 +12,7 @@ import dataclasses
 import logging
 import os
 import signal
-import threading
 import time
-from dataclasses import dataclass, field
 from typing import assert_never
 
 from relaunch.agent._attempt import Slot, return_values
@@ -37,15 +35,17 @@ from relaunch.agent._core import (
 )
 from relaunch.agent._membership import Membership
 from relaunch.agent._round import (
+    WorkerStore,
     finish_round,
     gather_failures,
+    leave_rendezvous,
     publish_failures,
     store_lost_reason,
-    worker_store,
 )
 from relaunch.agent._spec import (
     RoundStart,
     RunResult,
+    StopRequest,
     Worker,
     WorkerGroup,
     WorkerSpec,
@@ -83,32 +83,11 @@ from relaunch.procs import (
     RunLogDir,
     set_child_subreaper,
 )
-from relaunch.rendezvous import RendezvousHandler, RendezvousInfo
-from relaunch.store.tcp import TCPStoreServer
+from relaunch.rendezvous import RendezvousInfo
 
-__all__ = ["AgentRun", "StopRequest", "leave_rendezvous"]
+__all__ = ["AgentRun"]
 
 log = logging.getLogger(__name__)
-
-
-def leave_rendezvous(handler: RendezvousHandler) -> None:
-    """Shut the rendezvous handler down (its heartbeats, its store), whatever happened."""
-    try:
-        handler.shutdown()
-    except (RendezvousError, StoreError) as exc:
-        log.warning("rendezvous shutdown failed: %s", exc)
-
-
-@dataclass
-class StopRequest:
-    """A stop asked for (by a signal): the signal, and the event that wakes the loop."""
-
-    signum: int | None = None
-    wake: threading.Event = field(default_factory=threading.Event)
-
-    def set(self, signum: int) -> None:
-        self.signum = signum
-        self.wake.set()
 
 
 class AgentRun:
@@ -139,8 +118,7 @@ class AgentRun:
         self._group = WorkerGroup(
             spec=spec, workers=[Worker(local_rank=i) for i in range(spec.local_world_size)]
         )
-        self._worker_store: TCPStoreServer | None = None
-        """This round's workers' store, on the round's rank-0 node only."""
+        self._worker_store = WorkerStore(spec, host)
         self._info: RendezvousInfo | None = None
         """The round this node is in; None before its first rendezvous."""
         set_child_subreaper()
@@ -184,9 +162,7 @@ class AgentRun:
         self._publish_status(force=True)
         if self._attempt >= 0:
             self._status.board.say_summary()
-        if self._worker_store is not None:
-            self._worker_store.close()
-            self._worker_store = None
+        self._worker_store.close()
         leave_rendezvous(self._handler)
         kept = self.logdir.close(keep=keep_logs)
         if kept is not None:
@@ -368,7 +344,7 @@ class AgentRun:
         self._restart_count = self._handler.restart_count()
         group = self._group
         group.place(info.rank, info.world_size, info.store)
-        group.master_addr, group.master_port = self._publish_worker_store(info)
+        group.master_addr, group.master_port = self._worker_store.open(info)
         self._membership.new_round(info.rank, info.incarnation)
         replacing = bool(info.incarnation)
         self._emit(
@@ -410,14 +386,6 @@ class AgentRun:
             is_python=self._spec.entrypoint.is_python,
             restart_count=self._restart_count,
         )
-
-    def _publish_worker_store(self, info: RendezvousInfo) -> tuple[str, int]:
-        """Rank 0 hosts a fresh store for this round's workers; the others read its address."""
-        if self._worker_store is not None:
-            self._worker_store.close()
-            self._worker_store = None
-        self._worker_store, addr, port = worker_store(info, self._spec, self._host)
-        return addr, port
 
     def _stop_workers(self, sig: int) -> None:
         if self._workers.running:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
@@ -21,11 +22,24 @@ __all__ = [
     "RunResult",
     "SnapshotFacts",
     "SnapshotSource",
+    "StopRequest",
     "Worker",
     "WorkerGroup",
     "WorkerSpec",
     "WorkerState",
 ]
+
+
+@dataclass
+class StopRequest:
+    """A stop asked for (by a signal): the signal, and the event that wakes the loop."""
+
+    signum: int | None = None
+    wake: threading.Event = field(default_factory=threading.Event)
+
+    def set(self, signum: int) -> None:
+        self.signum = signum
+        self.wake.set()
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -257,11 +257,9 @@ class MonitorThread:
             self._trigger()
 
     def _interrupted(self) -> bool:
-        if (
-            not self._soft_recorded
-            and self.shared.armed
-            and time.monotonic() - self.shared.progress() > self.soft_timeout
-        ):
+        watched = self.shared.armed and not self._soft_recorded
+        idle = self.shared.idle(time.monotonic()) if watched else None
+        if idle is not None and idle > self.soft_timeout:
             self._soft_recorded = True
             self.stalled_at = self.shared.progress()
             log.warning("rank %s: soft timeout, no progress", self.initial_rank)

@@ -1,0 +1,138 @@
+"""The client side of the snapshot exchange: list a peer's snapshots, fetch one (length
+and CRC-32 checked, written under a partial name), acknowledge a copy.
+:class:`~relaunch.checkpoint._peer_server.SnapshotServer` answers. Standard library only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import shutil
+import socket
+import threading
+import zlib
+
+from relaunch.checkpoint import _layout as layout
+from relaunch.checkpoint import _wire as wire
+
+__all__ = ["ack", "fetch_step", "list_steps"]
+
+_CHUNK = 1 << 20
+_BUFFERS = 4
+
+
+def _connect(addr: str, port: int, timeout: float) -> socket.socket:
+    sock = socket.create_connection((addr, port), timeout=timeout)
+    sock.settimeout(timeout)
+    with contextlib.suppress(OSError):  # fewer, larger reads of a snapshot's bytes
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
+    return sock
+
+
+def list_steps(
+    addr: str, port: int, job: str, *, since: int | None = None, timeout: float = 10.0
+) -> tuple[wire.Steps, int]:
+    """What a peer holds, and the version of its snapshots (with ``since``: once they
+    changed after that version, or a second passed). OSError when the peer cannot be
+    reached, WireError for a bad answer."""
+    doc: dict[str, object] = {"job": job, "op": "list"}
+    if since is not None:
+        doc["since"] = since
+    return wire.decode_listing(wire.ask(addr, port, doc, timeout))
+
+
+def ack(addr: str, port: int, job: str, rank: int, step: int, crc: int) -> None:
+    """Tell a peer that this node holds its snapshot of ``rank`` at ``step``."""
+    doc = {"job": job, "op": "ack", "rank": rank, "step": step, "crc": crc}
+    raw = wire.ask(addr, port, doc, 10.0)
+    wire.check_ok(raw, "ack answer")
+
+
+def fetch_step(
+    addr: str, port: int, job: str, rank: int, step: int, root: str, timeout: float = 30.0
+) -> int:
+    """Copy a peer's snapshot of ``rank`` at ``step`` into ``root`` (replacing one of the
+    same step); return its bytes. It is written under a partial name and kept only when
+    its manifest is one and its data has the manifest's length and CRC-32: else
+    WireError (nothing kept). OSError when the peer cannot be reached."""
+    rank_root = layout.rank_dir(root, rank)
+    partial = layout.partial_dir(rank_root, step)
+    with _connect(addr, port, timeout) as sock:
+        sock.sendall(wire.encode({"job": job, "op": "get", "rank": rank, "step": step}))
+        text, nbytes = wire.decode_answer(wire.read_line(sock, wire.MAX_ANSWER))
+        os.makedirs(partial, exist_ok=True)
+        try:
+            with open(os.path.join(partial, layout.MANIFEST), "w", encoding="utf-8") as f:
+                f.write(text)
+            try:
+                m = layout.read_manifest(partial)
+            except layout.CorruptSnapshot as exc:
+                raise wire.WireError(f"rank {rank} step {step} from {addr}: {exc}") from exc
+            if (m.job, m.rank, m.step, m.nbytes) != (job, rank, step, nbytes):
+                raise wire.WireError(
+                    f"rank {rank} step {step} from {addr}: the manifest says job {m.job!r} "
+                    f"rank {m.rank} step {m.step} {m.nbytes} bytes, the answer {nbytes}"
+                )
+            crc = _receive(sock, os.path.join(partial, layout.DATA), nbytes)
+            if crc != m.crc32:
+                raise wire.WireError(
+                    f"rank {rank} step {step} from {addr}: CRC-32 {crc:#010x}, the manifest "
+                    f"says {m.crc32:#010x} (changed while sent?)"
+                )
+            final = layout.step_dir(rank_root, step)
+            if os.path.exists(final):
+                shutil.rmtree(final, ignore_errors=True)
+            os.rename(partial, final)
+        finally:
+            shutil.rmtree(partial, ignore_errors=True)
+    return nbytes
+
+
+def _receive(sock: socket.socket, path: str, nbytes: int) -> int:
+    """Write ``nbytes`` from ``sock`` to ``path``; return their CRC-32. Two threads: this
+    one receives into a few buffers while a writer checksums and writes the full ones
+    (zlib and the write release the GIL: the two overlap on two cores)."""
+    free: queue.Queue[bytearray] = queue.Queue()
+    full: queue.Queue[tuple[bytearray, int] | None] = queue.Queue()
+    for _ in range(_BUFFERS):
+        free.put(bytearray(_CHUNK))
+    crc, failed = [0], []
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+
+    def write() -> None:
+        try:
+            while (item := full.get()) is not None:
+                buf, n = item
+                view = memoryview(buf)[:n]
+                crc[0] = zlib.crc32(view, crc[0])
+                while view:
+                    view = view[os.write(fd, view) :]
+                free.put(buf)
+        except OSError as exc:
+            failed.append(exc)
+            free.put(bytearray(_CHUNK))  # the receiver is not left waiting
+
+    writer = threading.Thread(target=write, name="relaunch-snapshot-receive", daemon=True)
+    writer.start()
+    done = 0
+    try:
+        while done < nbytes and not failed:
+            buf = free.get()
+            view, n = memoryview(buf), 0
+            while n < len(buf) and done + n < nbytes:
+                got = sock.recv_into(view[n : min(len(buf), nbytes - done)])
+                if not got:
+                    raise wire.WireError(
+                        f"the peer closed with {nbytes - done - n} of {nbytes} bytes unsent"
+                    )
+                n += got
+            full.put((buf, n))
+            done += n
+    finally:
+        full.put(None)
+        writer.join(60.0)
+        os.close(fd)
+    if failed:
+        raise failed[0]
+    return crc[0]

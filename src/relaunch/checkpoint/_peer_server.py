@@ -1,0 +1,251 @@
+"""The snapshot server of one agent: its node's snapshot directory, served over TCP.
+
+The other agents of the job (the ring successor that keeps copies, a node taking over
+ranks) and the node's own workers (waiting for their copies' acks) talk to it with the
+messages of ``_wire``; :mod:`._peer_client` is the other end. Standard library only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import socket
+import threading
+import time
+from collections.abc import Callable
+
+from relaunch.checkpoint import _layout as layout
+from relaunch.checkpoint import _wire as wire
+
+__all__ = ["SnapshotServer", "held_steps"]
+
+log = logging.getLogger(__name__)
+
+_PINS = ".peer-pins"
+_MAX_CONNECTIONS = 64
+_LONG_POLL = 1.0
+"""Seconds a list with ``since`` or a wait_ack waits before it answers anyway."""
+_SUCCESSOR_GONE = 3.0
+"""Seconds without a poll after which this node has no successor (its workers stop
+waiting for copies)."""
+_LOOPBACK = ("127.", "::1", "::ffff:127.")
+
+
+def held_steps(root: str) -> wire.Steps:
+    """``(step, crc32)`` of every complete snapshot under ``root``, by rank, newest first
+    (a snapshot whose manifest cannot be read is left out)."""
+    out: wire.Steps = {}
+    with contextlib.suppress(OSError):
+        for name in os.listdir(root):
+            if not (name.startswith("rank-") and name[5:].isdigit()):
+                continue
+            rank_root = os.path.join(root, name)
+            pairs = []
+            for step in layout.complete_steps(rank_root):
+                try:
+                    m = layout.read_manifest(layout.step_dir(rank_root, step))
+                except layout.CorruptSnapshot:
+                    continue
+                pairs.append((step, m.crc32))
+            if pairs:
+                out[int(name[5:])] = pairs
+    return out
+
+
+class SnapshotServer:
+    """Serves this node's snapshot directory to the other agents of the job and to its
+    own workers: a listening thread and a thread per connection (at most 64 at once),
+    each named and joined.
+
+    It also keeps what makes a snapshot count as copied: the version of the node's
+    snapshots (a worker's ``saved`` wakes the successor's long poll at once), the
+    newest ``ack`` of the successor per rank, and when the successor last asked (a
+    worker waits for an ack only while a successor polls)."""
+
+    def __init__(
+        self,
+        root: str,
+        job: str,
+        host: str,
+        *,
+        allowed: frozenset[str] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._root = root
+        self._job = job
+        self._allowed = allowed
+        self._clock = clock
+        self._sock = socket.create_server((host, 0))
+        self._sock.settimeout(0.2)
+        self.port: int = self._sock.getsockname()[1]
+        self._stop = threading.Event()
+        self._threads: set[threading.Thread] = set()
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self._version = 0
+        self._acked: dict[int, tuple[int, int]] = {}
+        self._successor_seen = -1e9
+        self._expect_successor_until = -1e9
+        self._acceptor = threading.Thread(
+            target=self._accept_loop, name="relaunch-snapshot-server", daemon=True
+        )
+        self._acceptor.start()
+
+    def set_allowed(self, allowed: frozenset[str] | None) -> None:
+        """The addresses admitted besides loopback (the round's nodes); None: any."""
+        self._allowed = allowed
+
+    def expect_successor(self, within: float | None) -> None:
+        """A round started: a successor will poll within ``within`` seconds (None: this
+        node has none, its workers never wait for a copy)."""
+        with self._changed:
+            self._successor_seen = -1e9
+            now = self._clock()
+            self._expect_successor_until = -1e9 if within is None else now + within
+            self._changed.notify_all()
+
+    def _has_successor(self) -> bool:  # under the lock
+        now = self._clock()
+        if now < self._expect_successor_until or now - self._successor_seen < _SUCCESSOR_GONE:
+            return True
+        if self._expect_successor_until > 0 and self._successor_seen < 0:
+            log.warning(
+                "snapshots: this node's successor in the ring has not asked for its "
+                "snapshots (port %s) since the round started: they have no copy on another "
+                "node (can the other nodes reach this port?)",
+                self.port,
+            )
+            self._expect_successor_until = -1e9  # said once a round
+        return False
+
+    def close(self) -> None:
+        self._stop.set()
+        with self._changed:
+            self._changed.notify_all()
+        self._acceptor.join(5.0)
+        self._sock.close()
+        with self._lock:
+            threads = list(self._threads)
+        for t in threads:
+            t.join(10.0)
+            if t.is_alive():
+                log.warning("%s did not end within 10 s", t.name)
+        shutil.rmtree(os.path.join(self._root, _PINS), ignore_errors=True)
+
+    def _accept_loop(self) -> None:
+        n = 0
+        while not self._stop.is_set():
+            try:
+                conn, peer = self._sock.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            if not self._admits(peer[0]):
+                log.warning("snapshot server: refused a connection from %s", peer[0])
+                conn.close()
+                continue
+            with self._lock:
+                self._threads = {t for t in self._threads if t.is_alive()}
+                if len(self._threads) >= _MAX_CONNECTIONS:
+                    conn.close()
+                    continue
+                n += 1
+                t = threading.Thread(
+                    target=self._serve, args=(conn,), name=f"relaunch-snapshot-conn-{n}"
+                )
+                t.daemon = True
+                self._threads.add(t)
+            t.start()
+
+    def _admits(self, host: str) -> bool:
+        allowed = self._allowed
+        return allowed is None or host.startswith(_LOOPBACK) or host in allowed
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn:
+            conn.settimeout(30.0)
+            try:
+                request = wire.decode_request(wire.read_line(conn, wire.MAX_REQUEST), self._job)
+                match request:
+                    case wire.Get():
+                        self._send_step(conn, request)
+                    case wire.ListSteps(since=since):
+                        conn.sendall(self._listing(since))
+                    case wire.Ack(rank=rank, step=step, crc=crc):
+                        with self._changed:
+                            self._acked[rank] = (step, crc)
+                            self._changed.notify_all()
+                        conn.sendall(wire.encode({"ok": True}))
+                    case wire.Saved(rank=rank, step=step):
+                        with self._changed:
+                            if self._acked.get(rank, (-1, 0))[0] >= step:
+                                del self._acked[rank]  # the job went back: a new timeline
+                            self._version += 1
+                            self._changed.notify_all()
+                            peer = self._has_successor()
+                        conn.sendall(wire.encode({"ok": True, "peer": peer}))
+                    case wire.WaitAck():
+                        acked, peer = self._wait_ack(request)
+                        conn.sendall(wire.encode({"ok": True, "acked": acked, "peer": peer}))
+            except wire.WireError as exc:
+                log.warning("snapshot server: %s", exc)
+                with contextlib.suppress(OSError):
+                    conn.sendall(wire.encode({"ok": False, "error": str(exc)}))
+            except OSError as exc:  # the peer went away mid-answer: its own retry
+                log.debug("snapshot server: %s", exc)
+
+    def _listing(self, since: int | None) -> bytes:
+        with self._changed:
+            if since is not None:  # a successor's long poll: from now on its polls say
+                self._successor_seen = self._clock()  # whether it is there
+                self._expect_successor_until = -1e9
+                deadline = self._clock() + _LONG_POLL
+                while self._version <= since and not self._stop.is_set():
+                    left = deadline - self._clock()
+                    if left <= 0:
+                        break
+                    self._changed.wait(left)
+                self._successor_seen = self._clock()
+            version = self._version
+        ranks = {str(r): [list(p) for p in s] for r, s in held_steps(self._root).items()}
+        return wire.encode({"ok": True, "ranks": ranks, "version": version})
+
+    def _wait_ack(self, w: wire.WaitAck) -> tuple[bool, bool]:
+        """Whether the successor holds ``w``'s snapshot (or a newer one of its timeline),
+        waiting up to a long poll; and whether there is a successor to wait for."""
+        with self._changed:
+            deadline = self._clock() + _LONG_POLL
+            while True:
+                got = self._acked.get(w.rank)
+                done = got is not None and (got[0] > w.step or got == (w.step, w.crc))
+                peer = self._has_successor()
+                left = deadline - self._clock()
+                if done or not peer or left <= 0 or self._stop.is_set():
+                    return done, peer
+                self._changed.wait(min(left, 0.25))
+
+    def _send_step(self, conn: socket.socket, get: wire.Get) -> None:
+        folder = layout.step_dir(layout.rank_dir(self._root, get.rank), get.step)
+        link = None
+        try:
+            # pinned, so the saver does not reuse the file for its next snapshot, and
+            # open: a prune that removes the folder now leaves both readable
+            link = layout.pin(os.path.join(folder, layout.DATA), os.path.join(self._root, _PINS))
+            with (
+                open(os.path.join(folder, layout.MANIFEST), "rb") as mf,
+                open(link, "rb") as df,
+            ):
+                manifest = mf.read(wire.MAX_ANSWER // 2).decode("utf-8", errors="replace")
+                nbytes = os.fstat(df.fileno()).st_size
+                conn.sendall(wire.encode({"ok": True, "manifest": manifest, "nbytes": nbytes}))
+                if nbytes:
+                    conn.sendfile(df, 0, nbytes)
+        except FileNotFoundError as exc:
+            raise wire.WireError(f"no snapshot of rank {get.rank} at step {get.step}") from exc
+        finally:
+            if link is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(link)
