@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+
+from multinode_support.ports import free_port
 
 PY = sys.executable
 
@@ -56,12 +57,6 @@ def run_nodes(
                 node.kill()
                 node.wait()
     return results
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.mark.timeout(150)

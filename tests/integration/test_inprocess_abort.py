@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
+
+from multinode_support.ports import free_port as _free_port
 
 RANK = r"""
 import datetime, json, os, sys, time
@@ -45,12 +46,6 @@ print(json.dumps({"outcome": outcome, "gloo_timeout": timeout}), flush=True)
 # is torn down at exit (the wrapper releases it before: see inprocess/_groups.py).
 os._exit(0)
 """
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.mark.timeout(60)

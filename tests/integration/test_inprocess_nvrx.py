@@ -8,13 +8,14 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+
+from multinode_support.ports import free_port
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -39,12 +40,6 @@ PRELUDE = textwrap.dedent(
             return {"raised": type(exc).__name__, "message": str(exc)[:300]}
     """
 )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def start(tmp: Path, body: str, **env: str) -> subprocess.CompletedProcess[str]:

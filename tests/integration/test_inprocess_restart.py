@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from multinode_support.ports import free_port as _free_port
 
 WORKER = Path(__file__).with_name("test_inprocess_worker.py")
 FAST = {
@@ -42,12 +43,6 @@ class Rank:
 
     def of(self, name: str) -> list[dict[str, Any]]:
         return [e for e in self.events if e["event"] == name]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _marked_pids(token: str) -> list[int]:

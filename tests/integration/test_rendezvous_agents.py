@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from multinode_support.ports import free_port
 from multinode_support.stopping import stop_sessions
 from multinode_support.waiting import wait_for
 from relaunch.store.tcp import TCPStoreClient
@@ -35,12 +35,6 @@ if mode == "fail-once" and env["TORCHELASTIC_RESTART_COUNT"] == "0":
 if mode == "until-smaller" and env["GROUP_WORLD_SIZE"] != sys.argv[2]:
     time.sleep(60)  # the first, larger round runs until a node is lost
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Agents:

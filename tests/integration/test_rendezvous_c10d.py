@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from multinode_support.ports import free_port
 from relaunch.errors import RendezvousError, StoreConnectionError
 from relaunch.rendezvous.api import RendezvousParameters
 from relaunch.rendezvous.registry import create_handler
@@ -55,12 +56,6 @@ except RelaunchError as exc:
 """
 
 CONF = "last_call_timeout=0.5,keep_alive_interval=0.2,keep_alive_max_attempt=5,read_timeout=20"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Node:
@@ -212,3 +207,46 @@ def test_cannot_bind_or_connect_is_a_clear_error() -> None:
         create_handler(params)
     assert not [t for t in threading.enumerate() if t.name.startswith("relaunch-")]
     time.sleep(0)
+
+
+def test_port_held_by_a_connection_is_hosted_once_it_is_free() -> None:
+    """The endpoint's port is some connection's source port (the kernel gives out the
+    same range for both): the node finds no store there, waits, and hosts it once the
+    connection is closed, instead of connecting to a port nobody will ever serve."""
+    port = free_port()
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        holder = socket.socket()
+        holder.bind(("127.0.0.1", port))  # the source port of an outgoing connection
+        holder.connect(listener.getsockname())
+        accepted, _ = listener.accept()
+        with socket.socket() as probe, pytest.raises(OSError):
+            probe.bind(("0.0.0.0", port))  # as the store server would
+
+        def end_connection() -> None:  # the peer closes first: no TIME_WAIT on the port
+            accepted.close()
+            time.sleep(0.1)
+            holder.close()
+
+        releaser = threading.Timer(1.0, end_connection)
+        releaser.start()
+        params = RendezvousParameters(
+            backend="c10d",
+            endpoint=f"127.0.0.1:{port}",
+            run_id="job",
+            min_nodes=1,
+            max_nodes=1,
+            conf={"read_timeout": "30"},
+        )
+        try:
+            handler = create_handler(params)
+            try:
+                info = handler.next_rendezvous()
+                assert info.world_size == 1
+            finally:
+                handler.shutdown()
+        finally:
+            releaser.join(timeout=5)
+            accepted.close()
+            holder.close()

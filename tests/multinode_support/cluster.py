@@ -15,13 +15,13 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from multinode_support.ports import free_port, free_ports
 from multinode_support.stopping import stop_sessions
 from multinode_support.waiting import wait_for
 
@@ -66,22 +66,6 @@ while True:
 dist.barrier()
 dist.destroy_process_group()
 """
-
-
-def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
-    socks = []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind((host, 0))
-        socks.append(s)
-    ports = [int(s.getsockname()[1]) for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
-def free_port() -> int:
-    return free_ports(1)[0]
 
 
 @dataclass(frozen=True)

@@ -5,8 +5,9 @@
     ``--local-addr`` or host name is the endpoint's host, or that sets
     ``is_host=1`` in ``--rdzv-conf``, hosts the store on the endpoint's port; the
     others connect (retrying for ``read_timeout`` seconds, as nodes start in any
-    order). When hosting was inferred and the port is taken (several agents on
-    one machine), the node connects instead. Extra conf keys: ``is_host``,
+    order). When hosting was inferred and a store already listens on the port
+    (several agents on one machine), the node connects to it instead; a port held
+    by a connection, not a server, is tried again until ``read_timeout``. Extra conf keys: ``is_host``,
     ``read_timeout``.
 ``etcd``
     The state lives in etcd v3 (comma-separated endpoints, failed over in
@@ -26,7 +27,9 @@ import ipaddress
 import logging
 import math
 import socket
+import time
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from relaunch._endpoint import C10D_PORT, ETCD_PORT, split_endpoint
 from relaunch.errors import ConfigError, RendezvousError, StoreConnectionError
@@ -34,6 +37,9 @@ from relaunch.rendezvous._settings import COMMON_CONF_KEYS, check_conf_keys, set
 from relaunch.rendezvous.api import RendezvousHandler, RendezvousParameters
 from relaunch.rendezvous.handler import DynamicRendezvousHandler
 from relaunch.store import Store
+
+if TYPE_CHECKING:
+    from relaunch.store.tcp import TCPStoreServer
 
 __all__ = ["C10D_CONF_KEYS", "DEFAULT_PORT", "ETCD_CONF_KEYS", "connect_store", "create_handler"]
 
@@ -114,6 +120,46 @@ def _signed(store: Store, params: RendezvousParameters) -> Store:
     return SignedStore.over(store, read_secret(path))
 
 
+def _host_or_find(host: str, bind: str, port: int, timeout: float) -> TCPStoreServer | None:
+    """The store server of ``port`` when this node can host it; None when another agent
+    on this machine already does (several agents of the job on one machine).
+
+    A port that cannot be bound but has no listener is held by a connection (an
+    outgoing connection's source port, a socket closing): that lasts a moment, so this
+    tries again until ``timeout`` seconds have passed, and then returns None (the
+    client's connection then fails with the endpoint named).
+    """
+    from relaunch.store.tcp import TCPStoreServer
+
+    deadline = time.monotonic() + timeout
+    said = False
+    while True:
+        try:
+            return TCPStoreServer(host=bind, port=port).start()
+        except StoreConnectionError as exc:
+            if _listening(host, port):
+                logger.info("port %d taken; connecting as a client of the store there", port)
+                return None
+            if time.monotonic() >= deadline:
+                logger.warning("port %d stayed taken for %g s (%s)", port, timeout, exc)
+                return None
+            if not said:
+                said = True
+                logger.info(
+                    "port %d is taken but nothing listens on it (%s): trying again", port, exc
+                )
+        time.sleep(0.1)
+
+
+def _listening(host: str, port: int) -> bool:
+    """Whether a server accepts connections on ``host:port`` now."""
+    try:
+        socket.create_connection((host, port), timeout=2.0).close()
+    except OSError:
+        return False
+    return True
+
+
 def _create_c10d(params: RendezvousParameters) -> DynamicRendezvousHandler:
     from relaunch.store.tcp import TCPStoreClient, TCPStoreServer
 
@@ -129,20 +175,19 @@ def _create_c10d(params: RendezvousParameters) -> DynamicRendezvousHandler:
     server = None
     if is_host:
         bind = "::" if ":" in host else "0.0.0.0"
-        try:
-            server = TCPStoreServer(host=bind, port=port).start()
-        except StoreConnectionError as exc:
-            if explicit is None:
-                # Several agents of the job on this machine: one of them hosts the store.
-                logger.info("port %d taken; connecting as a client of the store there", port)
-                is_host = False
-            else:
+        if explicit is None:
+            server = _host_or_find(host, bind, port, read_timeout)
+            is_host = server is not None
+        else:
+            try:
+                server = TCPStoreServer(host=bind, port=port).start()
+            except StoreConnectionError as exc:
                 raise RendezvousError(
                     f"this node hosts the c10d rendezvous store of endpoint {host}:{port} "
                     f"(is_host=1) but cannot listen on port {port} ({exc}); "
                     "is another job using it?"
                 ) from exc
-        else:
+        if server is not None:
             logger.info("hosting the c10d rendezvous store on port %d", server.port)
     try:
         # Once connected, a store that stays unreachable for a heartbeat timeout is lost.
