@@ -61,6 +61,7 @@ __all__ = [
     "lost_key_of",
     "read_exit_file",
     "read_marker",
+    "read_module_list",
 ]
 
 EXIT_FILE_VERSION = 2
@@ -201,3 +202,13 @@ def read_marker(path: str) -> tuple[int | None, bool | None]:
     if isinstance(iteration, bool) or not isinstance(iteration, int) or iteration < 0:
         return None, None
     return iteration, active if isinstance(active, bool) else None
+
+
+def read_module_list(path: str) -> list[str]:
+    """The module names in a ``PRELOAD_ENV`` file (one per line; also the fork server's
+    preload list), or [] when it cannot be read."""
+    try:
+        with open(path) as f:
+            return [line.strip() for line in f if line.strip()]
+    except OSError:
+        return []

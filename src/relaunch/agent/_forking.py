@@ -11,6 +11,7 @@ import re
 import sysconfig
 from collections.abc import Mapping
 
+from relaunch._contract import read_module_list
 from relaunch.events import Emit, ForkServerReady, ForkServerRefused, ForkServerStarted
 from relaunch.procs import Entrypoint, ForkServer
 
@@ -108,15 +109,6 @@ class NodeForkServer:
         server, self._server = self._server, None
         if server is not None:
             server.close()
-
-
-def read_module_list(path: str) -> list[str]:
-    """The names in a modules file (one per line; the fork server's preload list)."""
-    try:
-        with open(path) as f:
-            return [line.strip() for line in f if line.strip()]
-    except OSError:
-        return []
 
 
 def _installed(name: str, roots: tuple[str, ...]) -> bool:

@@ -22,6 +22,7 @@ __all__ = [
     "reap_orphans",
     "set_child_subreaper",
     "set_parent_death_signal",
+    "start_token",
     "terminate",
 ]
 
@@ -80,14 +81,29 @@ def kill_group(pgid: int, sig: int) -> bool:
     return True
 
 
-def process_state(pid: int) -> str | None:
-    """The state letter of ``pid`` in /proc (``R``, ``S``, ``T``, ``Z``...); None if gone."""
+def _stat_fields(pid: int) -> list[bytes] | None:
+    """The fields of ``/proc/<pid>/stat`` after the command name (field 3 on); None if
+    the process is gone. The command name may hold spaces and parentheses: the split
+    is after its last ')'."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()
     except OSError:
         return None
-    return stat[stat.rfind(b")") + 2 :][:1].decode() or None
+    return stat[stat.rfind(b")") + 2 :].split()
+
+
+def process_state(pid: int) -> str | None:
+    """The state letter of ``pid`` in /proc (``R``, ``S``, ``T``, ``Z``...); None if gone."""
+    fields = _stat_fields(pid)
+    return fields[0].decode() if fields else None
+
+
+def start_token(pid: int) -> str | None:
+    """When ``pid`` started (clock ticks after boot, as /proc says it): with the pid, it
+    names one process even after the pid is reused. None where unavailable."""
+    fields = _stat_fields(pid)
+    return fields[19].decode() if fields is not None and len(fields) > 19 else None
 
 
 def is_stopped(pid: int) -> bool:

@@ -152,14 +152,6 @@ def _report_modules(path: str, period: float = 1.0, duration: float = 120.0) -> 
     threading.Thread(target=run, name="relaunch-report-modules", daemon=True).start()
 
 
-def read_module_list(path: str) -> list[str]:
-    try:
-        with open(path) as f:
-            return [line.strip() for line in f if line.strip()]
-    except OSError:
-        return []
-
-
 # -- becoming the worker -------------------------------------------------------------
 def become_worker(request: dict[str, object]) -> None:
     """Run the request's script, module or function in this process (see the module doc)."""

@@ -124,7 +124,9 @@ class Server:
 
         Returns False when the agent went away.
         """
-        names = [n for n in _warm.read_module_list(self.preload) if n not in self.imported]
+        names = [
+            n for n in _warm._contract.read_module_list(self.preload) if n not in self.imported
+        ]
         if not names:
             return True
         t0 = time.monotonic()

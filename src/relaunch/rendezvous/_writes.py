@@ -10,6 +10,7 @@ from relaunch.errors import RendezvousError, RendezvousTimeoutError
 from relaunch.rendezvous._backend import StateBackend
 from relaunch.rendezvous._ops import Action, apply, decide_close, decide_leave, record_failure
 from relaunch.rendezvous._settings import RendezvousSettings
+from relaunch.rendezvous._state import RendezvousState
 
 __all__ = [
     "claim_store_host",
@@ -35,14 +36,34 @@ def close(
     rdzv: StateBackend, node: str, settings: RendezvousSettings, clock: Callable[[], float]
 ) -> None:
     """Close the rendezvous for good: every node's next_rendezvous raises closed."""
+    _drive(
+        rdzv,
+        node,
+        settings,
+        clock,
+        decide_close,
+        f"could not close {settings.run_id!r} in time",
+    )
+
+
+def _drive(
+    rdzv: StateBackend,
+    node: str,
+    settings: RendezvousSettings,
+    clock: Callable[[], float],
+    decide: Callable[[RendezvousState, float, float], Action],
+    late: str,
+) -> None:
+    """Apply ``decide``'s actions until it says FINISH (within ``close_timeout``; after
+    it, RendezvousTimeoutError(``late``))."""
     deadline = clock() + settings.close_timeout
     state, raw = rdzv.load()
     while True:
-        action = decide_close(state, clock(), deadline)
+        action = decide(state, clock(), deadline)
         if action is Action.FINISH:
             return
         if action is Action.ERROR_TIMEOUT:
-            raise RendezvousTimeoutError(f"could not close {settings.run_id!r} in time")
+            raise RendezvousTimeoutError(late)
         new = apply(action, state, node, clock(), settings)
         state, raw, _ = rdzv.commit(state, raw, new)
 
@@ -81,16 +102,14 @@ def leave(
     rdzv: StateBackend, node: str, settings: RendezvousSettings, clock: Callable[[], float]
 ) -> None:
     """Drop every trace of ``node`` from the state (within ``close_timeout``)."""
-    deadline = clock() + settings.close_timeout
-    state, raw = rdzv.load()
-    while True:
-        action = decide_leave(state, node, clock(), deadline)
-        if action is Action.FINISH:
-            return
-        if action is Action.ERROR_TIMEOUT:
-            raise RendezvousTimeoutError(f"node {node} could not leave in time")
-        new = apply(action, state, node, clock(), settings)
-        state, raw, _ = rdzv.commit(state, raw, new)
+    _drive(
+        rdzv,
+        node,
+        settings,
+        clock,
+        lambda state, now, deadline: decide_leave(state, node, now, deadline),
+        f"node {node} could not leave in time",
+    )
 
 
 def wait_for_others(

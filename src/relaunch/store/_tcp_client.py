@@ -13,7 +13,6 @@ import math
 import threading
 import time
 from collections.abc import Callable
-from types import TracebackType
 from typing import TypeVar
 
 from relaunch.errors import (
@@ -296,12 +295,7 @@ class TCPStoreClient:
     def __enter__(self) -> TCPStoreClient:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def __repr__(self) -> str:

@@ -13,7 +13,6 @@ import logging
 import selectors
 import socket
 import threading
-from types import TracebackType
 
 from relaunch.errors import ConfigError, StoreClosedError, StoreConnectionError
 from relaunch.store import _tcp_handlers as handlers
@@ -167,12 +166,7 @@ class TCPStoreServer:
     def __enter__(self) -> TCPStoreServer:
         return self.start()
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def __repr__(self) -> str:

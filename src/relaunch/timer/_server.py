@@ -14,9 +14,9 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable
-from types import TracebackType
 
 from relaunch.errors import ConfigError, TimerError
+from relaunch.procs._sys import start_token
 from relaunch.timer._request import TimerRequest, parse_request
 from relaunch.timer._table import Expired, TimerExpiry, TimerTable
 
@@ -133,7 +133,7 @@ class TimerServer:
         unrelated process after the worker died is never signalled.
         """
         pids = list(pids)
-        tokens = {pid: _start_token(pid) for pid in pids}
+        tokens = {pid: start_token(pid) for pid in pids}
         with self._lock:
             self._table.watch(pids)
             self._tokens.update(tokens)
@@ -169,12 +169,7 @@ class TimerServer:
         self.start()
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     # -- internals ---------------------------------------------------------------------
@@ -286,7 +281,7 @@ class TimerServer:
             return
         with self._lock:
             token = self._tokens.get(expiry.pid)
-        if token is not None and _start_token(expiry.pid) != token:
+        if token is not None and start_token(expiry.pid) != token:
             logger.warning(
                 "timer of pid %s expired, but that process is gone (pid reused?): ignored",
                 expiry.pid,
@@ -350,15 +345,3 @@ def _drain(fd: int, limit: int = 16 * _READ_CHUNK) -> bytes:
         chunks.append(chunk)
         total += len(chunk)
     return b"".join(chunks)
-
-
-def _start_token(pid: int) -> str | None:
-    """The process's start time from ``/proc/<pid>/stat`` (None where unavailable)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as fp:
-            data = fp.read()
-    except OSError:
-        return None
-    # The command name (field 2) may hold spaces and parentheses: split after its last ')'.
-    fields = data[data.rfind(b")") + 2 :].split()
-    return fields[19].decode() if len(fields) > 19 else None
