@@ -24,7 +24,7 @@ from importlib.machinery import PathFinder
 from typing import TypeVar
 
 from relaunch._cli_options import OPTS
-from relaunch._cli_slurm import slurm_defaults
+from relaunch._cli_slurm import SlurmDefaults, slurm_defaults
 from relaunch._cli_values import Values, build_parser
 from relaunch._endpoint import C10D_PORT, ETCD_PORT
 from relaunch._parse import parse_bytes
@@ -254,17 +254,7 @@ def parse_args(argv: Sequence[str] | None = None) -> LaunchConfig:
     Raises ConfigError with a one-line message naming the flag, the value and what was
     expected. Imports torch only to resolve ``--nproc-per-node auto|gpu|xpu``.
     """
-    parser = build_parser()
-    parser.argv = sys.argv[1:] if argv is None else argv
-    ns = parser.parse_args(parser.argv, namespace=argparse.Namespace(spelling={}))
-    values = Values(ns, os.environ)
-    slurm = slurm_defaults(values, os.environ)  # `srun relaunch ...`: Slurm's step
-    values = values.with_fallback(slurm.fallback)
-    if slurm.summary:
-        print(f"relaunch: {slurm.summary}", file=sys.stderr, flush=True)
-    for dest, opt in OPTS.items():
-        if opt.refuse and (values.switch(dest) if opt.switch else values.text(dest) != opt.default):
-            values.fail(dest, opt.refuse, "set" if opt.switch else None)
+    ns, values, slurm = _command_line(argv)
     entrypoint, module, no_python, run_path = _entry(values, ns.training_script)
     nnodes = values.parsed("nnodes", parse_nnodes)
     nproc_kind = _nproc(values)
@@ -313,12 +303,34 @@ def parse_args(argv: Sequence[str] | None = None) -> LaunchConfig:
         redirects=_std(values, "redirects", nproc), tee=_std(values, "tee", nproc),
     )  # fmt: skip
     if config.alone and values.given("rdzv_conf"):
-        logger.warning(
-            "%s=%s ignored: a single-node job (%s) has no rendezvous to configure",
-            values.label("rdzv_conf"), values.text("rdzv_conf"),
-            "--standalone" if config.standalone else "--nnodes 1 without a rendezvous endpoint",
-        )  # fmt: skip
+        _say_conf_ignored(config, values)
     return config
+
+
+def _command_line(argv: Sequence[str] | None) -> tuple[argparse.Namespace, Values, SlurmDefaults]:
+    """The parsed flags, their values (flags > PET_* environment > Slurm's step >
+    defaults), and the Slurm step; a refused flag or variable is a ConfigError."""
+    parser = build_parser()
+    parser.argv = sys.argv[1:] if argv is None else argv
+    ns = parser.parse_args(parser.argv, namespace=argparse.Namespace(spelling={}))
+    values = Values(ns, os.environ)
+    slurm = slurm_defaults(values, os.environ)  # `srun relaunch ...`: Slurm's step
+    values = values.with_fallback(slurm.fallback)
+    if slurm.summary:
+        print(f"relaunch: {slurm.summary}", file=sys.stderr, flush=True)
+    for dest, opt in OPTS.items():
+        if opt.refuse and (values.switch(dest) if opt.switch else values.text(dest) != opt.default):
+            values.fail(dest, opt.refuse, "set" if opt.switch else None)
+    return ns, values, slurm
+
+
+def _say_conf_ignored(config: LaunchConfig, values: Values) -> None:
+    logger.warning(
+        "%s=%s ignored: a single-node job (%s) has no rendezvous to configure",
+        values.label("rdzv_conf"),
+        values.text("rdzv_conf"),
+        "--standalone" if config.standalone else "--nnodes 1 without a rendezvous endpoint",
+    )
 
 
 def _check_dir(values: Values, dest: str) -> str | None:

@@ -186,6 +186,14 @@ class LaunchConfig:
     """Shared storage that receives copies of the snapshots in the background; None: off."""
 
     def __post_init__(self) -> None:
+        self._check_rendezvous()
+        self._check_workers()
+        self._check_output()
+        self._check_services()
+        self._check_signals()
+
+    def _check_rendezvous(self) -> None:
+        """The nodes, the backend, its endpoint, the job id and ``rdzv_conf``."""
         _check_int("min_nodes", self.min_nodes, 1)
         _check_int("max_nodes", self.max_nodes, self.min_nodes)
         _check_int("nproc_per_node", self.nproc_per_node, 1)
@@ -206,6 +214,9 @@ class LaunchConfig:
         ):
             raise _bad("rdzv_conf", "a mapping of non-empty str to non-empty str", conf)
         self._set("rdzv_conf", MappingProxyType(dict(conf)))
+
+    def _check_workers(self) -> None:
+        """What the workers run and how they start and restart."""
         _check_bool("standalone", self.standalone)
         _check_int("max_restarts", self.max_restarts, 0)
         self._set(
@@ -227,6 +238,9 @@ class LaunchConfig:
             raise _bad("no_python", "False when module is True", self.no_python)
         if self.run_path and (self.module or self.no_python):
             raise _bad("run_path", "False when module or no_python is True", self.run_path)
+
+    def _check_output(self) -> None:
+        """Where the workers' output goes and how the console shows it."""
         _check_text("log_dir", self.log_dir, optional=True)
         self._set("redirects", _std_map("redirects", self.redirects, self.nproc_per_node))
         self._set("tee", _std_map("tee", self.tee, self.nproc_per_node))
@@ -237,6 +251,12 @@ class LaunchConfig:
             for rank in ranks:
                 _check_int("local_ranks_filter", rank, 0)
             self._set("local_ranks_filter", frozenset(ranks))
+        if self.log_line_prefix_template is not None:
+            check_template(self.log_line_prefix_template, "log_line_prefix_template")
+
+    def _check_services(self) -> None:
+        """Addresses, timeouts, and what the agent serves beside the workers (the
+        watchdog pipe, the status page, snapshots)."""
         _check_text("master_addr", self.master_addr, optional=True)
         if self.master_port is not None:
             _check_int("master_port", self.master_port, 0, 65535)
@@ -256,8 +276,9 @@ class LaunchConfig:
         if self.snapshot_limit is not None:
             _check_int("snapshot_limit", self.snapshot_limit, 1)
         _check_text("checkpoint_dir", self.checkpoint_dir, optional=True)
-        if self.log_line_prefix_template is not None:
-            check_template(self.log_line_prefix_template, "log_line_prefix_template")
+
+    def _check_signals(self) -> None:
+        """The signals the agent forwards to the workers."""
         signals = self.signals_to_handle
         expected = "a tuple of distinct signal numbers that can be handled"
         if not isinstance(signals, tuple | list) or len(set(signals)) != len(signals):

@@ -13,11 +13,12 @@ replacements do (``inprocess/_rejoin.py``).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Mapping
-from typing import Any
 
 from relaunch._contract import lost_key
+from relaunch.agent._core import Observation
 from relaunch.agent._spec import WorkerGroup
 from relaunch.errors import RelaunchError
 from relaunch.events import Emit, NodeLost, NodeReplaced
@@ -74,13 +75,14 @@ class Membership:
         # (seats taken before this node came are not news to it)
         self._told = {(group_rank, incarnation), *self._replaced().items()}
 
-    def observation(self, *, ask: bool) -> dict[str, Any]:
-        """The Observation's membership fields (``ask``: read the rendezvous)."""
-        return {
-            "vacancies": self.vacancies() if ask else {},
-            "declared": self.declared,
-            "marked_inprocess": self.marked,
-        }
+    def observe(self, obs: Observation, *, ask: bool) -> Observation:
+        """``obs`` with its membership fields filled in (``ask``: read the rendezvous)."""
+        return dataclasses.replace(
+            obs,
+            vacancies=self.vacancies() if ask else {},
+            declared=self.declared,
+            marked_inprocess=self.marked,
+        )
 
     def vacancies(self) -> dict[int, int]:
         """The round's vacancies (one cheap read); says when a node took a lost one's

@@ -8,7 +8,6 @@ them all before it returns.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import signal
@@ -244,7 +243,7 @@ class AgentRun:
             stop_signal=self._stop.signum,
             nodes_waiting=self._handler.num_nodes_waiting() if ask else 0,
         )
-        return dataclasses.replace(obs, **self._membership.observation(ask=ask))
+        return self._membership.observe(obs, ask=ask)
 
     def _failures(
         self, local_ranks: tuple[int, ...], obs: Observation

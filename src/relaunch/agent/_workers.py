@@ -77,13 +77,6 @@ class NodeWorkers:
         """Start this attempt's workers (``group`` holds their ranks and store address;
         ``incarnation`` > 0: they replace a lost node's and join its peers running)."""
         spec = self._spec
-        extra: dict[str, str] = {}
-        if self._timer is not None:
-            extra["TORCHELASTIC_ENABLE_FILE_TIMER"] = "1"
-            extra["TORCHELASTIC_TIMER_FILE"] = self._timer.path
-        if spec.max_restarts > 0 and spec.entrypoint.is_python:
-            extra[JOIN_WAIT_ENV] = str(JOIN_WAIT)  # dead in-process ranks are replaced
-            extra[PRELOAD_ENV] = self._forking.modules_file  # what a replacement imports
         self.slots, specs = attempt_workers(
             spec,
             group,
@@ -91,7 +84,7 @@ class NodeWorkers:
             attempt,
             restart_count=restart_count,
             run_id=run_id,
-            extra=extra,
+            extra=self._extra_env(),
             incarnation=incarnation,
         )
         self._specs = {s.local_rank: s for s in specs}
@@ -128,6 +121,18 @@ class NodeWorkers:
                 master_port=group.master_port,
             )
         )
+
+    def _extra_env(self) -> dict[str, str]:
+        """What every worker of an attempt gets beyond torchrun's variables: the
+        watchdog's pipe, and what a replacement of a dead in-process rank needs."""
+        extra: dict[str, str] = {}
+        if self._timer is not None:
+            extra["TORCHELASTIC_ENABLE_FILE_TIMER"] = "1"
+            extra["TORCHELASTIC_TIMER_FILE"] = self._timer.path
+        if self._spec.max_restarts > 0 and self._spec.entrypoint.is_python:
+            extra[JOIN_WAIT_ENV] = str(JOIN_WAIT)  # dead in-process ranks are replaced
+            extra[PRELOAD_ENV] = self._forking.modules_file  # what a replacement imports
+        return extra
 
     def drop(self, action: DropRanks, obs: Observation, group: WorkerGroup, attempt: int) -> None:
         """These in-process workers died (their peers went on): record them, and start

@@ -206,6 +206,28 @@ def _after_removal(state: RendezvousState, settings: RendezvousSettings) -> None
         state.deadline = None
 
 
+def _add_participant(
+    state: RendezvousState, node: str, now: float, settings: RendezvousSettings
+) -> None:
+    """``node`` takes part in the open round; the last call starts at ``min_nodes``."""
+    state.wait_list.discard(node)
+    state.participants[node] = 0
+    state.last_heartbeats[node] = now
+    if len(state.participants) >= settings.min_nodes and state.deadline is None:
+        state.deadline = now + settings.last_call_timeout
+
+
+def _fill_vacancy(state: RendezvousState, node: str, now: float) -> None:
+    """``node`` takes the lowest vacant rank of the running round (and its incarnation)."""
+    rank = min(state.vacancies)
+    state.incarnations[rank] = state.vacancies.pop(rank)
+    state.wait_list.discard(node)
+    state.redundancy_list.discard(node)
+    state.expected.discard(node)
+    state.participants[node] = rank
+    state.last_heartbeats[node] = now
+
+
 def apply(
     action: Action,
     state: RendezvousState,
@@ -218,11 +240,7 @@ def apply(
     if action is Action.KEEP_ALIVE:
         new.last_heartbeats[node] = now
     elif action is Action.ADD_TO_PARTICIPANTS:
-        new.wait_list.discard(node)
-        new.participants[node] = 0
-        new.last_heartbeats[node] = now
-        if len(new.participants) >= settings.min_nodes and new.deadline is None:
-            new.deadline = now + settings.last_call_timeout
+        _add_participant(new, node, now, settings)
     elif action is Action.ADD_TO_WAIT_LIST:
         new.redundancy_list.discard(node)
         new.wait_list.add(node)
@@ -245,13 +263,7 @@ def apply(
         new.redundancy_list.discard(node)
     elif action is Action.FILL_VACANCY:
         if new.complete and new.vacancies and node not in new.participants:
-            rank = min(new.vacancies)
-            new.incarnations[rank] = new.vacancies.pop(rank)
-            new.wait_list.discard(node)
-            new.redundancy_list.discard(node)
-            new.expected.discard(node)
-            new.participants[node] = rank
-            new.last_heartbeats[node] = now
+            _fill_vacancy(new, node, now)
     elif action is Action.CLAIM_STORE_HOST:
         new.store_host = node
     elif action is Action.MARK_INPROCESS:

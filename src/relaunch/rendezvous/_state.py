@@ -262,6 +262,31 @@ def _check_sense(state: RendezvousState, now: float | None, max_nodes: int | Non
             raise _Bad(f"field 'vacancies' holds rank(s) {sorted(taken)} that a node has")
 
 
+def _document(raw: bytes, run_id: str) -> dict[str, object]:
+    """The JSON object of a state record of ``run_id``, of this version, with no field
+    this version does not know (the fields' values are checked by the caller)."""
+    if is_signed(raw):
+        raise _Bad(
+            "the job's records are signed with a per-job secret and this node has none "
+            "(--rdzv-conf secret_file=PATH, the same file as the other nodes)"
+        )
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise _Bad(f"not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    doc = json.loads(text)
+    if not isinstance(doc, dict):
+        raise _Bad("not a JSON object")
+    if doc.get("version") != STATE_VERSION:
+        raise _Bad(f"unknown version {doc.get('version')!r} (expected {STATE_VERSION})")
+    if doc.get("run_id") != run_id:
+        raise _Bad(f"it belongs to run {doc.get('run_id')!r}, not {run_id!r}")
+    unknown = sorted(set(doc) - _FIELDS)
+    if unknown:
+        raise _Bad(f"unknown field(s) {', '.join(map(repr, unknown[:5]))}")
+    return doc
+
+
 def decode_state(
     raw: bytes,
     *,
@@ -278,25 +303,7 @@ def decode_state(
     so an operator knows what to inspect or delete.
     """
     try:
-        if is_signed(raw):
-            raise _Bad(
-                "the job's records are signed with a per-job secret and this node has none "
-                "(--rdzv-conf secret_file=PATH, the same file as the other nodes)"
-            )
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise _Bad(f"not UTF-8 text ({exc.reason} at byte {exc.start})") from None
-        doc = json.loads(text)
-        if not isinstance(doc, dict):
-            raise _Bad("not a JSON object")
-        if doc.get("version") != STATE_VERSION:
-            raise _Bad(f"unknown version {doc.get('version')!r} (expected {STATE_VERSION})")
-        if doc.get("run_id") != run_id:
-            raise _Bad(f"it belongs to run {doc.get('run_id')!r}, not {run_id!r}")
-        unknown = sorted(set(doc) - _FIELDS)
-        if unknown:
-            raise _Bad(f"unknown field(s) {', '.join(map(repr, unknown[:5]))}")
+        doc = _document(raw, run_id)
         deadline = doc.get("deadline")
         if deadline is not None and (
             not isinstance(deadline, int | float) or isinstance(deadline, bool)

@@ -8,7 +8,14 @@ from collections.abc import Callable
 
 from relaunch.errors import RendezvousError, RendezvousTimeoutError
 from relaunch.rendezvous._backend import StateBackend
-from relaunch.rendezvous._ops import Action, apply, decide_close, decide_leave, record_failure
+from relaunch.rendezvous._ops import (
+    Action,
+    apply,
+    decide_close,
+    decide_exit,
+    decide_leave,
+    record_failure,
+)
 from relaunch.rendezvous._settings import RendezvousSettings
 from relaunch.rendezvous._state import RendezvousState
 
@@ -17,6 +24,7 @@ __all__ = [
     "close",
     "count_failure",
     "leave",
+    "leave_round",
     "mark_inprocess",
     "wait_for_others",
 ]
@@ -36,13 +44,28 @@ def close(
     rdzv: StateBackend, node: str, settings: RendezvousSettings, clock: Callable[[], float]
 ) -> None:
     """Close the rendezvous for good: every node's next_rendezvous raises closed."""
-    _drive(
+    deadline = clock() + settings.close_timeout
+    late = f"could not close {settings.run_id!r} in time"
+    _drive(rdzv, node, settings, clock, decide_close, deadline, late)
+
+
+def leave_round(
+    rdzv: StateBackend,
+    node: str,
+    settings: RendezvousSettings,
+    clock: Callable[[], float],
+    deadline: float,
+) -> tuple[RendezvousState, bytes | None]:
+    """Take ``node`` out of its current round (before it joins the next one); returns
+    the state it left."""
+    return _drive(
         rdzv,
         node,
         settings,
         clock,
-        decide_close,
-        f"could not close {settings.run_id!r} in time",
+        lambda state, now, until: decide_exit(state, node, now, until),
+        deadline,
+        f"node {node} could not leave its round",
     )
 
 
@@ -52,16 +75,16 @@ def _drive(
     settings: RendezvousSettings,
     clock: Callable[[], float],
     decide: Callable[[RendezvousState, float, float], Action],
+    deadline: float,
     late: str,
-) -> None:
-    """Apply ``decide``'s actions until it says FINISH (within ``close_timeout``; after
-    it, RendezvousTimeoutError(``late``))."""
-    deadline = clock() + settings.close_timeout
+) -> tuple[RendezvousState, bytes | None]:
+    """Apply ``decide``'s actions until it says FINISH, and return the state then; past
+    ``deadline``, RendezvousTimeoutError(``late``)."""
     state, raw = rdzv.load()
     while True:
         action = decide(state, clock(), deadline)
         if action is Action.FINISH:
-            return
+            return state, raw
         if action is Action.ERROR_TIMEOUT:
             raise RendezvousTimeoutError(late)
         new = apply(action, state, node, clock(), settings)
@@ -102,13 +125,16 @@ def leave(
     rdzv: StateBackend, node: str, settings: RendezvousSettings, clock: Callable[[], float]
 ) -> None:
     """Drop every trace of ``node`` from the state (within ``close_timeout``)."""
+    deadline = clock() + settings.close_timeout
+    late = f"node {node} could not leave in time"
     _drive(
         rdzv,
         node,
         settings,
         clock,
-        lambda state, now, deadline: decide_leave(state, node, now, deadline),
-        f"node {node} could not leave in time",
+        lambda state, now, until: decide_leave(state, node, now, until),
+        deadline,
+        late,
     )
 
 

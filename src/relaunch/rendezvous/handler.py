@@ -22,7 +22,6 @@ from relaunch.rendezvous._ops import (
     JOIN_REQUEST_ACTIONS,
     Action,
     apply,
-    decide_exit,
     decide_join,
     nodes_waiting,
 )
@@ -35,6 +34,7 @@ from relaunch.rendezvous._writes import (
     close,
     count_failure,
     leave,
+    leave_round,
     mark_inprocess,
     wait_for_others,
 )
@@ -141,15 +141,7 @@ class DynamicRendezvousHandler:
         state: RendezvousState | None = None
         raw: bytes | None = None
         if self._joined:
-            state, raw = self._rdzv.load()
-            while True:
-                action = decide_exit(state, self._node, self._clock(), deadline)
-                if action is Action.FINISH:
-                    break
-                if action is Action.ERROR_TIMEOUT:
-                    raise RendezvousTimeoutError(f"node {self._node} could not leave its round")
-                new = apply(action, state, self._node, self._clock(), settings)
-                state, raw, _ = self._rdzv.commit(state, raw, new)
+            state, raw = leave_round(self._rdzv, self._node, settings, self._clock, deadline)
         self._joined = True
         while True:
             if self._interrupted.is_set():
@@ -165,47 +157,71 @@ class DynamicRendezvousHandler:
                     state, raw, _ = self._rdzv.commit(state, raw, cleaned)
                     continue
                 action = decide_join(state, self._node, now, settings, deadline)
+            self._raise_if_ended(action)
+            info: RendezvousInfo | None = None
             if action is Action.FINISH:
                 assert state is not None
                 rank = state.participants[self._node]
-                return self._info(state.round, rank, round_size(state))
-            if action is Action.ERROR_CLOSED:
-                raise RendezvousClosedError(f"the rendezvous {settings.run_id!r} is closed")
-            if action is Action.EXIT_GRACEFULLY:
-                raise RendezvousGracefulExitError(
-                    f"the rendezvous {settings.run_id!r} is closed; spare {self._node} leaves"
-                )
-            if action is Action.ERROR_TIMEOUT:
-                raise RendezvousTimeoutError(
-                    f"node {self._node} did not join a complete round of {settings.run_id!r} "
-                    f"within join_timeout={settings.join_timeout} s"
-                )
-            if action in JOIN_REQUEST_ACTIONS:
+                info = self._info(state.round, rank, round_size(state))
+            elif action in JOIN_REQUEST_ACTIONS:
                 if action is Action.REMOVE_FROM_REDUNDANCY_LIST:
                     deadline = now + settings.join_timeout
-                ack = self._rdzv.request_join(self._node, self._interrupted.is_set)
-                if ack is not None and ack.participant:
-                    timeout = min(settings.dead_after, deadline - now)
-                    got = None
-                    if ack.complete or self._rdzv.wait_epoch(ack.epoch, timeout):
-                        got = self._rdzv.assignment(ack.round, self._node)
-                    if got is not None:
-                        return self._info(ack.round, *got)
-                state, raw = self._rdzv.load()
+                info = self._request_join(now, deadline)
             elif action is Action.SYNC:
                 assert state is not None
-                if while_waiting is not None and self._waits_beside_a_running_round(state):
-                    while_waiting()
-                self._rdzv.wait_change(state, self._sync_timeout(state, now, deadline))
-                if self._node in state.participants:
-                    got = self._rdzv.assignment(state.round, self._node)
-                    if got is not None:
-                        return self._info(state.round, *got)
-                state, raw = self._rdzv.load()
+                info = self._sync(state, now, deadline, while_waiting)
             else:
                 assert state is not None
                 new = apply(action, state, self._node, now, settings)
                 state, raw, _ = self._rdzv.commit(state, raw, new)
+                continue
+            if info is not None:
+                return info
+            state, raw = self._rdzv.load()
+
+    def _raise_if_ended(self, action: Action) -> None:
+        """Raise what ends next_rendezvous for ``action``, if it is one of the ends."""
+        run_id = self._settings.run_id
+        if action is Action.ERROR_CLOSED:
+            raise RendezvousClosedError(f"the rendezvous {run_id!r} is closed")
+        if action is Action.EXIT_GRACEFULLY:
+            raise RendezvousGracefulExitError(
+                f"the rendezvous {run_id!r} is closed; spare {self._node} leaves"
+            )
+        if action is Action.ERROR_TIMEOUT:
+            raise RendezvousTimeoutError(
+                f"node {self._node} did not join a complete round of {run_id!r} "
+                f"within join_timeout={self._settings.join_timeout} s"
+            )
+
+    def _request_join(self, now: float, deadline: float) -> RendezvousInfo | None:
+        """Ask the applier to place this node; its place once the round it joined is
+        complete (within a dead-node timeout), or None to look at the state again."""
+        ack = self._rdzv.request_join(self._node, self._interrupted.is_set)
+        if ack is None or not ack.participant:
+            return None
+        timeout = min(self._settings.dead_after, deadline - now)
+        if not ack.complete and not self._rdzv.wait_epoch(ack.epoch, timeout):
+            return None
+        got = self._rdzv.assignment(ack.round, self._node)
+        return None if got is None else self._info(ack.round, *got)
+
+    def _sync(
+        self,
+        state: RendezvousState,
+        now: float,
+        deadline: float,
+        while_waiting: Callable[[], None] | None,
+    ) -> RendezvousInfo | None:
+        """Wait for the state to change (running ``while_waiting`` beside a running
+        round); this node's place when its round completed meanwhile, else None."""
+        if while_waiting is not None and self._waits_beside_a_running_round(state):
+            while_waiting()
+        self._rdzv.wait_change(state, self._sync_timeout(state, now, deadline))
+        if self._node not in state.participants:
+            return None
+        got = self._rdzv.assignment(state.round, self._node)
+        return None if got is None else self._info(state.round, *got)
 
     # -- the program check ----------------------------------------------------------
 
