@@ -58,15 +58,12 @@ def leave_round(
 ) -> tuple[RendezvousState, bytes | None]:
     """Take ``node`` out of its current round (before it joins the next one); returns
     the state it left."""
-    return _drive(
-        rdzv,
-        node,
-        settings,
-        clock,
-        lambda state, now, until: decide_exit(state, node, now, until),
-        deadline,
-        f"node {node} could not leave its round",
-    )
+
+    def decide(state: RendezvousState, now: float, until: float) -> Action:
+        return decide_exit(state, node, now, until)
+
+    late = f"node {node} could not leave its round"
+    return _drive(rdzv, node, settings, clock, decide, deadline, late)
 
 
 def _drive(
@@ -125,17 +122,13 @@ def leave(
     rdzv: StateBackend, node: str, settings: RendezvousSettings, clock: Callable[[], float]
 ) -> None:
     """Drop every trace of ``node`` from the state (within ``close_timeout``)."""
+
+    def decide(state: RendezvousState, now: float, until: float) -> Action:
+        return decide_leave(state, node, now, until)
+
     deadline = clock() + settings.close_timeout
     late = f"node {node} could not leave in time"
-    _drive(
-        rdzv,
-        node,
-        settings,
-        clock,
-        lambda state, now, until: decide_leave(state, node, now, until),
-        deadline,
-        late,
-    )
+    _drive(rdzv, node, settings, clock, decide, deadline, late)
 
 
 def wait_for_others(
