@@ -17,8 +17,9 @@ length and names the path of the first one that is wrong.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 
@@ -113,80 +114,107 @@ class _Bytes(bytearray):
     """A ``bytes`` leaf while its bytes are read (made ``bytes`` afterwards)."""
 
 
-def decode(tree: Any, size: int, where: str) -> tuple[Any, list[Region]]:
+def decode(tree: object, size: int, where: str) -> tuple[object, list[Region]]:
     """The state ``tree`` describes, with its tensors allocated (each owns its storage,
     as ``torch.load`` gives them: ``torch.set_rng_state`` and the like need that), and
     the regions of the data file (``size`` bytes) to read into them, by offset. Call
     :func:`finish` once they are read. CorruptSnapshot naming ``where`` and the path
     of the first wrong node."""
-    regions: list[Region] = []
-
-    def bad(path: str, what: str) -> CorruptSnapshot:
-        return CorruptSnapshot(f"{where}: tree{path}: {what}")
-
-    def span(node: Any, path: str, count: int) -> tuple[int, int]:
-        offset, nbytes = node[count - 2], node[count - 1]
-        if not (_is_int(offset) and _is_int(nbytes)) or offset < 0 or nbytes < 0:
-            raise bad(path, f"expected a byte range, got {node!r}")
-        if offset + nbytes > size:
-            raise bad(path, f"bytes {offset}..{offset + nbytes} past the data's end ({size})")
-        return offset, nbytes
-
-    def walk(node: Any, path: str) -> Any:
-        if not isinstance(node, dict) or len(node) != 1:
-            raise bad(path, f"expected a one-key object, got {node!r:.80}")
-        ((kind, value),) = node.items()
-        if kind == "tensor":
-            if not isinstance(value, list) or len(value) != 5:
-                raise bad(path, f"expected [dtype, shape, offset, nbytes, device], got {value!r}")
-            dtype = getattr(torch, str(value[0]), None)
-            if not isinstance(dtype, torch.dtype):
-                raise bad(path, f"unknown dtype {value[0]!r}")
-            shape = value[1]
-            if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
-                raise bad(path, f"expected a shape, got {shape!r}")
-            offset, nbytes = span(value, path, 4)
-            count = 1
-            for d in shape:
-                count *= d
-            if count * dtype.itemsize != nbytes:
-                raise bad(path, f"{nbytes} bytes for shape {shape} of {value[0]}")
-            tensor = torch.empty(shape, dtype=dtype)
-            if nbytes:
-                target = tensor.reshape(-1).view(torch.uint8).numpy().data
-                regions.append((offset, nbytes, target.cast("B")))
-            return tensor
-        if kind == "dict":
-            if not isinstance(value, list):
-                raise bad(path, "expected a list of [key, value] pairs")
-            out = {}
-            for pair in value:
-                if not isinstance(pair, list) or len(pair) != 2:
-                    raise bad(path, f"expected a [key, value] pair, got {pair!r:.80}")
-                key = walk(pair[0], f"{path}.key")
-                out[key] = walk(pair[1], f"{path}[{key!r}]")
-            return out
-        if kind in ("list", "tuple"):
-            if not isinstance(value, list):
-                raise bad(path, f"expected a list, got {value!r:.80}")
-            items = [walk(v, f"{path}[{i}]") for i, v in enumerate(value)]
-            return items if kind == "list" else tuple(items)
-        if kind == "bytes":
-            if not isinstance(value, list) or len(value) != 2:
-                raise bad(path, f"expected [offset, nbytes], got {value!r}")
-            offset, nbytes = span(value, path, 2)
-            raw = _Bytes(nbytes)
-            if nbytes:
-                regions.append((offset, nbytes, memoryview(raw)))
-            return raw
-        return _plain_value(kind, value, path, bad)
-
-    state = walk(tree, "")
-    regions.sort(key=lambda r: r[0])
+    decoder = _Decoder(size, where)
+    state = decoder.walk(tree, "")
+    regions = sorted(decoder.regions, key=lambda r: r[0])
     for (a, n, _), (b, _m, _t) in itertools.pairwise(regions):
         if a + n > b:
-            raise bad("", f"bytes {a}..{a + n} overlap the next value's at {b}")
+            raise decoder.bad("", f"bytes {a}..{a + n} overlap the next value's at {b}")
     return state, regions
+
+
+class _Decoder:
+    """One walk of a tree for :func:`decode`: the values it makes, the regions of the
+    data file (``size`` bytes) that fill them, and the refusal of the first wrong node."""
+
+    def __init__(self, size: int, where: str) -> None:
+        self.size = size
+        self.where = where
+        self.regions: list[Region] = []
+
+    def bad(self, path: str, what: str) -> CorruptSnapshot:
+        """The refusal of the node at ``path``."""
+        return CorruptSnapshot(f"{self.where}: tree{path}: {what}")
+
+    def span(self, node: list[object], path: str, count: int) -> tuple[int, int]:
+        """The byte range ``[..., offset, nbytes]`` that ends ``node`` (``count`` items),
+        refused when it is not one or goes past the data's end."""
+        offset, nbytes = node[count - 2], node[count - 1]
+        if not (_is_int(offset) and _is_int(nbytes)) or offset < 0 or nbytes < 0:
+            raise self.bad(path, f"expected a byte range, got {node!r}")
+        if offset + nbytes > self.size:
+            raise self.bad(
+                path, f"bytes {offset}..{offset + nbytes} past the data's end ({self.size})"
+            )
+        return offset, nbytes
+
+    def walk(self, node: object, path: str) -> object:
+        """The value of ``node`` (a one-key object: its kind and what it holds)."""
+        if not isinstance(node, dict) or len(node) != 1:
+            raise self.bad(path, f"expected a one-key object, got {node!r:.80}")
+        ((kind, value),) = node.items()
+        if kind == "tensor":
+            return self.tensor(value, path)
+        if kind == "dict":
+            return self.mapping(value, path)
+        if kind in ("list", "tuple"):
+            if not isinstance(value, list):
+                raise self.bad(path, f"expected a list, got {value!r:.80}")
+            items = [self.walk(v, f"{path}[{i}]") for i, v in enumerate(value)]
+            return items if kind == "list" else tuple(items)
+        if kind == "bytes":
+            return self.raw(value, path)
+        return _plain_value(kind, value, path, self.bad)
+
+    def tensor(self, value: object, path: str) -> torch.Tensor:
+        """An empty tensor of the node's dtype and shape; its bytes become a region."""
+        if not isinstance(value, list) or len(value) != 5:
+            raise self.bad(path, f"expected [dtype, shape, offset, nbytes, device], got {value!r}")
+        dtype = getattr(torch, str(value[0]), None)
+        if not isinstance(dtype, torch.dtype):
+            raise self.bad(path, f"unknown dtype {value[0]!r}")
+        shape = value[1]
+        if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+            raise self.bad(path, f"expected a shape, got {shape!r}")
+        offset, nbytes = self.span(value, path, 4)
+        count = 1
+        for d in shape:
+            count *= d
+        if count * dtype.itemsize != nbytes:
+            raise self.bad(path, f"{nbytes} bytes for shape {shape} of {value[0]}")
+        tensor = torch.empty(shape, dtype=dtype)
+        if nbytes:
+            target = tensor.reshape(-1).view(torch.uint8).numpy().data
+            self.regions.append((offset, nbytes, target.cast("B")))
+        return tensor
+
+    def mapping(self, value: object, path: str) -> dict[object, object]:
+        """A dict from its ``[key, value]`` pairs (keys are nodes too)."""
+        if not isinstance(value, list):
+            raise self.bad(path, "expected a list of [key, value] pairs")
+        out = {}
+        for pair in value:
+            if not isinstance(pair, list) or len(pair) != 2:
+                raise self.bad(path, f"expected a [key, value] pair, got {pair!r:.80}")
+            key = self.walk(pair[0], f"{path}.key")
+            out[key] = self.walk(pair[1], f"{path}[{key!r}]")
+        return out
+
+    def raw(self, value: object, path: str) -> _Bytes:
+        """A ``bytes`` leaf to fill from its region (``[offset, nbytes]``)."""
+        if not isinstance(value, list) or len(value) != 2:
+            raise self.bad(path, f"expected [offset, nbytes], got {value!r}")
+        offset, nbytes = self.span(value, path, 2)
+        raw = _Bytes(nbytes)
+        if nbytes:
+            self.regions.append((offset, nbytes, memoryview(raw)))
+        return raw
 
 
 def finish(state: Any) -> Any:
@@ -203,7 +231,9 @@ def finish(state: Any) -> Any:
     return state
 
 
-def _plain_value(kind: str, value: Any, path: str, bad: Any) -> Any:
+def _plain_value(
+    kind: str, value: object, path: str, bad: Callable[[str, str], CorruptSnapshot]
+) -> object:
     try:
         if kind == "none" and value is None:
             return None
@@ -216,7 +246,7 @@ def _plain_value(kind: str, value: Any, path: str, bad: Any) -> Any:
         if kind == "str" and isinstance(value, str):
             return value
         if kind == "dtype" and isinstance(getattr(torch, str(value), None), torch.dtype):
-            return getattr(torch, value)
+            return getattr(torch, str(value))
         if kind == "device" and isinstance(value, str):
             return torch.device(value)
         if kind == "size" and isinstance(value, list) and all(_is_int(d) for d in value):
@@ -226,5 +256,5 @@ def _plain_value(kind: str, value: Any, path: str, bad: Any) -> Any:
     raise bad(path, f"unknown node {kind!r} with {value!r:.80}")
 
 
-def _is_int(value: object) -> bool:
+def _is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)

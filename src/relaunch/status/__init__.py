@@ -8,7 +8,7 @@ served by :class:`StatusServer` as a page, ``/status.json`` and ``/metrics``.
 """
 
 import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from relaunch.status._board import StatusBoard, escape
 from relaunch.status._job import JOB_VERSION, job_document, local_document, read_job, status_key
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 _LAZY = {"render_text": "_text", "render_html": "_web", "render_metrics": "_web"}
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> object:
     # rich and prometheus_client load only when a view is drawn (the agent never does).
     if name in _LAZY:
         module = importlib.import_module(f"relaunch.status.{_LAZY[name]}")

@@ -126,10 +126,10 @@ class StatusBoard:
     # -- reading ----------------------------------------------------------------------
     def report(self, workers: Sequence[WorkerRow] | None = None) -> NodeReport:
         """The node report now (``workers``: the rows to publish, if changed)."""
-        changes: dict[str, Any] = {"timeline": tuple(self._timeline)}
-        if workers is not None:
-            changes["workers"] = tuple(workers)
-        return dataclasses.replace(self._report, **changes)
+        timeline = tuple(self._timeline)
+        if workers is None:
+            return dataclasses.replace(self._report, timeline=timeline)
+        return dataclasses.replace(self._report, timeline=timeline, workers=tuple(workers))
 
     def say_summary(self) -> None:
         """Say the last line of a run: outcome, restarts, faults, time lost to recovery."""

@@ -9,15 +9,29 @@ from __future__ import annotations
 
 import signal
 import time
-from typing import Any
 
 from relaunch.errors import RendezvousStateError, StatusError
 from relaunch.rendezvous._backend import key_prefix
 from relaunch.rendezvous._state import RendezvousState, decode_state, node_sort_key
+from relaunch.status._document import (
+    FailureDoc,
+    InprocessDoc,
+    JobDocument,
+    NodeRow,
+    Phase,
+    RecoverySeconds,
+    ReportDoc,
+    RestartsDoc,
+    Role,
+    SnapshotsDoc,
+    TimelineDoc,
+    WorkerDoc,
+)
 from relaunch.status._report import (
     FAULT_KINDS,
     RECOVERY_BUCKETS,
     TIERS,
+    FailureLine,
     NodeReport,
     WorkerRow,
     decode_report,
@@ -40,9 +54,10 @@ def _read(store: Store, keys: list[str]) -> list[bytes | None]:
     return [store.get(k) for k in keys]
 
 
-def read_job(store: Store, run_id: str, *, backend: str) -> dict[str, Any]:
-    """The status document of job ``run_id``. Raises StatusError when the job is not
-    found or its state is corrupt, StoreError when the store does not answer."""
+def read_job(store: Store, run_id: str, *, backend: str) -> dict[str, object]:
+    """The status document of job ``run_id`` (a :class:`JobDocument`, as a plain dict for
+    the callers that hold it as one). Raises StatusError when the job is not found or its
+    state is corrupt, StoreError when the store does not answer."""
     key = key_prefix(run_id) + "state"
     raw = store.get(key)
     if raw is None:
@@ -51,9 +66,7 @@ def read_job(store: Store, run_id: str, *, backend: str) -> dict[str, Any]:
         state = decode_state(raw, key=key, run_id=run_id)
     except RendezvousStateError as exc:
         raise StatusError(f"the job's rendezvous state is corrupt: {exc}") from exc
-    nodes = sorted(
-        set(state.participants) | state.wait_list | state.redundancy_list, key=node_sort_key
-    )
+    nodes = _members(state)
     reports: dict[str, NodeReport] = {}
     problems: list[str] = []
     for node, blob in zip(nodes, _read(store, [status_key(run_id, n) for n in nodes]), strict=True):
@@ -63,12 +76,19 @@ def read_job(store: Store, run_id: str, *, backend: str) -> dict[str, Any]:
             reports[node] = decode_report(blob, key=status_key(run_id, node))
         except StatusError as exc:
             problems.append(str(exc))
-    return job_document(state, reports, backend=backend, problems=problems)
+    return dict(job_document(state, reports, backend=backend, problems=problems))
 
 
-def _node_row(
-    node: str, state: RendezvousState, report: NodeReport | None, now: float
-) -> dict[str, Any]:
+def _members(state: RendezvousState) -> list[str]:
+    """Every node the rendezvous knows (participants, waiting, spares), in rank order."""
+    return sorted(
+        set(state.participants) | state.wait_list | state.redundancy_list, key=node_sort_key
+    )
+
+
+def _node_row(node: str, state: RendezvousState, report: NodeReport | None, now: float) -> NodeRow:
+    """The row of ``node``: its place in the round (its role), its heartbeat, its report."""
+    role: Role
     if node in state.participants:
         role = "participant" if state.complete else "joining"
     elif node in state.redundancy_list:
@@ -88,7 +108,34 @@ def _node_row(
     }
 
 
-def _report_doc(report: NodeReport) -> dict[str, Any]:
+def _worker_doc(w: WorkerRow) -> WorkerDoc:
+    """A worker's row as the document shows it (its fields, in their order)."""
+    return {
+        "local_rank": w.local_rank,
+        "rank": w.rank,
+        "pid": w.pid,
+        "state": w.state,
+        "respawns": w.respawns,
+        "iteration": w.iteration,
+        "active": w.active,
+        "snapshot": w.snapshot,
+    }
+
+
+def _failure_doc(f: FailureLine) -> FailureDoc:
+    """A failure as the document shows it (its fields, in their order)."""
+    return {
+        "rank": f.rank,
+        "host": f.host,
+        "exitcode": f.exitcode,
+        "message": f.message,
+        "time": f.time,
+        "round": f.round,
+    }
+
+
+def _report_doc(report: NodeReport) -> ReportDoc:
+    """A node's report as the document shows it (its timeline goes to the job's)."""
     last = report.last_failure
     return {
         "node": report.node,
@@ -101,7 +148,7 @@ def _report_doc(report: NodeReport) -> dict[str, Any]:
         "updated": report.updated,
         "max_restarts": report.max_restarts,
         "restarts": report.restarts,
-        "workers": [dict(vars(w)) for w in report.workers],
+        "workers": [_worker_doc(w) for w in report.workers],
         "faults": dict(report.faults),
         "tiers": dict(report.tiers),
         "recovery": {
@@ -109,13 +156,13 @@ def _report_doc(report: NodeReport) -> dict[str, Any]:
             "total": report.recovery.total,
             "buckets": list(report.recovery.buckets),
         },
-        "last_failure": None if last is None else dict(vars(last)),
+        "last_failure": None if last is None else _failure_doc(last),
         "restores": report.restores,
         "steps_redone": report.steps_redone,
     }
 
 
-def _snapshots(live: list[NodeReport], workers: list[WorkerRow]) -> dict[str, Any] | None:
+def _snapshots(live: list[NodeReport], workers: list[WorkerRow]) -> SnapshotsDoc | None:
     """The job's snapshots: the step every rank can restore (the oldest of the ranks'
     newest), and the restores and steps redone (each node records every restore its
     ranks took part in: the most any node saw). None when no rank took a snapshot."""
@@ -133,6 +180,69 @@ def _snapshots(live: list[NodeReport], workers: list[WorkerRow]) -> dict[str, An
     }
 
 
+def _root_cause(live: list[NodeReport]) -> FailureLine | None:
+    """The job's root cause: the first failure of the latest round that had failures
+    (the others are usually its peers' collectives breaking). A process killed by a
+    signal (not our SIGTERM) comes first: it wrote no time of its own, only when its
+    agent saw it, which can be after a peer already reported the broken connection."""
+    failures = [r.last_failure for r in live if r.last_failure is not None]
+    latest = max((f.round for f in failures), default=0)
+    pool = [f for f in failures if f.round == latest]
+    killed = [f for f in pool if f.exitcode < 0 and -f.exitcode != signal.SIGTERM]
+    return min(killed or pool, key=lambda f: f.time, default=None)
+
+
+def _restarts(state: RendezvousState, live: list[NodeReport]) -> RestartsDoc:
+    """The job's restart budget: used (the rendezvous counts), the most (the nodes say)."""
+    max_restarts = max((r.max_restarts for r in live), default=None)
+    return {
+        "used": state.restarts,
+        "max": max_restarts,
+        "left": None if max_restarts is None else max(0, max_restarts - state.restarts),
+    }
+
+
+def _recovery_seconds(live: list[NodeReport]) -> RecoverySeconds:
+    """The nodes' recovery-time histograms, added up."""
+    buckets = [sum(r.recovery.buckets[i] for r in live) for i in range(len(RECOVERY_BUCKETS) + 1)]
+    return {
+        "count": sum(r.recovery.count for r in live),
+        "sum": round(sum(r.recovery.total for r in live), 6),
+        "bounds": list(RECOVERY_BUCKETS),
+        "buckets": buckets,
+    }
+
+
+def _inprocess(workers: list[WorkerRow]) -> InprocessDoc | None:
+    """The in-process restarts' view (the highest iteration, the active and inactive
+    ranks); None when no worker restarts in-process."""
+    if not any(w.iteration is not None for w in workers):
+        return None
+    return {
+        "iteration": max(w.iteration or 0 for w in workers),
+        "active": sorted(w.rank for w in workers if w.active),
+        "inactive": sorted(w.rank for w in workers if w.active is False),
+    }
+
+
+def _timeline(live: list[NodeReport]) -> list[TimelineDoc]:
+    """The nodes' timelines merged, oldest first."""
+    entries = sorted(((e, r) for r in live for e in r.timeline), key=lambda er: er[0].time)
+    return [
+        {"time": e.time, "node": r.node, "host": r.host, "name": e.name, "text": e.text}
+        for e, r in entries
+    ]
+
+
+def _phase(state: RendezvousState) -> Phase:
+    """The round's phase: open (gathering nodes), running, closed (the job ended)."""
+    if state.closed:
+        return "closed"
+    if state.complete:
+        return "running"
+    return "open"
+
+
 def job_document(
     state: RendezvousState,
     reports: dict[str, NodeReport],
@@ -140,53 +250,21 @@ def job_document(
     backend: str,
     problems: list[str] | None = None,
     now: float | None = None,
-) -> dict[str, Any]:
+) -> JobDocument:
     """Join the rendezvous state and the node reports into the status document."""
     now = time.time() if now is None else now
-    nodes = sorted(
-        set(state.participants) | state.wait_list | state.redundancy_list, key=node_sort_key
-    )
+    nodes = _members(state)
     rows = [_node_row(n, state, reports.get(n), now) for n in nodes]
     rows.sort(key=lambda r: (r["rank"] is None, r["rank"] or 0, node_sort_key(r["node"])))
     live = [reports[n] for n in nodes if n in reports]
-    max_restarts = max((r.max_restarts for r in live), default=None)
-    failures = [r.last_failure for r in live if r.last_failure is not None]
-    # The root cause: the first failure of the latest round that had failures (the
-    # others are usually its peers' collectives breaking). A process killed by a signal
-    # (not our SIGTERM) comes first: it wrote no time of its own, only when its agent
-    # saw it, which can be after a peer already reported the broken connection.
-    latest = max((f.round for f in failures), default=0)
-    pool = [f for f in failures if f.round == latest]
-    killed = [f for f in pool if f.exitcode < 0 and -f.exitcode != signal.SIGTERM]
-    last = min(killed or pool, key=lambda f: f.time, default=None)
-    faults = {k: sum(r.faults.get(k, 0) for r in live) for k in FAULT_KINDS}
-    tiers = {k: sum(r.tiers.get(k, 0) for r in live) for k in TIERS}
-    buckets = [sum(r.recovery.buckets[i] for r in live) for i in range(len(RECOVERY_BUCKETS) + 1)]
+    last = _root_cause(live)
     workers = [w for r in live for w in r.workers]
-    inprocess = None
-    if any(w.iteration is not None for w in workers):
-        inprocess = {
-            "iteration": max(w.iteration or 0 for w in workers),
-            "active": sorted(w.rank for w in workers if w.active),
-            "inactive": sorted(w.rank for w in workers if w.active is False),
-        }
-    entries = sorted(((e, r) for r in live for e in r.timeline), key=lambda er: er[0].time)
-    timeline = [
-        {"time": e.time, "node": r.node, "host": r.host, "name": e.name, "text": e.text}
-        for e, r in entries
-    ]
-    if state.closed:
-        phase = "closed"
-    elif state.complete:
-        phase = "running"
-    else:
-        phase = "open"
     return {
         "version": JOB_VERSION,
         "run_id": state.run_id,
         "backend": backend,
         "read_at": now,
-        "round": {"number": state.round, "state": phase},
+        "round": {"number": state.round, "state": _phase(state)},
         "world": {
             "nodes": len(state.participants) if state.complete else 0,
             "workers": len(workers),
@@ -194,29 +272,21 @@ def job_document(
             "spares": len(state.redundancy_list),
         },
         "nodes": rows,
-        "restarts": {
-            "used": state.restarts,
-            "max": max_restarts,
-            "left": None if max_restarts is None else max(0, max_restarts - state.restarts),
-        },
-        "last_failure": None if last is None else dict(vars(last)),
-        "faults": faults,
-        "recoveries": tiers,
-        "recovery_seconds": {
-            "count": sum(r.recovery.count for r in live),
-            "sum": round(sum(r.recovery.total for r in live), 6),
-            "bounds": list(RECOVERY_BUCKETS),
-            "buckets": buckets,
-        },
-        "inprocess": inprocess,
+        "restarts": _restarts(state, live),
+        "last_failure": None if last is None else _failure_doc(last),
+        "faults": {k: sum(r.faults.get(k, 0) for r in live) for k in FAULT_KINDS},
+        "recoveries": {k: sum(r.tiers.get(k, 0) for r in live) for k in TIERS},
+        "recovery_seconds": _recovery_seconds(live),
+        "inprocess": _inprocess(workers),
         "snapshots": _snapshots(live, workers),
-        "timeline": timeline,
+        "timeline": _timeline(live),
         "problems": problems or [],
     }
 
 
-def local_document(report: NodeReport, *, run_id: str, backend: str) -> dict[str, Any]:
-    """The document of a job whose nodes share no store (static): this node alone."""
+def local_document(report: NodeReport, *, run_id: str, backend: str) -> dict[str, object]:
+    """The document of a job whose nodes share no store (static): this node alone (a
+    :class:`JobDocument`, as a plain dict like :func:`read_job`'s)."""
     state = RendezvousState(
         run_id=run_id,
         round=report.round or 0,
@@ -224,4 +294,4 @@ def local_document(report: NodeReport, *, run_id: str, backend: str) -> dict[str
         participants={report.node: report.group_rank or 0},
         restarts=report.restarts,
     )
-    return job_document(state, {report.node: report}, backend=backend)
+    return dict(job_document(state, {report.node: report}, backend=backend))

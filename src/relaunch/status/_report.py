@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
-from typing import Any
 
 from relaunch.errors import StatusError
 
@@ -149,7 +149,8 @@ class _Reader:
     def __init__(self, key: str, doc: object, where: str = "") -> None:
         if not isinstance(doc, dict):
             raise StatusError(f"{key}: expected a JSON object{where}, got {type(doc).__name__}")
-        self.key, self.doc, self.where = key, doc, where
+        self.key, self.where = key, where
+        self.doc: dict[str, object] = doc
 
     def fail(self, name: str, expected: str) -> StatusError:
         value = repr(self.doc.get(name))[:80]
@@ -157,43 +158,49 @@ class _Reader:
             f"{key_field(self.key, self.where, name)}: expected {expected}, got {value}"
         )
 
-    def integer(self, name: str, *, optional: bool = False, low: int = 0) -> Any:
+    def integer(self, name: str, *, low: int = 0) -> int:
         value = self.doc.get(name)
-        if value is None and optional:
+        if isinstance(value, int) and not isinstance(value, bool) and value >= low:
+            return value
+        raise self.fail(name, f"an integer >= {low}")
+
+    def optional_integer(self, name: str, *, low: int = 0) -> int | None:
+        value = self.doc.get(name)
+        if value is None:
             return None
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise self.fail(name, f"an integer >= {low}" + (" or null" if optional else ""))
-        return value
+        if isinstance(value, int) and not isinstance(value, bool) and value >= low:
+            return value
+        raise self.fail(name, f"an integer >= {low} or null")
 
     def number(self, name: str) -> float:
         value = self.doc.get(name)
-        if (
-            isinstance(value, bool)
-            or not isinstance(value, int | float)
-            or not math.isfinite(value)
-        ):
-            raise self.fail(name, "a finite number")
-        return float(value)
+        if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
+            return float(value)
+        raise self.fail(name, "a finite number")
 
-    def text(self, name: str, *, optional: bool = False) -> Any:
+    def text(self, name: str) -> str:
         value = self.doc.get(name)
-        if value is None and optional:
-            return None
         if not isinstance(value, str):
             raise self.fail(name, "a string")
         return value[:_TEXT]
 
     def flag(self, name: str) -> bool | None:
         value = self.doc.get(name)
-        if value is not None and not isinstance(value, bool):
-            raise self.fail(name, "true, false or null")
-        return value
+        if value is None or isinstance(value, bool):
+            return value
+        raise self.fail(name, "true, false or null")
 
-    def items(self, name: str, limit: int) -> list[Any]:
+    def items(self, name: str, limit: int) -> list[object]:
         value = self.doc.get(name)
         if not isinstance(value, list) or len(value) > limit:
             raise self.fail(name, f"a list of at most {limit} items")
         return value
+
+    def rows(self, name: str, limit: int) -> Iterator[_Reader]:
+        """A reader for each object of list ``name``, in turn (each is checked when its
+        turn comes: the first fault in the list is the one named)."""
+        for i, item in enumerate(self.items(name, limit)):
+            yield _Reader(self.key, item, f"{self.where}.{name}[{i}]")
 
     def counts(self, name: str, names: tuple[str, ...]) -> dict[str, int]:
         value = self.doc.get(name)
@@ -202,10 +209,8 @@ class _Reader:
         inner = _Reader(self.key, value, f"{self.where}.{name}")
         return {k: inner.integer(k) for k in value}
 
-    def sub(self, name: str, index: int | None = None) -> _Reader:
-        value = self.doc.get(name) if index is None else self.doc[name][index]
-        where = f"{self.where}.{name}" + ("" if index is None else f"[{index}]")
-        return _Reader(self.key, value, where)
+    def sub(self, name: str) -> _Reader:
+        return _Reader(self.key, self.doc.get(name), f"{self.where}.{name}")
 
 
 def key_field(key: str, where: str, name: str) -> str:
@@ -214,73 +219,86 @@ def key_field(key: str, where: str, name: str) -> str:
 
 def decode_report(raw: bytes, *, key: str) -> NodeReport:
     """Decode a node report; raises StatusError naming ``key`` and the field at fault."""
-    if len(raw) > MAX_REPORT_BYTES:
-        raise StatusError(f"{key}: {len(raw)} bytes, expected at most {MAX_REPORT_BYTES}")
-    try:
-        doc = json.loads(raw)
-    except ValueError as exc:
-        raise StatusError(f"{key}: not JSON ({exc})") from exc
-    r = _Reader(key, doc)
-    if doc.get("version") != REPORT_VERSION:
+    r = _Reader(key, _load(raw, key))
+    if r.doc.get("version") != REPORT_VERSION:
         raise r.fail("version", f"{REPORT_VERSION}")
-    workers = []
-    for i in range(len(r.items("workers", 4096))):
-        w = r.sub("workers", i)
-        workers.append(
-            WorkerRow(
-                local_rank=w.integer("local_rank"),
-                rank=w.integer("rank"),
-                pid=w.integer("pid", optional=True, low=1),
-                state=w.text("state"),
-                respawns=w.integer("respawns"),
-                iteration=w.integer("iteration", optional=True),
-                active=w.flag("active"),
-                snapshot=w.integer("snapshot", optional=True),
-            )
-        )
-    timeline = []
-    for i in range(len(r.items("timeline", 10_000))):
-        t = r.sub("timeline", i)
-        timeline.append(
-            TimelineEntry(time=t.number("time"), name=t.text("name"), text=t.text("text"))
-        )
+    workers = tuple(_worker(w) for w in r.rows("workers", 4096))
+    timeline = tuple(_timeline_entry(t) for t in r.rows("timeline", 10_000))
     rec = r.sub("recovery")
-    buckets = rec.items("buckets", len(RECOVERY_BUCKETS) + 1)
-    if len(buckets) != len(RECOVERY_BUCKETS) + 1 or not all(
-        isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in buckets
-    ):
-        raise rec.fail("buckets", f"{len(RECOVERY_BUCKETS) + 1} counts")
-    last = None
-    if doc.get("last_failure") is not None:
-        f = r.sub("last_failure")
-        last = FailureLine(
-            rank=f.integer("rank"),
-            host=f.text("host"),
-            exitcode=f.integer("exitcode", low=-255),
-            message=f.text("message"),
-            time=f.number("time"),
-            round=f.integer("round"),
-        )
+    buckets = _buckets(rec)
+    last = None if r.doc.get("last_failure") is None else _failure(r.sub("last_failure"))
     return NodeReport(
         node=r.text("node"),
         host=r.text("host"),
         role=r.text("role"),
-        group_rank=r.integer("group_rank", optional=True),
-        round=r.integer("round", optional=True),
+        group_rank=r.optional_integer("group_rank"),
+        round=r.optional_integer("round"),
         attempt=r.integer("attempt", low=-1),
         state=r.text("state"),
         updated=r.number("updated"),
         max_restarts=r.integer("max_restarts"),
         restarts=r.integer("restarts"),
-        workers=tuple(workers),
+        workers=workers,
         faults=r.counts("faults", FAULT_KINDS),
         tiers=r.counts("tiers", TIERS),
-        recovery=Recovery(
-            count=rec.integer("count"), total=rec.number("total"), buckets=tuple(buckets)
-        ),
+        recovery=Recovery(count=rec.integer("count"), total=rec.number("total"), buckets=buckets),
         last_failure=last,
-        timeline=tuple(timeline),
+        timeline=timeline,
         # absent from the reports of agents older than the snapshots: none
-        restores=r.integer("restores", optional=True) or 0,
-        steps_redone=r.integer("steps_redone", optional=True) or 0,
+        restores=r.optional_integer("restores") or 0,
+        steps_redone=r.optional_integer("steps_redone") or 0,
+    )
+
+
+def _load(raw: bytes, key: str) -> object:
+    """The JSON in ``raw``, refused when it is larger than a report may be or not JSON."""
+    if len(raw) > MAX_REPORT_BYTES:
+        raise StatusError(f"{key}: {len(raw)} bytes, expected at most {MAX_REPORT_BYTES}")
+    try:
+        return json.loads(raw)
+    except ValueError as exc:
+        raise StatusError(f"{key}: not JSON ({exc})") from exc
+
+
+def _worker(w: _Reader) -> WorkerRow:
+    """One worker's row (``snapshot``: absent from the reports of older agents)."""
+    return WorkerRow(
+        local_rank=w.integer("local_rank"),
+        rank=w.integer("rank"),
+        pid=w.optional_integer("pid", low=1),
+        state=w.text("state"),
+        respawns=w.integer("respawns"),
+        iteration=w.optional_integer("iteration"),
+        active=w.flag("active"),
+        snapshot=w.optional_integer("snapshot"),
+    )
+
+
+def _timeline_entry(t: _Reader) -> TimelineEntry:
+    """One entry of the node's timeline."""
+    return TimelineEntry(time=t.number("time"), name=t.text("name"), text=t.text("text"))
+
+
+def _buckets(rec: _Reader) -> tuple[int, ...]:
+    """The recovery histogram's counts: one per bound and one above them all."""
+    want = len(RECOVERY_BUCKETS) + 1
+    counts = tuple(
+        b
+        for b in rec.items("buckets", want)
+        if isinstance(b, int) and not isinstance(b, bool) and b >= 0
+    )
+    if len(counts) != want:  # too few, or some not a count
+        raise rec.fail("buckets", f"{want} counts")
+    return counts
+
+
+def _failure(f: _Reader) -> FailureLine:
+    """The node's last failure (``exitcode`` negative: killed by that signal)."""
+    return FailureLine(
+        rank=f.integer("rank"),
+        host=f.text("host"),
+        exitcode=f.integer("exitcode", low=-255),
+        message=f.text("message"),
+        time=f.number("time"),
+        round=f.integer("round"),
     )

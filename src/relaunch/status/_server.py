@@ -12,9 +12,8 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
 
 from relaunch.errors import RelaunchError
 from relaunch.status._board import escape
@@ -26,15 +25,19 @@ log = logging.getLogger(__name__)
 CACHE_SECONDS = 1.0
 
 
+Source = Callable[[], Mapping[str, object]]
+"""What reads the job's status document (:func:`~relaunch.status.read_job`, say)."""
+
+
 class _Cache:
-    def __init__(self, source: Callable[[], dict[str, Any]]) -> None:
+    def __init__(self, source: Source) -> None:
         self._source = source
         self._lock = threading.Lock()
         self._at = -1e9
-        self._value: dict[str, Any] | str = "not read yet"
+        self._value: Mapping[str, object] | str = "not read yet"
         self._bodies: dict[str, bytes] = {}
 
-    def body(self, kind: str, render: Callable[[dict[str, Any]], bytes]) -> bytes | str:
+    def body(self, kind: str, render: Callable[[Mapping[str, object]], bytes]) -> bytes | str:
         """The document rendered by ``render`` (once per document read), or the error line."""
         doc = self.get()
         if isinstance(doc, str):
@@ -44,7 +47,7 @@ class _Cache:
                 self._bodies[kind] = render(doc)
             return self._bodies[kind]
 
-    def get(self) -> dict[str, Any] | str:
+    def get(self) -> Mapping[str, object] | str:
         """The document, or the one line that says why it cannot be read."""
         with self._lock:
             if time.monotonic() - self._at >= CACHE_SECONDS:
@@ -91,7 +94,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(body)
 
-    def log_message(self, format: str, *args: Any) -> None:
+    def log_message(self, format: str, *args: object) -> None:
         log.debug("status page: " + format, *args)
 
 
@@ -104,7 +107,7 @@ class _Server(ThreadingHTTPServer):
 class StatusServer:
     """Serves the job's status on ``host:port`` until :meth:`close`."""
 
-    def __init__(self, host: str, port: int, source: Callable[[], dict[str, Any]]) -> None:
+    def __init__(self, host: str, port: int, source: Source) -> None:
         self._address = (host, port)
         self._source = source
         self._server: _Server | None = None

@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import time
-from typing import Any
+from collections.abc import Mapping
 
 from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
 from relaunch.status._board import escape
+from relaunch.status._document import (
+    FailureDoc,
+    JobDocument,
+    SnapshotsDoc,
+    WorkerDoc,
+    as_document,
+)
 
 __all__ = ["render_text"]
 
@@ -29,80 +36,102 @@ def _how(code: int) -> str:
     return f"exit code {code}"
 
 
-def failure_line(f: dict[str, Any]) -> str:
+def failure_line(f: FailureDoc) -> str:
     """``rank 3 on host-b: exit code 1: ValueError: bad batch`` (control characters escaped)."""
     return f"rank {f['rank']} on {escape(f['host'])}: {_how(f['exitcode'])}: {escape(f['message'])}"
 
 
-def render_text(doc: dict[str, Any]) -> RenderableType:
+def render_text(doc: Mapping[str, object]) -> RenderableType:
     """Tables of the round, the nodes, the workers; the restart budget and last failure."""
-    rnd, world, restarts = doc["round"], doc["world"], doc["restarts"]
+    job = as_document(doc)
+    nodes, workers = _tables(job)
+    return Group(_head(job), nodes, workers, *_notes(job))
+
+
+def _head(job: JobDocument) -> Text:
+    """The job's lines: its round and world, its restart budget."""
+    rnd, world, restarts = job["round"], job["world"], job["restarts"]
     left = "-" if restarts["left"] is None else restarts["left"]
     most = "?" if restarts["max"] is None else restarts["max"]
-    head = Text.assemble(
+    return Text.assemble(
         ("job ", "bold"),
-        (escape(doc["run_id"]), "bold cyan"),
-        f" ({doc['backend']})  round {rnd['number']} ",
+        (escape(job["run_id"]), "bold cyan"),
+        f" ({job['backend']})  round {rnd['number']} ",
         (rnd["state"], "bold green" if rnd["state"] == "running" else "bold yellow"),
         f"  nodes {world['nodes']}  workers {world['workers']}"
         f"  waiting {world['nodes_waiting']}  spares {world['spares']}",
         f"\nrestarts used {restarts['used']} of {most} (left {left})",
     )
+
+
+def _tables(job: JobDocument) -> tuple[Table, Table]:
+    """The nodes' table and the workers' table (each worker under its node's host)."""
     nodes = Table(title="nodes", title_justify="left", expand=False)
     for column in ("rank", "role", "host", "address", "heartbeat", "state", "attempt"):
         nodes.add_column(column)
     workers = Table(title="workers", title_justify="left", expand=False)
     for column in ("rank", "node", "local", "pid", "state", "restarts", "iteration", "snapshot"):
         workers.add_column(column)
-    for row in doc["nodes"]:
-        report = row["report"] or {}
+    for row in job["nodes"]:
+        report = row["report"]
         nodes.add_row(
             "-" if row["rank"] is None else str(row["rank"]),
             row["role"],
             escape(row["host"] or "?"),
             escape(row["addr"]),
             _age(row["heartbeat_age"]),
-            escape(report.get("state", "?")),
-            str(report.get("attempt", "-")),
+            escape("?" if report is None else report["state"]),
+            "-" if report is None else str(report["attempt"]),
         )
-        for w in report.get("workers", ()):
-            iteration = "-" if w["iteration"] is None else str(w["iteration"])
-            if w["active"] is False:
-                iteration += " (spare)"
-            workers.add_row(
-                str(w["rank"]),
-                escape(row["host"] or row["addr"]),
-                str(w["local_rank"]),
-                "-" if w["pid"] is None else str(w["pid"]),
-                escape(w["state"]),
-                str(w["respawns"]),
-                iteration,
-                "-" if w.get("snapshot") is None else f"step {w['snapshot']}",
-            )
-    parts: list[RenderableType] = [head, nodes, workers]
-    last = doc["last_failure"]
-    parts.append(
+        for w in () if report is None else report["workers"]:
+            workers.add_row(*_worker_cells(w, escape(row["host"] or row["addr"])))
+    return nodes, workers
+
+
+def _worker_cells(w: WorkerDoc, node: str) -> tuple[str, ...]:
+    """A worker's row of the workers' table (``node``: where it runs, escaped)."""
+    iteration = "-" if w["iteration"] is None else str(w["iteration"])
+    if w["active"] is False:
+        iteration += " (spare)"
+    return (
+        str(w["rank"]),
+        node,
+        str(w["local_rank"]),
+        "-" if w["pid"] is None else str(w["pid"]),
+        escape(w["state"]),
+        str(w["respawns"]),
+        iteration,
+        "-" if w["snapshot"] is None else f"step {w['snapshot']}",
+    )
+
+
+def _notes(job: JobDocument) -> list[RenderableType]:
+    """The lines under the tables: the last failure, the in-process restarts, the
+    snapshots, the reports that could not be read, when the document was read."""
+    last = job["last_failure"]
+    parts: list[RenderableType] = [
         Text.assemble(("last failure: ", "bold"), (failure_line(last), "red"))
         if last
         else Text("last failure: none")
-    )
-    if doc["inprocess"]:
-        ip = doc["inprocess"]
+    ]
+    ip = job["inprocess"]
+    if ip:
         parts.append(
             Text(
                 f"in-process: iteration {ip['iteration']}, active ranks {ip['active']}, "
                 f"inactive {ip['inactive']}"
             )
         )
-    if doc.get("snapshots"):
-        parts.append(Text(snapshot_line(doc["snapshots"])))
-    for problem in doc["problems"]:
+    snap = job["snapshots"]
+    if snap:
+        parts.append(Text(snapshot_line(snap)))
+    for problem in job["problems"]:
         parts.append(Text(f"warning: {escape(problem)}", style="yellow"))
-    parts.append(Text(time.strftime("read at %H:%M:%S", time.localtime(doc["read_at"])), "dim"))
-    return Group(*parts)
+    parts.append(Text(time.strftime("read at %H:%M:%S", time.localtime(job["read_at"])), "dim"))
+    return parts
 
 
-def snapshot_line(snap: dict[str, Any]) -> str:
+def snapshot_line(snap: SnapshotsDoc) -> str:
     """The job's snapshots in one line (the text view and the page)."""
     restorable = "none yet" if snap["restorable"] is None else f"step {snap['restorable']}"
     per = snap["redone_per_restore"]

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import html
 import time
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Iterator, Mapping, Sequence
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import (
@@ -16,6 +15,7 @@ from prometheus_client.core import (
 )
 
 from relaunch.status._board import escape
+from relaunch.status._document import JobDocument, RecoverySeconds, as_document
 from relaunch.status._text import failure_line, snapshot_line
 
 __all__ = ["render_html", "render_metrics"]
@@ -76,7 +76,8 @@ def _table(headers: tuple[str, ...], rows: Sequence[Sequence[object]], cls: str)
     return f'<div class="scroll"><table class="{cls}"><tr>{head}</tr>{body}</table></div>'
 
 
-def _timeline(doc: dict[str, Any]) -> str:
+def _timeline(doc: JobDocument) -> str:
+    """The timeline as an SVG chart: a lane per node, a dot per event, a legend."""
     events = doc["timeline"]
     if not events:
         return '<p class="muted">no events yet</p>'
@@ -120,8 +121,41 @@ def _timeline(doc: dict[str, Any]) -> str:
     return "".join(parts)
 
 
-def render_html(doc: dict[str, Any], *, refresh: float = 2.0) -> str:
+def render_html(doc: Mapping[str, object], *, refresh: float = 2.0) -> str:
     """The whole page: refreshes itself every ``refresh`` seconds, fits a phone."""
+    job = as_document(doc)
+    return (
+        _head(job, refresh)
+        + _cards(job)
+        + "<h2>last failure</h2>"
+        + _last_failure(job)
+        + "<h2>nodes</h2>"
+        + _node_table(job)
+        + "<h2>workers</h2>"
+        + _worker_table(job)
+        + _snapshots(job)
+        + "<h2>timeline</h2>"
+        + _timeline(job)
+        + _footer(job)
+        + "</body></html>"
+    )
+
+
+def _head(doc: JobDocument, refresh: float) -> str:
+    """The page's head (it refreshes itself, fits a phone) and its title line."""
+    state = _e(doc["round"]["state"])
+    return (
+        "<!doctype html><html lang=en><head><meta charset=utf-8>"
+        '<meta name="viewport" content="width=device-width,initial-scale=1">'
+        f'<meta http-equiv="refresh" content="{refresh:g}">'
+        f"<title>relaunch: {_e(doc['run_id'])}</title><style>{_STYLE}</style></head><body>"
+        f"<h1>relaunch job <code>{_e(doc['run_id'])}</code> "
+        f'<span class="pill {state}">{state}</span></h1>'
+    )
+
+
+def _cards(doc: JobDocument) -> str:
+    """The cards at the top: the round, the world, the restart budget."""
     rnd, world, restarts = doc["round"], doc["world"], doc["restarts"]
     most = "?" if restarts["max"] is None else restarts["max"]
     cards = (
@@ -132,157 +166,178 @@ def render_html(doc: dict[str, Any], *, refresh: float = 2.0) -> str:
         ("waiting", world["nodes_waiting"]),
         ("spares", world["spares"]),
     )
-    node_rows, worker_rows = [], []
+    body = "".join(f'<div class="card">{_e(k)}<b>{_e(v)}</b></div>' for k, v in cards)
+    return f'<div class="grid">{body}</div>'
+
+
+def _last_failure(doc: JobDocument) -> str:
+    """The job's root cause, or that there is none."""
+    last = doc["last_failure"]
+    if last:
+        return f'<div class="failure" id="last-failure">{_e(failure_line(last))}</div>'
+    return '<p id="last-failure" class="muted">no failure</p>'
+
+
+def _node_table(doc: JobDocument) -> str:
+    """A row per node: its rank and role, where it is, its heartbeat, its agent's state."""
+    rows = []
     for row in doc["nodes"]:
-        report = row["report"] or {}
-        age = row["heartbeat_age"]
-        node_rows.append(
+        report, age = row["report"], row["heartbeat_age"]
+        rows.append(
             (
                 "-" if row["rank"] is None else row["rank"],
                 row["role"],
                 row["host"] or "?",
                 row["addr"],
                 "-" if age is None else f"{age:.1f} s",
-                report.get("state", "?"),
-                report.get("attempt", "-"),
+                "?" if report is None else report["state"],
+                "-" if report is None else report["attempt"],
             )
         )
-        for w in report.get("workers", ()):
+    headers = ("rank", "role", "host", "address", "heartbeat", "state", "attempt")
+    return _table(headers, rows, "nodes")
+
+
+def _worker_table(doc: JobDocument) -> str:
+    """A row per worker, under its node's host: its process, restarts, iteration, snapshot."""
+    rows = []
+    for row in doc["nodes"]:
+        for w in () if row["report"] is None else row["report"]["workers"]:
             it = "-" if w["iteration"] is None else w["iteration"]
-            worker_rows.append(
+            rows.append(
                 (w["rank"], row["host"] or row["addr"], w["local_rank"], w["pid"] or "-",
                  w["state"], w["respawns"], it if w["active"] is not False else f"{it} (spare)",
-                 "-" if w.get("snapshot") is None else w["snapshot"])
+                 "-" if w["snapshot"] is None else w["snapshot"])
             )  # fmt: skip
-    last = doc["last_failure"]
-    failure = (
-        f'<div class="failure" id="last-failure">{_e(failure_line(last))}</div>'
-        if last
-        else '<p id="last-failure" class="muted">no failure</p>'
-    )
+    headers = ("rank", "host", "local", "pid", "state", "restarts", "iteration", "snapshot")
+    return _table(headers, rows, "workers")
+
+
+def _snapshots(doc: JobDocument) -> str:
+    """The snapshots' line, when a rank took one."""
+    snap = doc["snapshots"]
+    return f'<p id="snapshots">{_e(snapshot_line(snap))}</p>' if snap else ""
+
+
+def _footer(doc: JobDocument) -> str:
+    """The counts of faults and recoveries, the unreadable reports, where it was read."""
     faults = ", ".join(f"{k} {v}" for k, v in doc["faults"].items())
     tiers = ", ".join(f"{k} {v}" for k, v in doc["recoveries"].items())
     problems = "".join(f'<p class="failure">{_e(p)}</p>' for p in doc["problems"])
     read_at = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(doc["read_at"]))
     return (
-        "<!doctype html><html lang=en><head><meta charset=utf-8>"
-        '<meta name="viewport" content="width=device-width,initial-scale=1">'
-        f'<meta http-equiv="refresh" content="{refresh:g}">'
-        f"<title>relaunch: {_e(doc['run_id'])}</title><style>{_STYLE}</style></head><body>"
-        f"<h1>relaunch job <code>{_e(doc['run_id'])}</code> "
-        f'<span class="pill {_e(rnd["state"])}">{_e(rnd["state"])}</span></h1>'
-        '<div class="grid">'
-        + "".join(f'<div class="card">{_e(k)}<b>{_e(v)}</b></div>' for k, v in cards)
-        + "</div><h2>last failure</h2>"
-        + failure
-        + "<h2>nodes</h2>"
-        + _table(
-            ("rank", "role", "host", "address", "heartbeat", "state", "attempt"), node_rows, "nodes"
-        )
-        + "<h2>workers</h2>"
-        + _table(
-            ("rank", "host", "local", "pid", "state", "restarts", "iteration", "snapshot"),
-            worker_rows,
-            "workers",
-        )
-        + (
-            f'<p id="snapshots">{_e(snapshot_line(doc["snapshots"]))}</p>'
-            if doc.get("snapshots")
-            else ""
-        )
-        + "<h2>timeline</h2>"
-        + _timeline(doc)
-        + f'<p class="muted">faults: {_e(faults)}; recoveries: {_e(tiers)}</p>'
+        f'<p class="muted">faults: {_e(faults)}; recoveries: {_e(tiers)}</p>'
         + problems
         + f'<p class="muted">read at {_e(read_at)} from the {_e(doc["backend"])} rendezvous; '
         '<a href="status.json">status.json</a> · <a href="metrics">metrics</a></p>'
-        "</body></html>"
     )
 
 
 class _Collector:
-    def __init__(self, doc: dict[str, Any]) -> None:
+    """The metrics of one document, for a registry of their own."""
+
+    def __init__(self, doc: JobDocument) -> None:
         self._doc = doc
 
     def collect(self) -> Iterator[Metric]:
+        """Every family of the document, each labelled with the job's ``run_id``."""
         doc = self._doc
-        labels = ["run_id"]
         job = [doc["run_id"]]
-
-        def gauge(name: str, help_: str, value: float) -> GaugeMetricFamily:
-            g = GaugeMetricFamily(name, help_, labels=labels)
-            g.add_metric(job, value)
-            return g
-
-        restarts = CounterMetricFamily(
-            "relaunch_restarts", "Failure restarts of the job", labels=labels
-        )
-        restarts.add_metric(job, doc["restarts"]["used"])
-        yield restarts
-        if doc["restarts"]["max"] is not None:
-            yield gauge("relaunch_restarts_max", "Failure restarts allowed", doc["restarts"]["max"])
-        faults = CounterMetricFamily(
-            "relaunch_faults", "Worker faults by kind", labels=[*labels, "kind"]
-        )
-        for kind, n in doc["faults"].items():
-            faults.add_metric([*job, kind], n)
-        yield faults
-        tiers = CounterMetricFamily(
-            "relaunch_recoveries", "Recoveries by tier", labels=[*labels, "tier"]
-        )
-        for tier, n in doc["recoveries"].items():
-            tiers.add_metric([*job, tier], n)
-        yield tiers
-        rec = doc["recovery_seconds"]
-        cumulative, buckets = 0, []
-        for bound, n in zip([*rec["bounds"], float("inf")], rec["buckets"], strict=True):
-            cumulative += n
-            buckets.append(("+Inf" if bound == float("inf") else f"{bound:g}", cumulative))
-        hist = HistogramMetricFamily(
-            "relaunch_recovery_seconds", "Seconds from a fault to workers running again",
-            labels=labels,
-        )  # fmt: skip
-        hist.add_metric(job, buckets, rec["sum"])
-        yield hist
-        yield gauge("relaunch_round", "Rendezvous round", doc["round"]["number"])
-        yield gauge("relaunch_world_nodes", "Nodes in the round", doc["world"]["nodes"])
-        yield gauge("relaunch_world_workers", "Workers reported", doc["world"]["workers"])
-        yield gauge(
-            "relaunch_nodes_waiting", "Nodes waiting to join", doc["world"]["nodes_waiting"]
-        )
-        yield gauge("relaunch_spares", "Spare nodes", doc["world"]["spares"])
-        beats = GaugeMetricFamily(
-            "relaunch_heartbeat_age_seconds", "Age of a node's last heartbeat",
-            labels=[*labels, "node"],
-        )  # fmt: skip
-        for row in doc["nodes"]:
-            if row["heartbeat_age"] is not None:
-                beats.add_metric([*job, row["node"]], row["heartbeat_age"])
-        yield beats
-        steps = GaugeMetricFamily(
-            "relaunch_snapshot_step", "Step of a rank's newest complete snapshot",
-            labels=[*labels, "rank"],
-        )  # fmt: skip
-        for row in doc["nodes"]:
-            for w in (row["report"] or {}).get("workers", ()):
-                if w.get("snapshot") is not None:
-                    steps.add_metric([*job, str(w["rank"])], w["snapshot"])
-        yield steps
-        snap = doc.get("snapshots") or {"restores": 0, "steps_redone": 0}
-        restores = CounterMetricFamily(
-            "relaunch_snapshot_restores", "Restores from snapshots", labels=labels
-        )
-        restores.add_metric(job, snap["restores"])
-        yield restores
-        redone = CounterMetricFamily(
-            "relaunch_steps_redone", "Steps the job did again after restores", labels=labels
-        )
-        redone.add_metric(job, snap["steps_redone"])
-        yield redone
+        yield from _budget(doc, job)
+        yield _recovery_seconds(doc["recovery_seconds"], job)
+        yield from _world(doc, job)
+        yield from _snapshot_families(doc, job)
 
 
-def render_metrics(doc: dict[str, Any]) -> bytes:
+_LABELS = ["run_id"]
+
+
+def _gauge(name: str, help_: str, job: list[str], value: float) -> GaugeMetricFamily:
+    """A gauge of the job alone."""
+    g = GaugeMetricFamily(name, help_, labels=_LABELS)
+    g.add_metric(job, value)
+    return g
+
+
+def _counter(name: str, help_: str, job: list[str], value: float) -> CounterMetricFamily:
+    """A counter of the job alone."""
+    c = CounterMetricFamily(name, help_, labels=_LABELS)
+    c.add_metric(job, value)
+    return c
+
+
+def _budget(doc: JobDocument, job: list[str]) -> Iterator[Metric]:
+    """The restarts (used, allowed), the faults by kind, the recoveries by tier."""
+    yield _counter("relaunch_restarts", "Failure restarts of the job", job, doc["restarts"]["used"])
+    if doc["restarts"]["max"] is not None:
+        yield _gauge(
+            "relaunch_restarts_max", "Failure restarts allowed", job, doc["restarts"]["max"]
+        )
+    faults = CounterMetricFamily(
+        "relaunch_faults", "Worker faults by kind", labels=[*_LABELS, "kind"]
+    )
+    for kind, n in doc["faults"].items():
+        faults.add_metric([*job, kind], n)
+    yield faults
+    tiers = CounterMetricFamily(
+        "relaunch_recoveries", "Recoveries by tier", labels=[*_LABELS, "tier"]
+    )
+    for tier, n in doc["recoveries"].items():
+        tiers.add_metric([*job, tier], n)
+    yield tiers
+
+
+def _recovery_seconds(rec: RecoverySeconds, job: list[str]) -> HistogramMetricFamily:
+    """The recovery times as a Prometheus histogram (cumulative buckets, ``+Inf`` last)."""
+    cumulative, buckets = 0, []
+    for bound, n in zip([*rec["bounds"], float("inf")], rec["buckets"], strict=True):
+        cumulative += n
+        buckets.append(("+Inf" if bound == float("inf") else f"{bound:g}", cumulative))
+    hist = HistogramMetricFamily(
+        "relaunch_recovery_seconds", "Seconds from a fault to workers running again",
+        labels=_LABELS,
+    )  # fmt: skip
+    hist.add_metric(job, buckets, rec["sum"])
+    return hist
+
+
+def _world(doc: JobDocument, job: list[str]) -> Iterator[Metric]:
+    """The round, the world's sizes, each node's heartbeat age."""
+    world = doc["world"]
+    yield _gauge("relaunch_round", "Rendezvous round", job, doc["round"]["number"])
+    yield _gauge("relaunch_world_nodes", "Nodes in the round", job, world["nodes"])
+    yield _gauge("relaunch_world_workers", "Workers reported", job, world["workers"])
+    yield _gauge("relaunch_nodes_waiting", "Nodes waiting to join", job, world["nodes_waiting"])
+    yield _gauge("relaunch_spares", "Spare nodes", job, world["spares"])
+    beats = GaugeMetricFamily(
+        "relaunch_heartbeat_age_seconds", "Age of a node's last heartbeat",
+        labels=[*_LABELS, "node"],
+    )  # fmt: skip
+    for row in doc["nodes"]:
+        if row["heartbeat_age"] is not None:
+            beats.add_metric([*job, row["node"]], row["heartbeat_age"])
+    yield beats
+
+
+def _snapshot_families(doc: JobDocument, job: list[str]) -> Iterator[Metric]:
+    """Each rank's newest snapshot step, the restores and the steps redone."""
+    steps = GaugeMetricFamily(
+        "relaunch_snapshot_step", "Step of a rank's newest complete snapshot",
+        labels=[*_LABELS, "rank"],
+    )  # fmt: skip
+    for row in doc["nodes"]:
+        for w in () if row["report"] is None else row["report"]["workers"]:
+            if w["snapshot"] is not None:
+                steps.add_metric([*job, str(w["rank"])], w["snapshot"])
+    yield steps
+    snap = doc["snapshots"]
+    restores, redone = (0, 0) if snap is None else (snap["restores"], snap["steps_redone"])
+    yield _counter("relaunch_snapshot_restores", "Restores from snapshots", job, restores)
+    yield _counter("relaunch_steps_redone", "Steps the job did again after restores", job, redone)
+
+
+def render_metrics(doc: Mapping[str, object]) -> bytes:
     """The document in Prometheus' text format."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Collector(doc))
+    registry.register(_Collector(as_document(doc)))
     return generate_latest(registry)
