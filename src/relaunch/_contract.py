@@ -16,7 +16,7 @@ agent share, named in the worker's environment and written by the runner (``_war
   ``relaunch.inprocess`` (its peers go on without a lost rank).
 - ``RELAUNCH_INPROCESS_INCARNATION``: set for a replacement process of an in-process
   rank that died (1 for its first replacement): it joins its running peers instead
-  of starting the job (``relaunch.inprocess._rejoin``).
+  of starting the job (``relaunch.inprocess._core._rejoin``).
 - ``RELAUNCH_INPROCESS_JOIN_WAIT``: set when the agent replaces dead in-process ranks
   (``--max-restarts`` > 0): how long a restart waits for a replacement's join request.
 - ``RELAUNCH_INPROCESS_PRELOAD``: a file listing (one per line) the modules this

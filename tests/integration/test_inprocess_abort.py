@@ -23,7 +23,7 @@ RANK = r"""
 import datetime, json, os, sys, time
 import torch, torch.distributed as dist
 from relaunch.inprocess import AbortTorchDistributed, State
-from relaunch.inprocess import _sockets
+from relaunch.inprocess._core import _sockets
 
 rank = int(os.environ["RANK"])
 _sockets.mark_baseline()
@@ -43,7 +43,7 @@ except RuntimeError as exc:
 timeout = group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
 print(json.dumps({"outcome": outcome, "gloo_timeout": timeout}), flush=True)
 # The aborted group is still referenced here; torch can abort the interpreter when it
-# is torn down at exit (the wrapper releases it before: see inprocess/_groups.py).
+# is torn down at exit (the wrapper releases it before: see inprocess/_core/_groups.py).
 os._exit(0)
 """
 

@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from relaunch.inprocess import _sockets
-from relaunch.inprocess._coord import CoordinationStore
+from relaunch.inprocess._core import _sockets
+from relaunch.inprocess._core._coord import CoordinationStore
 from relaunch.inprocess.attribution import Interruption, InterruptionRecord
 from relaunch.inprocess.exception import BarrierTimeoutError, RankShouldRestart
 from relaunch.inprocess.monitor_thread import MainThreadControl
@@ -168,7 +168,7 @@ def test_shutdown_new_connections_releases_a_blocked_reader() -> None:
 @pytest.mark.timeout(30)
 def test_a_lost_nodes_ranks_are_dead_until_their_replacements_are_admitted(server: Any) -> None:
     from relaunch._contract import lost_key
-    from relaunch.inprocess._rejoin import fresh_ranks
+    from relaunch.inprocess._core._rejoin import fresh_ranks
     from relaunch.inprocess.state import State
 
     coord = _client(server, "/relaunch/inprocess/job/0/call0/")

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import datetime
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -44,6 +46,31 @@ def test_public_names_are_pinned() -> None:
     )
     for name in inprocess.__all__:
         assert hasattr(inprocess, name)
+
+
+def test_the_core_imports_no_public_module() -> None:
+    """The engine (``inprocess/_core``) imports nothing public of the package: the public
+    modules re-export it and build on it, never the other way round."""
+    core = Path(inprocess.__file__).parent / "_core"
+    imported: dict[str, set[str]] = {}
+    for path in sorted(core.glob("*.py")):
+        names = imported.setdefault(path.name, set())
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                assert node.level == 0, f"{path.name}: a relative import"
+                module = node.module or ""
+                names.update(f"{module}.{alias.name}" for alias in node.names)
+    assert len(imported) > 20
+    public = {
+        (file, name)
+        for file, names in imported.items()
+        for name in names
+        if name.startswith("relaunch.inprocess.")
+        and not name.startswith("relaunch.inprocess._core.")
+    }
+    assert public == set()
 
 
 def test_exception_tree() -> None:
@@ -217,7 +244,7 @@ def test_cuda_health_check_takes_nvidias_timeout() -> None:
 
 
 def test_rosters_round_trip_and_corrupt_ones_are_named() -> None:
-    from relaunch.inprocess._rejoin import decode_roster, encode_roster
+    from relaunch.inprocess._core._rejoin import decode_roster, encode_roster
 
     roster = {
         r: State(rank=r, world_size=3, initial_rank=r, initial_world_size=4, iteration=5)
@@ -232,7 +259,7 @@ def test_rosters_round_trip_and_corrupt_ones_are_named() -> None:
 
 
 def test_death_records_count_for_their_incarnation_only() -> None:
-    from relaunch.inprocess._coord import CoordinationStore
+    from relaunch.inprocess._core._coord import CoordinationStore
 
     class Fake:
         def __init__(self) -> None:
@@ -257,7 +284,7 @@ def test_death_records_count_for_their_incarnation_only() -> None:
 
 
 def test_store_kwargs_take_nvidias_timeout() -> None:
-    from relaunch.inprocess._env import resolve_store
+    from relaunch.inprocess._core._env import resolve_store
 
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
     kw = {"timeout": datetime.timedelta(seconds=7)}
@@ -271,7 +298,7 @@ def test_store_kwargs_take_nvidias_timeout() -> None:
 
 
 def test_a_port_of_the_programs_own_is_hosted_by_rank_0_even_under_an_agent() -> None:
-    from relaunch.inprocess._env import resolve_store
+    from relaunch.inprocess._core._env import resolve_store
 
     agent = {
         "MASTER_ADDR": "10.0.0.1",

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from relaunch.inprocess import _nic
+from relaunch.inprocess._core import _nic
 from relaunch.inprocess.exception import HealthCheckError
 from relaunch.inprocess.health_check import ChainedNicHealthCheck, NicHealthCheck
 from relaunch.inprocess.state import State

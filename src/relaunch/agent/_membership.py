@@ -8,7 +8,7 @@ the deaths of that node's ranks in its workers' store (``<job>/lost``, read by
 ``relaunch.inprocess`` with its own death records), so the in-process ranks go on
 without them at once, and a spare or a new node takes the rank: its agent starts the
 ranks' workers at the vacancy's incarnation, and they join the running iteration as
-replacements do (``inprocess/_rejoin.py``).
+replacements do (``inprocess/_core/_rejoin.py``).
 """
 
 from __future__ import annotations

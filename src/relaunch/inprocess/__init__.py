@@ -37,6 +37,9 @@ from relaunch.inprocess import (
     tools,
     wrap,
 )
+
+# NVIDIA's module, loaded with the package as NVIDIA's is (not among the names of __all__)
+from relaunch.inprocess import monitor_process as monitor_process
 from relaunch.inprocess.abort import Abort, AbortTorchDistributed
 from relaunch.inprocess.attribution import Interruption, InterruptionRecord
 from relaunch.inprocess.compose import Compose

@@ -1,7 +1,8 @@
 """Abort: release whatever the wrapped function is blocked in, asynchronously.
 
 Abort runs in the monitor thread while the main thread may be blocked in a
-collective; it must make that call return.
+collective; it must make that call return. The engine destroys the default group
+afterwards, in the main thread (:func:`destroy_default_group`, defined in the core).
 """
 
 from __future__ import annotations
@@ -10,12 +11,12 @@ import abc
 import contextlib
 import datetime
 import os
-from typing import Any
 
-from relaunch.inprocess import _sockets
-from relaunch.inprocess._groups import live_groups
-from relaunch.inprocess._logs import get_logger
-from relaunch.inprocess.state import State
+from relaunch.inprocess._core import _sockets
+from relaunch.inprocess._core._abort import destroy_default_group
+from relaunch.inprocess._core._groups import live_groups
+from relaunch.inprocess._core._logs import get_logger
+from relaunch.inprocess._core._state import State
 
 __all__ = ["Abort", "AbortTorchDistributed", "AbortTransformerEngine", "destroy_default_group"]
 
@@ -72,50 +73,6 @@ class AbortTorchDistributed(Abort):
 
     def __repr__(self) -> str:
         return f"AbortTorchDistributed(shutdown_sockets={self.shutdown_sockets})"
-
-
-def destroy_default_group() -> None:
-    """Destroy the default process group if there is one (from the main thread), and
-    what an interrupted ``init_process_group`` left behind."""
-    import torch.distributed as dist
-
-    if not dist.is_available():
-        return
-    if dist.is_initialized():
-        try:
-            dist.destroy_process_group()
-        except Exception as exc:  # a broken group still has to go
-            log.debug("destroy_process_group failed: %s", exc)
-    else:
-        _forget_interrupted_init()
-
-
-_REGISTRIES = (
-    "pg_map", "pg_names", "pg_group_ranks", "pg_backend_config", "pg_to_tag", "tags_to_pg",
-    "pg_coalesce_state",
-)  # fmt: skip
-
-
-def _forget_interrupted_init() -> None:
-    """A restart that lands inside ``init_process_group`` (between its registration
-    steps) leaves the new group in torch's registries with no default group:
-    ``is_initialized()`` is False, so nothing destroys it, and it keeps its store alive
-    (a program's own multi-tenant TCPStore then serves the next iteration the old
-    iteration's keys: gloo connects to dead addresses). Forget it as
-    ``destroy_process_group`` would; the wrapper's references drop it afterwards."""
-    from torch.distributed import distributed_c10d as c10d
-
-    world = getattr(c10d, "_world", None)
-    registries: list[Any] = [getattr(world, name, None) for name in _REGISTRIES]
-    if not any(registries):
-        return
-    log.debug("forgetting the process groups of an interrupted init_process_group")
-    for registry in registries:
-        if hasattr(registry, "clear"):
-            registry.clear()
-    unregister = getattr(c10d, "_unregister_all_process_groups", None)
-    if callable(unregister):
-        unregister()
 
 
 _EXPIRED = datetime.timedelta(milliseconds=1)

@@ -22,8 +22,8 @@ import threading
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from relaunch.inprocess import _nic
-from relaunch.inprocess._logs import get_logger
+from relaunch.inprocess._core import _nic
+from relaunch.inprocess._core._logs import get_logger
 from relaunch.inprocess.exception import HealthCheckError, RestartError, TimeoutError
 
 __all__ = [

@@ -19,7 +19,7 @@ import datetime
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from relaunch.inprocess._assign_base import (
+from relaunch.inprocess._core._assign_base import (
     Layer,
     LayerFlag,
     RankAssignment,
@@ -27,7 +27,7 @@ from relaunch.inprocess._assign_base import (
     RankDiscarded,
     RankFilter,
 )
-from relaunch.inprocess._tree import Tree
+from relaunch.inprocess._core._tree import Tree
 from relaunch.inprocess.state import Mode, State
 
 __all__ = [

@@ -51,6 +51,9 @@ class Wrapper:
         first). None without ``LOCAL_RANK`` and user checks."""
 
     def __getattr__(self, name: str) -> Any:
+        # Not a shim: NVIDIA's 0.7 Wrapper keeps every parameter as an attribute of its
+        # own (``wrapper.soft_timeout``, ``wrapper.abort``, ...; see its ``__init__``), and
+        # code written for it reads them. Here they live in the frozen config.
         if name in ("config", "restart_health_check"):
             raise AttributeError(name)
         return getattr(self.config, name)

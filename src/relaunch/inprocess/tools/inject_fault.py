@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 from types import FrameType
 from typing import Any
 
-from relaunch.inprocess._logs import get_logger
+from relaunch.inprocess._core._logs import get_logger
 from relaunch.inprocess.monitor_thread import async_raise
 
 __all__ = [

@@ -3,7 +3,7 @@
 NVIDIA's resiliency extension logs everything to the ``nvrx`` logger; code that
 captures its records (a handler or a level set on ``nvrx``, pytest's ``caplog``)
 sees ours too, since each module's logger is a child of it
-(``nvrx.relaunch.inprocess.wrapper``, ...), and they reach the root logger as usual.
+(``nvrx.relaunch.inprocess._core._loop``, ...), and they reach the root logger as usual.
 """
 
 from __future__ import annotations

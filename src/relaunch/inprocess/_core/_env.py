@@ -13,7 +13,7 @@ from typing import Any
 
 from relaunch._contract import MARKER_ENV, call_namespace
 from relaunch.errors import ConfigError
-from relaunch.inprocess._logs import get_logger
+from relaunch.inprocess._core._logs import get_logger
 
 __all__ = ["StoreEndpoint", "announce_to_agent", "namespace", "resolve_store"]
 

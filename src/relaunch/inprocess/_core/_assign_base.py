@@ -8,8 +8,8 @@ import enum
 from collections.abc import Callable
 from typing import Any
 
-from relaunch.inprocess.exception import RestartError
-from relaunch.inprocess.state import State
+from relaunch.inprocess._core._exceptions import RestartError
+from relaunch.inprocess._core._state import State
 
 __all__ = [
     "Layer",

@@ -11,29 +11,21 @@ import datetime
 from collections.abc import Mapping
 from typing import Any
 
-from relaunch.inprocess.config import WrapperConfig
-from relaunch.inprocess.exception import BarrierTimeoutError, RestartAbort, RestartError
-from relaunch.inprocess.rank_assignment import RankAssignment, RankAssignmentCtx, RankDiscarded
-from relaunch.inprocess.state import Mode, State
+from relaunch.inprocess._core._assign_base import RankAssignment, RankAssignmentCtx, RankDiscarded
+from relaunch.inprocess._core._config import CallConfig
+from relaunch.inprocess._core._exceptions import BarrierTimeoutError, RestartAbort, RestartError
+from relaunch.inprocess._core._state import Mode, State
 
 __all__ = ["assign", "assign_exchanged", "initial_state", "readmit"]
 
 
 def initial_state(rank: int, world_size: int, iteration: int = 0) -> State:
     """Rank ``rank``'s state in the initial layout."""
-    return State(
-        rank=rank,
-        world_size=world_size,
-        active_rank=None,
-        active_world_size=None,
-        initial_rank=rank,
-        initial_world_size=world_size,
-        iteration=iteration,
-    )
+    return State(rank=rank, world_size=world_size, iteration=iteration)  # initial_*: the same
 
 
 def assign(
-    config: WrapperConfig, roster: Mapping[int, State], terminated: set[int], *, advance: bool
+    config: CallConfig, roster: Mapping[int, State], terminated: set[int], *, advance: bool
 ) -> dict[int, State]:
     """The next roster: ``terminated`` (initial ranks) leave, the assignment and the
     filter place the others. Raises RestartAbort when no rank is left active."""
@@ -74,7 +66,7 @@ def _filters(rank_filter: object) -> list:  # type: ignore[type-arg]
 
 
 def readmit(
-    config: WrapperConfig,
+    config: CallConfig,
     roster: Mapping[int, State],
     terminated: set[int],
     admitted: set[int],
@@ -91,7 +83,7 @@ def readmit(
 
 
 def assign_exchanged(
-    config: WrapperConfig,
+    config: CallConfig,
     roster: Mapping[int, State],
     terminated: set[int],
     *,
@@ -105,7 +97,7 @@ def assign_exchanged(
     (``Tree``, ``FilterCountGroupedByKey``), as NVIDIA's wrapper runs it: every
     surviving rank calls it for itself only (with the store), then the ranks publish
     their new states and read each other's. ``tag`` names this assignment's keys."""
-    from relaunch.inprocess.store import decode_state, encode_state, mixin_view
+    from relaunch.inprocess._core._exchange import decode_state, encode_state, mixin_view
 
     current = {rank for r in terminated if r in roster and (rank := roster[r].rank) is not None}
     view = mixin_view(coord.key("ra", tag) + "/", coord.store)

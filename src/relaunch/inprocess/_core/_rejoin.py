@@ -30,11 +30,11 @@ import time
 from collections.abc import Mapping
 
 from relaunch._contract import INCARNATION_ENV, JOIN_WAIT_ENV, PRELOAD_ENV
-from relaunch.inprocess._coord import COMPLETE, CoordinationStore
-from relaunch.inprocess._logs import get_logger
-from relaunch.inprocess.attribution import Interruption, InterruptionRecord
-from relaunch.inprocess.exception import BarrierTimeoutError, InternalError
-from relaunch.inprocess.state import Mode, State
+from relaunch.inprocess._core._coord import COMPLETE, CoordinationStore
+from relaunch.inprocess._core._exceptions import BarrierTimeoutError, InternalError
+from relaunch.inprocess._core._logs import get_logger
+from relaunch.inprocess._core._records import Interruption, InterruptionRecord
+from relaunch.inprocess._core._state import Mode, State
 
 __all__ = [
     "admit",

@@ -8,8 +8,8 @@ import typing
 from collections.abc import Callable
 from typing import Any
 
-from relaunch.inprocess._logs import get_logger
-from relaunch.inprocess.exception import HealthCheckError
+from relaunch.inprocess._core._exceptions import HealthCheckError
+from relaunch.inprocess._core._logs import get_logger
 
 __all__ = [
     "call_wrapper_parameter",

@@ -16,7 +16,7 @@ import os
 import socket
 import threading
 
-from relaunch.inprocess._logs import get_logger
+from relaunch.inprocess._core._logs import get_logger
 
 __all__ = ["clear_baseline", "mark_baseline", "shutdown_new_connections", "socket_inodes"]
 

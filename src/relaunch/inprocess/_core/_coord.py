@@ -32,9 +32,9 @@ from collections.abc import Callable, Iterable
 from typing import Protocol
 
 from relaunch._contract import lost_key_of
-from relaunch.inprocess._logs import get_logger
-from relaunch.inprocess.attribution import Interruption, InterruptionRecord, decode_records
-from relaunch.inprocess.exception import BarrierTimeoutError, InternalError
+from relaunch.inprocess._core._exceptions import BarrierTimeoutError, InternalError
+from relaunch.inprocess._core._logs import get_logger
+from relaunch.inprocess._core._records import Interruption, InterruptionRecord, decode_records
 
 __all__ = ["CoordinationStore", "TorchStore"]
 

@@ -11,15 +11,15 @@ import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from relaunch.inprocess._assign_base import (
+from relaunch.inprocess._core._assign_base import (
     Layer,
     LayerFlag,
     RankAssignment,
     RankAssignmentCtx,
     RankDiscarded,
 )
-from relaunch.inprocess.exception import RestartError
-from relaunch.inprocess.state import Mode, State
+from relaunch.inprocess._core._exceptions import RestartError
+from relaunch.inprocess._core._state import Mode, State
 
 __all__ = ["Tree"]
 

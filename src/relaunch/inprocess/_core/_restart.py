@@ -1,0 +1,61 @@
+"""The restart procedure of one rank after an interrupted iteration, in NVIDIA's order:
+abort (once), finalize, health check; then the failed iteration's frames and process
+groups are released and every member meets at the termination barrier, which
+freezes the set of terminated ranks the next roster is computed from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+from typing import Any
+
+from relaunch.inprocess._core import _params
+from relaunch.inprocess._core._abort import destroy_default_group
+from relaunch.inprocess._core._call import POLL, RankCall
+from relaunch.inprocess._core._exceptions import RestartAbort
+from relaunch.inprocess._core._groups import release_frames
+from relaunch.inprocess._core._logs import get_logger
+from relaunch.inprocess._core._records import Interruption
+
+__all__ = ["restart"]
+
+log = get_logger(__name__)
+
+
+def restart(call: RankCall, cause: Any, members: set[int]) -> set[int]:
+    """Restart after ``call``'s current iteration was interrupted by ``cause`` (the
+    exception the function raised, or None); return the frozen set of terminated
+    initial ranks. Raises RestartAbort when this rank is among them."""
+    cfg, me, it = call.config, call.state.initial_rank, call.state.iteration
+    train_ex = cause if isinstance(cause, BaseException) else None
+    # The hard timeout covers the restart procedure too (its waits poll in Python):
+    # a rank stuck in C here is killed and the others go on without it.
+    call.shared.arm()
+    call.aborter.once()
+    destroy_default_group()  # here, not in the monitor thread (see _abort.py)
+    exc_ = train_ex if isinstance(train_ex, Exception) else None
+    call.state = dataclasses.replace(call.state, fn_exception=exc_)
+    _params.finalize_then_check(
+        cfg.finalize,
+        call.wrapper_health_check,
+        call.state,
+        me,
+        lambda why: call.coord.record_dead(it, me, Interruption.TERMINATED, why),
+    )
+    release_frames(train_ex)
+    gc.collect(1)
+    call.groups.release()  # the last references: groups are destroyed without the GIL
+    call.shared.iteration = it + 1  # a death from now on interrupts the next iteration
+    terminated = call.coord.termination_barrier(
+        it,
+        me,
+        members,
+        cfg.seconds("barrier_timeout"),
+        POLL,
+        cfg.seconds("last_call_wait"),
+    )
+    log.info("rank %s: iteration %s ends; terminated ranks %s", me, it, sorted(terminated))
+    if me in terminated:
+        raise RestartAbort(f"rank {me} was declared terminated")
+    return terminated
