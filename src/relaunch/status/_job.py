@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import signal
 import time
+from typing import cast
 
 from relaunch.errors import RendezvousStateError, StatusError
 from relaunch.rendezvous._backend import key_prefix
@@ -110,28 +111,12 @@ def _node_row(node: str, state: RendezvousState, report: NodeReport | None, now:
 
 def _worker_doc(w: WorkerRow) -> WorkerDoc:
     """A worker's row as the document shows it (its fields, in their order)."""
-    return {
-        "local_rank": w.local_rank,
-        "rank": w.rank,
-        "pid": w.pid,
-        "state": w.state,
-        "respawns": w.respawns,
-        "iteration": w.iteration,
-        "active": w.active,
-        "snapshot": w.snapshot,
-    }
+    return cast(WorkerDoc, dict(vars(w)))
 
 
 def _failure_doc(f: FailureLine) -> FailureDoc:
     """A failure as the document shows it (its fields, in their order)."""
-    return {
-        "rank": f.rank,
-        "host": f.host,
-        "exitcode": f.exitcode,
-        "message": f.message,
-        "time": f.time,
-        "round": f.round,
-    }
+    return cast(FailureDoc, dict(vars(f)))
 
 
 def _report_doc(report: NodeReport) -> ReportDoc:

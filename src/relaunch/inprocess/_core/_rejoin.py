@@ -29,7 +29,7 @@ import re
 import time
 from collections.abc import Mapping
 
-from relaunch._contract import INCARNATION_ENV, JOIN_WAIT_ENV, PRELOAD_ENV
+from relaunch._contract import INCARNATION_ENV, JOIN_WAIT_ENV, PRELOAD_ENV, read_module_list
 from relaunch.inprocess._core._coord import COMPLETE, CoordinationStore
 from relaunch.inprocess._core._exceptions import BarrierTimeoutError, InternalError
 from relaunch.inprocess._core._logs import get_logger
@@ -77,13 +77,8 @@ def preload(env: Mapping[str, str] | None = None) -> int:
     path = env.get(PRELOAD_ENV)
     if not path:
         return 0
-    try:
-        with open(path) as f:
-            names = [line.strip() for line in f if line.strip()]
-    except OSError:
-        return 0
     count, t0 = 0, time.monotonic()
-    for name in names:
+    for name in read_module_list(path):
         if name in sys.modules or not _MODULE.fullmatch(name):
             continue
         try:
