@@ -2,6 +2,7 @@
 torchrun with the script's own disk checkpoints every K steps, in the same run.
 
     python bench/goodput.py [--steps 600] [--step-time 0.05] [--fault-every 8] [--every 50]
+                            [--params 10]
 
 One node, two gloo workers (``examples/snapshots.py``: DDP, a step of ``--step-time``
 seconds), ``--max-restarts`` enough for every fault. A SIGKILL of a random worker every
@@ -9,7 +10,8 @@ seconds), ``--max-restarts`` enough for every fault. A SIGKILL of a random worke
 and without faults. Prints per launcher: wall time, faults, goodput (fault-free time /
 wall time with faults), steps redone per fault (step executions beyond ``--steps``,
 per fault), and the cost of saving per step (fault-free wall time against the same
-script with no checkpoint at all, per step).
+script with no checkpoint at all, per step). ``--params M``: a model of about M million
+parameters (Adam: its state is 3x that) instead of the example's tiny one.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ def run(launcher: str, args: argparse.Namespace, faults: bool, mode: str) -> dic
     """One job; ``mode``: "snapshot" (every step), "disk" (every K steps) or "none"."""
     out = Path(tempfile.mkdtemp(prefix="relaunch-goodput-"))
     script = [str(EXAMPLE), "--steps", str(args.steps), "--sleep", str(args.step_time),
-              "--log-to", str(out)]  # fmt: skip
+              "--log-to", str(out), "--params", str(args.params)]  # fmt: skip
     if mode == "disk":
         script += ["--disk-every", str(args.every), "--disk-dir", str(out)]
     elif mode == "none":
@@ -103,11 +105,14 @@ def main() -> None:
     parser.add_argument("--step-time", type=float, default=0.05)
     parser.add_argument("--fault-every", type=float, default=8.0)
     parser.add_argument("--every", type=int, default=50, help="torchrun's checkpoint interval")
+    parser.add_argument("--params", type=float, default=0.0,
+                        help="the model's size in millions of parameters (0: a tiny one)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--limit", type=float, default=600.0, help="seconds a run may take")
     args = parser.parse_args()
     in_loopback_netns()
-    print(f"{args.steps} steps of {args.step_time} s, a SIGKILL every {args.fault_every} s; "
+    size = f"{args.params:g}M parameters" if args.params else "a tiny model"
+    print(f"{args.steps} steps of {args.step_time} s, {size}, a SIGKILL every {args.fault_every} s; "
           f"torchrun's script saves every {args.every} steps")  # fmt: skip
     print(f"{'launcher':<10} {'clean s':>8} {'faulted s':>10} {'faults':>7} {'goodput':>8} "
           f"{'redone/fault':>13} {'save ms/step':>13}")  # fmt: skip

@@ -31,6 +31,18 @@ from torch.nn.parallel import DistributedDataParallel
 from relaunch import checkpoint
 
 
+def build_model(millions: float) -> nn.Module:
+    """The tiny default model, or about ``millions`` million parameters."""
+    if millions <= 0:
+        return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
+    width = 1024
+    hidden = max(1, round(millions * 1e6 / (width * width + width)))
+    layers: list[nn.Module] = [nn.Linear(16, width), nn.ReLU()]
+    for _ in range(hidden):
+        layers += [nn.Linear(width, width), nn.ReLU()]
+    return nn.Sequential(*layers, nn.Linear(width, 1))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=300)
@@ -39,6 +51,9 @@ def main() -> None:
                         help="kill right after that step's save() returned (mid-save)")  # fmt: skip
     parser.add_argument("--extra-mb", type=int, default=0,
                         help="an extra tensor of this many MB in the state")  # fmt: skip
+    parser.add_argument("--params", metavar="MILLIONS", type=float, default=0.0,
+                        help="a model of about this many million parameters (hidden "
+                             "layers 1024 wide) instead of the tiny default")  # fmt: skip
     parser.add_argument("--log-to", metavar="DIR", default=None)
     parser.add_argument("--sleep", type=float, default=0.0)
     parser.add_argument("--disk-every", metavar="K", type=int, default=0,
@@ -51,7 +66,7 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
+    model = build_model(args.params)
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
     extra = torch.zeros(args.extra_mb * (1 << 18))  # float32: 4 bytes each
     start = 0
