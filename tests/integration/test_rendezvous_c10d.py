@@ -180,29 +180,22 @@ def test_corrupt_state_gives_clear_error(nodes: list[Node]) -> None:
         assert node.proc.wait(timeout=30) == 3
 
 
+def _one_node(endpoint: str, conf: dict[str, str]) -> RendezvousParameters:
+    """The parameters of a one-node c10d rendezvous at ``endpoint``."""
+    return RendezvousParameters(
+        backend="c10d", endpoint=endpoint, run_id="job", min_nodes=1, max_nodes=1, conf=conf
+    )
+
+
 def test_cannot_bind_or_connect_is_a_clear_error() -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        params = RendezvousParameters(
-            backend="c10d",
-            endpoint=f"127.0.0.1:{port}",
-            run_id="job",
-            min_nodes=1,
-            max_nodes=1,
-            conf={"is_host": "1"},
-        )
+        params = _one_node(f"127.0.0.1:{port}", {"is_host": "1"})
         with pytest.raises(RendezvousError, match=f"cannot listen on port {port}"):
             create_handler(params)
-    params = RendezvousParameters(
-        backend="c10d",
-        endpoint=f"127.0.0.1:{free_port()}",
-        run_id="job",
-        min_nodes=1,
-        max_nodes=1,
-        conf={"is_host": "0", "read_timeout": "0.3"},
-    )
+    params = _one_node(f"127.0.0.1:{free_port()}", {"is_host": "0", "read_timeout": "0.3"})
     with pytest.raises(StoreConnectionError, match="cannot reach the c10d rendezvous store"):
         create_handler(params)
     assert not [t for t in threading.enumerate() if t.name.startswith("relaunch-")]
@@ -231,14 +224,7 @@ def test_port_held_by_a_connection_is_hosted_once_it_is_free() -> None:
 
         releaser = threading.Timer(1.0, end_connection)
         releaser.start()
-        params = RendezvousParameters(
-            backend="c10d",
-            endpoint=f"127.0.0.1:{port}",
-            run_id="job",
-            min_nodes=1,
-            max_nodes=1,
-            conf={"read_timeout": "30"},
-        )
+        params = _one_node(f"127.0.0.1:{port}", {"read_timeout": "30"})
         try:
             handler = create_handler(params)
             try:
