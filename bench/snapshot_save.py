@@ -5,14 +5,19 @@ with Adam (state: weights + two moments, 3x the parameters), on the CPU.
     python bench/snapshot_save.py [--sizes 10,100] [--reps 5]
 
 Prints, per size: one training step (forward, backward, Adam) without snapshots, the
-same with ``save()`` after every step (the last one waited for), their difference (the
-pause a snapshot per step costs: whatever the writer thread does not hide behind the
-next step), as a share of the step, and one ``torch.save`` of the same state to a file.
+same with ``save()`` after every step (the last one waited for); the pause: the time
+the training thread is held per step (in ``save()``, and waiting before the optimizer
+step for the copy of the previous save to finish), also as a share of the step; the
+slowdown: the difference of the two step times, which is more than the pause where
+the writer thread's copy and checksum compete with the step for cores and memory
+bandwidth (on a GPU node the step runs on the GPU and the copy does not compete); and
+one ``torch.save`` of the same state to a file.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import shutil
 import statistics
@@ -31,27 +36,42 @@ def build(million: int) -> tuple[nn.Module, torch.optim.Optimizer, int]:
     return model, optimizer, width
 
 
+_steps = itertools.count()
+
+
 def train(
     model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, reps: int, snap: bool
-) -> float:
-    """Seconds per step of ``reps`` steps, with a snapshot after each when ``snap``."""
+) -> tuple[float, float]:
+    """Seconds per step of ``reps`` steps, with a snapshot after each when ``snap``, and
+    the seconds per step the training thread was held by the snapshots. The last
+    snapshot's checksum and rename, which a long run overlaps with its next step, are
+    waited for after the clock stops."""
     from relaunch import checkpoint
 
+    held = 0.0
     t0 = time.perf_counter()
-    for step in range(reps):
+    for _ in range(reps):
+        step = next(_steps)  # steps grow, as in training (a step saved again is a restart's)
         model(x).pow(2).mean().backward()
+        t = time.perf_counter()
+        checkpoint.wait_copied()  # what the optimizer's pre-step hook would wait for
+        held += time.perf_counter() - t
         optimizer.step()
         optimizer.zero_grad()
         if snap:
+            t = time.perf_counter()
             checkpoint.save(step, {"model": model.state_dict(), "opt": optimizer.state_dict()})
+            held += time.perf_counter() - t
+    seconds = time.perf_counter() - t0
     checkpoint.wait()
-    return (time.perf_counter() - t0) / reps
+    return seconds / reps, held / reps
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--sizes", default="10,100", help="millions of parameters")
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--batch", type=int, default=64, help="rows per step (2048 wide)")
     args = parser.parse_args()
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
     base = "/dev/shm" if os.path.isdir("/dev/shm") else None
@@ -60,19 +80,19 @@ def main() -> None:
     os.environ.update(RELAUNCH_SNAPSHOT_DIR=root, RANK="0", WORLD_SIZE="1")
 
     print(f"{'params':>8} {'state MB':>9} {'step s':>8} {'with save s':>12} {'pause ms':>9} "
-          f"{'pause/step':>11} {'torch.save ms':>14}")  # fmt: skip
+          f"{'pause/step':>11} {'slowdown/step':>14} {'torch.save ms':>14}")  # fmt: skip
     try:
         for million in (int(x) for x in args.sizes.split(",")):
             model, optimizer, width = build(million)
-            x = torch.randn(64, width)
+            x = torch.randn(args.batch, width)
 
-            train(model, optimizer, x, 2, True)  # warm: Adam's state, the first files
+            train(model, optimizer, x, 3, True)  # warm: Adam's state, the first files
             plain = statistics.median(
-                train(model, optimizer, x, args.reps, False) for _ in range(3)
+                train(model, optimizer, x, args.reps, False)[0] for _ in range(3)
             )
-            saving = statistics.median(
-                train(model, optimizer, x, args.reps, True) for _ in range(3)
-            )
+            runs = [train(model, optimizer, x, args.reps, True) for _ in range(3)]
+            saving = statistics.median(r[0] for r in runs)
+            pause = statistics.median(r[1] for r in runs)
             t0 = time.perf_counter()
             torch.save(
                 {"model": model.state_dict(), "opt": optimizer.state_dict()},
@@ -81,9 +101,9 @@ def main() -> None:
             torch_save = time.perf_counter() - t0
             n = sum(p.numel() for p in model.parameters())
             mb = 3 * n * 4 / 2**20
-            pause = max(saving - plain, 0.0)
-            print(f"{n / 1e6:7.1f}M {mb:9.0f} {plain:8.2f} {saving:12.2f} {pause * 1e3:9.0f} "
-                  f"{pause / plain:10.1%} {torch_save * 1e3:14.0f}")  # fmt: skip
+            slowdown = max(saving - plain, 0.0)
+            print(f"{n / 1e6:7.1f}M {mb:9.0f} {plain:8.2f} {saving:12.2f} {pause * 1e3:9.1f} "
+                  f"{pause / plain:10.1%} {slowdown / plain:14.1%} {torch_save * 1e3:14.0f}")  # fmt: skip
             del model, optimizer
     finally:
         shutil.rmtree(root, ignore_errors=True)

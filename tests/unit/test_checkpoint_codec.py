@@ -121,6 +121,30 @@ def test_the_saver_keeps_the_newest_and_never_offers_a_partial_one(tmp_path: Pat
     ]
 
 
+def _mapped_under(root: Path) -> list[str]:
+    with open("/proc/self/maps") as f:
+        return [line.split(None, 5)[-1].strip() for line in f if str(root) in line]
+
+
+def test_the_writer_holds_no_memory_of_a_removed_snapshot(tmp_path: Path) -> None:
+    """The writer keeps its data files mapped between saves (a reused file costs no page
+    faults), but never a removed one: a pruned or discarded snapshot's memory is freed."""
+    saver = Saver(_where(tmp_path))
+    for step in range(6):
+        saver.save(step, {"x": torch.full((1 << 18,), float(step)), "n": step})
+        saver.wait()
+        mapped = _mapped_under(tmp_path)
+        assert not [m for m in mapped if m.endswith("(deleted)")], mapped
+        assert len(mapped) <= 2, mapped
+    assert torch.equal(saver.read(5)["x"], torch.full((1 << 18,), 5.0))  # type: ignore[index]
+    saver.save(6, {"x": torch.ones(1 << 17)})  # another size: the reused file is mapped anew
+    saver.wait()
+    assert torch.equal(saver.read(6)["x"], torch.ones(1 << 17))  # type: ignore[index]
+    assert torch.equal(saver.read(5)["x"], torch.full((1 << 18,), 5.0))  # type: ignore[index]
+    saver.discard_newer(None)
+    assert saver.steps() == [] and _mapped_under(tmp_path) == []
+
+
 def test_a_foreign_snapshot_is_refused_and_the_limit_holds(tmp_path: Path) -> None:
     Saver(_where(tmp_path, job="other")).save(1, {"x": torch.zeros(4)})
     mine = Saver(_where(tmp_path))
@@ -176,3 +200,28 @@ def test_restored_tensors_own_their_storage(tmp_path: Path) -> None:
         assert back[key].storage_offset() == 0
         assert back[key].untyped_storage().nbytes() == state[key].untyped_storage().nbytes()
     torch.random.set_rng_state(back["rng"])
+
+
+def test_save_outside_relaunch_is_the_same_clear_error_every_time(tmp_path: Path) -> None:
+    """No snapshot directory: every save says so (a failed first save once left the
+    package's saver slot holding the submodule: the second save was an AttributeError)."""
+    import subprocess
+    import sys
+
+    script = (
+        "from relaunch import checkpoint\n"
+        "from relaunch.errors import SnapshotError\n"
+        "for _ in range(2):\n"
+        "    try:\n"
+        "        checkpoint.save(0, {})\n"
+        "    except SnapshotError as exc:\n"
+        "        print('refused:', exc)\n"
+        "checkpoint.wait(); checkpoint.wait_copied()\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != layout.ENV_DIR}
+    out = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert len(lines) == 2 and all("no snapshot directory" in line for line in lines), lines

@@ -46,7 +46,9 @@ __all__ = ["SnapshotError", "load", "save", "wait", "wait_copied"]
 log = logging.getLogger("relaunch.checkpoint")
 
 _lock = threading.Lock()
-_saver: Any = None
+_current: Any = None
+"""This process's Saver (not named ``_saver``: importing the submodule of that name
+would set the package attribute to the module)."""
 
 
 def save(step: int, state: object, *, blocking: bool = False) -> None:
@@ -66,14 +68,14 @@ def save(step: int, state: object, *, blocking: bool = False) -> None:
 
 def wait_copied() -> None:
     """Wait until the tensors of the last ``save`` are copied (not yet complete)."""
-    if _saver is not None:
-        _saver.wait_copied()
+    if _current is not None:
+        _current.wait_copied()
 
 
 def wait() -> None:
     """Wait until the last ``save`` is complete on the node."""
-    if _saver is not None:
-        _saver.wait()
+    if _current is not None:
+        _current.wait()
 
 
 def load() -> tuple[int, Any] | None:
@@ -95,13 +97,13 @@ def load() -> tuple[int, Any] | None:
 
 
 def _get() -> Any:
-    global _saver
+    global _current
     with _lock:
-        if _saver is None:
+        if _current is None:
             from relaunch.checkpoint._saver import Saver
 
-            _saver = Saver(_where_from_env(os.environ))
-        return _saver
+            _current = Saver(_where_from_env(os.environ))
+        return _current
 
 
 def _where_from_env(env: Any) -> Any:

@@ -30,6 +30,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from relaunch.checkpoint import _layout as layout
 from relaunch.checkpoint import _wire as wire
+from relaunch.checkpoint._mapped import MappedFiles
 from relaunch.checkpoint._tree import Leaf, Region, decode, encode, finish
 from relaunch.errors import SnapshotError
 
@@ -79,6 +80,7 @@ class Saver:
         """Whether the last snapshot had a peer copy made (the node keeps one more)."""
         self._exiting = threading.Event()
         self._warned_peer = False
+        self._maps = MappedFiles()
         atexit.register(self._at_exit)
         # a fence: no optimizer changes the tensors of a save still being copied
         self._hook = register_optimizer_step_pre_hook(self._before_optimizer_step)
@@ -228,10 +230,10 @@ class Saver:
                 f = self._data_file(p)
                 crc = 0
                 if p.nbytes:
-                    with mmap.mmap(f.fileno(), p.nbytes) as mapping:
-                        self._copy(p, mapping)
-                        self._copied.set()
-                        crc = zlib.crc32(mapping)
+                    mapping = self._maps.map(f, p.nbytes)
+                    self._copy(p, mapping)
+                    self._copied.set()
+                    crc = zlib.crc32(mapping)
             finally:
                 self._copied.set()
             f.flush()
@@ -252,13 +254,23 @@ class Saver:
                 shutil.rmtree(p.final, ignore_errors=True)
             os.rename(p.folder, p.final)
             layout.prune(self.rank_root, self.window)
+            self._keep_live_maps()
             self._replicate(p.step, crc)
         except BaseException as exc:
             self._error = exc
             if f is not None:
+                self._maps.forget(f)
                 with contextlib.suppress(Exception):
                     f.close()
             shutil.rmtree(p.folder, ignore_errors=True)
+
+    def _keep_live_maps(self) -> None:
+        """Unmap the data files that are gone (pruned, discarded): a mapping would keep
+        their memory."""
+        steps = layout.complete_steps(self.rank_root)
+        self._maps.keep_only(
+            os.path.join(layout.step_dir(self.rank_root, s), layout.DATA) for s in steps
+        )
 
     def _replicate(self, step: int, crc: int) -> None:
         """Tell the agent of this snapshot and wait until its ring successor holds a
@@ -308,6 +320,7 @@ class Saver:
         """Forget this rank's snapshots in node memory newer than the restored ``step``
         (all of them after a fresh start): the job left their timeline."""
         gone = layout.discard_newer(self.rank_root, step)
+        self._keep_live_maps()
         if gone:
             log.info("rank %s: dropped snapshots of steps %s (newer than the restored one)",
                      self.where.rank, gone)  # fmt: skip
