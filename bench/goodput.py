@@ -2,21 +2,30 @@
 torchrun with the script's own disk checkpoints every K steps, in the same run.
 
     python bench/goodput.py [--steps 600] [--step-time 0.05] [--fault-every 8] [--every 50]
-                            [--params 10]
+                            [--params 10] [--nodes 2 --nproc 1 --node-kill-every 2]
 
-One node, two gloo workers (``examples/snapshots.py``: DDP, a step of ``--step-time``
-seconds), ``--max-restarts`` enough for every fault. A SIGKILL of a random worker every
-``--fault-every`` seconds (the same schedule for both). Four runs: each launcher with
-and without faults. Prints per launcher: wall time, faults, goodput (fault-free time /
-wall time with faults), steps redone per fault (step executions beyond ``--steps``,
-per fault), and the cost of saving per step (fault-free wall time against the same
-script with no checkpoint at all, per step). ``--params M``: a model of about M million
-parameters (Adam: its state is 3x that) instead of the example's tiny one.
+``--nodes`` agents of the launcher on this machine (each with a snapshot directory of
+its own; gloo over loopback), ``--nproc`` workers each (``examples/snapshots.py``: DDP,
+a step of ``--step-time`` seconds of sleep beside its compute), ``--max-restarts``
+enough for every fault. A fault every ``--fault-every`` seconds, the same schedule for
+both launchers: a SIGKILL of a random worker, or, every ``--node-kill-every``-th fault,
+of a whole node: its agent and every process under it, then its snapshot directory is
+deleted (its machine is gone) and a replacement node is started at once, as a
+scheduler would (``--spares S``: relaunch also starts S spare agents, which take a lost
+node's ranks; torchrun has none). The node killed runs workers and is never the first, which hosts the c10d store (its
+loss ends the job under both launchers: issue 24). Six runs: each launcher with no
+checkpoint at all, with its checkpoints and no fault, and with faults. Prints per
+launcher: wall times, faults, goodput (fault-free time / wall time with faults), steps
+redone per fault (step executions beyond ``--steps``, per fault), and the cost of
+saving per step (fault-free wall time against the same script with no checkpoint at
+all, per step). ``--params M``: a model of about M million parameters (Adam: its state
+is 3x that) instead of the example's tiny one.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -34,6 +43,109 @@ from _common import free_port, in_loopback_netns
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "snapshots.py"
 
 
+def _descendants(pid: int) -> list[int]:
+    """``pid``'s processes, children first found by walking /proc (workers may sit in
+    sessions of their own)."""
+    parents: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_bytes()
+        except OSError:
+            continue
+        ppid = int(stat[stat.rfind(b")") + 2 :].split()[1])
+        parents.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in parents.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+class Cluster:
+    """The agents of one run, one per simulated node, each with its snapshot directory."""
+
+    def __init__(self, launcher: str, args: argparse.Namespace, out: Path, script: list[str]):
+        self.launcher, self.args, self.out, self.script = launcher, args, out, script
+        self.port = free_port()
+        self.nodes: list[subprocess.Popen[bytes]] = []
+        self.dirs: list[Path] = []
+        self.started = 0
+        for index in range(args.nodes + (args.spares if launcher == "relaunch" else 0)):
+            self.nodes.append(self._start())
+            self.dirs.append(self._dir)
+            if index == 0:
+                self._wait_listening()
+
+    def _start(self) -> subprocess.Popen[bytes]:
+        self.started += 1
+        self._dir = self.out / f"snapshots-{self.started}"
+        head = [sys.executable, "-m", "relaunch"] if self.launcher == "relaunch" else ["torchrun"]
+        extra = [f"--snapshot-dir={self._dir}"] if self.launcher == "relaunch" else []
+        cmd = [
+            *head, f"--nnodes={self.args.nodes}", f"--nproc-per-node={self.args.nproc}",
+            "--max-restarts=1000", "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{self.port}", "--rdzv-id=goodput", *extra, *self.script,
+        ]  # fmt: skip
+        # torchrun recovers only with a store of its own per round (without it, its
+        # restarted workers hang: bench/launch_recovery.py)
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+            "GLOO_SOCKET_IFNAME": "lo",
+            "TMPDIR": str(self.out),
+        }
+        with open(self.out / f"agent-{self.started}.out", "wb") as log:
+            return subprocess.Popen(
+                cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+
+    def _wait_listening(self) -> None:
+        import socket
+
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", self.port)) == 0:
+                    return
+            time.sleep(0.05)
+        raise RuntimeError(f"{self.launcher}: the first agent never listened")
+
+    def running(self) -> bool:
+        return any(p.poll() is None for p in self.nodes)
+
+    def pick_node(self, rng: random.Random) -> int:
+        """A node that runs workers (not a waiting spare) and does not host the store."""
+        latest = {int(str(r["pid"])) for r in _rows(self.out) if "pid" in r}
+        busy = [
+            i for i in range(1, len(self.nodes)) if latest & set(_descendants(self.nodes[i].pid))
+        ]
+        return rng.choice(busy or list(range(1, len(self.nodes))))
+
+    def kill_node(self, index: int) -> None:
+        """SIGKILL node ``index`` whole, delete its snapshots, start its replacement."""
+        proc = self.nodes[index]
+        for pid in [proc.pid, *_descendants(proc.pid)]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        proc.wait()
+        shutil.rmtree(self.dirs[index], ignore_errors=True)
+        self.nodes[index] = self._start()
+        self.dirs[index] = self._dir
+
+    def close(self) -> int | None:
+        for proc in self.nodes:
+            if proc.poll() is None:
+                for pid in [proc.pid, *_descendants(proc.pid)]:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+                proc.wait()
+        return self.nodes[0].returncode
+
+
 def run(launcher: str, args: argparse.Namespace, faults: bool, mode: str) -> dict[str, float]:
     """One job; ``mode``: "snapshot" (every step), "disk" (every K steps) or "none"."""
     out = Path(tempfile.mkdtemp(prefix="relaunch-goodput-"))
@@ -43,49 +155,47 @@ def run(launcher: str, args: argparse.Namespace, faults: bool, mode: str) -> dic
         script += ["--disk-every", str(args.every), "--disk-dir", str(out)]
     elif mode == "none":
         script += ["--disk-every", str(10**9), "--disk-dir", str(out)]
-    head = [sys.executable, "-m", "relaunch"] if launcher == "relaunch" else ["torchrun"]
-    cmd = [
-        *head, "--nnodes=1", "--nproc-per-node=2", "--max-restarts=1000",
-        "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-id=goodput",
-        *script,
-    ]  # fmt: skip
-    # torchrun recovers only with a store of its own per round (without it, its
-    # restarted workers hang: bench/launch_recovery.py)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     rng = random.Random(args.seed)
     t0 = time.monotonic()
-    proc = subprocess.Popen(
-        cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
-    )
-    killed = 0
+    cluster = Cluster(launcher, args, out, script)
+    killed = {"worker": 0, "node": 0}
+    finished = True
     try:
         next_fault = t0 + args.fault_every
-        while proc.poll() is None:
+        while cluster.running():
             time.sleep(0.05)
             if time.monotonic() - t0 > args.limit:
                 print(f"  note: {launcher} {mode} did not finish in {args.limit:g} s: stopped")
+                finished = False
                 break
             if faults and time.monotonic() >= next_fault:
-                rows = _rows(out)
-                latest = {r["rank"]: r["pid"] for r in rows if "pid" in r}
-                if latest:
-                    pid = latest[rng.choice(sorted(latest))]
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                        killed += 1
-                    except ProcessLookupError:
-                        pass
+                every = args.node_kill_every
+                if every and (sum(killed.values()) + 1) % every == 0:
+                    cluster.kill_node(cluster.pick_node(rng))
+                    killed["node"] += 1
+                elif _kill_worker(out, rng):
+                    killed["worker"] += 1
                 next_fault = time.monotonic() + args.fault_every
         wall = time.monotonic() - t0
         executed = sum(1 for r in _rows(out) if r.get("rank") == 0 and "step" in r)
-        if proc.returncode != 0:
-            print(f"  note: {launcher} {mode} exited {proc.returncode}")
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        rc = cluster.close()
         shutil.rmtree(out, ignore_errors=True)
-    return {"wall": wall, "faults": killed, "executed": executed, "rc": proc.returncode}
+    if rc != 0:
+        print(f"  note: {launcher} {mode}: the first node exited {rc}")
+    return {"wall": wall, "faults": sum(killed.values()), "nodes": killed["node"],
+            "executed": executed, "finished": finished}  # fmt: skip
+
+
+def _kill_worker(out: Path, rng: random.Random) -> bool:
+    latest = {r["rank"]: r["pid"] for r in _rows(out) if "pid" in r}
+    if not latest:
+        return False
+    try:
+        os.kill(int(latest[rng.choice(sorted(latest))]), signal.SIGKILL)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def _rows(out: Path) -> list[dict[str, object]]:
@@ -107,23 +217,35 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=50, help="torchrun's checkpoint interval")
     parser.add_argument("--params", type=float, default=0.0,
                         help="the model's size in millions of parameters (0: a tiny one)")  # fmt: skip
+    parser.add_argument("--nodes", type=int, default=1, help="agents (simulated nodes)")
+    parser.add_argument("--nproc", type=int, default=2, help="workers per node")
+    parser.add_argument("--node-kill-every", type=int, default=0, metavar="K",
+                        help="every K-th fault kills a whole node (needs --nodes 2 or more)")  # fmt: skip
+    parser.add_argument("--spares", type=int, default=0,
+                        help="relaunch only: agents beyond --nodes, waiting as spares")  # fmt: skip
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--limit", type=float, default=600.0, help="seconds a run may take")
     args = parser.parse_args()
+    if args.node_kill_every and args.nodes < 2:
+        parser.error("--node-kill-every needs --nodes 2 or more (the first node hosts the store)")
     in_loopback_netns()
     size = f"{args.params:g}M parameters" if args.params else "a tiny model"
-    print(f"{args.steps} steps of {args.step_time} s, {size}, a SIGKILL every {args.fault_every} s; "
+    kinds = f", every {args.node_kill_every}th a node" if args.node_kill_every else ""
+    print(f"{args.steps} steps of {args.step_time} s, {size}, {args.nodes} node(s) x "
+          f"{args.nproc} worker(s), a SIGKILL every {args.fault_every} s{kinds}; "
           f"torchrun's script saves every {args.every} steps")  # fmt: skip
-    print(f"{'launcher':<10} {'clean s':>8} {'faulted s':>10} {'faults':>7} {'goodput':>8} "
-          f"{'redone/fault':>13} {'save ms/step':>13}")  # fmt: skip
+    print(f"{'launcher':<10} {'clean s':>8} {'faulted s':>10} {'faults':>7} {'nodes':>6} "
+          f"{'goodput':>8} {'redone/fault':>13} {'save ms/step':>13}")  # fmt: skip
     for launcher, mode in (("relaunch", "snapshot"), ("torchrun", "disk")):
         bare = run(launcher, args, False, "none")
         clean = run(launcher, args, False, mode)
         hit = run(launcher, args, True, mode)
         redone = (hit["executed"] - args.steps) / max(hit["faults"], 1)
         save = (clean["wall"] - bare["wall"]) / args.steps * 1e3
+        shown = f"{redone:13.1f}" if hit["finished"] else f"{'(unfinished)':>13}"
         print(f"{launcher:<10} {clean['wall']:8.1f} {hit['wall']:10.1f} {hit['faults']:7.0f} "
-              f"{clean['wall'] / hit['wall']:8.1%} {redone:13.1f} {save:13.1f}")  # fmt: skip
+              f"{hit['nodes']:6.0f} {clean['wall'] / hit['wall']:8.1%} {shown} "
+              f"{save:13.1f}")  # fmt: skip
 
 
 if __name__ == "__main__":

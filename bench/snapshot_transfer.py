@@ -1,13 +1,17 @@
 """How fast the agents move a lost node's snapshots: one peer's snapshot fetched over
 loopback by the code the agents run (``relaunch.checkpoint._peer_server`` and
-``_peer_client``: the server, in a process of its own as on the other node, sends with sendfile; the receiver writes to
-node memory and checks the CRC-32 as it goes, on a second thread).
+``_peer_client``: the server, in a process of its own as on the other node, sends with
+sendfile; the receiver receives into node memory, mapped, and checks the CRC-32 of
+each chunk as it comes).
 
     python bench/snapshot_transfer.py [--sizes 256,1024] [--repeat 3]
 
-Prints per size (MB): the median seconds of a fetch, its throughput in GB/s, and
-beside it a plain ``shutil.copyfile`` of the same file in /dev/shm (the machine's
-memory bandwidth for one copy), which bounds what any transfer here can reach.
+Prints per size (MB): the median seconds of a fetch into new memory (a spare taking a
+lost node's ranks) and its throughput in GB/s; the same for a fetch that reuses the
+pages of an older copy (a successor's steady state: each new snapshot of its
+predecessor takes the place of the copy that goes); and beside them a plain
+``shutil.copyfile`` of the same file in /dev/shm (the machine's memory bandwidth for one
+copy), which bounds what any transfer here can reach.
 """
 
 from __future__ import annotations
@@ -76,14 +80,17 @@ def main() -> None:
     args = parser.parse_args()
     in_loopback_netns()
     base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
-    print(f"{'MB':>6} {'fetch s':>8} {'GB/s':>6} {'copyfile s':>11} {'GB/s':>6}")
+    print(f"{'MB':>6} {'fetch s':>8} {'GB/s':>6} {'reusing s':>10} {'GB/s':>6} "
+          f"{'copyfile s':>11} {'GB/s':>6}")  # fmt: skip
     for mb in (int(s) for s in args.sizes.split(",")):
         work = tempfile.mkdtemp(prefix="bench-snapshot-transfer-", dir=base)
         try:
             source = os.path.join(work, "source")
             data = _make(source, mb << 20)
             server = _Server(source)
-            fetches, copies = [], []
+            fetches, reusing, copies = [], [], []
+            steady = os.path.join(work, "steady")
+            kept = layout.rank_dir(steady, 0)
             try:
                 for i in range(args.repeat):
                     into = os.path.join(work, f"into-{i}")
@@ -92,14 +99,21 @@ def main() -> None:
                     fetches.append(time.perf_counter() - t0)
                     shutil.rmtree(into)
                     t0 = time.perf_counter()
+                    fetch_step("127.0.0.1", server.port, JOB, 0, 1, steady, reuse=0)
+                    reusing.append(time.perf_counter() - t0)
+                    # the copy becomes the older one, whose pages the next fetch reuses
+                    os.rename(layout.step_dir(kept, 1), layout.step_dir(kept, 0))
+                    t0 = time.perf_counter()
                     shutil.copyfile(data, os.path.join(work, "copy"))
                     copies.append(time.perf_counter() - t0)
                     os.unlink(os.path.join(work, "copy"))
             finally:
                 server.close()
             f, c = statistics.median(fetches), statistics.median(copies)
+            r = statistics.median(reusing[1:] or reusing)  # the first has no pages to reuse
             gb = (mb << 20) / 1e9
-            print(f"{mb:>6} {f:8.3f} {gb / f:6.2f} {c:11.3f} {gb / c:6.2f}")
+            print(f"{mb:>6} {f:8.3f} {gb / f:6.2f} {r:10.3f} {gb / r:6.2f} "
+                  f"{c:11.3f} {gb / c:6.2f}")  # fmt: skip
         finally:
             shutil.rmtree(work, ignore_errors=True)
 

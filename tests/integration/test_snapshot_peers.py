@@ -107,6 +107,33 @@ def test_a_snapshot_is_copied_whole_and_listed(source, tmp_path: Path) -> None: 
     assert held_steps(str(into)) == {1: [(8, zlib.crc32(payload))]}
 
 
+def test_a_copy_that_goes_lends_its_pages_to_the_next(source, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """A successor's steady state: the copy of the step its predecessor dropped becomes
+    the file of the next one (received into its pages), bigger or smaller; it is gone
+    whether the next copy is kept or refused."""
+    root, server = source
+    into = tmp_path / "into"
+    first, bigger = os.urandom(1 << 20), os.urandom(3 << 20)
+    _snapshot(root, 1, 7, first)
+    fetch_step("127.0.0.1", server.port, JOB, 1, 7, str(into))
+    _snapshot(root, 1, 8, bigger)
+    assert fetch_step("127.0.0.1", server.port, JOB, 1, 8, str(into), reuse=7) == len(bigger)
+    assert _data(into, 1, 8) == bigger
+    assert held_steps(str(into)) == {1: [(8, zlib.crc32(bigger))]}
+    _snapshot(root, 1, 9, b"small")
+    fetch_step("127.0.0.1", server.port, JOB, 1, 9, str(into), reuse=8)
+    assert _data(into, 1, 9) == b"small"
+    assert held_steps(str(into)) == {1: [(9, zlib.crc32(b"small"))]}
+    _snapshot(root, 1, 10, b"x" * 1000)
+    path = os.path.join(layout.step_dir(layout.rank_dir(str(root), 1), 10), layout.DATA)
+    with open(path, "r+b") as f:  # changed after its manifest: refused
+        f.write(b"y")
+    with pytest.raises(WireError, match="CRC-32"):
+        fetch_step("127.0.0.1", server.port, JOB, 1, 10, str(into), reuse=9)
+    assert held_steps(str(into)) == {}
+    assert [p.name for p in into.rglob("*") if p.is_file()] == []
+
+
 def test_a_copy_whose_bytes_do_not_match_is_not_kept(source, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     root, server = source
     _snapshot(root, 0, 3, b"x" * 1000)

@@ -6,6 +6,7 @@ and CRC-32 checked, written under a partial name), acknowledge a copy.
 from __future__ import annotations
 
 import contextlib
+import mmap
 import os
 import queue
 import shutil
@@ -20,6 +21,7 @@ __all__ = ["ack", "fetch_step", "list_steps"]
 
 _CHUNK = 1 << 20
 _BUFFERS = 4
+_MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 
 
 def _connect(addr: str, port: int, timeout: float) -> socket.socket:
@@ -50,18 +52,31 @@ def ack(addr: str, port: int, job: str, rank: int, step: int, crc: int) -> None:
 
 
 def fetch_step(
-    addr: str, port: int, job: str, rank: int, step: int, root: str, timeout: float = 30.0
+    addr: str,
+    port: int,
+    job: str,
+    rank: int,
+    step: int,
+    root: str,
+    timeout: float = 30.0,
+    *,
+    reuse: int | None = None,
 ) -> int:
     """Copy a peer's snapshot of ``rank`` at ``step`` into ``root`` (replacing one of the
     same step); return its bytes. It is written under a partial name and kept only when
     its manifest is one and its data has the manifest's length and CRC-32: else
-    WireError (nothing kept). OSError when the peer cannot be reached."""
+    WireError (nothing kept). OSError when the peer cannot be reached. ``reuse``: a
+    step of the rank held here that is no longer wanted; its data file takes the
+    bytes (its pages reused: no new memory to fault in, none to free), and it is gone
+    whatever happens."""
     rank_root = layout.rank_dir(root, rank)
     partial = layout.partial_dir(rank_root, step)
     with _connect(addr, port, timeout) as sock:
         sock.sendall(wire.encode({"job": job, "op": "get", "rank": rank, "step": step}))
         text, nbytes = wire.decode_answer(wire.read_line(sock, wire.MAX_ANSWER))
         os.makedirs(partial, exist_ok=True)
+        if reuse is not None and reuse != step:
+            _take_data(layout.step_dir(rank_root, reuse), partial)
         try:
             with open(os.path.join(partial, layout.MANIFEST), "w", encoding="utf-8") as f:
                 f.write(text)
@@ -89,10 +104,48 @@ def fetch_step(
     return nbytes
 
 
+def _take_data(old: str, partial: str) -> None:
+    """Move the data file of the snapshot folder ``old`` into ``partial`` and remove the
+    rest of ``old`` (its manifest first: it is never complete without its data)."""
+    with contextlib.suppress(OSError):
+        os.remove(os.path.join(old, layout.MANIFEST))
+        os.rename(os.path.join(old, layout.DATA), os.path.join(partial, layout.DATA))
+    shutil.rmtree(old, ignore_errors=True)
+
+
 def _receive(sock: socket.socket, path: str, nbytes: int) -> int:
-    """Write ``nbytes`` from ``sock`` to ``path``; return their CRC-32. Two threads: this
-    one receives into a few buffers while a writer checksums and writes the full ones
-    (zlib and the write release the GIL: the two overlap on two cores)."""
+    """Receive ``nbytes`` from ``sock`` into ``path``; return their CRC-32. Into a file
+    whose pages are reused (an older copy's): mapped, received straight into it, each
+    chunk checksummed while still in the cache. Into new memory: two threads, this one
+    receiving into a few buffers while a writer checksums and writes the full ones, so
+    that the new pages are allocated on the other core meanwhile (faster than either
+    one thread or a mapping there: 1.2-1.4 against 0.9 GB/s, bench/snapshot_transfer.py)."""
+    if os.path.exists(path):
+        return _receive_mapped(sock, path, nbytes)
+    return _receive_written(sock, path, nbytes)
+
+
+def _receive_mapped(sock: socket.socket, path: str, nbytes: int) -> int:
+    with open(path, "r+b") as f:
+        f.truncate(nbytes)
+        if nbytes == 0:
+            return 0
+        with mmap.mmap(f.fileno(), nbytes, flags=_MAP_FLAGS) as mapping:
+            view = memoryview(mapping)
+            try:
+                crc, done = 0, 0
+                while done < nbytes:
+                    got = sock.recv_into(view[done : min(done + _CHUNK, nbytes)])
+                    if not got:
+                        raise _closed(nbytes - done, nbytes)
+                    crc = zlib.crc32(view[done : done + got], crc)
+                    done += got
+            finally:
+                view.release()
+    return crc
+
+
+def _receive_written(sock: socket.socket, path: str, nbytes: int) -> int:
     free: queue.Queue[bytearray] = queue.Queue()
     full: queue.Queue[tuple[bytearray, int] | None] = queue.Queue()
     for _ in range(_BUFFERS):
@@ -123,9 +176,7 @@ def _receive(sock: socket.socket, path: str, nbytes: int) -> int:
             while n < len(buf) and done + n < nbytes:
                 got = sock.recv_into(view[n : min(len(buf), nbytes - done)])
                 if not got:
-                    raise wire.WireError(
-                        f"the peer closed with {nbytes - done - n} of {nbytes} bytes unsent"
-                    )
+                    raise _closed(nbytes - done - n, nbytes)
                 n += got
             full.put((buf, n))
             done += n
@@ -136,3 +187,7 @@ def _receive(sock: socket.socket, path: str, nbytes: int) -> int:
     if failed:
         raise failed[0]
     return crc[0]
+
+
+def _closed(unsent: int, nbytes: int) -> wire.WireError:
+    return wire.WireError(f"the peer closed with {unsent} of {nbytes} bytes unsent")

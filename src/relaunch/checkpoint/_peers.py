@@ -254,16 +254,17 @@ class PeerCopies:
                 continue  # the source has none (yet): ours may be the only copy
             have = dict(mine.get(rank, []))
             newest, crc = wanted[0]
-            if have.get(newest) != crc:  # only the newest moves: the older one is being
-                # reused by the source's next save
-                self.pulled_bytes += fetch_step(
-                    source.addr, source.port, self._job, rank, newest, self._root
-                )
-            ack(source.addr, source.port, self._job, rank, newest, crc)
             # what the source still has, as it has it; nothing of a timeline it left
             keep = {newest} | {step for step, c in wanted if have.get(step) == c}
+            gone = sorted(step for step in have if step not in keep)
+            if have.get(newest) != crc:  # only the newest moves: the older one is being
+                # reused by the source's next save; a copy that goes lends its pages
+                self.pulled_bytes += fetch_step(
+                    source.addr, source.port, self._job, rank, newest, self._root,
+                    reuse=gone.pop(0) if gone else None,
+                )  # fmt: skip
+            ack(source.addr, source.port, self._job, rank, newest, crc)
             rank_root = layout.rank_dir(self._root, rank)
-            for step in have:
-                if step not in keep:
-                    shutil.rmtree(layout.step_dir(rank_root, step), ignore_errors=True)
+            for step in gone:
+                shutil.rmtree(layout.step_dir(rank_root, step), ignore_errors=True)
         return seen
