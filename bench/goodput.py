@@ -31,6 +31,7 @@ import os
 import random
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -40,28 +41,9 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import free_port, in_loopback_netns
 
+from relaunch.procs._sys import descendants
+
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "snapshots.py"
-
-
-def _descendants(pid: int) -> list[int]:
-    """``pid``'s processes, children first found by walking /proc (workers may sit in
-    sessions of their own)."""
-    parents: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_bytes()
-        except OSError:
-            continue
-        ppid = int(stat[stat.rfind(b")") + 2 :].split()[1])
-        parents.setdefault(ppid, []).append(int(entry))
-    found, todo = [], [pid]
-    while todo:
-        for child in parents.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
 
 
 class Cluster:
@@ -104,8 +86,6 @@ class Cluster:
             )
 
     def _wait_listening(self) -> None:
-        import socket
-
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             with socket.socket() as s:
@@ -121,14 +101,14 @@ class Cluster:
         """A node that runs workers (not a waiting spare) and does not host the store."""
         latest = {int(str(r["pid"])) for r in _rows(self.out) if "pid" in r}
         busy = [
-            i for i in range(1, len(self.nodes)) if latest & set(_descendants(self.nodes[i].pid))
+            i for i in range(1, len(self.nodes)) if latest & set(descendants(self.nodes[i].pid))
         ]
         return rng.choice(busy or list(range(1, len(self.nodes))))
 
     def kill_node(self, index: int) -> None:
         """SIGKILL node ``index`` whole, delete its snapshots, start its replacement."""
         proc = self.nodes[index]
-        for pid in [proc.pid, *_descendants(proc.pid)]:
+        for pid in [proc.pid, *descendants(proc.pid)]:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         proc.wait()
@@ -139,7 +119,7 @@ class Cluster:
     def close(self) -> int | None:
         for proc in self.nodes:
             if proc.poll() is None:
-                for pid in [proc.pid, *_descendants(proc.pid)]:
+                for pid in [proc.pid, *descendants(proc.pid)]:
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(pid, signal.SIGKILL)
                 proc.wait()

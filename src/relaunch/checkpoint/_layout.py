@@ -154,6 +154,21 @@ def unpinned(path: str) -> bool:
         return False
 
 
+def take_data(folder: str, path: str) -> None:
+    """Move the data file of the snapshot ``folder`` to ``path`` (a new snapshot reuses
+    its pages), its manifest removed first (never complete without its data); nothing
+    moves while someone copies it (pinned), and a file pinned meanwhile is left to the
+    copy. The caller removes ``folder``."""
+    data = os.path.join(folder, DATA)
+    if not unpinned(data):
+        return
+    with contextlib.suppress(OSError):
+        os.remove(os.path.join(folder, MANIFEST))
+        os.rename(data, path)
+    if os.path.exists(path) and not unpinned(path):
+        os.unlink(path)  # pinned meanwhile: its bytes stay the copy's
+
+
 def alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

@@ -65,8 +65,8 @@ def fetch_step(
     its manifest is one and its data has the manifest's length and CRC-32: else
     WireError (nothing kept). OSError when the peer cannot be reached. ``reuse``: a
     step of the rank held here that is no longer wanted; its data file takes the
-    bytes (its pages reused: no new memory to fault in, none to free), and it is gone
-    whatever happens."""
+    bytes unless someone copies it (its pages reused: no new memory to fault in, none
+    to free), and it is gone whatever happens."""
     rank_root = layout.rank_dir(root, rank)
     partial = layout.partial_dir(rank_root, step)
     with _connect(addr, port, timeout) as sock:
@@ -74,7 +74,9 @@ def fetch_step(
         text, nbytes = wire.decode_answer(wire.read_line(sock, wire.MAX_ANSWER))
         os.makedirs(partial, exist_ok=True)
         if reuse is not None and reuse != step:
-            _take_data(layout.step_dir(rank_root, reuse), partial)
+            old = layout.step_dir(rank_root, reuse)
+            layout.take_data(old, os.path.join(partial, layout.DATA))
+            shutil.rmtree(old, ignore_errors=True)
         try:
             with open(os.path.join(partial, layout.MANIFEST), "w", encoding="utf-8") as f:
                 f.write(text)
@@ -100,15 +102,6 @@ def fetch_step(
         finally:
             shutil.rmtree(partial, ignore_errors=True)
     return nbytes
-
-
-def _take_data(old: str, partial: str) -> None:
-    """Move the data file of the snapshot folder ``old`` into ``partial`` and remove the
-    rest of ``old`` (its manifest first: it is never complete without its data)."""
-    with contextlib.suppress(OSError):
-        os.remove(os.path.join(old, layout.MANIFEST))
-        os.rename(os.path.join(old, layout.DATA), os.path.join(partial, layout.DATA))
-    shutil.rmtree(old, ignore_errors=True)
 
 
 def _receive(sock: socket.socket, path: str, nbytes: int) -> int:

@@ -31,7 +31,8 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from relaunch.checkpoint import _layout as layout
 from relaunch.checkpoint import _wire as wire
 from relaunch.checkpoint._mapped import MappedFiles
-from relaunch.checkpoint._tree import Leaf, Region, decode, encode, finish
+from relaunch.checkpoint._readback import read_regions
+from relaunch.checkpoint._tree import Leaf, decode, encode, finish
 from relaunch.errors import SnapshotError
 
 __all__ = ["Saver", "Where"]
@@ -204,12 +205,8 @@ class Saver:
         retire = [s for s in layout.complete_steps(self.rank_root) if s != p.step][keep:]
         for step in retire:
             old = layout.step_dir(self.rank_root, step)
-            if not os.path.exists(path) and layout.unpinned(os.path.join(old, layout.DATA)):
-                with contextlib.suppress(OSError):
-                    os.remove(os.path.join(old, layout.MANIFEST))  # no longer complete
-                    os.rename(os.path.join(old, layout.DATA), path)
-                if os.path.exists(path) and not layout.unpinned(path):
-                    os.unlink(path)  # pinned meanwhile: its bytes stay the copy's
+            if not os.path.exists(path):
+                layout.take_data(old, path)
             shutil.rmtree(old, ignore_errors=True)
         f = open(path, "r+b" if os.path.exists(path) else "w+b")  # noqa: SIM115
         f.truncate(p.nbytes)
@@ -370,7 +367,7 @@ class Saver:
                     f"{path}: {size} bytes, the manifest says {manifest.nbytes} (truncated?)"
                 )
             with open(path, "rb", buffering=0) as f:
-                crc = _read_regions(f, regions, size, path)
+                crc = read_regions(f, regions, size, path)
         except OSError as exc:
             raise layout.CorruptSnapshot(f"{path}: unreadable ({exc})") from exc
         if crc != manifest.crc32:
@@ -378,28 +375,3 @@ class Saver:
                 f"{path}: CRC-32 {crc:#010x}, the manifest says {manifest.crc32:#010x}"
             )
         return finish(state)
-
-
-def _read_regions(f: Any, regions: list[Region], size: int, path: str) -> int:
-    """Read the data file into the regions' targets (the bytes between them into a
-    scratch buffer); return the CRC-32 of all ``size`` bytes."""
-    scratch = memoryview(bytearray(1 << 20))
-    crc, pos = 0, 0
-
-    def fill(view: memoryview) -> None:
-        nonlocal crc, pos
-        got = 0
-        while got < len(view):
-            n = f.readinto(view[got:])
-            if not n:
-                raise layout.CorruptSnapshot(f"{path}: ended at byte {pos + got} of {size}")
-            got += n
-        crc = zlib.crc32(view, crc)
-        pos += len(view)
-
-    for offset, nbytes, target in [*regions, (size, 0, memoryview(b""))]:
-        while pos < offset:  # padding between values: checked, not kept
-            fill(scratch[: min(len(scratch), offset - pos)])
-        if nbytes:
-            fill(target)
-    return crc
