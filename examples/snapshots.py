@@ -101,6 +101,11 @@ def main() -> None:
         elif rank == 0 and (step + 1) % args.disk_every == 0:
             torch.save((step, state), disk + ".tmp")
             os.replace(disk + ".tmp", disk)
+        if attempt == 0 and step == kill_step and args.kill_after_save:
+            # every rank is past this save's start, so each holds the step before whole
+            # (a save first waits for the one before): only the killed rank's own
+            # snapshot of this step is cut short
+            dist.barrier()
         if attempt == 0 and rank == kill_rank and step == kill_step:
             os.kill(os.getpid(), signal.SIGKILL)
         if log is not None:

@@ -181,7 +181,7 @@ def test_a_killed_worker_resumes_at_its_step_and_ends_with_the_fault_free_weight
 
 def test_a_kill_during_a_save_resumes_from_the_older_snapshot(job: Job, tmp_path: Path) -> None:
     # 64 MB more to write and checksum: rank 1 is killed while its writer works on
-    # step 20; ranks 0 finished step 20's snapshot, rank 1 holds 19 whole
+    # step 20, after a barrier that every rank enters with step 19's snapshot whole
     args = ("--kill", "1:20", "--kill-after-save", "--extra-mb", "64")
     job.start("a", *args, nnodes=1, flags=_own_snapshot_dir(tmp_path, "a"))
     assert job.wait() == {"a": 0}, job.output()
