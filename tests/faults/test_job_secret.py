@@ -1,4 +1,5 @@
-"""A per-job secret (``--rdzv-conf secret_file=PATH``): 2 real agents on c10d sign every
+"""A per-job secret (``--rdzv-conf secret_file=PATH``): 2 real agents on c10d (its TCP
+store: ``store_members=0``; the hostile client speaks torch's wire protocol) sign every
 record; a node without the secret, or with another, cannot join (one line); an unsigned
 write over the state by a raw torch client is refused, logged once, and once the valid
 record is back the agents say so and the job goes on."""
@@ -35,7 +36,8 @@ def outsider(tmp: Path, port: int, conf: str) -> str:
     done = subprocess.run(
         [sys.executable, "-m", "relaunch", "--nnodes=2:3", "--rdzv-backend=c10d",
          f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=job", "--local-addr=127.0.0.1",
-         f"--rdzv-conf={conf}", str(tmp / "worker.py"), str(tmp / "steps"), "train"],
+         f"--rdzv-conf={','.join(c for c in (conf, 'store_members=0') if c)}",
+         str(tmp / "worker.py"), str(tmp / "steps"), "train"],
         capture_output=True, text=True, timeout=60, cwd=tmp,
         env={**os.environ, "TMPDIR": str(tmp), "MN_NODE": "x"},
     )  # fmt: skip
@@ -55,7 +57,7 @@ def test_records_are_signed_and_outsiders_refused(tmp_path: Path) -> None:
     # keep_alive_max_attempt=20: the agents go on with their last valid state for 10 s
     # (not 2 s) while the state is refused: on a loaded machine they may take a while to
     # notice, and the valid record is put back only once both did.
-    conf = f"secret_file={good},keep_alive_max_attempt=20"
+    conf = f"secret_file={good},keep_alive_max_attempt=20,store_members=0"
     try:
         for node in nodes:
             cluster.start(node, f"go={go}", "steps=2", nnodes="2:3", nproc=1, conf=conf)

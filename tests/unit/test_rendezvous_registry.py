@@ -59,3 +59,19 @@ def test_local_address_needs_no_dns() -> None:
     assert _is_local_address("node7", "node7")
     assert not _is_local_address("192.0.2.1", None)  # TEST-NET-1: never ours
     assert not _is_local_address("some-other-host.invalid", None)
+
+
+@pytest.mark.parametrize("value", ["x", "-1", "10", "2.5", ""])
+def test_a_bad_number_of_store_members_is_refused_before_any_network(value: str) -> None:
+    with pytest.raises(ConfigError, match=r"store_members: expected auto or a number.*0\.\.9"):
+        create_handler(params(store_members=value))
+
+
+def test_store_members_with_an_etcd_that_is_not_there_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("RELAUNCH_ETCD", "/nonexistent/etcd")
+    with pytest.raises(
+        ConfigError, match="RELAUNCH_ETCD='/nonexistent/etcd': expected an executable"
+    ):
+        create_handler(params(store_members="3"))

@@ -25,7 +25,12 @@ from relaunch.errors import (
     StoreTimeoutError,
 )
 from relaunch.events import Emit, ExitBarrierTimeout
-from relaunch.rendezvous import RendezvousHandler, RendezvousInfo, TieredMembership
+from relaunch.rendezvous import (
+    RendezvousHandler,
+    RendezvousInfo,
+    ReplicatedStore,
+    TieredMembership,
+)
 from relaunch.store.tcp import TCPStoreServer
 
 if TYPE_CHECKING:
@@ -175,12 +180,17 @@ def finish_round(
     return None
 
 
-def store_lost_reason(backend: str, exc: BaseException) -> str:
+def store_lost_reason(handler: RendezvousHandler, exc: BaseException) -> str:
     """The one line that ends a job whose rendezvous store cannot be reached."""
-    if backend == "c10d":
+    if isinstance(handler, ReplicatedStore):
+        said = handler.store_lost_reason(exc)
+        if said is not None:
+            return said
+    if handler.get_backend() == "c10d":
         return (
             f"the node hosting the c10d rendezvous store was lost ({exc}); the job cannot "
-            "go on without it (--rdzv-backend etcd survives the loss of any node)"
+            "go on without it (a job of three nodes or more survives it with the embedded "
+            "store: --rdzv-conf store_members=auto; or --rdzv-backend etcd)"
         )
     return f"the rendezvous store cannot be reached ({exc})"
 

@@ -207,7 +207,7 @@ class AgentRun:
         if isinstance(exc, RendezvousStateError):
             reason = f"{exc} (for longer than this node can go on without it)"
         else:
-            reason = store_lost_reason(self._handler.get_backend(), exc)
+            reason = store_lost_reason(self._handler, exc)
         self._emit(StoreLost(reason=reason))
         return RunResult(state=WorkerState.FAILED, failures=failures, reason=reason)
 

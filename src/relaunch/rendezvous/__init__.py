@@ -8,9 +8,11 @@
 
 from relaunch.rendezvous._settings import RendezvousSettings
 from relaunch.rendezvous.api import (
+    MemberHealth,
     RendezvousHandler,
     RendezvousInfo,
     RendezvousParameters,
+    ReplicatedStore,
     SharedBoard,
     TieredMembership,
 )
@@ -19,10 +21,12 @@ from relaunch.rendezvous.registry import create_handler
 
 __all__ = [
     "DynamicRendezvousHandler",
+    "MemberHealth",
     "RendezvousHandler",
     "RendezvousInfo",
     "RendezvousParameters",
     "RendezvousSettings",
+    "ReplicatedStore",
     "SharedBoard",
     "TieredMembership",
     "create_handler",

@@ -9,9 +9,11 @@ from typing import Protocol, runtime_checkable
 from relaunch.store import Store
 
 __all__ = [
+    "MemberHealth",
     "RendezvousHandler",
     "RendezvousInfo",
     "RendezvousParameters",
+    "ReplicatedStore",
     "SharedBoard",
     "TieredMembership",
 ]
@@ -188,4 +190,28 @@ class SharedBoard(Protocol):
     def publish_status(self, report: bytes) -> None:
         """Publish this node's status report where ``relaunch status`` reads it
         (a no-op for backends without a shared store). Raises StoreError."""
+        ...
+
+
+@dataclass(frozen=True)
+class MemberHealth:
+    """One member of a replicated rendezvous store, as this node last saw it."""
+
+    name: str
+    client_url: str
+    healthy: bool
+
+
+@runtime_checkable
+class ReplicatedStore(Protocol):
+    """A backend whose store is replicated among the job's nodes (the embedded etcd
+    members of c10d): its members can be shown, and its loss is told by member."""
+
+    def store_members(self) -> list[MemberHealth]:
+        """The store's members and their health as last seen (empty: not replicated)."""
+        ...
+
+    def store_lost_reason(self, exc: BaseException) -> str | None:
+        """The line that ends the job when the store cannot be reached (None: the
+        backend's usual line)."""
         ...

@@ -38,7 +38,7 @@ from relaunch.rendezvous._writes import (
     mark_inprocess,
     wait_for_others,
 )
-from relaunch.rendezvous.api import RendezvousInfo
+from relaunch.rendezvous.api import MemberHealth, RendezvousInfo
 from relaunch.store import Store
 from relaunch.store.prefix import PrefixStore
 from relaunch.store.signed import SignedStore
@@ -50,6 +50,14 @@ logger = logging.getLogger(__name__)
 
 class _Closeable(Protocol):
     def close(self) -> None: ...
+
+
+class _Members(Protocol):
+    def members(self) -> list[MemberHealth]: ...
+
+    def lost_reason(self, exc: BaseException) -> str: ...
+
+    def admitted(self) -> None: ...
 
 
 class DynamicRendezvousHandler:
@@ -73,6 +81,8 @@ class DynamicRendezvousHandler:
         keep_alive_store: Store | None = None,
         server: _Closeable | None = None,
         owns_store: bool = True,
+        hosts_store: bool | None = None,
+        members: _Members | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._backend_name = backend
@@ -80,6 +90,8 @@ class DynamicRendezvousHandler:
         self._store = store
         self._keep_alive_store = keep_alive_store
         self._server = server
+        self._hosts_store = server is not None if hosts_store is None else hosts_store
+        self._members = members
         self._owns_store = owns_store
         self._clock = clock
         self._node = new_node_id(local_addr)
@@ -116,6 +128,14 @@ class DynamicRendezvousHandler:
     def get_backend(self) -> str:
         return self._backend_name
 
+    def store_members(self) -> list[MemberHealth]:
+        """The replicated store's members (the embedded etcd), or [] for one store."""
+        return self._members.members() if self._members is not None else []
+
+    def store_lost_reason(self, exc: BaseException) -> str | None:
+        """The line naming the lost members, when the store is replicated."""
+        return self._members.lost_reason(exc) if self._members is not None else None
+
     def get_run_id(self) -> str:
         return self._settings.run_id
 
@@ -134,7 +154,9 @@ class DynamicRendezvousHandler:
         deadline = self._clock() + settings.join_timeout
         if not self._joined:
             self._check_program()
-            if self._server is not None:
+            if self._members is not None:
+                self._members.admitted()
+            if self._hosts_store:
                 claim_store_host(self._rdzv, self._node, settings, self._clock)
         self._rdzv.announce(self._node)
         self._keep_alive.start()

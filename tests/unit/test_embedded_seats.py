@@ -1,0 +1,86 @@
+"""Who runs the embedded store's etcd members: the pure decisions (no etcd here; the
+real members are in tests/faults/test_embedded_store.py)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from relaunch.rendezvous._seats import Member, parse_members, plan
+
+
+def _m(name: str, *, learner: bool = False, started: bool = True) -> Member:
+    return Member(
+        id=str(abs(hash(name)) % 10**9),
+        name=name if started else "",
+        peer_urls=(f"http://{name}:2380",),
+        client_urls=(f"http://{name}:2379",) if started else (),
+        learner=learner,
+    )
+
+
+A, B, C = _m("a"), _m("b"), _m("c")
+
+
+def test_a_node_joins_while_seats_are_free_and_no_one_is_joining() -> None:
+    assert plan([A], None, 3, {}, 0.0, 3.0, 40.0).join
+    assert plan([A, B], None, 3, {}, 0.0, 3.0, 40.0).join
+    assert not plan([A, B, C], None, 3, {}, 0.0, 3.0, 40.0).join  # full
+    assert not plan([A, B], "a", 3, {}, 0.0, 3.0, 40.0).join  # already a member
+    learning = _m("d", learner=True)
+    assert not plan([A, B, learning], None, 5, {learning.id: 0.0}, 0.0, 3.0, 40.0).join
+
+
+def test_only_the_steward_removes_and_only_after_the_grace() -> None:
+    down = {C.id: 10.0}
+    assert plan([A, B, C], "a", 3, down, 12.0, 3.0, 40.0).remove == ()  # 2 s down
+    assert plan([A, B, C], "a", 3, down, 13.0, 3.0, 40.0).remove == (C.id,)
+    assert plan([A, B, C], "b", 3, down, 13.0, 3.0, 40.0).remove == ()  # not the steward
+    # the removal frees a seat: a node that is not a member may take it at once
+    assert plan([A, B, C], None, 3, down, 13.0, 3.0, 40.0).join is False  # not removed yet
+    assert plan([A, B], None, 3, {}, 13.0, 3.0, 40.0).join
+
+
+def test_a_steward_that_is_down_hands_over_to_the_next_name() -> None:
+    down = {A.id: 0.0}
+    assert plan([A, B, C], "b", 3, down, 5.0, 3.0, 40.0).remove == (A.id,)
+
+
+def test_a_member_stuck_joining_is_removed_after_the_join_grace_only() -> None:
+    stuck = _m("d", started=False)
+    down = {stuck.id: 0.0}
+    assert plan([A, B, stuck], "a", 3, down, 10.0, 3.0, 40.0).remove == ()
+    assert plan([A, B, stuck], "a", 3, down, 41.0, 3.0, 40.0).remove == (stuck.id,)
+
+
+def test_the_last_voting_member_is_never_removed() -> None:
+    down = {A.id: 0.0, B.id: 0.0}
+    # nobody healthy: no steward, nothing removed, nobody joins a cluster without quorum
+    decided = plan([A, B], None, 3, down, 100.0, 3.0, 40.0)
+    assert decided.remove == () and not decided.join
+
+
+def test_a_member_list_reply_is_never_trusted(caplog: pytest.LogCaptureFixture) -> None:
+    reply = {
+        "members": [
+            {
+                "ID": "12",
+                "name": "a",
+                "peerURLs": ["http://a:2380"],
+                "clientURLs": ["http://a:2379"],
+            },
+            {"ID": "13", "peerURLs": ["http://d:2380"], "isLearner": True},
+            {"ID": "not a number"},
+            "not a record",
+            {"name": "no id"},
+        ]
+    }
+    with caplog.at_level(logging.WARNING):
+        members = parse_members(reply)
+    assert [(m.id, m.name, m.started, m.joining) for m in members] == [
+        ("12", "a", True, False),
+        ("13", "", False, True),
+    ]
+    assert caplog.text.count("not a member") == 3
+    assert parse_members({"members": "x"}) == [] and parse_members({}) == []
