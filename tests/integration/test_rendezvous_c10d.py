@@ -138,14 +138,16 @@ def test_late_node_admitted_at_next_round(nodes: list[Node]) -> None:
         node.exit()
 
 
-def test_killed_node_survivors_continue_smaller(nodes: list[Node]) -> None:
+@pytest.mark.parametrize("store", ["0", "auto"])  # the TCP store; the embedded etcd
+def test_killed_node_survivors_continue_smaller(nodes: list[Node], store: str) -> None:
     endpoint = f"127.0.0.1:{free_port()}"
     # A long last call: the first round completes at max_nodes, and the survivors'
     # round must complete as soon as both are back, not after the last call.
     conf = CONF.replace("last_call_timeout=0.5", "last_call_timeout=600")
+    conf += f",store_members={store}"
     nodes += [Node(endpoint, 2, 3, conf) for _ in range(3)]
     assert {n.next()["world"] for n in nodes} == {3}
-    nodes[2].kill()  # not the host: the embedded store lives in the first node
+    nodes[2].kill()  # not the endpoint's node (the TCP store's host)
     survivors = [n.next() for n in nodes[:2]]
     assert {r["world"] for r in survivors} == {2}
     assert sorted(r["rank"] for r in survivors) == [0, 1]

@@ -16,6 +16,7 @@ def test_rendezvous_exports() -> None:
         "RendezvousInfo",
         "RendezvousParameters",
         "RendezvousSettings",
+        "ReplicatedStore",
         "SharedBoard",
         "TieredMembership",
         "create_handler",

@@ -8,7 +8,6 @@
 
 from relaunch.rendezvous._settings import RendezvousSettings
 from relaunch.rendezvous.api import (
-    MemberHealth,
     RendezvousHandler,
     RendezvousInfo,
     RendezvousParameters,
@@ -21,7 +20,6 @@ from relaunch.rendezvous.registry import create_handler
 
 __all__ = [
     "DynamicRendezvousHandler",
-    "MemberHealth",
     "RendezvousHandler",
     "RendezvousInfo",
     "RendezvousParameters",

@@ -1,8 +1,8 @@
 """The embedded store: an etcd cluster that the agents run among themselves.
 
-With ``--rdzv-backend c10d`` and ``store_members`` >= 1 (``auto``: 3 for a job of
-three nodes or more, 5 from five, when an etcd binary is found), the rendezvous
-state lives in etcd, not in a TCP store on one node:
+With ``--rdzv-backend c10d`` and ``store_members`` >= 1 (``auto``, the default: 3
+for a job of three nodes or more, 5 from five, when an etcd binary is found), the
+rendezvous state lives in etcd, not in a TCP store on one node:
 
 - The node that hosts the endpoint (as for the TCP store: ``--local-addr`` or the
   host name, or ``is_host=1``) starts the first member, its client port on the
@@ -19,6 +19,9 @@ state lives in etcd, not in a TCP store on one node:
   node that is not a member takes the seat: the next loss is survived too.
 - Quorum lost (a majority gone at once): the store's calls fail, and the agent ends
   the job with one line naming the members and their health.
+- A member that leaves with its node removes the members down now, then itself, so
+  the nodes still running keep their quorum (etcd's own reconfiguration check is off:
+  it refuses any removal in a cluster younger than 5 s).
 
 The members' decisions are pure (:mod:`relaunch.rendezvous._seats`); this module is
 their I/O: the member list, health checks, the etcd process (through its keeper).
@@ -29,18 +32,23 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import socket
 import threading
 import time
-from urllib.parse import urlsplit
 
 from relaunch.errors import StoreConnectionError, StoreError
 from relaunch.rendezvous._seats import Member, parse_members, plan
-from relaunch.rendezvous.api import MemberHealth
-from relaunch.store._etcd_member import EtcdMember, MemberSpec, healthy
+from relaunch.store._etcd_member import (
+    EtcdMember,
+    MemberSpec,
+    any_healthy,
+    bracket,
+    endpoint_of,
+    free_port,
+    port_free,
+)
 from relaunch.store.etcd import EtcdStore
 
-__all__ = ["EmbeddedStore", "member_endpoints", "own_address"]
+__all__ = ["EmbeddedStore", "member_endpoints"]
 
 log = logging.getLogger(__name__)
 
@@ -48,43 +56,8 @@ _JOIN_TIMEOUT = 30.0
 """Seconds a new member may take to become healthy."""
 
 
-def own_address(toward: str, port: int) -> str:
-    """This machine's address on the route to ``toward`` (no DNS, no packet sent)."""
-    family = socket.AF_INET6 if ":" in toward else socket.AF_INET
-    with socket.socket(family, socket.SOCK_DGRAM) as probe:
-        try:
-            probe.connect((toward, port))
-        except OSError:
-            return "127.0.0.1"
-        return str(probe.getsockname()[0])
-
-
-def _free_port(address: str) -> int:
-    family = socket.AF_INET6 if ":" in address else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.bind((address, 0))
-        return int(s.getsockname()[1])
-
-
-def _port_free(address: str, port: int) -> bool:
-    family = socket.AF_INET6 if ":" in address else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        try:
-            s.bind((address, port))
-        except OSError:
-            return False
-    return True
-
-
-def _endpoint_of(url: str) -> tuple[str, int] | None:
-    parts = urlsplit(url)
-    if parts.hostname is None or parts.port is None:
-        return None
-    return parts.hostname, parts.port
-
-
 def _client_endpoints(members: list[Member]) -> list[tuple[str, int]]:
-    return [e for m in members if m.started for u in m.client_urls if (e := _endpoint_of(u))]
+    return [e for m in members if m.started for u in m.client_urls if (e := endpoint_of(u))]
 
 
 def member_endpoints(store: EtcdStore) -> list[tuple[str, int]]:
@@ -126,7 +99,6 @@ class EmbeddedStore:
         self._lock_key = f"relaunch/embedded/{run_id}/joining"
         self._member: EtcdMember | None = None
         self._members: list[Member] = []
-        self._health: dict[str, bool] = {}
         self._down: dict[str, float] = {}
         self._store: EtcdStore | None = None
         self._stop = threading.Event()
@@ -142,7 +114,7 @@ class EmbeddedStore:
         thread; returns the client the rendezvous uses (closed by :meth:`close`)."""
         host, port = self._endpoint
         try:
-            if self._hosts and _port_free(self._bind_address(), port):
+            if self._hosts and port_free(self._bind_address(), port):
                 try:
                     self._start_member(port, initial=None)
                 except StoreConnectionError as exc:  # another agent here took the port first
@@ -187,14 +159,14 @@ class EmbeddedStore:
         port = client_port
         if port is None:
             wanted = self._endpoint[1]
-            port = wanted if _port_free(self._bind_address(), wanted) else _free_port(address)
-        peer = _free_port(address)
+            port = wanted if port_free(self._bind_address(), wanted) else free_port(address)
+        peer = free_port(address)
         spec = MemberSpec(
             name=self._name,
             address=address,
             client_port=port,
             peer_port=peer,
-            initial_cluster=initial or f"{self._name}=http://{_bracket(address)}:{peer}",
+            initial_cluster=initial or f"{self._name}=http://{bracket(address)}:{peer}",
             new_cluster=initial is None,
             token=f"relaunch-{self._run_id}",
         )
@@ -258,13 +230,10 @@ class EmbeddedStore:
         assert self._store is not None
         members = parse_members(self._store.request("/cluster/member/list", {}))
         now = time.monotonic()
-        health = {}
         for m in members:
             # members check each other; the others leave that to them (no traffic)
-            checked = self._member is None or _any_healthy(m.client_urls)
-            ok = not m.joining and checked
-            health[m.id] = ok
-            if ok:
+            checked = self._member is None or any_healthy(m.client_urls)
+            if not m.joining and checked:
                 self._down.pop(m.id, None)
             else:
                 self._down.setdefault(m.id, now)
@@ -272,7 +241,6 @@ class EmbeddedStore:
             del self._down[gone]
         with self._view_lock:
             self._members = members
-            self._health = health
         urls = _client_endpoints(members)
         if urls:
             self._store.use_endpoints(urls)
@@ -320,8 +288,8 @@ class EmbeddedStore:
             members = parse_members(store.request("/cluster/member/list", {}))
             if len(members) >= self._target or any(m.joining for m in members):
                 return
-            peer = _free_port(self._address)
-            peer_url = f"http://{_bracket(self._address)}:{peer}"
+            peer = free_port(self._address)
+            peer_url = f"http://{bracket(self._address)}:{peer}"
             # a learner first: it has no vote until promoted, so a member that never
             # starts cannot cost the cluster its quorum
             reply = store.request(
@@ -334,7 +302,7 @@ class EmbeddedStore:
                 if m.peer_urls
             ]
             wanted = self._endpoint[1]
-            port = wanted if _port_free(self._bind_address(), wanted) else _free_port(self._address)
+            port = wanted if port_free(self._bind_address(), wanted) else free_port(self._address)
             spec = MemberSpec(
                 name=self._name,
                 address=self._address,
@@ -358,24 +326,12 @@ class EmbeddedStore:
 
     # -- what the others read --------------------------------------------------------------
 
-    def members(self) -> list[MemberHealth]:
-        """The members as last seen, with their health."""
-        with self._view_lock:
-            return [
-                MemberHealth(
-                    name=m.name or "(starting)",
-                    client_url=m.client_urls[0] if m.client_urls else "",
-                    healthy=self._health.get(m.id, False),
-                )
-                for m in self._members
-            ]
-
     def lost_reason(self, exc: BaseException) -> str:
         """The line that ends the job when the store cannot be reached (each member's
         health checked now)."""
         with self._view_lock:
             seen = list(self._members)
-        up = [m.name for m in seen if m.started and _any_healthy(m.client_urls)]
+        up = [m.name for m in seen if m.started and any_healthy(m.client_urls)]
         down = [m.name or "(never started)" for m in seen if m.name not in up]
         return (
             f"the embedded rendezvous store lost its quorum: members {', '.join(down) or '?'} "
@@ -384,8 +340,27 @@ class EmbeddedStore:
 
     # -- stopping ----------------------------------------------------------------------
 
+    def _leave_cluster(self, store: EtcdStore) -> None:
+        """Remove this member, and first the members down now (etcd refuses a removal
+        that would leave the cluster without a quorum of live members)."""
+        try:
+            members = parse_members(store.request("/cluster/member/list", {}))
+            mine = [m.id for m in members if m.name == self._name]
+            others = [m for m in members if m.name != self._name]
+            up = [m for m in others if not m.joining and any_healthy(m.client_urls)]
+            for m in others:
+                if m not in up:
+                    store.request("/cluster/member/remove", {"ID": m.id})
+            if mine and up:
+                store.request("/cluster/member/remove", {"ID": mine[0]})
+        except StoreError as exc:
+            log.warning("embedded store: member %s did not leave the cluster (%s); the "
+                        "others remove it when it is gone", self._name, exc)  # fmt: skip
+
     def close(self) -> None:
-        """Stop tending, close the client, stop this node's member. Idempotent."""
+        """Stop tending; leave the cluster (while other members stay, so that the nodes
+        still running keep their quorum without this one); close the client; stop
+        this node's member. Idempotent."""
         self._stop.set()
         self._wake.set()
         thread, self._thread = self._thread, None
@@ -393,15 +368,9 @@ class EmbeddedStore:
             thread.join(timeout=self._read_timeout + 15)
         store, self._store = self._store, None
         if store is not None:
+            if self._member is not None:
+                self._leave_cluster(store)
             store.close()
         member, self._member = self._member, None
         if member is not None:
             member.stop()
-
-
-def _bracket(address: str) -> str:
-    return f"[{address}]" if ":" in address else address
-
-
-def _any_healthy(urls: tuple[str, ...]) -> bool:
-    return any(healthy(u, timeout=0.5) for u in urls)

@@ -7,12 +7,14 @@ a process-wide counter.
 
 from __future__ import annotations
 
+import ipaddress
 import itertools
 import json
 import math
 import os
 import socket
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +28,7 @@ __all__ = [
     "encode_state",
     "new_node_id",
     "node_sort_key",
+    "peer_addresses",
     "round_size",
 ]
 
@@ -52,6 +55,14 @@ def node_sort_key(node: str) -> tuple[str, int, int]:
         return (addr2, int(pid), int(rest))
     except ValueError:
         return (node, 0, 0)
+
+
+def peer_addresses(nodes: Iterable[str]) -> frozenset[str] | None:
+    """The addresses of ``nodes`` when each is an IP literal (no DNS lookup), else None."""
+    try:
+        return frozenset(str(ipaddress.ip_address(node_sort_key(n)[0])) for n in nodes)
+    except ValueError:
+        return None
 
 
 @dataclass(kw_only=True)

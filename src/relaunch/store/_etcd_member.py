@@ -12,6 +12,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -21,10 +22,23 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import BinaryIO
+from urllib.parse import urlsplit
 
 from relaunch.errors import ConfigError, StoreConnectionError
 
-__all__ = ["EtcdMember", "MemberSpec", "find_etcd", "healthy", "is_etcd"]
+__all__ = [
+    "EtcdMember",
+    "MemberSpec",
+    "any_healthy",
+    "bracket",
+    "endpoint_of",
+    "find_etcd",
+    "free_port",
+    "healthy",
+    "is_etcd",
+    "own_address",
+    "port_free",
+]
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +85,49 @@ def is_etcd(client_url: str, timeout: float) -> bool:
         return False
 
 
+def own_address(toward: str, port: int) -> str:
+    """This machine's address on the route to ``toward`` (no DNS, no packet sent)."""
+    family = socket.AF_INET6 if ":" in toward else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect((toward, port))
+        except OSError:
+            return "127.0.0.1"
+        return str(probe.getsockname()[0])
+
+
+def free_port(address: str) -> int:
+    """A port free on ``address`` now (the kernel's pick)."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.bind((address, 0))
+        return int(s.getsockname()[1])
+
+
+def port_free(address: str, port: int) -> bool:
+    """Whether ``port`` can be bound on ``address`` now."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((address, port))
+        except OSError:
+            return False
+    return True
+
+
+def endpoint_of(url: str) -> tuple[str, int] | None:
+    """``(host, port)`` of a member's URL, or None when it names no port."""
+    parts = urlsplit(url)
+    if parts.hostname is None or parts.port is None:
+        return None
+    return parts.hostname, parts.port
+
+
+def any_healthy(urls: tuple[str, ...]) -> bool:
+    """Whether the member at any of ``urls`` is healthy (0.5 s each at most)."""
+    return any(healthy(u, timeout=0.5) for u in urls)
+
+
 @dataclass(frozen=True)
 class MemberSpec:
     """How one member is started."""
@@ -88,14 +145,15 @@ class MemberSpec:
 
     @property
     def client_url(self) -> str:
-        return f"http://{_host(self.address)}:{self.client_port}"
+        return f"http://{bracket(self.address)}:{self.client_port}"
 
     @property
     def peer_url(self) -> str:
-        return f"http://{_host(self.address)}:{self.peer_port}"
+        return f"http://{bracket(self.address)}:{self.peer_port}"
 
 
-def _host(address: str) -> str:
+def bracket(address: str) -> str:
+    """An address as it stands in a URL."""
     return f"[{address}]" if ":" in address else address
 
 
@@ -120,6 +178,10 @@ class EtcdMember:
             "--initial-cluster-state", "new" if spec.new_cluster else "existing",
             "--initial-cluster-token", spec.token,
             "--log-level", "error",
+            # the agents decide reconfigurations themselves (learners first, a member
+            # removed only when down or leaving with the others healthy): etcd's check
+            # would also refuse the removal of a member in a cluster younger than 5 s
+            "--strict-reconfig-check=false",
         ]  # fmt: skip
         out: int | BinaryIO = subprocess.DEVNULL
         if log_dir is not None:

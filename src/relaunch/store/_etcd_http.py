@@ -1,0 +1,185 @@
+"""The endpoints of an etcd cluster and the calls to them (its JSON gateway, through
+``etcd3gw``'s sessions): failover in order, authentication, TLS; the endpoints can be
+changed while calls run in other threads (a cluster whose members changed)."""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from relaunch.errors import ConfigError, StoreClosedError, StoreConnectionError, StoreError
+
+__all__ = ["EtcdEndpoints"]
+
+logger = logging.getLogger("relaunch.store.etcd")
+
+
+class EtcdEndpoints:
+    """Calls to the first endpoint that answers; see :class:`~relaunch.store.etcd.EtcdStore`."""
+
+    def __init__(
+        self,
+        endpoints: Sequence[tuple[str, int]],
+        *,
+        protocol: str,
+        ca_cert: str | None,
+        cert: str | None,
+        key: str | None,
+        user: str | None,
+        password: str | None,
+        timeout: float,
+    ) -> None:
+        try:
+            import etcd3gw
+            import requests
+        except ImportError as exc:
+            raise ConfigError(
+                "the etcd rendezvous backend needs the etcd3gw package: "
+                "pip install 'relaunch[etcd]'"
+            ) from exc
+        if not endpoints:
+            raise ConfigError("endpoints: expected at least one (host, port)")
+        if protocol not in ("http", "https"):
+            raise ConfigError(f"protocol: expected 'http' or 'https', got {protocol!r}")
+        if (cert is None) != (key is None):
+            raise ConfigError("cert and key: give both (a client certificate and its key) or none")
+        if (user is None) != (password is None):
+            raise ConfigError("user and password: give both or none")
+        if not isinstance(timeout, int | float) or not math.isfinite(timeout) or timeout <= 0:
+            raise ConfigError(f"timeout: expected a positive number of seconds, got {timeout!r}")
+        self.requests = requests
+        # Given per request: requests lets REQUESTS_CA_BUNDLE override a session's CA
+        # file, so --rdzv-conf cacert would be ignored where that variable is set.
+        self.verify: str | bool = ca_cert if ca_cert is not None else True
+        self.timeout = float(timeout)
+        self.closed = False
+        self._etcd3gw = etcd3gw
+        self._tls = (protocol, ca_cert, key, cert)
+        self._user = user
+        self._password = password
+        self._lock = threading.Lock()
+        self._clients: list[Any] = []
+        self._names: list[str] = []
+        self._current = 0
+        self._authed: set[int] = set()
+        self._retired: list[Any] = []
+        self._set(endpoints)
+
+    def _set(self, endpoints: Sequence[tuple[str, int]]) -> None:
+        protocol, ca_cert, key, cert = self._tls
+        self._clients = [
+            self._etcd3gw.client(
+                host=host,
+                port=port,
+                protocol=protocol,
+                ca_cert=ca_cert,
+                cert_key=key,
+                cert_cert=cert,
+                timeout=self.timeout,
+                api_path="/v3/",
+            )
+            for host, port in endpoints
+        ]
+        self._names = [f"{host}:{port}" for host, port in endpoints]
+
+    def names(self) -> list[str]:
+        """The endpoints tried, in order (``host:port``)."""
+        return list(self._names)
+
+    def use(self, endpoints: Sequence[tuple[str, int]]) -> None:
+        """Try these endpoints from now on; the one in use stays first when still there."""
+        if not endpoints:
+            raise ConfigError("endpoints: expected at least one (host, port)")
+        with self._lock:
+            wanted = [f"{host}:{port}" for host, port in endpoints]
+            if wanted == self._names:
+                return
+            current = self._names[self._current] if self._names else None
+            # closed at close(): a call in another thread may be using one now
+            self._retired.extend(self._clients)
+            self._set(endpoints)
+            self._current = wanted.index(current) if current in wanted else 0
+            self._authed = set()
+
+    def current(self) -> tuple[Any, str, Callable[[], None]]:
+        """The client in use, its name, and a call that moves on to the next one."""
+        clients = self._clients
+        index = self._current % len(clients)
+
+        def skip() -> None:
+            if clients is self._clients:
+                self._current = (index + 1) % len(clients)
+
+        return clients[index], self._names[index], skip
+
+    def _authenticate(self, index: int, client: Any) -> None:
+        if self._user is None or index in self._authed:
+            return
+        resp = client.session.post(
+            client.get_url("/auth/authenticate"),
+            json={"name": self._user, "password": self._password},
+            timeout=self.timeout,
+            verify=self.verify,
+        )
+        if resp.status_code != 200:
+            raise StoreError(f"etcd authentication as {self._user!r} failed: {resp.text.strip()}")
+        client.session.headers["Authorization"] = resp.json()["token"]
+        self._authed.add(index)
+
+    def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        """POST to the first endpoint that answers; sweep again (backing off) while the
+        cluster has no leader or no endpoint answers, for up to ``timeout`` seconds."""
+        deadline = time.monotonic() + self.timeout
+        delay = 0.05
+        while True:
+            result, errors = self._sweep(path, body)
+            if result is not None:
+                return result
+            if time.monotonic() + delay > deadline:
+                raise StoreConnectionError("no etcd endpoint answered: " + "; ".join(errors))
+            time.sleep(delay)
+            delay = min(delay * 2, 1.0)
+
+    def _sweep(self, path: str, body: dict[str, Any]) -> tuple[dict[str, Any] | None, list[str]]:
+        if self.closed:
+            raise StoreClosedError("the etcd store is closed")
+        errors = []
+        clients, names = self._clients, self._names  # use() may swap them
+        start = self._current % len(clients)
+        for step in range(len(clients)):
+            index = (start + step) % len(clients)
+            client = clients[index]
+            try:
+                self._authenticate(index, client)
+                resp = client.session.post(
+                    client.get_url(path), json=body, timeout=self.timeout, verify=self.verify
+                )
+            except self.requests.RequestException as exc:
+                errors.append(f"{names[index]}: {exc}")
+                self._authed.discard(index)
+                continue
+            if resp.status_code == 401 and self._user is not None:
+                self._authed.discard(index)
+                errors.append(f"{names[index]}: authentication expired")
+                continue
+            if resp.status_code >= 500 and "leader" in resp.text:
+                errors.append(f"{names[index]}: {resp.text.strip()}")
+                continue
+            if resp.status_code != 200:
+                raise StoreError(f"etcd {path} failed ({resp.status_code}): {resp.text.strip()}")
+            if index != self._current and clients is self._clients:
+                logger.info("etcd store: failed over to %s", names[index])
+                self._current = index
+            result: dict[str, Any] = resp.json()
+            return result, errors
+        return None, errors
+
+    def close(self) -> None:
+        """Close every session (those of endpoints no longer used too)."""
+        self.closed = True
+        for client in (*self._clients, *self._retired):
+            client.session.close()
