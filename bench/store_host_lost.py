@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import glob
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -101,11 +103,14 @@ class Job:
         return [i for i, p in enumerate(self.procs) if f"--name 127.0.0.1-{p.pid}-" in found]
 
     def kill(self, node: int) -> None:
+        """SIGKILL the node whole; its memory (the etcd member's data) goes with it."""
         proc = self.procs[node]
         for pid in [proc.pid, *descendants(proc.pid)]:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         proc.wait()
+        for path in glob.glob(f"/dev/shm/relaunch-*-{proc.pid}-*"):
+            shutil.rmtree(path, ignore_errors=True)
 
     def etcd_cpu(self) -> float:
         """CPU seconds used so far by the embedded store's processes (etcd, keepers)."""
@@ -119,8 +124,14 @@ class Job:
         return total
 
     def close(self) -> None:
-        for i in range(len(self.procs)):
-            if self.procs[i].poll() is None:
+        """Stop every agent as a scheduler would (SIGTERM, then SIGKILL after 30 s)."""
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for i, proc in enumerate(self.procs):
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
                 self.kill(i)
 
 

@@ -212,7 +212,9 @@ class EmbeddedStore:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self._wake.wait(self._interval)
+            # the members watch each other every interval; the others only look for a
+            # free seat and the members' addresses, less often (idle CPU of etcd)
+            self._wake.wait(self._interval if self._member is not None else 3 * self._interval)
             self._wake.clear()
             if self._stop.is_set():
                 return
