@@ -12,10 +12,13 @@ import json
 import sys
 import time
 from collections.abc import Sequence
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from relaunch.config import check_run_id, parse_rdzv_conf
 from relaunch.errors import ConfigError, RelaunchError, StoreError
+
+if TYPE_CHECKING:
+    from rich.console import RenderableType
 
 __all__ = ["status_main"]
 
@@ -90,10 +93,14 @@ def _show(store: object, run_id: str, ns: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.live import Live
 
-    from relaunch.status import read_job, render_text
+    from relaunch.status import read_job
 
     def read() -> dict[str, object]:
-        return read_job(store, run_id, backend=ns.rdzv_backend)  # type: ignore[arg-type]
+        doc = read_job(store, run_id, backend=ns.rdzv_backend)  # type: ignore[arg-type]
+        members = _store_members(ns)
+        if members is not None:
+            doc["store_members"] = members
+        return doc
 
     try:
         doc = read()
@@ -106,16 +113,50 @@ def _show(store: object, run_id: str, ns: argparse.Namespace) -> int:
         return 0
     console = Console()
     if not ns.watch:
-        console.print(render_text(doc))
+        console.print(_render(doc))
         return 0
     try:
-        with Live(render_text(doc), console=console, auto_refresh=False) as live:
+        with Live(_render(doc), console=console, auto_refresh=False) as live:
             while True:
                 time.sleep(ns.interval)
                 try:
                     doc = read()
                 except RelaunchError as exc:
                     return _fail(str(exc), 1)
-                live.update(render_text(doc), refresh=True)
+                live.update(_render(doc), refresh=True)
     except KeyboardInterrupt:
         return 0
+
+
+def _store_members(ns: argparse.Namespace) -> list[dict[str, object]] | None:
+    """The embedded store's members and their health (c10d), or None (a TCP store, or
+    the etcd backend: a cluster run beside the job)."""
+    if ns.rdzv_backend != "c10d":
+        return None
+    from relaunch._endpoint import split_endpoint
+    from relaunch.rendezvous._embedded_setup import read_members
+    from relaunch.rendezvous.registry import DEFAULT_PORT
+
+    host, port = split_endpoint(ns.rdzv_endpoint, DEFAULT_PORT, min_port=1)
+    return read_members(host, port, ns.timeout)
+
+
+def _render(doc: dict[str, object]) -> RenderableType:
+    """The job's tables, and the embedded store's members when there are some."""
+    from rich.console import Group
+    from rich.markup import escape
+    from rich.table import Table
+
+    from relaunch.status import render_text
+
+    members = doc.get("store_members")
+    if not isinstance(members, list):
+        return render_text(doc)
+    table = Table(title="rendezvous store (embedded etcd)", title_justify="left")
+    for column in ("member", "client", "health"):
+        table.add_column(column)
+    for m in members:
+        joining = m["learner"] or m["name"] == "(joining)"
+        health = "healthy" if m["healthy"] else "joining" if joining else "DOWN"
+        table.add_row(escape(str(m["name"])), escape(str(m["client_url"])), health)
+    return Group(render_text(doc), table)

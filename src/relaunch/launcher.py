@@ -32,7 +32,7 @@ from relaunch.checkpoint._area import SnapshotArea
 from relaunch.config import LaunchConfig
 from relaunch.errors import ChildFailedError, ConfigError, RelaunchError, StoreError
 from relaunch.procs import Entrypoint
-from relaunch.rendezvous import RendezvousHandler, SharedBoard
+from relaunch.rendezvous import RendezvousHandler, ReplicatedStore, SharedBoard
 from relaunch.status import StatusServer
 from relaunch.store import Store
 
@@ -154,9 +154,10 @@ class _JobSource:
     """Reads the job's status document for the status page, over a store connection of
     its own (made on first use, made again after a failure)."""
 
-    def __init__(self, config: LaunchConfig, agent: LocalAgent) -> None:
+    def __init__(self, config: LaunchConfig, agent: LocalAgent, handler: RendezvousHandler) -> None:
         self._config = config
         self._agent = agent
+        self._handler = handler
         self._store: Store | None = None
 
     def __call__(self) -> dict[str, Any]:
@@ -170,7 +171,11 @@ class _JobSource:
 
         try:
             if self._store is None:
-                self._store = connect_store(config.rendezvous_parameters(), timeout=5.0)
+                # the embedded store's members this agent knows: not only the endpoint
+                handler = self._handler
+                members = handler.store_endpoints() if isinstance(handler, ReplicatedStore) else []
+                params = config.rendezvous_parameters()
+                self._store = connect_store(params, timeout=5.0, members=members)
             return read_job(self._store, config.rdzv_id, backend=backend)
         except StoreError:
             self.close()
@@ -183,12 +188,12 @@ class _JobSource:
 
 
 def _status_server(
-    config: LaunchConfig, agent: LocalAgent
+    config: LaunchConfig, agent: LocalAgent, handler: RendezvousHandler
 ) -> tuple[StatusServer, _JobSource] | None:
     """The status page's server, listening, or None (off, or its port is taken: warned)."""
     if config.status_port is None:
         return None
-    source = _JobSource(config, agent)
+    source = _JobSource(config, agent, handler)
     server = StatusServer(config.status_host, config.status_port, source)
     if not server.start():
         return None
@@ -289,7 +294,7 @@ def _launch(
     agents.append(agent)
     if received:
         agent.request_stop(received[0])
-    status = _status_server(config, agent)
+    status = _status_server(config, agent, handler)
     try:
         result = agent.run()
     except RelaunchError as exc:

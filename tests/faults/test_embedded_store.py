@@ -17,6 +17,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import jsonschema
 import pytest
 
 from multinode_support.cluster import Cluster
@@ -28,6 +29,7 @@ pytestmark = [pytest.mark.netns, pytest.mark.timeout(240)]
 
 HEARTBEAT = "keep_alive_interval=0.25,keep_alive_max_attempt=8,store_members=auto"
 PORT = 29455
+SCHEMA = Path(__file__).resolve().parents[2] / "docs" / "status.schema.json"
 
 
 def _etcd_processes() -> list[str]:
@@ -49,13 +51,22 @@ def nets(request: pytest.FixtureRequest) -> Iterator[Net]:
         yield created
 
 
-def _start(cluster: Cluster, net: Net, nnodes: str, *worker: str) -> None:
+def _start(cluster: Cluster, net: Net, nnodes: str, *worker: str, page: int | None = None) -> None:
+    """Start every node; ``page``: node 1 serves the status page on that port."""
     for i, ns in enumerate(net.spaces):
+        flags = (
+            ("--status-port", str(page), "--status-host", net.addr(i)) if page and i == 1 else ()
+        )
         cluster.start(
             str(i), *worker, nnodes=nnodes, nproc=1, max_restarts=5, conf=HEARTBEAT,
             local_addr=net.addr(i), prefix=("ip", "netns", "exec", ns),
-            extra_env={"GLOO_SOCKET_IFNAME": net.inner(i)},
+            extra_env={"GLOO_SOCKET_IFNAME": net.inner(i)}, flags=flags,
         )  # fmt: skip
+
+
+def _in(net: Net, node: int, *cmd: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["ip", "netns", "exec", net.spaces[node], *cmd],
+                          capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
 
 
 def _training(cluster: Cluster, nodes: set[str], world: int) -> None:
@@ -102,6 +113,16 @@ def _voting(net: Net, alive: str) -> set[str]:
         name.startswith(f"{net.addr(i)}-") for name in names)}  # fmt: skip
 
 
+def _up(cluster: Cluster, net: Net, *worker: str, page: int | None = None) -> None:
+    """Start every node (``--nnodes=2:N``), wait until all train together and three
+    etcd members vote and are healthy."""
+    n = len(net.spaces)
+    everyone = "".join(str(i) for i in range(n))
+    _start(cluster, net, f"2:{n}", *worker, page=page)
+    _training(cluster, set(everyone), n)
+    cluster.wait_for("three voting members", lambda: len(_voting(net, everyone)) == 3)
+
+
 def _nothing_left(cluster: Cluster) -> None:
     cluster.close()
     wait_for(lambda: not _etcd_processes(), 20, what="the etcd keepers to end")
@@ -114,19 +135,24 @@ def test_the_endpoint_node_lost_the_others_train_on_and_finish(nets: Net, tmp_pa
     cluster = Cluster(tmp_path, backend="c10d", endpoint=f"{nets.addr(0)}:{PORT}")
     go = tmp_path / "go"
     try:
-        _start(cluster, nets, "2:3", f"go={go}", "steps=3")
-        _training(cluster, {"0", "1", "2"}, 3)
-        cluster.wait_for("three voting members", lambda: len(_voting(nets, "012")) == 3)
+        _up(cluster, nets, f"go={go}", "steps=3", page=PORT + 1)
         cluster.kill("0")  # the endpoint's node: its etcd member goes with it
         _training(cluster, {"1", "2"}, 2)
+        # node 1's page, first read now: through the members node 1 knows
+        page = _in(nets, 1, sys.executable, "-c", "import urllib.request, sys; sys.stdout.write("
+                   f"urllib.request.urlopen('http://{nets.addr(1)}:{PORT + 1}/status.json', "
+                   "timeout=20).read().decode())")  # fmt: skip
+        assert page.returncode == 0, page.stderr
+        assert json.loads(page.stdout)["world"]["nodes"] == 2, page.stdout
         # any member's address is an endpoint now: relaunch status reads the job there
-        shown = subprocess.run(
-            ["ip", "netns", "exec", nets.spaces[1], sys.executable, "-m", "relaunch", "status",
-             f"--rdzv-endpoint={nets.addr(1)}:{PORT}", "--rdzv-id=job", "--json"],
-            capture_output=True, text=True, timeout=60, check=False,
-        )  # fmt: skip
+        shown = _in(nets, 1, sys.executable, "-m", "relaunch", "status",
+                    f"--rdzv-endpoint={nets.addr(1)}:{PORT}", "--rdzv-id=job", "--json")  # fmt: skip
         assert shown.returncode == 0, shown.stderr
-        assert json.loads(shown.stdout)["world"]["nodes"] == 2, shown.stdout
+        doc = json.loads(shown.stdout)
+        jsonschema.validate(doc, json.loads(SCHEMA.read_text()))
+        assert doc["world"]["nodes"] == 2, shown.stdout
+        healthy = {m["name"].split("-")[0] for m in doc["store_members"] if m["healthy"]}
+        assert healthy == {nets.addr(1), nets.addr(2)}, doc["store_members"]
         go.touch()
         assert cluster.wait_exit("1") == 0, cluster.outputs()
         assert cluster.wait_exit("2") == 0, cluster.outputs()
@@ -141,9 +167,7 @@ def test_a_lost_member_is_replaced_so_the_next_loss_is_survived_too(
     cluster = Cluster(tmp_path, backend="c10d", endpoint=f"{nets.addr(0)}:{PORT}")
     go = tmp_path / "go"
     try:
-        _start(cluster, nets, "2:4", f"go={go}", "steps=3")
-        _training(cluster, {"0", "1", "2", "3"}, 4)
-        cluster.wait_for("three voting members", lambda: len(_voting(nets, "0123")) == 3)
+        _up(cluster, nets, f"go={go}", "steps=3")
         members = sorted(_voting(nets, "0123"))
         spare = next(n for n in "0123" if n not in members)
         first, second, kept = members
@@ -166,9 +190,7 @@ def test_a_member_cut_off_is_dropped_and_the_rest_train_on(nets: Net, tmp_path: 
     cluster = Cluster(tmp_path, backend="c10d", endpoint=f"{nets.addr(0)}:{PORT}")
     go = tmp_path / "go"
     try:
-        _start(cluster, nets, "2:3", f"go={go}", "steps=3")
-        _training(cluster, {"0", "1", "2"}, 3)
-        cluster.wait_for("three voting members", lambda: len(_voting(nets, "012")) == 3)
+        _up(cluster, nets, f"go={go}", "steps=3")
         nets.cut(2)  # no connection closes: only the heartbeats tell
         _training(cluster, {"0", "1"}, 2)
         go.touch()
@@ -184,9 +206,7 @@ def test_quorum_lost_every_agent_ends_with_one_line_naming_the_members(
 ) -> None:
     cluster = Cluster(tmp_path, backend="c10d", endpoint=f"{nets.addr(0)}:{PORT}")
     try:
-        _start(cluster, nets, "2:3", f"go={tmp_path / 'never'}", "steps=3")
-        _training(cluster, {"0", "1", "2"}, 3)
-        cluster.wait_for("three voting members", lambda: len(_voting(nets, "012")) == 3)
+        _up(cluster, nets, f"go={tmp_path / 'never'}", "steps=3")
         cluster.kill("0")
         cluster.kill("1")  # two of three members at once
         assert cluster.wait_exit("2", timeout=120) != 0, cluster.outputs()

@@ -1,8 +1,8 @@
 """The embedded store: an etcd cluster that the agents run among themselves.
 
-With ``--rdzv-backend c10d`` and ``store_members`` >= 1 (``auto``, the default: 3
-for a job of three nodes or more, 5 from five, when an etcd binary is found), the
-rendezvous state lives in etcd, not in a TCP store on one node:
+With ``--rdzv-backend c10d`` and ``store_members`` >= 1 (``auto``: 3 for a job of
+three nodes or more, 5 from five, when an etcd binary is found), the rendezvous
+state lives in etcd, not in a TCP store on one node:
 
 - The node that hosts the endpoint (as for the TCP store: ``--local-addr`` or the
   host name, or ``is_host=1``) starts the first member, its client port on the
@@ -328,6 +328,11 @@ class EmbeddedStore:
 
     # -- what the others read --------------------------------------------------------------
 
+    def endpoints(self) -> list[tuple[str, int]]:
+        """The started members' client endpoints, as last listed."""
+        with self._view_lock:
+            return _client_endpoints(self._members)
+
     def lost_reason(self, exc: BaseException) -> str:
         """The line that ends the job when the store cannot be reached (each member's
         health checked now)."""
@@ -343,21 +348,24 @@ class EmbeddedStore:
     # -- stopping ----------------------------------------------------------------------
 
     def _leave_cluster(self, store: EtcdStore) -> None:
-        """Remove this member, and first the members down now (etcd refuses a removal
-        that would leave the cluster without a quorum of live members)."""
+        """Remove the members down now, then this one (a member leaving while a dead
+        one stays listed could leave the others without a quorum)."""
         try:
             members = parse_members(store.request("/cluster/member/list", {}))
-            mine = [m.id for m in members if m.name == self._name]
-            others = [m for m in members if m.name != self._name]
-            up = [m for m in others if not m.joining and any_healthy(m.client_urls)]
-            for m in others:
-                if m not in up:
-                    store.request("/cluster/member/remove", {"ID": m.id})
-            if mine and up:
-                store.request("/cluster/member/remove", {"ID": mine[0]})
         except StoreError as exc:
             log.warning("embedded store: member %s did not leave the cluster (%s); the "
                         "others remove it when it is gone", self._name, exc)  # fmt: skip
+            return
+        mine = [m.id for m in members if m.name == self._name]
+        others = [m for m in members if m.name != self._name]
+        # down: twice no healthy answer in 2 s (a member that is only slow, on a loaded
+        # machine, must not be removed: that could cost the others their quorum)
+        up = [m for m in others if not m.joining and _answers(m.client_urls)]
+        for m in others:
+            if m not in up:
+                _remove(store, m.id, m.name or "(joining)")
+        if mine and up:
+            _remove(store, mine[0], self._name)
 
     def close(self) -> None:
         """Stop tending; leave the cluster (while other members stay, so that the nodes
@@ -376,3 +384,15 @@ class EmbeddedStore:
         member, self._member = self._member, None
         if member is not None:
             member.stop()
+
+
+def _answers(urls: tuple[str, ...]) -> bool:
+    return any_healthy(urls, timeout=2.0) or any_healthy(urls, timeout=2.0)
+
+
+def _remove(store: EtcdStore, member_id: str, name: str) -> None:
+    """Remove a member; one that is gone already (another node removed it) is fine."""
+    try:
+        store.request("/cluster/member/remove", {"ID": member_id})
+    except StoreError as exc:
+        log.info("embedded store: member %s not removed: %s", name, exc)

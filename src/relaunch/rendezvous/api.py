@@ -197,6 +197,11 @@ class ReplicatedStore(Protocol):
     """A backend whose store may be replicated among the job's nodes (the embedded
     etcd members of c10d): its loss is then told member by member."""
 
+    def store_endpoints(self) -> list[tuple[str, int]]:
+        """The client endpoints of the store's members this node knows now (a reader
+        that must not depend on the endpoint's node uses them); [] when not replicated."""
+        ...
+
     def store_lost_reason(self, exc: BaseException) -> str | None:
         """The line that ends the job when the store cannot be reached (None: the
         backend's usual line)."""

@@ -122,6 +122,9 @@ class DynamicRendezvousHandler:
     def get_backend(self) -> str:
         return self._backend_name
 
+    def store_endpoints(self) -> list[tuple[str, int]]:
+        return self._embedded.endpoints() if self._embedded is not None else []
+
     def store_lost_reason(self, exc: BaseException) -> str | None:
         """The line naming the lost members, when the store is replicated."""
         return self._embedded.lost_reason(exc) if self._embedded is not None else None

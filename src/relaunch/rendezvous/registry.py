@@ -28,7 +28,7 @@ import logging
 import math
 import socket
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from relaunch._endpoint import C10D_PORT, ETCD_PORT, split_endpoint
@@ -298,10 +298,17 @@ def _create_etcd(params: RendezvousParameters) -> DynamicRendezvousHandler:
     )
 
 
-def connect_store(params: RendezvousParameters, *, timeout: float) -> Store:
+def connect_store(
+    params: RendezvousParameters,
+    *,
+    timeout: float,
+    members: Sequence[tuple[str, int]] = (),
+) -> Store:
     """A client of the rendezvous store of ``params`` (c10d or etcd), to read a job's
-    status: it never hosts a store. Raises ConfigError for another backend or a bad
-    endpoint or conf, StoreConnectionError when the store cannot be reached."""
+    status: it never hosts a store. ``members``: the embedded store's members as an
+    agent knows them (c10d), tried instead of the endpoint, whose node may be gone.
+    Raises ConfigError for another backend or a bad endpoint or conf,
+    StoreConnectionError when the store cannot be reached."""
     if params.backend == "etcd":
         check_conf_keys(params.conf, ETCD_CONF_KEYS)
         return _signed(_etcd_store(params, timeout), params)
@@ -313,6 +320,10 @@ def connect_store(params: RendezvousParameters, *, timeout: float) -> Store:
     from relaunch.store.tcp import TCPStoreClient
 
     check_conf_keys(params.conf, C10D_CONF_KEYS)
+    if members:
+        from relaunch.store.etcd import EtcdStore
+
+        return _signed(EtcdStore(list(members), timeout=timeout), params)
     host, port = split_endpoint(params.endpoint, DEFAULT_PORT, min_port=1)
     embedded = embedded_client(host, port, timeout)
     if embedded is not None:

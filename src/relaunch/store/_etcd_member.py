@@ -123,9 +123,9 @@ def endpoint_of(url: str) -> tuple[str, int] | None:
     return parts.hostname, parts.port
 
 
-def any_healthy(urls: tuple[str, ...]) -> bool:
-    """Whether the member at any of ``urls`` is healthy (0.5 s each at most)."""
-    return any(healthy(u, timeout=0.5) for u in urls)
+def any_healthy(urls: tuple[str, ...], timeout: float = 0.5) -> bool:
+    """Whether the member at any of ``urls`` is healthy (``timeout`` seconds each)."""
+    return any(healthy(u, timeout=timeout) for u in urls)
 
 
 @dataclass(frozen=True)
