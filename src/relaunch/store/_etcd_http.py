@@ -166,7 +166,7 @@ class EtcdEndpoints:
                 self._authed.discard(index)
                 errors.append(f"{names[index]}: authentication expired")
                 continue
-            if resp.status_code >= 500 and "leader" in resp.text:
+            if resp.status_code >= 500 and _unavailable(resp.status_code, resp.text):
                 errors.append(f"{names[index]}: {resp.text.strip()}")
                 continue
             if resp.status_code != 200:
@@ -183,3 +183,10 @@ class EtcdEndpoints:
         self.closed = True
         for client in (*self._clients, *self._retired):
             client.session.close()
+
+
+def _unavailable(status: int, text: str) -> bool:
+    """Whether an error reply means "this endpoint cannot serve now, try another": no
+    leader, a member stopping or removed (its gateway's own connection closed: gRPC
+    UNAVAILABLE, code 14), its raft stopped."""
+    return status == 503 or "leader" in text or '"code":14' in text or "raft: stopped" in text
