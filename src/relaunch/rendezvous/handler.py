@@ -61,9 +61,8 @@ class DynamicRendezvousHandler:
     serves the keep-alive thread, for stores whose connection is not thread-safe.
     ``server`` (e.g. the TCP store this node hosts) is closed by :meth:`shutdown`,
     after every other node left or died, so no node restarting is stranded. The
-    stores are closed there too unless ``owns_store`` is False (a shared store).
-    ``embedded``: the etcd cluster the agents run (the store is its client), closed
-    there too. ``clock`` gives wall-clock seconds (inject one in tests).
+    stores are closed there too unless ``owns_store`` is False (a shared store), and
+    ``embedded``, the etcd cluster the agents run. ``clock``: wall-clock seconds.
     """
 
     def __init__(
