@@ -96,16 +96,17 @@ def main() -> None:
         state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
         if args.extra_mb:
             state["extra"] = extra
+        if attempt == 0 and step == kill_step and args.kill_after_save:
+            # every rank holds the step before whole before any starts this one, so
+            # only the killed rank's snapshot of this step is cut short (killed right
+            # after save() returns, while its writer still copies)
+            checkpoint.wait()
+            dist.barrier()
         if not args.disk_every:
             checkpoint.save(step, state)
         elif rank == 0 and (step + 1) % args.disk_every == 0:
             torch.save((step, state), disk + ".tmp")
             os.replace(disk + ".tmp", disk)
-        if attempt == 0 and step == kill_step and args.kill_after_save:
-            # every rank is past this save's start, so each holds the step before whole
-            # (a save first waits for the one before): only the killed rank's own
-            # snapshot of this step is cut short
-            dist.barrier()
         if attempt == 0 and rank == kill_rank and step == kill_step:
             os.kill(os.getpid(), signal.SIGKILL)
         if log is not None:

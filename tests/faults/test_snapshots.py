@@ -180,8 +180,9 @@ def test_a_killed_worker_resumes_at_its_step_and_ends_with_the_fault_free_weight
 
 
 def test_a_kill_during_a_save_resumes_from_the_older_snapshot(job: Job, tmp_path: Path) -> None:
-    # 64 MB more to write and checksum: rank 1 is killed while its writer works on
-    # step 20, after a barrier that every rank enters with step 19's snapshot whole
+    # 64 MB more to write and checksum: every rank holds step 19 whole (a wait and a
+    # barrier before the save of step 20), and rank 1 is killed as soon as its save of
+    # step 20 returned, while its writer still copies
     args = ("--kill", "1:20", "--kill-after-save", "--extra-mb", "64")
     job.start("a", *args, nnodes=1, flags=_own_snapshot_dir(tmp_path, "a"))
     assert job.wait() == {"a": 0}, job.output()
