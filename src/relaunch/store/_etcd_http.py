@@ -86,10 +86,6 @@ class EtcdEndpoints:
         ]
         self._names = [f"{host}:{port}" for host, port in endpoints]
 
-    def names(self) -> list[str]:
-        """The endpoints tried, in order (``host:port``)."""
-        return list(self._names)
-
     def use(self, endpoints: Sequence[tuple[str, int]]) -> None:
         """Try these endpoints from now on; the one in use stays first when still there."""
         if not endpoints:

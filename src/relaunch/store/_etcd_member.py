@@ -72,10 +72,6 @@ def healthy(client_url: str, timeout: float = 1.0) -> bool:
         return False
 
 
-def _answers(client_url: str) -> bool:
-    return is_etcd(client_url, 1.0)
-
-
 def is_etcd(client_url: str, timeout: float) -> bool:
     """Whether an etcd server answers at ``client_url`` (its ``/version``)."""
     try:
@@ -218,7 +214,7 @@ class EtcdMember:
 
     def wait_serving(self, timeout: float) -> None:
         """Return once the member's client port answers (a learner is not yet healthy)."""
-        self._wait(lambda: _answers(self.spec.client_url), timeout, "serving")
+        self._wait(lambda: is_etcd(self.spec.client_url, 1.0), timeout, "serving")
 
     def wait_healthy(self, timeout: float) -> None:
         """Return once the member answers healthy (it has a leader)."""

@@ -77,11 +77,6 @@ class EtcdStore:
         self._lease_stop = threading.Event()
         self._lease_thread: threading.Thread | None = None
 
-    @property
-    def endpoints(self) -> list[str]:
-        """The endpoints tried, in order (``host:port``)."""
-        return self._http.names()
-
     def use_endpoints(self, endpoints: Sequence[tuple[str, int]]) -> None:
         """Try these endpoints from now on (a cluster whose members changed); the one
         in use stays first when it is still among them."""
@@ -92,16 +87,13 @@ class EtcdStore:
         other call; StoreConnectionError when no endpoint answers."""
         return self._http.post(path, body)
 
-    def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        return self._http.post(path, body)
-
     def _key(self, key: str) -> str:
         return _b64(self._prefix + key)
 
     # -- the Store protocol -------------------------------------------------------------
 
     def _range(self, key: str) -> tuple[dict[str, Any] | None, int]:
-        reply = self._post("/kv/range", {"key": self._key(key)})
+        reply = self._http.post("/kv/range", {"key": self._key(key)})
         kvs = reply.get("kvs") or []
         revision = int(reply.get("header", {}).get("revision", 0))
         return (kvs[0] if kvs else None), revision
@@ -113,10 +105,10 @@ class EtcdStore:
         return _unb64(kv.get("value", ""))
 
     def set(self, key: str, value: bytes) -> None:
-        self._post("/kv/put", {"key": self._key(key), "value": _b64(value)})
+        self._http.post("/kv/put", {"key": self._key(key), "value": _b64(value)})
 
     def _txn(self, key: str, compare: dict[str, Any], value: bytes) -> tuple[bool, dict[str, Any]]:
-        reply = self._post(
+        reply = self._http.post(
             "/kv/txn",
             {
                 "compare": [{"key": self._key(key), "result": "EQUAL", **compare}],
@@ -156,7 +148,7 @@ class EtcdStore:
                 return current + amount
 
     def delete(self, key: str) -> bool:
-        reply = self._post("/kv/deleterange", {"key": self._key(key)})
+        reply = self._http.post("/kv/deleterange", {"key": self._key(key)})
         return int(reply.get("deleted", 0)) > 0
 
     def wait(self, keys: list[str], timeout: float) -> None:
@@ -214,13 +206,15 @@ class EtcdStore:
         seconds after a crash, as judged by etcd (no clock of ours involved).
         """
         lease = self._own_lease(ttl)
-        self._post("/kv/put", {"key": self._key(key), "value": _b64(value), "lease": str(lease)})
+        self._http.post(
+            "/kv/put", {"key": self._key(key), "value": _b64(value), "lease": str(lease)}
+        )
 
     def claim_ephemeral(self, key: str, value: bytes, ttl: float) -> bool:
         """Create ``key`` under this store's lease unless it exists (as
         :meth:`set_ephemeral`); whether this call created it."""
         lease = self._own_lease(ttl)
-        reply = self._post(
+        reply = self._http.post(
             "/kv/txn",
             {
                 "compare": [
@@ -248,7 +242,7 @@ class EtcdStore:
         """This store's lease, granted at first use and refreshed by a named thread."""
         with self._lock:
             if self._lease is None:
-                reply = self._post("/lease/grant", {"TTL": max(1, math.ceil(ttl)), "ID": 0})
+                reply = self._http.post("/lease/grant", {"TTL": max(1, math.ceil(ttl)), "ID": 0})
                 self._lease = int(reply["ID"])
             lease = self._lease
             if self._lease_thread is None:
@@ -267,7 +261,7 @@ class EtcdStore:
             if lease is None:
                 continue
             try:
-                reply = self._post("/lease/keepalive", {"ID": str(lease)})
+                reply = self._http.post("/lease/keepalive", {"ID": str(lease)})
             except StoreError as exc:
                 logger.warning("etcd lease %x not refreshed: %s", lease, exc)
                 continue
@@ -281,7 +275,7 @@ class EtcdStore:
         """The keys that start with ``prefix`` (one range request)."""
         start = (self._prefix + prefix).encode()
         end = start[:-1] + bytes([start[-1] + 1]) if start and start[-1] < 0xFF else b"\0"
-        reply = self._post(
+        reply = self._http.post(
             "/kv/range", {"key": _b64(start), "range_end": _b64(end), "keys_only": True}
         )
         cut = len(self._prefix.encode())
@@ -299,7 +293,7 @@ class EtcdStore:
             thread.join(timeout=self._timeout + 1)
         if lease is not None:
             try:
-                self._post("/kv/lease/revoke", {"ID": str(lease)})
+                self._http.post("/kv/lease/revoke", {"ID": str(lease)})
             except StoreError as exc:
                 logger.warning("etcd lease %x not revoked (it expires on its own): %s", lease, exc)
         self._http.close()
