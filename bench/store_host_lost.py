@@ -1,7 +1,7 @@
 """A lost node by kind (the store's host, an etcd member, any other), relaunch's
 embedded store against torchrun's c10d, side by side in the same run.
 
-    python bench/store_host_lost.py [--runs 2] [--nodes 4] [--idle 10]
+    python bench/store_host_lost.py [--runs 2] [--nodes 4] [--idle 10] [--load 2]
 
 ``--nodes`` agents on this machine (loopback, in a network namespace of their own)
 x 1 worker of a tiny DDP job on gloo (a step: an all-reduce and 50 ms of sleep),
@@ -185,15 +185,34 @@ def main() -> None:
     parser.add_argument("--nodes", type=int, default=4)
     parser.add_argument("--limit", type=float, default=60.0, help="seconds to wait for recovery")
     parser.add_argument("--idle", type=float, default=10.0, help="seconds of idle CPU measured")
+    parser.add_argument("--only", choices=("relaunch", "torchrun"), help="one launcher only")
+    parser.add_argument("--load", type=int, default=0, help="busy processes beside the job")
     args = parser.parse_args()
     in_loopback_netns()
-    print(f"{args.nodes} nodes x 1 worker, --nnodes={args.nodes - 1}:{args.nodes}; "
-          f"seconds from SIGKILL of a node to every survivor training; median of {args.runs}")  # fmt: skip
+    load = [
+        subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
+        for _ in range(args.load)
+    ]
+    try:
+        _table(args)
+    finally:
+        for proc in load:
+            proc.kill()
+            proc.wait()
+
+
+def _table(args: argparse.Namespace) -> None:
+    print(f"{args.nodes} nodes x 1 worker, --nnodes={args.nodes - 1}:{args.nodes}, load "
+          f"{args.load}; seconds from SIGKILL of a node to every survivor training; median "
+          f"of {args.runs}")  # fmt: skip
     print(f"{'node lost':<12} {'relaunch':>24} {'torchrun':>24}")
     cpus = []
     for kind in ("host", "member", "other"):
         row = {}
         for launcher in ("relaunch", "torchrun"):
+            if args.only not in (None, launcher):
+                row[launcher] = "-"
+                continue
             if launcher == "torchrun" and kind == "member":
                 row[launcher] = "-"  # torchrun's store has no members
                 continue

@@ -7,10 +7,17 @@ backends (which connect to it); a leaf module, importing nothing of relaunch but
 from __future__ import annotations
 
 import re
+import socket
 
 from relaunch.errors import ConfigError
 
-__all__ = ["C10D_PORT", "ETCD_PORT", "join_endpoint", "split_endpoint"]
+__all__ = [
+    "C10D_PORT",
+    "ETCD_PORT",
+    "join_endpoint",
+    "own_address",
+    "split_endpoint",
+]
 
 C10D_PORT = 29400
 """The c10d rendezvous port when none is given (torchrun's)."""
@@ -59,3 +66,14 @@ def split_endpoint(
 def join_endpoint(host: str, port: int) -> str:
     """``host:port``, with an IPv6 host in brackets."""
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def own_address(toward: str, port: int) -> str:
+    """This machine's address on the route to ``toward`` (no DNS, no packet sent)."""
+    family = socket.AF_INET6 if ":" in toward else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect((toward, port))
+        except OSError:
+            return "127.0.0.1"
+        return str(probe.getsockname()[0])

@@ -156,7 +156,9 @@ def _render(doc: dict[str, object]) -> RenderableType:
     for column in ("member", "client", "health"):
         table.add_column(column)
     for m in members:
-        joining = m["learner"] or m["name"] == "(joining)"
-        health = "healthy" if m["healthy"] else "joining" if joining else "DOWN"
+        starting = m["name"] == "(joining)"
+        health = "healthy" if m["healthy"] else "starting" if starting else "DOWN"
+        if m["learner"]:  # no vote yet: waits for a pair to be promoted with
+            health += " (learner)"
         table.add_row(escape(str(m["name"])), escape(str(m["client_url"])), health)
     return Group(render_text(doc), table)

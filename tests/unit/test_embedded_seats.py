@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from relaunch.rendezvous._seats import Member, parse_members, plan
+from relaunch.rendezvous._seats import JoinSteps, Member, join_steps, parse_members, plan
 
 
 def _m(name: str, *, learner: bool = False, started: bool = True) -> Member:
@@ -28,8 +28,42 @@ def test_a_node_joins_while_seats_are_free_and_no_one_is_joining() -> None:
     assert plan([A, B], None, 3, {}, 0.0, 3.0, 40.0).join
     assert not plan([A, B, C], None, 3, {}, 0.0, 3.0, 40.0).join  # full
     assert not plan([A, B], "a", 3, {}, 0.0, 3.0, 40.0).join  # already a member
-    learning = _m("d", learner=True)
-    assert not plan([A, B, learning], None, 5, {learning.id: 0.0}, 0.0, 3.0, 40.0).join
+    starting = _m("d", learner=True, started=False)
+    assert not plan([A, B, starting], None, 5, {starting.id: 0.0}, 0.0, 3.0, 40.0).join
+    # a learner that runs, waiting for a pair, is what the next node joins beside
+    assert plan([A, _m("d", learner=True)], None, 3, {}, 0.0, 3.0, 40.0).join
+
+
+def test_the_voting_members_grow_in_pairs() -> None:
+    waiting = _m("d", learner=True)
+    # one voting member: the first node to join waits as a learner
+    assert join_steps([A], 3) == JoinSteps(promote_first=None, promote_self=False)
+    # the next one promotes it, joins, and is promoted: 1 -> 3, never a lasting 2
+    assert join_steps([A, waiting], 3) == JoinSteps(promote_first=waiting.id, promote_self=True)
+    # two voting members (one was lost): a new one is promoted at once
+    assert join_steps([A, B], 3) == JoinSteps(promote_first=None, promote_self=True)
+    assert join_steps([A, B, C], 5) == JoinSteps(promote_first=None, promote_self=False)
+    assert join_steps([A, B, C, waiting], 5) == JoinSteps(waiting.id, promote_self=True)
+    assert join_steps([A, B, C], 3) is None  # full
+    assert join_steps([A, _m("e", learner=True, started=False)], 3) is None  # one starting
+
+
+def test_the_steward_promotes_a_learner_only_to_an_odd_count() -> None:
+    waiting = _m("d", learner=True)
+    assert plan([A, waiting], "a", 3, {}, 0.0, 3.0, 40.0).promote is None  # 1 stays odd
+    assert plan([A, B, waiting], "a", 5, {}, 0.0, 3.0, 40.0).promote == waiting.id
+    assert plan([A, B, waiting], "b", 5, {}, 0.0, 3.0, 40.0).promote is None  # steward acts
+    assert plan([A, B, waiting], "a", 5, {waiting.id: 0.0}, 0.0, 3.0, 40.0).promote is None
+    # a voting member removed now leaves an even count: the learner takes its vote
+    down = {C.id: 0.0}
+    decided = plan([A, B, C, waiting], "a", 5, down, 5.0, 3.0, 40.0)
+    assert decided.remove == (C.id,) and decided.promote == waiting.id
+
+
+def test_a_learner_that_ran_and_went_down_is_removed_after_the_grace() -> None:
+    waiting = _m("d", learner=True)
+    down = {waiting.id: 0.0}
+    assert plan([A, waiting], "a", 3, down, 3.0, 3.0, 40.0).remove == (waiting.id,)
 
 
 def test_only_the_steward_removes_and_only_after_the_grace() -> None:

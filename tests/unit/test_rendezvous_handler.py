@@ -94,7 +94,7 @@ def test_dead_node_removed_survivors_continue(store: MemoryStore) -> None:
     hs = [make(store, 2, 3, keep_alive_max_attempt=3) for _ in range(3)]
     together(*(h.next_rendezvous for h in hs))
     victim = hs.pop()
-    victim._stop_keep_alive()  # the node is gone: no heartbeat, no goodbye
+    victim._keep_alive.stop()  # the node is gone: no heartbeat, no goodbye
     until(lambda: all(h.num_nodes_waiting() > 0 for h in hs))
     infos = together(*(h.next_rendezvous for h in hs))
     assert sorted(i.rank for i in infos) == [0, 1]
@@ -117,7 +117,7 @@ def test_spare_takes_lost_nodes_place(store: MemoryStore) -> None:
             )
         )
         assert a.num_nodes_waiting() == 0  # a spare does not trigger a restart
-        b._stop_keep_alive()
+        b._keep_alive.stop()
         until(lambda: a.num_nodes_waiting() > 0)
         info_a = a.next_rendezvous()
         info_s = waiting.result(timeout=30)
@@ -151,7 +151,7 @@ def test_corrupt_state_is_a_clear_error(store: MemoryStore) -> None:
     with pytest.raises(RendezvousStateError, match="relaunch/rdzv/job/state"):
         h.next_rendezvous()
     h._shut = True
-    h._stop_keep_alive()
+    h._keep_alive.stop()
 
 
 def test_state_of_another_run_refused(store: MemoryStore) -> None:
@@ -164,7 +164,7 @@ def test_state_of_another_run_refused(store: MemoryStore) -> None:
         h.next_rendezvous()
     for x in (h, other):
         x._shut = True
-        x._stop_keep_alive()
+        x._keep_alive.stop()
 
 
 def test_join_request_of_another_run_is_ignored(store: MemoryStore) -> None:

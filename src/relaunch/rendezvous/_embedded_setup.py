@@ -8,13 +8,15 @@ import logging
 import os
 from collections.abc import Mapping
 
+from relaunch._endpoint import own_address
 from relaunch.errors import ConfigError, StoreError
-from relaunch.rendezvous._replicated import EmbeddedStore, member_endpoints
+from relaunch.rendezvous._member_calls import member_endpoints
+from relaunch.rendezvous._replicated import EmbeddedStore
 from relaunch.rendezvous._seats import parse_members
 from relaunch.rendezvous._settings import RendezvousSettings
 from relaunch.rendezvous.api import RendezvousParameters
 from relaunch.store import Store
-from relaunch.store._etcd_member import any_healthy, find_etcd, is_etcd, own_address
+from relaunch.store._etcd_member import any_healthy, find_etcd, is_etcd
 from relaunch.store.etcd import EtcdStore
 
 __all__ = ["embedded_client", "members_wanted", "read_members", "start_embedded"]
@@ -23,13 +25,11 @@ logger = logging.getLogger(__name__)
 
 
 def members_wanted(conf: Mapping[str, str], max_nodes: int) -> tuple[int, str | None]:
-    """How many etcd members the embedded store has (0, the default for now: a TCP
-    store on the endpoint's node), and the etcd binary. ``auto``: 5 from five nodes, 3
-    from three, else 0, and 0 with one log line when no etcd binary or etcd3gw is
-    found. Not yet the default: while the second member has joined and the third not
-    yet, the two voting members survive the loss of neither (to do: keep learners until
-    they can be promoted in pairs)."""
-    raw = conf.get("store_members", "0").strip().lower()
+    """How many etcd members the embedded store has, and the etcd binary. ``auto``,
+    the default: 5 from five nodes, 3 from three, else 0 (a TCP store on the
+    endpoint's node), and 0 with one log line when no etcd binary or etcd3gw is
+    found. A number asks for that many (0: the TCP store)."""
+    raw = conf.get("store_members", "auto").strip().lower()
     if raw == "auto":
         wanted = 5 if max_nodes >= 5 else 3 if max_nodes >= 3 else 0
         if wanted == 0:
@@ -120,7 +120,7 @@ def read_members(host: str, port: int, timeout: float) -> list[dict[str, object]
             "name": m.name or "(joining)",
             "client_url": m.client_urls[0] if m.client_urls else "",
             "learner": m.learner,
-            "healthy": not m.joining and any_healthy(m.client_urls),
+            "healthy": m.started and any_healthy(m.client_urls),
         }
         for m in members
     ]

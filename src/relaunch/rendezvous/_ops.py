@@ -1,10 +1,8 @@
 """The rendezvous state machine: pure functions over (state, node, now, settings).
 
-Each ``decide_*`` function returns the next :class:`Action` of one operation
-(join, exit, leave, close, keep-alive); :func:`apply` performs a write action on a
-copy of the state. Nothing here reads a clock or touches a store: ``now`` is the
-wall-clock time in seconds and deadlines are on the same clock, so tests inject
-any time they like.
+Each ``decide_*`` returns the next :class:`Action` of one operation (join, exit,
+leave, close, keep-alive); :func:`apply` performs a write action on a state's copy. Nothing here reads a clock or touches a store: ``now`` is the
+wall-clock time in seconds, deadlines are on the same clock (tests inject any).
 """
 
 from __future__ import annotations
@@ -34,6 +32,7 @@ __all__ = [
     "place",
     "record_failure",
     "remove_dead",
+    "remove_lost",
 ]
 
 ROLLBACK_WINDOW = 5.0
@@ -183,8 +182,7 @@ def _reopen(state: RendezvousState) -> None:
 
 
 def _complete(state: RendezvousState) -> None:
-    """Mark the round complete and assign ranks in the stable sorted order of the nodes,
-    the node hosting the store first."""
+    """Mark the round complete; ranks in the nodes' sorted order, the store's host first."""
     state.complete = True
     state.deadline = None
     state.expected = set()
@@ -359,6 +357,19 @@ def remove_dead(
     else:
         limit = now - settings.dead_after
         dead = sorted(n for n, last in state.last_heartbeats.items() if last < limit)
+    return _drop_dead(state, dead, now, settings)
+
+
+def remove_lost(
+    state: RendezvousState, nodes: Collection[str], now: float, settings: RendezvousSettings
+) -> tuple[RendezvousState, list[str]]:
+    """Drop ``nodes`` as dead now (their processes are known gone: a lifeline closed)."""
+    known = set(state.last_heartbeats) | set(state.participants)
+    return _drop_dead(state, sorted(n for n in nodes if n in known), now, settings)
+
+
+def _drop_dead(state: RendezvousState, dead: list[str], now: float,
+               settings: RendezvousSettings) -> tuple[RendezvousState, list[str]]:  # fmt: skip
     if not dead:
         return state, dead
     new = state.copy()

@@ -10,10 +10,12 @@ state lives in etcd, not in a TCP store on one node:
   member: the endpoint's node can go, and any member's ``address:port`` works as the
   endpoint of a node that joins later.
 - The next nodes let into the job (their program and secret checked) join as
-  members, one at a time (a lock key under the node's lease; each a learner until
-  it has caught up, so a member that never starts cannot cost the quorum), until
-  there are ``store_members`` (3; 5 from five nodes): etcd's own consensus keeps the
-  state while a majority lives.
+  members, one at a time (a lock key under the node's lease), each first a learner
+  (no vote: a member that never starts cannot cost the quorum), until there are
+  ``store_members`` (3; 5 from five nodes). The voting members grow in pairs, 1 -> 3
+  -> 5 (:func:`~relaunch.rendezvous._seats.join_steps`): two voting members would
+  survive the loss of neither. etcd's own consensus keeps the state while a
+  majority lives.
 - Each member checks every member's health each second. The steward (the healthy
   member with the smallest name) removes a member down for ``grace`` seconds, and a
   node that is not a member takes the seat: the next loss is survived too.
@@ -36,33 +38,31 @@ import threading
 import time
 
 from relaunch.errors import StoreConnectionError, StoreError
-from relaunch.rendezvous._seats import Member, parse_members, plan
+from relaunch.rendezvous._member_calls import (
+    client_endpoints,
+    leave_cluster,
+    list_members,
+    promote_once,
+    promote_when_in_sync,
+    remove_member,
+)
+from relaunch.rendezvous._seats import Member, join_steps, parse_members, plan
 from relaunch.store._etcd_member import (
     EtcdMember,
     MemberSpec,
     any_healthy,
     bracket,
-    endpoint_of,
     free_port,
     port_free,
 )
 from relaunch.store.etcd import EtcdStore
 
-__all__ = ["EmbeddedStore", "member_endpoints"]
+__all__ = ["EmbeddedStore"]
 
 log = logging.getLogger(__name__)
 
 _JOIN_TIMEOUT = 30.0
 """Seconds a new member may take to become healthy."""
-
-
-def _client_endpoints(members: list[Member]) -> list[tuple[str, int]]:
-    return [e for m in members if m.started for u in m.client_urls if (e := endpoint_of(u))]
-
-
-def member_endpoints(store: EtcdStore) -> list[tuple[str, int]]:
-    """Every started member's client endpoint, as the cluster lists them."""
-    return _client_endpoints(parse_members(store.request("/cluster/member/list", {})))
 
 
 class EmbeddedStore:
@@ -178,29 +178,15 @@ class EmbeddedStore:
         member = EtcdMember(self._binary, spec, self._log_dir)
         try:
             if promote is not None:
+                assert self._store is not None
                 member.wait_serving(_JOIN_TIMEOUT)
-                self._promote(promote)
+                promote_when_in_sync(self._store, promote, _JOIN_TIMEOUT)
             member.wait_healthy(_JOIN_TIMEOUT)
         except BaseException:
             member.stop()
             raise
         self._member = member
         log.info("embedded store: member %s serves %s", spec.name, spec.client_url)
-
-    def _promote(self, member_id: str) -> None:
-        """Promote the learner ``member_id``; etcd refuses until it is in sync."""
-        assert self._store is not None
-        deadline = time.monotonic() + _JOIN_TIMEOUT
-        while True:
-            try:
-                self._store.request("/cluster/member/promote", {"ID": member_id})
-                return
-            except StoreConnectionError:
-                raise
-            except StoreError as exc:
-                if time.monotonic() > deadline:
-                    raise StoreError(f"learner {member_id} never caught up: {exc}") from exc
-                time.sleep(0.1)
 
     # -- keeping the members whole ------------------------------------------------------
 
@@ -230,12 +216,12 @@ class EmbeddedStore:
         """Read the member list, check each member's health, point the client at the
         started members."""
         assert self._store is not None
-        members = parse_members(self._store.request("/cluster/member/list", {}))
+        members = list_members(self._store)
         now = time.monotonic()
         for m in members:
             # members check each other; the others leave that to them (no traffic)
             checked = self._member is None or any_healthy(m.client_urls)
-            if not m.joining and checked:
+            if m.started and checked:
                 self._down.pop(m.id, None)
             else:
                 self._down.setdefault(m.id, now)
@@ -243,7 +229,7 @@ class EmbeddedStore:
             del self._down[gone]
         with self._view_lock:
             self._members = members
-        urls = _client_endpoints(members)
+        urls = client_endpoints(members)
         if urls:
             self._store.use_endpoints(urls)
         if self._member is not None and not self._member.running():
@@ -269,12 +255,10 @@ class EmbeddedStore:
             name = next(
                 (m.name or "(never started)" for m in self._members if m.id == member_id), ""
             )
-            try:
-                self._store.request("/cluster/member/remove", {"ID": member_id})
-                log.warning("embedded store: removed member %s (down %g s or more)",
-                            name, self._grace)  # fmt: skip
-            except StoreError as exc:
-                log.warning("embedded store: could not remove member %s: %s", name, exc)
+            remove_member(self._store, member_id, name)
+            log.warning("embedded store: member %s down %g s or more: removed", name, self._grace)
+        for learner in (m for m in self._members if m.id == decided.promote):
+            promote_once(self._store, learner)  # else tried again next time
         if decided.join and self._admitted:
             self._join()
 
@@ -287,9 +271,11 @@ class EmbeddedStore:
             return
         added: str | None = None
         try:
-            members = parse_members(store.request("/cluster/member/list", {}))
-            if len(members) >= self._target or any(m.joining for m in members):
+            steps = join_steps(list_members(store), self._target)
+            if steps is None:
                 return
+            if steps.promote_first is not None:  # the learner that waited for a pair
+                promote_when_in_sync(store, steps.promote_first, 5.0)
             peer = free_port(self._address)
             peer_url = f"http://{bracket(self._address)}:{peer}"
             # a learner first: it has no vote until promoted, so a member that never
@@ -314,15 +300,14 @@ class EmbeddedStore:
                 new_cluster=False,
                 token=f"relaunch-{self._run_id}",
             )
-            self._launch(spec, promote=added)
-            added = None  # a voting member now: it stays
+            self._launch(spec, promote=added if steps.promote_self else None)
+            added = None  # a member now (voting, or a learner waiting for a pair): it stays
         except (StoreError, OSError, KeyError, TypeError, ValueError) as exc:
             log.warning("embedded store: this node could not become a member (%s); "
                         "another node may take the seat", exc)  # fmt: skip
         finally:
             if added is not None:
-                with contextlib.suppress(StoreError):
-                    store.request("/cluster/member/remove", {"ID": added})
+                remove_member(store, added, self._name)
             with contextlib.suppress(StoreError):
                 store.delete(self._lock_key)
 
@@ -331,7 +316,7 @@ class EmbeddedStore:
     def endpoints(self) -> list[tuple[str, int]]:
         """The started members' client endpoints, as last listed."""
         with self._view_lock:
-            return _client_endpoints(self._members)
+            return client_endpoints(self._members)
 
     def lost_reason(self, exc: BaseException) -> str:
         """The line that ends the job when the store cannot be reached (each member's
@@ -347,26 +332,6 @@ class EmbeddedStore:
 
     # -- stopping ----------------------------------------------------------------------
 
-    def _leave_cluster(self, store: EtcdStore) -> None:
-        """Remove the members down now, then this one (a member leaving while a dead
-        one stays listed could leave the others without a quorum)."""
-        try:
-            members = parse_members(store.request("/cluster/member/list", {}))
-        except StoreError as exc:
-            log.warning("embedded store: member %s did not leave the cluster (%s); the "
-                        "others remove it when it is gone", self._name, exc)  # fmt: skip
-            return
-        mine = [m.id for m in members if m.name == self._name]
-        others = [m for m in members if m.name != self._name]
-        # down: twice no healthy answer in 2 s (a member that is only slow, on a loaded
-        # machine, must not be removed: that could cost the others their quorum)
-        up = [m for m in others if not m.joining and _answers(m.client_urls)]
-        for m in others:
-            if m not in up:
-                _remove(store, m.id, m.name or "(joining)")
-        if mine and up:
-            _remove(store, mine[0], self._name)
-
     def close(self) -> None:
         """Stop tending; leave the cluster (while other members stay, so that the nodes
         still running keep their quorum without this one); close the client; stop
@@ -379,20 +344,8 @@ class EmbeddedStore:
         store, self._store = self._store, None
         if store is not None:
             if self._member is not None:
-                self._leave_cluster(store)
+                leave_cluster(store, self._name)
             store.close()
         member, self._member = self._member, None
         if member is not None:
             member.stop()
-
-
-def _answers(urls: tuple[str, ...]) -> bool:
-    return any_healthy(urls, timeout=2.0) or any_healthy(urls, timeout=2.0)
-
-
-def _remove(store: EtcdStore, member_id: str, name: str) -> None:
-    """Remove a member; one that is gone already (another node removed it) is fine."""
-    try:
-        store.request("/cluster/member/remove", {"ID": member_id})
-    except StoreError as exc:
-        log.info("embedded store: member %s not removed: %s", name, exc)

@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Member", "Plan", "parse_members", "plan"]
+__all__ = ["JoinSteps", "Member", "Plan", "join_steps", "parse_members", "plan"]
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,9 @@ class Plan:
     """What this node does now about the members."""
 
     remove: tuple[str, ...] = ()
-    """Member ids to remove (down past the grace, or joining for too long)."""
+    """Member ids to remove (down past the grace, or never started in time)."""
+    promote: str | None = None
+    """A learner to promote now (the steward, when the voting members are even)."""
     join: bool = False
     """Whether this node should try to become a member (the seat lock decides)."""
 
@@ -83,27 +85,63 @@ def plan(
     """Decide for this node.
 
     ``me``: this node's member name, or None when it is not a member. ``down``: member
-    id -> when it was first seen unhealthy or joining. Only the *steward* removes: the
-    healthy voting member with the smallest name, so one node acts. A voting member
-    is removed when it has been down ``grace`` seconds, a joining one (a learner, or
-    added and never started: its node died while joining) after ``join_grace``;
-    never the last voting member. A node that is not a member tries to join when
-    the members, less those being removed, are fewer than ``target`` and none is
-    joining (one at a time).
+    id -> when it was first seen unhealthy or not started. Only the *steward* acts on
+    members: the healthy voting member with the smallest name, so one node acts. It
+    removes a member down ``grace`` seconds, or one added and never started (its node
+    died while joining) after ``join_grace``, never the last voting member; and it
+    promotes a learner that is up when the voting members are even (an odd count
+    survives as many losses as the next even one, and never fewer). A node that is
+    not a member tries to join when the members, less those being removed, are fewer
+    than ``target`` and none is starting (one at a time).
     """
-    healthy = sorted(m.name for m in members if not m.joining and m.id not in down)
+    voting = [m for m in members if not m.learner]
+    healthy = sorted(m.name for m in voting if m.started and m.id not in down)
     steward = healthy[0] if healthy else None
     remove: tuple[str, ...] = ()
+    promote: str | None = None
     if me is not None and me == steward:
         gone = [
             m.id
             for m in members
-            if m.id in down and now - down[m.id] >= (join_grace if m.joining else grace)
+            if m.id in down and now - down[m.id] >= (grace if m.started else join_grace)
         ]
-        voting = [m for m in members if not m.joining]
         if any(m.id not in gone for m in voting):
             remove = tuple(gone)
-    staying = [m for m in members if m.id not in remove]
-    joining = any(m.joining for m in staying)
-    join = me is None and len(staying) < target and not joining and bool(healthy)
-    return Plan(remove=remove, join=join)
+        staying = [m for m in voting if m.id not in remove]
+        ready = [m for m in members if m.learner and m.started and m.id not in down]
+        if ready and len(staying) % 2 == 0:
+            promote = ready[0].id
+    staying_all = [m for m in members if m.id not in remove]
+    starting = any(not m.started for m in staying_all)
+    join = me is None and len(staying_all) < target and not starting and bool(healthy)
+    return Plan(remove=remove, promote=promote, join=join)
+
+
+@dataclass(frozen=True)
+class JoinSteps:
+    """How a node joins, decided under the seat lock from a fresh member list."""
+
+    promote_first: str | None
+    """The learner to promote before this node is added (it waited for a pair)."""
+    promote_self: bool
+    """Whether this node, once caught up, is promoted (else it waits as a learner)."""
+
+
+def join_steps(members: Sequence[Member], target: int) -> JoinSteps | None:
+    """The steps of a node joining now, or None when it should not (the seats are
+    taken, or a member is still starting).
+
+    The voting members grow in pairs: etcd holds one learner at a time, so the first
+    new node waits as a learner beside an odd number of voting members, and the next
+    one promotes it, joins and is promoted itself: the voting members go 1 -> 3 -> 5
+    without an even count that a joining node's loss would cost the quorum (two
+    voting members survive the loss of neither). Only the short start of the second
+    member is such a window.
+    """
+    if len(members) >= target or any(not m.started for m in members):
+        return None
+    learners = [m for m in members if m.learner]
+    voting = len(members) - len(learners) + len(learners[:1])
+    return JoinSteps(
+        promote_first=learners[0].id if learners else None, promote_self=voting % 2 == 0
+    )

@@ -62,7 +62,8 @@ class DynamicRendezvousHandler:
     ``server`` (e.g. the TCP store this node hosts) is closed by :meth:`shutdown`,
     after every other node left or died, so no node restarting is stranded. The
     stores are closed there too unless ``owns_store`` is False (a shared store), and
-    ``embedded``, the etcd cluster the agents run. ``clock``: wall-clock seconds.
+    ``embedded``, the etcd cluster the agents run. ``lifeline_host``: where this node's
+    lifeline listens (None: its loss is seen by heartbeats only). ``clock``: wall time.
     """
 
     def __init__(
@@ -76,6 +77,7 @@ class DynamicRendezvousHandler:
         server: _Closeable | None = None,
         owns_store: bool = True,
         embedded: EmbeddedStore | None = None,
+        lifeline_host: str | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._backend_name = backend
@@ -105,6 +107,7 @@ class DynamicRendezvousHandler:
             corrupt=self._corrupt,
             clock=clock,
             after_beat=self._log_refused,
+            lifeline_host=lifeline_host,
         )
 
     # -- small accessors ----------------------------------------------------------
@@ -363,11 +366,6 @@ class DynamicRendezvousHandler:
         """Failure restarts the job has spent so far (for ``TORCHELASTIC_RESTART_COUNT``)."""
         return self._rdzv.load()[0].restarts
 
-    # -- keep-alive -----------------------------------------------------------------
-
-    def _stop_keep_alive(self) -> None:
-        self._keep_alive.stop()
-
     # -- leaving ----------------------------------------------------------------------
 
     def shutdown(self) -> bool:
@@ -380,7 +378,7 @@ class DynamicRendezvousHandler:
         if self._shut:
             return True
         self._shut = True
-        self._stop_keep_alive()
+        self._keep_alive.stop()
         ok = True
         try:
             leave(self._rdzv, self._node, self._settings, self._clock)
@@ -390,6 +388,7 @@ class DynamicRendezvousHandler:
             logger.warning("node %s could not leave the rendezvous cleanly: %s", self._node, exc)
             ok = False
         finally:
+            self._keep_alive.close_lifeline()  # after the leave: nothing left to report
             owned = (self._keep_alive_store, self._store) if self._owns_store else ()
             for closeable in (*owned, self._server):
                 if closeable is not None:

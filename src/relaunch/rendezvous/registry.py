@@ -31,7 +31,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from relaunch._endpoint import C10D_PORT, ETCD_PORT, split_endpoint
+from relaunch._endpoint import C10D_PORT, ETCD_PORT, own_address, split_endpoint
 from relaunch.errors import ConfigError, RendezvousError, StoreConnectionError
 from relaunch.rendezvous._embedded_setup import embedded_client, members_wanted
 from relaunch.rendezvous._settings import (
@@ -189,6 +189,7 @@ def _create_embedded(
         local_addr=params.local_addr,
         owns_store=False,
         embedded=embedded,
+        lifeline_host=params.local_addr or own_address(*endpoint),
     )
 
 
@@ -252,6 +253,7 @@ def _create_c10d(params: RendezvousParameters) -> DynamicRendezvousHandler:
         settings=settings,
         local_addr=params.local_addr,
         server=server,
+        lifeline_host=params.local_addr or own_address(host, port),
     )
 
 
@@ -293,8 +295,13 @@ def _create_etcd(params: RendezvousParameters) -> DynamicRendezvousHandler:
     except ConfigError:
         store.close()
         raise
+    first = split_endpoint(params.endpoint.split(",")[0], ETCD_PORT, min_port=1)
     return DynamicRendezvousHandler(
-        backend="etcd", store=signed, settings=settings, local_addr=params.local_addr
+        backend="etcd",
+        store=signed,
+        settings=settings,
+        local_addr=params.local_addr,
+        lifeline_host=params.local_addr or own_address(*first),
     )
 
 

@@ -36,7 +36,6 @@ __all__ = [
     "free_port",
     "healthy",
     "is_etcd",
-    "own_address",
     "port_free",
 ]
 
@@ -79,17 +78,6 @@ def is_etcd(client_url: str, timeout: float) -> bool:
             return b"etcdserver" in reply.read(4096)
     except (OSError, urllib.error.URLError, ValueError):
         return False
-
-
-def own_address(toward: str, port: int) -> str:
-    """This machine's address on the route to ``toward`` (no DNS, no packet sent)."""
-    family = socket.AF_INET6 if ":" in toward else socket.AF_INET
-    with socket.socket(family, socket.SOCK_DGRAM) as probe:
-        try:
-            probe.connect((toward, port))
-        except OSError:
-            return "127.0.0.1"
-        return str(probe.getsockname()[0])
 
 
 def free_port(address: str) -> int:

@@ -1,0 +1,110 @@
+"""The embedded store's membership calls to etcd: list, promote, remove, leave.
+
+What to do is decided in :mod:`relaunch.rendezvous._seats`; who does it, when, is
+:mod:`relaunch.rendezvous._replicated`. These are the calls themselves, each
+tolerant of the member list having changed under it (another node acted first).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from relaunch.errors import StoreConnectionError, StoreError
+from relaunch.rendezvous._seats import Member, parse_members
+from relaunch.store._etcd_member import any_healthy, endpoint_of
+from relaunch.store.etcd import EtcdStore
+
+__all__ = [
+    "client_endpoints",
+    "leave_cluster",
+    "list_members",
+    "member_endpoints",
+    "promote_once",
+    "promote_when_in_sync",
+    "remove_member",
+]
+
+log = logging.getLogger(__name__)
+
+
+def list_members(store: EtcdStore) -> list[Member]:
+    return parse_members(store.request("/cluster/member/list", {}))
+
+
+def client_endpoints(members: list[Member]) -> list[tuple[str, int]]:
+    """The started members' client endpoints, the voting ones first: a learner refuses
+    the rendezvous' calls (the client fails over), but may have been promoted since
+    the list was read, and be all that answers once the others are lost."""
+    started = sorted((m for m in members if m.started), key=lambda m: m.learner)
+    return [e for m in started for u in m.client_urls if (e := endpoint_of(u))]
+
+
+def member_endpoints(store: EtcdStore) -> list[tuple[str, int]]:
+    """Every started member's client endpoint, as the cluster lists them."""
+    return client_endpoints(list_members(store))
+
+
+def promote_once(store: EtcdStore, learner: Member) -> bool:
+    """Promote ``learner`` once; whether it is a voting member now."""
+    try:
+        store.request("/cluster/member/promote", {"ID": learner.id})
+        log.info("embedded store: promoted learner %s", learner.name)
+        return True
+    except StoreError as exc:  # etcd refuses a learner not yet in sync
+        log.debug("embedded store: learner %s not promoted: %s", learner.name, exc)
+        return False
+
+
+def promote_when_in_sync(store: EtcdStore, member_id: str, timeout: float) -> None:
+    """Promote the learner ``member_id``, trying again while etcd refuses it (not yet
+    in sync with the leader) for up to ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            store.request("/cluster/member/promote", {"ID": member_id})
+            return
+        except StoreConnectionError:
+            raise
+        except StoreError as exc:
+            if time.monotonic() > deadline:
+                raise StoreError(f"learner {member_id} never caught up: {exc}") from exc
+            time.sleep(0.1)
+
+
+def remove_member(store: EtcdStore, member_id: str, name: str) -> None:
+    """Remove a member; one that is gone already (another node removed it) is fine."""
+    try:
+        store.request("/cluster/member/remove", {"ID": member_id})
+    except StoreError as exc:
+        log.info("embedded store: member %s not removed: %s", name, exc)
+
+
+def leave_cluster(store: EtcdStore, name: str) -> None:
+    """Remove the members down now, then member ``name`` (a member leaving while a
+    dead one stays listed could leave the others without a quorum); a learner up
+    first takes the vote it leaves."""
+    try:
+        members = list_members(store)
+    except StoreError as exc:
+        log.warning("embedded store: member %s did not leave the cluster (%s); the "
+                    "others remove it when it is gone", name, exc)  # fmt: skip
+        return
+    mine = [m for m in members if m.name == name]
+    others = [m for m in members if m.name != name]
+    # down: twice no healthy answer in 2 s (a member that is only slow, on a loaded
+    # machine, must not be removed: that could cost the others their quorum)
+    up = [m for m in others if m.started and _answers(m.client_urls)]
+    for m in others:
+        if m not in up:
+            remove_member(store, m.id, m.name or "(joining)")
+    if not mine:
+        return
+    # the host leaving (scaled down) with a learner beside it leaves a store of one
+    voting = [m for m in up if not m.learner or (not mine[0].learner and promote_once(store, m))]
+    if voting:
+        remove_member(store, mine[0].id, name)
+
+
+def _answers(urls: tuple[str, ...]) -> bool:
+    return any_healthy(urls, timeout=2.0) or any_healthy(urls, timeout=2.0)
