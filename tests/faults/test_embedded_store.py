@@ -185,6 +185,27 @@ def test_a_lost_member_is_replaced_so_the_next_loss_is_survived_too(
         _nothing_left(cluster)
 
 
+@pytest.mark.parametrize("nets", [5], indirect=True)
+def test_five_nodes_two_members_lost_one_after_another_train_on(nets: Net, tmp_path: Path) -> None:
+    cluster = Cluster(tmp_path, backend="c10d", endpoint=f"{nets.addr(0)}:{PORT}")
+    go = tmp_path / "go"
+    everyone = "01234"
+    try:
+        _start(cluster, nets, "2:5", f"go={go}", "steps=3")
+        _training(cluster, set(everyone), 5)
+        cluster.wait_for("five voting members", lambda: len(_voting(nets, everyone)) == 5)
+        cluster.kill("1")
+        _training(cluster, set("0234"), 4)
+        cluster.kill("3")
+        _training(cluster, set("024"), 3)
+        assert _voting(nets, "024") == set("024")
+        go.touch()
+        for node in "024":
+            assert cluster.wait_exit(node) == 0, cluster.outputs()
+    finally:
+        _nothing_left(cluster)
+
+
 @pytest.mark.parametrize("nets", [3], indirect=True)
 def test_a_member_cut_off_is_dropped_and_the_rest_train_on(nets: Net, tmp_path: Path) -> None:
     cluster = Cluster(tmp_path, backend="c10d", endpoint=f"{nets.addr(0)}:{PORT}")

@@ -91,6 +91,16 @@ def test_store_operations(etcd: Member) -> None:
         store.close()
 
 
+def test_a_wait_in_flight_ends_when_the_store_is_closed(etcd: Member) -> None:
+    store = store_for(etcd)
+    with ThreadPoolExecutor(1, thread_name_prefix="test-etcd") as pool:
+        waiter = pool.submit(store.wait, ["never"], 60.0)
+        time.sleep(0.5)  # in its watch now
+        store.close()
+        with pytest.raises(StoreError):  # at once, not after the 60 s
+            waiter.result(timeout=10)
+
+
 def test_missing_extra_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
     import sys
 

@@ -1,6 +1,6 @@
 """Lifelines (relaunch.rendezvous._lifeline): a watched node whose process dies is
 reported at once; a wrong address, or a node that lives, never is. Real sockets and
-a real process killed with SIGKILL."""
+a real process killed with SIGKILL. And the epoch watch that replaces polling."""
 
 from __future__ import annotations
 
@@ -8,14 +8,17 @@ import queue
 import subprocess
 import sys
 import textwrap
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 
 import pytest
 
+from relaunch.rendezvous._epochs import EpochWatch
 from relaunch.rendezvous._lifeline import Lifeline, Target, decode_address, encode_address
 from relaunch.rendezvous._ops import remove_lost
 from relaunch.rendezvous._settings import RendezvousSettings
 from relaunch.rendezvous._state import RendezvousState
+from relaunch.store.memory import MemoryStore
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -113,3 +116,24 @@ def test_a_lost_node_is_dropped_like_a_dead_one_and_only_if_still_there() -> Non
     assert not new.complete and new.expected == {"a_1_0", "c_1_0"}  # reopened at once
     same, none = remove_lost(new, {"b_1_0"}, 100.6, settings)
     assert same is new and none == []
+
+
+def test_the_epoch_watch_answers_without_reading_and_only_when_it_knows() -> None:
+    store = MemoryStore()
+    watch = EpochWatch(store, lambda n: f"epoch/{n}", "n", wait=0.3)
+    try:
+        assert watch.changed_since(4) is None  # not started yet: the caller reads
+        wait_until(lambda: watch.changed_since(4) is False)
+        store.set("epoch/5", b"1")
+        wait_until(lambda: watch.changed_since(4) is True)
+        assert watch.changed_since(3) is True
+        assert watch.changed_since(7) is None  # behind the caller's state: it reads
+    finally:
+        watch.close()
+
+
+def wait_until(check: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + 10
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)

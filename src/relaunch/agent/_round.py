@@ -189,8 +189,8 @@ def store_lost_reason(handler: RendezvousHandler, exc: BaseException) -> str:
     if handler.get_backend() == "c10d":
         return (
             f"the node hosting the c10d rendezvous store was lost ({exc}); the job cannot "
-            "go on without it (a job of three nodes or more with an etcd binary, or "
-            "--rdzv-conf store_members=3, runs the store on three nodes and survives it)"
+            "go on without it (a job of three nodes or more runs it as an etcd cluster on "
+            "three of them, which survives it; or use --rdzv-backend etcd)"
         )
     return f"the rendezvous store cannot be reached ({exc})"
 

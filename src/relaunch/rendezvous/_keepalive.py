@@ -15,6 +15,7 @@ from relaunch.rendezvous._lifeline import Lifeline, Target, decode_address, enco
 from relaunch.rendezvous._ops import Action, apply, decide_keep_alive, remove_lost
 from relaunch.rendezvous._settings import RendezvousSettings
 from relaunch.rendezvous._state import RendezvousState, node_sort_key
+from relaunch.store import LeaseStore
 
 __all__ = ["KeepAlive"]
 
@@ -153,6 +154,15 @@ class KeepAlive:
             lost, self._lost = self._lost, set()
         self._follow(self._beat(state, raw, deadline, lost))
 
+    def _beat_due(self, state: RendezvousState, now: float) -> bool:
+        """Whether to write the heartbeat into the state now. Where the store has
+        liveness of its own (etcd leases decide who is dead), the state's heartbeat
+        only tells ``relaunch status`` how recent a node is: once per ``dead_after``."""
+        if not isinstance(self._rdzv.store, LeaseStore):
+            return True
+        last = state.last_heartbeats.get(self._node)
+        return last is None or now - last >= self._settings.dead_after
+
     def _beat(
         self, state: RendezvousState, raw: bytes | None, deadline: float, lost: set[str]
     ) -> RendezvousState:
@@ -165,7 +175,7 @@ class KeepAlive:
             action = decide_keep_alive(new, self._node, now, self._settings, deadline)
             if action is Action.ERROR_TIMEOUT:
                 raise RendezvousTimeoutError(f"heartbeat of {self._node} not written in time")
-            if action is Action.KEEP_ALIVE:
+            if action is Action.KEEP_ALIVE and self._beat_due(new, now):
                 new = apply(action, new, self._node, now, self._settings)
             if new is state:
                 return state

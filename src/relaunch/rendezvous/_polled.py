@@ -4,24 +4,43 @@ short corruption, retried once through a broken connection."""
 from __future__ import annotations
 
 import logging
+import time
 
 from relaunch.errors import RendezvousStateError, StoreConnectionError
 from relaunch.rendezvous._backend import StateBackend
 from relaunch.rendezvous._corrupt import CorruptWatch
+from relaunch.rendezvous._epochs import EpochWatch
 from relaunch.rendezvous._state import RendezvousState
+from relaunch.store import LeaseStore
 
 __all__ = ["PolledState"]
 
 logger = logging.getLogger(__name__)
 
+_PROBE_EVERY = 1.0
+"""Seconds between the store reads of a poll that has an epoch watch (a safety net:
+a stream stuck silent costs at most this much delay)."""
+
 
 class PolledState:
-    """One cheap read per poll: the cached state while the epoch did not move."""
+    """One cheap read per poll: the cached state while the epoch did not move. On a
+    store with leases (etcd), the epoch is watched (:class:`EpochWatch`) and a poll
+    reads the store once a second at most. :meth:`close` stops the watch."""
 
-    def __init__(self, backend: StateBackend, corrupt: CorruptWatch) -> None:
+    def __init__(self, backend: StateBackend, corrupt: CorruptWatch, node: str) -> None:
         self._rdzv = backend
         self._corrupt = corrupt
         self._cached: RendezvousState | None = None
+        self._watch = (
+            EpochWatch(backend.store, backend.epoch_key, node)
+            if isinstance(backend.store, LeaseStore)
+            else None
+        )
+        self._probed = 0.0
+
+    def close(self) -> None:
+        if self._watch is not None:
+            self._watch.close()
 
     def forget(self) -> None:
         """Read the state afresh next time (a new round began)."""
@@ -52,8 +71,17 @@ class PolledState:
 
     def _read(self) -> RendezvousState:
         cached = self._cached
-        if cached is not None and not self._rdzv.changed_since(cached):
+        if cached is not None and not self._changed(cached):
             return cached
         self._cached, _ = self._rdzv.load()
         self._corrupt.ok()
         return self._cached
+
+    def _changed(self, state: RendezvousState) -> bool:
+        now = time.monotonic()
+        if self._watch is not None and now - self._probed < _PROBE_EVERY:
+            seen = self._watch.changed_since(state.epoch)
+            if seen is not None:
+                return seen
+        self._probed = now
+        return self._rdzv.changed_since(state)

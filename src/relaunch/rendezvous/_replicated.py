@@ -220,7 +220,7 @@ class EmbeddedStore:
         now = time.monotonic()
         for m in members:
             # members check each other; the others leave that to them (no traffic)
-            checked = self._member is None or any_healthy(m.client_urls)
+            checked = self._member is None or any_healthy(m.client_urls, local=True)
             if m.started and checked:
                 self._down.pop(m.id, None)
             else:

@@ -99,7 +99,7 @@ class DynamicRendezvousHandler:
         self._program: str | None = None
         self._refused_seen = 0
         self._corrupt = CorruptWatch(settings.run_id, settings.dead_after)
-        self._polled = PolledState(self._rdzv, self._corrupt)
+        self._polled = PolledState(self._rdzv, self._corrupt, self._node)
         self._keep_alive = KeepAlive(
             node=self._node,
             backend=self._ka_rdzv,
@@ -396,4 +396,5 @@ class DynamicRendezvousHandler:
                         closeable.close()
                     except RelaunchError as exc:
                         logger.warning("closing %r failed: %s", closeable, exc)
+            self._polled.close()  # its watch ended with the store's close
         return ok

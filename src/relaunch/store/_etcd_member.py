@@ -62,10 +62,13 @@ def find_etcd() -> str | None:
     return shutil.which("etcd")
 
 
-def healthy(client_url: str, timeout: float = 1.0) -> bool:
-    """Whether the member at ``client_url`` says it is healthy (it has a leader)."""
+def healthy(client_url: str, timeout: float = 1.0, *, local: bool = False) -> bool:
+    """Whether the member at ``client_url`` says it is healthy (it has a leader).
+    ``local``: as the member itself knows (no read through the leader: the check the
+    members make of each other every second, cheap at idle)."""
+    path = "/health?serializable=true" if local else "/health"
     try:
-        with urllib.request.urlopen(client_url + "/health", timeout=timeout) as reply:
+        with urllib.request.urlopen(client_url + path, timeout=timeout) as reply:
             return b'"true"' in reply.read()
     except (OSError, urllib.error.URLError, ValueError):
         return False
@@ -107,9 +110,9 @@ def endpoint_of(url: str) -> tuple[str, int] | None:
     return parts.hostname, parts.port
 
 
-def any_healthy(urls: tuple[str, ...], timeout: float = 0.5) -> bool:
+def any_healthy(urls: tuple[str, ...], timeout: float = 0.5, *, local: bool = False) -> bool:
     """Whether the member at any of ``urls`` is healthy (``timeout`` seconds each)."""
-    return any(healthy(u, timeout=timeout) for u in urls)
+    return any(healthy(u, timeout=timeout, local=local) for u in urls)
 
 
 @dataclass(frozen=True)

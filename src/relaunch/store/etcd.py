@@ -10,15 +10,18 @@ is created. Errors of ``requests``/``etcd3gw`` are translated at this boundary.
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import logging
 import math
+import socket
 import threading
 import time
 from collections.abc import Sequence
 from typing import Any
 
 from relaunch.errors import (
+    StoreClosedError,
     StoreConnectionError,
     StoreError,
     StoreTimeoutError,
@@ -76,6 +79,9 @@ class EtcdStore:
         self._lease: int | None = None
         self._lease_stop = threading.Event()
         self._lease_thread: threading.Thread | None = None
+        self._streams: set[Any] = set()
+        """The watch streams in flight: :meth:`close` ends them (their threads wake)."""
+        self._closing = False
 
     def use_endpoints(self, endpoints: Sequence[tuple[str, int]]) -> None:
         """Try these endpoints from now on (a cluster whose members changed); the one
@@ -180,6 +186,11 @@ class EtcdStore:
             logger.info("etcd watch on %s failed: %s", name, exc)
             skip()
             return
+        with self._lock:
+            if self._closing:
+                resp.close()
+                raise StoreClosedError("the etcd store was closed during a wait")
+            self._streams.add(resp)
         try:
             for line in resp.iter_lines():
                 if not line:
@@ -194,6 +205,8 @@ class EtcdStore:
         except self._requests.RequestException:
             return
         finally:
+            with self._lock:
+                self._streams.discard(resp)
             resp.close()
 
     # -- liveness: one lease per store (per node) -------------------------------------
@@ -288,7 +301,9 @@ class EtcdStore:
                 return
             thread, self._lease_thread = self._lease_thread, None
             lease = self._lease
+            self._closing = True  # no watch starts from now on
         self._lease_stop.set()
+        self._end_streams()
         if thread is not None:
             thread.join(timeout=self._timeout + 1)
         if lease is not None:
@@ -297,3 +312,14 @@ class EtcdStore:
             except StoreError as exc:
                 logger.warning("etcd lease %x not revoked (it expires on its own): %s", lease, exc)
         self._http.close()
+
+    def _end_streams(self) -> None:
+        """Wake every thread in a watch now (its wait raises StoreConnectionError): a
+        socket shut down wakes a blocked read, where closing it would not."""
+        with self._lock:
+            streams = list(self._streams)
+        for resp in streams:
+            sock = getattr(getattr(resp.raw, "connection", None), "sock", None)
+            if isinstance(sock, socket.socket):
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
