@@ -130,17 +130,19 @@ class EtcdEndpoints:
         """POST to the first endpoint that answers; sweep again (backing off) while the
         cluster has no leader or no endpoint answers, for up to ``timeout`` seconds."""
         deadline = time.monotonic() + self.timeout
-        delay = 0.05
+        delay, patience = 0.05, _ATTEMPT
         while True:
-            result, errors = self._sweep(path, body)
+            result, errors = self._sweep(path, body, deadline, patience)
             if result is not None:
                 return result
             if time.monotonic() + delay > deadline:
                 raise StoreConnectionError("no etcd endpoint answered: " + "; ".join(errors))
             time.sleep(delay)
-            delay = min(delay * 2, 1.0)
+            delay, patience = min(delay * 2, 1.0), patience * 2
 
-    def _sweep(self, path: str, body: dict[str, Any]) -> tuple[dict[str, Any] | None, list[str]]:
+    def _sweep(
+        self, path: str, body: dict[str, Any], deadline: float, patience: float
+    ) -> tuple[dict[str, Any] | None, list[str]]:
         if self.closed:
             raise StoreClosedError("the etcd store is closed")
         errors = []
@@ -151,8 +153,14 @@ class EtcdEndpoints:
             client = clients[index]
             try:
                 self._authenticate(index, client)
+                # one endpoint waits ``patience`` at most (doubled each sweep: a big
+                # reply on a loaded machine still comes): a write sent while the
+                # cluster elects a leader is dropped by etcd, which answers only after
+                # its own request timeout; another endpoint a moment later takes it
+                cap = patience if len(clients) > 1 else self.timeout  # else: nowhere to go
+                wait = max(0.05, min(self.timeout, cap, deadline - time.monotonic()))
                 resp = client.session.post(
-                    client.get_url(path), json=body, timeout=self.timeout, verify=self.verify
+                    client.get_url(path), json=body, timeout=wait, verify=self.verify
                 )
             except self.requests.RequestException as exc:
                 errors.append(f"{names[index]}: {exc}")
@@ -179,6 +187,11 @@ class EtcdEndpoints:
         self.closed = True
         for client in (*self._clients, *self._retired):
             client.session.close()
+
+
+_ATTEMPT = 1.0
+"""Seconds one endpoint may take to answer, in a call's first sweep, before the call
+moves on to the next endpoint."""
 
 
 def _unavailable(status: int, text: str) -> bool:
