@@ -8,11 +8,9 @@ removed when the agent ends; one that an agent killed outright left behind is re
 by the next agent on the machine that finds its owner gone. A directory given with ``--snapshot-dir`` is
 kept.
 
-The durable copier (``--checkpoint-dir``) is a thread that, every half second, copies
-each rank's newest complete snapshot to ``<checkpoint-dir>/<job>/rank-N/step-N`` (under
-a partial name, renamed when whole) and keeps the newest ``keep`` there. It first pins
-the snapshot with hard links, so a worker pruning it meanwhile does not cut the copy
-short; training never waits for it.
+The durable copier (``--checkpoint-dir``, :mod:`._durable`) copies this node's ranks'
+snapshots to ``<checkpoint-dir>/<job>/rank-N/step-N`` every half second; training never
+waits for it.
 """
 
 from __future__ import annotations
@@ -25,9 +23,9 @@ import re
 import shutil
 import string
 import tempfile
-import threading
 
 from relaunch.checkpoint import _layout as layout
+from relaunch.checkpoint._durable import DurableCopier
 from relaunch.checkpoint._peers import PeerCopies
 from relaunch.store import Store
 
@@ -37,7 +35,6 @@ log = logging.getLogger(__name__)
 
 _SHM = "/dev/shm"
 _OWNED = re.compile(r"relaunch-.*-(\d+)-[a-z0-9_]{8}\Z")
-_PIN = ".durable-pin"
 _RANK = re.compile(r"rank-(\d{5})\Z")
 
 
@@ -64,9 +61,7 @@ class SnapshotArea:
         self._durable_base = durable
         self._interval = interval
         self.root = ""
-        self._stop = threading.Event()
-        self._copier: threading.Thread | None = None
-        self._copied: dict[int, tuple[int, int]] = {}
+        self._copier: DurableCopier | None = None
         self._peers_bind = peers
         self._peers: PeerCopies | None = None
         self._bad_restores = 0
@@ -97,9 +92,8 @@ class SnapshotArea:
         if self._peers_bind is not None:
             self._peers = PeerCopies(self.root, self.job, bind=self._peers_bind)
         if self.durable is not None:
-            os.makedirs(self.durable, exist_ok=True)
-            self._copier = threading.Thread(
-                target=self._copy_loop, name="relaunch-durable-copier", daemon=True
+            self._copier = DurableCopier(
+                self.root, self.durable, keep=self.keep, interval=self._interval
             )
             self._copier.start()
         return self
@@ -203,76 +197,9 @@ class SnapshotArea:
             peers.close()
         copier, self._copier = self._copier, None
         if copier is not None:
-            self._stop.set()
-            copier.join(60.0)
-            if copier.is_alive():
-                log.warning("the durable copier did not finish within 60 s; left running")
-            else:
-                self._copy_newest()  # the last snapshots too
-        shutil.rmtree(os.path.join(self.root, _PIN), ignore_errors=True)
+            copier.close()
         if self._given is None and self.root:
             shutil.rmtree(self.root, ignore_errors=True)
-
-    # -- durable copies ------------------------------------------------------------------
-    def _copy_loop(self) -> None:
-        while not self._stop.wait(self._interval):
-            try:
-                self._copy_newest()
-            except Exception:  # a full or gone shared file system must not end the job
-                log.exception("durable copy failed; retrying")
-
-    def _copy_newest(self) -> None:
-        durable = self.durable
-        if durable is None:
-            return
-        for name in sorted(_listdir(self.root)):
-            match = _RANK.match(name)
-            if not match:
-                continue
-            rank = int(match.group(1))
-            rank_root = os.path.join(self.root, name)
-            steps = layout.complete_steps(rank_root)
-            if not steps:
-                continue
-            try:  # the step and its CRC: a step written again after a restore is copied
-                done = (steps[0], layout.read_manifest(layout.step_dir(rank_root, steps[0])).crc32)
-            except layout.CorruptSnapshot:
-                continue
-            if self._copied.get(rank) != done and self._copy_one(
-                rank_root, rank, steps[0], durable
-            ):
-                self._copied[rank] = done
-
-    def _copy_one(self, rank_root: str, rank: int, step: int, durable: str) -> bool:
-        source = layout.step_dir(rank_root, step)
-        pin = os.path.join(self.root, _PIN, f"{rank}-{step}")
-        shutil.rmtree(pin, ignore_errors=True)
-        try:
-            os.makedirs(pin)
-            for name in (layout.DATA, layout.MANIFEST):
-                os.link(os.path.join(source, name), os.path.join(pin, name))
-        except OSError:  # pruned under us: a newer one is there
-            shutil.rmtree(pin, ignore_errors=True)
-            return False
-        target_root = layout.rank_dir(durable, rank)
-        partial = layout.partial_dir(target_root, step)
-        try:
-            os.makedirs(partial, exist_ok=True)
-            shutil.copyfile(os.path.join(pin, layout.DATA), os.path.join(partial, layout.DATA))
-            with open(os.path.join(partial, layout.DATA), "rb+") as f:
-                os.fsync(f.fileno())
-            shutil.copyfile(
-                os.path.join(pin, layout.MANIFEST), os.path.join(partial, layout.MANIFEST)
-            )
-            final = layout.step_dir(target_root, step)
-            if os.path.exists(final):
-                shutil.rmtree(final, ignore_errors=True)
-            os.rename(partial, final)
-            layout.prune(target_root, self.keep)
-        finally:
-            shutil.rmtree(partial, ignore_errors=True)
-            shutil.rmtree(pin, ignore_errors=True)
-        return True
 
 
 def _listdir(path: str) -> list[str]:

@@ -30,6 +30,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from relaunch.checkpoint import _layout as layout
 from relaunch.checkpoint import _wire as wire
+from relaunch.checkpoint._durable import discard_newer as discard_copies_newer
 from relaunch.checkpoint._mapped import MappedFiles
 from relaunch.checkpoint._readback import read_regions
 from relaunch.checkpoint._tree import Leaf, decode, encode, finish
@@ -315,9 +316,13 @@ class Saver:
 
     def discard_newer(self, step: int | None) -> None:
         """Forget this rank's snapshots in node memory newer than the restored ``step``
-        (all of them after a fresh start): the job left their timeline."""
+        (all of them after a fresh start) and its durable copies newer than ``step`` (a
+        fresh start keeps them: they may be a world size's that comes back): the job left
+        their timeline."""
         gone = layout.discard_newer(self.rank_root, step)
         self._keep_live_maps()
+        if step is not None and self.where.durable is not None:
+            discard_copies_newer(self.where.durable, self.where.rank, step)
         if gone:
             log.info("rank %s: dropped snapshots of steps %s (newer than the restored one)",
                      self.where.rank, gone)  # fmt: skip

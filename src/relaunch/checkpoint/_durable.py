@@ -1,0 +1,189 @@
+"""The durable copier: each rank's snapshots copied from node memory to shared storage
+in the background (``--checkpoint-dir``), training never waiting for it.
+
+A job that lost every node restores the newest step that *every* rank has a durable
+copy of, so the copies must line up across nodes, which copy independently:
+
+- a node copies one step for all of its ranks (the newest step every one of them holds),
+  pinned with hard links first, so a worker pruning it meanwhile does not cut the copy
+  short;
+- the copiers wake on a wall-clock grid (multiples of the interval), so nodes whose
+  ranks are in step pick the same step;
+- after copying rank r's step s, the copier leaves an empty marker
+  ``<dir>/<job>/.complete/step-s/rank-r``; a step whose markers number its world size
+  is *whole*. Pruning keeps the newest ``keep`` copies of a rank **and the newest whole
+  step**, so a job that was once whole on shared storage stays restorable, whichever
+  steps the nodes' copiers happen to take next.
+
+Copies are written under a partial name and renamed when whole (data fsynced first).
+Standard library only: the agent never imports torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import shutil
+import threading
+import time
+from collections.abc import Collection
+
+from relaunch.checkpoint import _layout as layout
+
+__all__ = ["DurableCopier", "discard_newer"]
+
+log = logging.getLogger(__name__)
+
+PIN = ".durable-pin"
+"""Under the node's snapshot directory: the hard links of the snapshots being copied."""
+COMPLETE = ".complete"
+"""Under the job's durable directory: ``step-N/rank-R`` markers of finished copies."""
+
+_RANK = re.compile(r"rank-(\d{5})\Z")
+_MARKED = re.compile(r"step-(\d{12})\Z")
+
+
+class DurableCopier:
+    """Copies the snapshots in ``root`` (node memory) to ``durable`` (the job's folder
+    on shared storage), every ``interval`` seconds in a thread of its own."""
+
+    def __init__(self, root: str, durable: str, *, keep: int, interval: float) -> None:
+        self.root = root
+        self.durable = durable
+        self.keep = keep
+        self._interval = interval
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._copied: dict[int, tuple[int, int]] = {}
+        self._ranks: frozenset[int] | None = None
+
+    def start(self) -> None:
+        os.makedirs(self.durable, exist_ok=True)
+        self._thread = threading.Thread(
+            target=self._loop, name="relaunch-durable-copier", daemon=True
+        )
+        self._thread.start()
+
+    def own(self, ranks: Collection[int]) -> None:
+        """The ranks this node's workers run from now on: only theirs are copied (the
+        copies a node keeps of a peer's snapshots are its owner's to copy)."""
+        self._ranks = frozenset(ranks)
+
+    def close(self) -> None:
+        """Stop the thread, then copy the newest snapshots once more (the last ones)."""
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            self._stop.set()
+            thread.join(60.0)
+            if thread.is_alive():
+                log.warning("the durable copier did not finish within 60 s; left running")
+            else:
+                self.copy_newest()
+        shutil.rmtree(os.path.join(self.root, PIN), ignore_errors=True)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self._interval - time.time() % self._interval):
+            try:
+                self.copy_newest()
+            except Exception:  # a full or gone shared file system must not end the job
+                log.exception("durable copy failed; retrying")
+
+    def copy_newest(self) -> None:
+        """Copy each rank's chosen step (see the module's docstring) unless done."""
+        held: dict[int, list[int]] = {}
+        for name in _listdir(self.root):
+            match = _RANK.match(name)
+            if match and (self._ranks is None or int(match.group(1)) in self._ranks):
+                steps = layout.complete_steps(os.path.join(self.root, name))
+                if steps:
+                    held[int(match.group(1))] = steps
+        if not held:
+            return
+        common = min(steps[0] for steps in held.values())
+        for rank, steps in sorted(held.items()):
+            step = common if common in steps else steps[0]
+            rank_root = layout.rank_dir(self.root, rank)
+            try:  # the step and its CRC: a step written again after a restore is copied
+                done = (step, layout.read_manifest(layout.step_dir(rank_root, step)).crc32)
+            except layout.CorruptSnapshot:
+                continue
+            if self._copied.get(rank) != done and self._copy_one(rank_root, rank, step):
+                self._copied[rank] = done
+
+    def _copy_one(self, rank_root: str, rank: int, step: int) -> bool:
+        source = layout.step_dir(rank_root, step)
+        pin = os.path.join(self.root, PIN, f"{rank}-{step}")
+        shutil.rmtree(pin, ignore_errors=True)
+        try:
+            os.makedirs(pin)
+            for name in (layout.DATA, layout.MANIFEST):
+                os.link(os.path.join(source, name), os.path.join(pin, name))
+            world = layout.read_manifest(pin).world_size
+        except (OSError, layout.CorruptSnapshot):  # pruned under us: a newer one is there
+            shutil.rmtree(pin, ignore_errors=True)
+            return False
+        target_root = layout.rank_dir(self.durable, rank)
+        partial = layout.partial_dir(target_root, step)
+        marker = os.path.join(self.durable, COMPLETE, f"step-{step:012d}", f"rank-{rank:05d}")
+        try:
+            os.makedirs(partial, exist_ok=True)
+            shutil.copyfile(os.path.join(pin, layout.DATA), os.path.join(partial, layout.DATA))
+            with open(os.path.join(partial, layout.DATA), "rb+") as f:
+                os.fsync(f.fileno())
+            shutil.copyfile(
+                os.path.join(pin, layout.MANIFEST), os.path.join(partial, layout.MANIFEST)
+            )
+            final = layout.step_dir(target_root, step)
+            if os.path.exists(final):  # another timeline's copy of the step: not whole now
+                with contextlib.suppress(OSError):
+                    os.remove(marker)
+                shutil.rmtree(final, ignore_errors=True)
+            os.rename(partial, final)
+            os.makedirs(os.path.dirname(marker), exist_ok=True)
+            open(marker, "wb").close()
+            self._prune(target_root, world)
+        finally:
+            shutil.rmtree(partial, ignore_errors=True)
+            shutil.rmtree(pin, ignore_errors=True)
+        return True
+
+    def _prune(self, rank_root: str, world: int) -> None:
+        """Keep the newest ``keep`` copies of the rank and the newest whole step; drop
+        the markers of steps older than that one."""
+        steps = layout.complete_steps(rank_root)
+        whole = next((s for s in steps if self._whole(s, world)), None)
+        for step in steps[self.keep :]:
+            if step != whole:
+                shutil.rmtree(layout.step_dir(rank_root, step), ignore_errors=True)
+        layout.prune(rank_root, len(steps))  # the partial folders of copiers that are gone
+        if whole is None:
+            return
+        marks = os.path.join(self.durable, COMPLETE)
+        for name in _listdir(marks):
+            match = _MARKED.match(name)
+            if match and int(match.group(1)) < whole:
+                shutil.rmtree(os.path.join(marks, name), ignore_errors=True)
+
+    def _whole(self, step: int, world: int) -> bool:
+        names = _listdir(os.path.join(self.durable, COMPLETE, f"step-{step:012d}"))
+        return sum(1 for n in names if _RANK.match(n)) >= world
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []
+
+
+def discard_newer(durable: str, rank: int, step: int | None) -> list[int]:
+    """Remove rank ``rank``'s durable copies newer than the restored ``step`` (all when
+    None) and their markers: they belong to a timeline the job left, and a marker of one
+    would count the step whole once another rank copies the new timeline's."""
+    gone = layout.discard_newer(layout.rank_dir(durable, rank), step)
+    for s in gone:
+        with contextlib.suppress(OSError):
+            os.remove(os.path.join(durable, COMPLETE, f"step-{s:012d}", f"rank-{rank:05d}"))
+    return gone
