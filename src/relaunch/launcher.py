@@ -176,7 +176,10 @@ class _JobSource:
                 members = handler.store_endpoints() if isinstance(handler, ReplicatedStore) else []
                 params = config.rendezvous_parameters()
                 self._store = connect_store(params, timeout=5.0, members=members)
-            return read_job(self._store, config.rdzv_id, backend=backend)
+            doc = read_job(self._store, config.rdzv_id, backend=backend)
+            if isinstance(self._handler, ReplicatedStore):
+                doc.update(_store_members(self._handler.store_endpoints()))
+            return doc
         except StoreError:
             self.close()
             raise
@@ -185,6 +188,21 @@ class _JobSource:
         store, self._store = self._store, None
         if store is not None:
             store.close()
+
+
+def _store_members(endpoints: list[tuple[str, int]]) -> dict[str, Any]:
+    """The embedded store's members and their health, as ``relaunch status`` shows them
+    (``store_members``); nothing when there are none or none answers (the page shows
+    the job still)."""
+    if not endpoints:
+        return {}
+    from relaunch.rendezvous._embedded_setup import members_health
+
+    try:
+        return {"store_members": members_health(endpoints, timeout=2.0)}
+    except StoreError as exc:
+        log.warning("status page: the store's members could not be listed: %s", exc)
+        return {}
 
 
 def _status_server(

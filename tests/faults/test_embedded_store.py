@@ -143,7 +143,11 @@ def test_the_endpoint_node_lost_the_others_train_on_and_finish(nets: Net, tmp_pa
                    f"urllib.request.urlopen('http://{nets.addr(1)}:{PORT + 1}/status.json', "
                    "timeout=20).read().decode())")  # fmt: skip
         assert page.returncode == 0, page.stderr
-        assert json.loads(page.stdout)["world"]["nodes"] == 2, page.stdout
+        served = json.loads(page.stdout)
+        assert served["world"]["nodes"] == 2, page.stdout
+        jsonschema.validate(served, json.loads(SCHEMA.read_text()))
+        healthy = {m["name"].split("-")[0] for m in served["store_members"] if m["healthy"]}
+        assert healthy == {nets.addr(1), nets.addr(2)}, served["store_members"]
         # any member's address is an endpoint now: relaunch status reads the job there
         shown = _in(nets, 1, sys.executable, "-m", "relaunch", "status",
                     f"--rdzv-endpoint={nets.addr(1)}:{PORT}", "--rdzv-id=job", "--json")  # fmt: skip

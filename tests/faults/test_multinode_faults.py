@@ -152,3 +152,37 @@ def test_unneeded_spare_exits_with_the_job(c10d: Cluster, tmp_path: Path) -> Non
     assert codes == {"a": 0, "b": 0, "c": 0}, c10d.outputs()  # the spare too: no hang
     assert len({r.node for r in c10d.steps()}) == 2
     assert {r.world for r in c10d.steps()} == {2}
+
+
+def test_a_hang_is_blamed_on_the_rank_that_stopped_first_job_wide(c10d: Cluster) -> None:
+    # Node a's local rank 1 hangs; every other rank blocks in the all_reduce it never
+    # joins, a moment later. Node a's agent looks once a second, node b's ten times: b
+    # finds its blocked ranks past the timeout first and ends the job (no restarts
+    # left). The job's report still names a's rank, which stopped first.
+    for node, host, interval in (("a", 1, "1"), ("b", 0, "0.1")):
+        c10d.start(
+            node, "hang=a:1:3", "steps=8", nproc=2, max_restarts=0,
+            conf=f"is_host={host},{HEARTBEAT}",
+            flags=("--hang-timeout=3", f"--monitor-interval={interval}"),
+        )  # fmt: skip
+    assert c10d.wait_exit("b", timeout=120) == 1, c10d.outputs()
+    assert c10d.wait_exit("a", timeout=60) == 1, c10d.outputs()
+    causes = [
+        (node, int(rank), cause)
+        for node in ("a", "b")
+        for event in c10d.events(node)
+        if event.get("name") == "workers_failed"
+        for rank, cause in event["metadata"]["causes"].items()  # type: ignore[index, union-attr]
+    ]
+    hung = [(r, c) for n, r, c in causes if n == "a" and c["local_rank"] == 1]
+    assert hung and hung[0][1]["message"].startswith("Hang: no Python code ran"), causes
+    rank = hung[0][0]
+    # the status page's root cause: the earliest of the killed (a hang's exit is SIGKILL)
+    killed = [(r, c) for _, r, c in causes if c["exitcode"] < 0 and c["exitcode"] != -15]
+    assert min(killed, key=lambda rc: rc[1]["time"])[0] == rank, causes
+    # the report each agent prints: root cause first
+    for node in ("a", "b"):
+        report = c10d.output(node).split("Root Cause (first observed failure):")[-1]
+        root = report.split("Other Failures:")[0]
+        assert f"rank      : {rank} (local_rank: 1)" in root, c10d.output(node)
+        assert "Hang: no Python code ran" in root, c10d.output(node)

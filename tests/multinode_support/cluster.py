@@ -43,6 +43,7 @@ log = open(path, "a", buffering=1)
 steps = int(args.get("steps", "5"))
 until_world = int(args.get("until_world", "0"))
 crash = args.get("crash")  # "<rank>:<step>": that rank exits 3 at that step, in attempt 0
+hang = args.get("hang")  # "<node>:<local_rank>:<step>": that worker hangs, in attempt 0
 go = args.get("go")  # a file: train on until it exists, then ``steps`` more steps
 step = done = 0
 while True:
@@ -55,6 +56,8 @@ while True:
     log.write(f"step {node} {restart} {rank} {world} {step} {int(t[0].item())}\n")
     if crash and restart == "0" and crash == f"{rank}:{step}":
         os._exit(3)
+    if hang and restart == "0" and hang == f"{node}:{env['LOCAL_RANK']}:{step}":
+        time.sleep(100000)  # stuck in C: no Python code runs (the agents' hang watch)
     step += 1
     if (until_world and world != until_world) or (go and not go_seen):
         time.sleep(0.05)  # trains on at this size until the agents restart us

@@ -180,12 +180,23 @@ def test_inprocess_and_unwatched_workers_are_never_hung() -> None:
     assert decide(obs(ranks), HANGS) == Monitor()
 
 
-def test_a_failure_is_reported_before_a_hang() -> None:
+def test_a_failure_is_reported_before_a_hang_not_yet_past_the_timeout() -> None:
     ranks = [
-        RankView(local_rank=0, exitcode=None, progress=T0 - 100),
+        RankView(local_rank=0, exitcode=None, progress=T0 - 4.0),
         RankView(local_rank=1, exitcode=3),
     ]
     assert decide(obs(ranks), HANGS) == RestartGroup(failed=(1,))
+
+
+def test_a_failure_names_a_rank_hung_past_the_timeout_too() -> None:
+    # Another node restarted first for its own blocked ranks: ours blocked in collectives
+    # with the hung one fail; the hung one stopped first, so it is named (the cause).
+    ranks = [
+        RankView(local_rank=0, exitcode=1),
+        RankView(local_rank=1, exitcode=None, progress=T0 - 6.0),
+        RankView(local_rank=2, exitcode=None, progress=T0 - 5.5),
+    ]
+    assert decide(obs(ranks), HANGS) == RestartGroup(failed=(0, 1), hang=Hang(1, T0 - 6.0))
 
 
 # -- a worker whose script returned is done ------------------------------------------------

@@ -158,6 +158,17 @@ def test_the_document_has_its_documented_shape_and_its_views_render() -> None:
     assert [n["role"] for n in doc["nodes"]] == ["participant", "participant", "spare"]
     page = render_html(doc)
     assert "\x1b" not in page and "\\x1b[2J" in page and "<svg" in page
+    assert "rendezvous store" not in page  # no embedded store: no members table
+    doc["store_members"] = [
+        {"name": "10.0.0.1-7-job", "client_url": "http://10.0.0.1:29400", "learner": False,
+         "healthy": True},
+        {"name": "10.0.0.2-8-job", "client_url": "http://10.0.0.2:29400", "learner": False,
+         "healthy": False},
+    ]  # fmt: skip
+    jsonschema.validate(doc, SCHEMA)
+    page = render_html(doc)
+    assert "<td>10.0.0.1-7-job</td><td>http://10.0.0.1:29400</td><td>healthy</td>" in page
+    assert "<td>10.0.0.2-8-job</td><td>http://10.0.0.2:29400</td><td>DOWN</td>" in page
     families = {f.name: f for f in text_string_to_metric_families(render_metrics(doc).decode())}
     assert families["relaunch_restarts"].samples[0].value == 1
     hist = families["relaunch_recovery_seconds"]

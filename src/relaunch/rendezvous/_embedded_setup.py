@@ -19,7 +19,13 @@ from relaunch.store import Store
 from relaunch.store._etcd_member import any_healthy, find_etcd, is_etcd
 from relaunch.store.etcd import EtcdStore
 
-__all__ = ["embedded_client", "members_wanted", "read_members", "start_embedded"]
+__all__ = [
+    "embedded_client",
+    "members_health",
+    "members_wanted",
+    "read_members",
+    "start_embedded",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -110,7 +116,13 @@ def read_members(host: str, port: int, timeout: float) -> list[dict[str, object]
     None when ``host:port`` is no etcd member (a TCP store)."""
     if not is_etcd(f"http://{host}:{port}", min(timeout, 2.0)):
         return None
-    store = EtcdStore([(host, port)], timeout=timeout)
+    return members_health([(host, port)], timeout)
+
+
+def members_health(endpoints: list[tuple[str, int]], timeout: float) -> list[dict[str, object]]:
+    """The members as the first of ``endpoints`` that answers lists them, each with its
+    health now (a status page's ``store_members``). StoreError when none answers."""
+    store = EtcdStore(endpoints, timeout=timeout)
     try:
         members = parse_members(store.request("/cluster/member/list", {}))
     finally:

@@ -10,7 +10,7 @@ here is the order they are written in.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Literal, TypedDict, cast
+from typing import Literal, NotRequired, TypedDict, cast
 
 __all__ = [
     "FailureDoc",
@@ -25,6 +25,7 @@ __all__ = [
     "Role",
     "RoundDoc",
     "SnapshotsDoc",
+    "StoreMemberDoc",
     "TimelineDoc",
     "WorkerDoc",
     "WorldDoc",
@@ -154,6 +155,13 @@ class TimelineDoc(TypedDict):
     text: str
 
 
+class StoreMemberDoc(TypedDict):
+    name: str
+    client_url: str
+    learner: bool
+    healthy: bool
+
+
 class JobDocument(TypedDict):
     version: int
     run_id: str
@@ -171,6 +179,8 @@ class JobDocument(TypedDict):
     snapshots: SnapshotsDoc | None
     timeline: list[TimelineDoc]
     problems: list[str]
+    store_members: NotRequired[list[StoreMemberDoc]]
+    """With the embedded store: added by its readers (``relaunch status``, the page)."""
 
 
 def as_document(doc: Mapping[str, object]) -> JobDocument:

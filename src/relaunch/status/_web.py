@@ -131,6 +131,7 @@ def render_html(doc: Mapping[str, object], *, refresh: float = 2.0) -> str:
         + _last_failure(job)
         + "<h2>nodes</h2>"
         + _node_table(job)
+        + _store_table(job)
         + "<h2>workers</h2>"
         + _worker_table(job)
         + _snapshots(job)
@@ -196,6 +197,20 @@ def _node_table(doc: JobDocument) -> str:
         )
     headers = ("rank", "role", "host", "address", "heartbeat", "state", "attempt")
     return _table(headers, rows, "nodes")
+
+
+def _store_table(doc: JobDocument) -> str:
+    """The embedded store's etcd members and their health, when the job has some."""
+    members = doc.get("store_members")
+    if not members:
+        return ""
+    rows = []
+    for m in members:
+        health = "healthy" if m["healthy"] else "starting" if m["name"] == "(joining)" else "DOWN"
+        rows.append((m["name"], m["client_url"], health + (" (learner)" if m["learner"] else "")))
+    return "<h2>rendezvous store (embedded etcd)</h2>" + _table(
+        ("member", "client", "health"), rows, "store"
+    )
 
 
 def _worker_table(doc: JobDocument) -> str:
