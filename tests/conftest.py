@@ -89,7 +89,13 @@ def no_leftovers(request: pytest.FixtureRequest) -> Iterator[None]:
         if not threads:
             break
         time.sleep(0.05)
-    shm = _snapshot_dirs() - before_shm
+    shm: set[str] = set()
+    deadline = time.monotonic() + 10.0  # an etcd keeper cleans up after its agent is gone
+    while time.monotonic() < deadline:
+        shm = _snapshot_dirs() - before_shm
+        if not shm:
+            break
+        time.sleep(0.1)
     for path in shm:  # do not let one leak poison the next tests
         shutil.rmtree(path, ignore_errors=True)
     assert not left, f"test left processes behind: {sorted(left)}"

@@ -216,6 +216,7 @@ class PeerCopies:
     def _pull_loop(self) -> None:
         version: int | None = None
         source: PeerRecord | None = None
+        read_in: _Round | None = None  # the round whose predecessor record is in hand
         while not self._stop.is_set():
             with self._lock:
                 r = self._round
@@ -223,9 +224,11 @@ class PeerCopies:
                 self._stop.wait(0.1)
                 continue
             try:
-                found = self._peer(r, (r.group_rank - 1) % r.world_size, timeout=0)
-                if found != source:
-                    source, version = found, None  # a new predecessor: start over
+                if r is not read_in or source is None:  # a round's record never changes
+                    found = self._peer(r, (r.group_rank - 1) % r.world_size, timeout=0)
+                    read_in = r
+                    if found != source:
+                        source, version = found, None  # a new predecessor: start over
                 if source is None:
                     self._stop.wait(0.2)
                     continue
@@ -233,11 +236,11 @@ class PeerCopies:
                 self.pulls += 1
             except (OSError, wire.WireError) as exc:  # the predecessor is gone or busy
                 log.debug("snapshots: pull from the predecessor: %s", exc)
-                version = None
+                version, read_in = None, None
                 self._stop.wait(0.2)
             except Exception:
                 log.exception("snapshots: pulling the predecessor's snapshots failed; retrying")
-                version = None
+                version, read_in = None, None
                 self._stop.wait(1.0)
 
     def _pull(self, r: _Round, source: PeerRecord, version: int | None) -> int:

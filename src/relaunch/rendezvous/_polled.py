@@ -17,15 +17,15 @@ __all__ = ["PolledState"]
 
 logger = logging.getLogger(__name__)
 
-_PROBE_EVERY = 1.0
+_PROBE_EVERY = 5.0
 """Seconds between the store reads of a poll that has an epoch watch (a safety net:
-a stream stuck silent costs at most this much delay)."""
+a stream stuck silent costs at most this much delay; a broken one is seen at once)."""
 
 
 class PolledState:
     """One cheap read per poll: the cached state while the epoch did not move. On a
     store with leases (etcd), the epoch is watched (:class:`EpochWatch`) and a poll
-    reads the store once a second at most. :meth:`close` stops the watch."""
+    reads the store once every 5 s at most. :meth:`close` stops the watch."""
 
     def __init__(self, backend: StateBackend, corrupt: CorruptWatch, node: str) -> None:
         self._rdzv = backend

@@ -16,7 +16,7 @@ state lives in etcd, not in a TCP store on one node:
   -> 5 (:func:`~relaunch.rendezvous._seats.join_steps`): two voting members would
   survive the loss of neither. etcd's own consensus keeps the state while a
   majority lives.
-- Each member checks every member's health each second. The steward (the healthy
+- Each member checks every member's health every 2 s. The steward (the healthy
   member with the smallest name) removes a member down for ``grace`` seconds, and a
   node that is not a member takes the seat: the next loss is survived too.
 - Quorum lost (a majority gone at once): the store's calls fail, and the agent ends
@@ -82,7 +82,7 @@ class EmbeddedStore:
         lease_ttl: float,
         read_timeout: float,
         log_dir: str | None = None,
-        interval: float = 1.0,
+        interval: float = 2.0,
     ) -> None:
         self._binary = binary
         self._run_id = run_id
@@ -198,9 +198,7 @@ class EmbeddedStore:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            # the members watch each other every interval; the others only look for a
-            # free seat and the members' addresses, less often (idle CPU of etcd)
-            self._wake.wait(self._interval if self._member is not None else 3 * self._interval)
+            self._wake.wait(self._pace())
             self._wake.clear()
             if self._stop.is_set():
                 return
@@ -211,6 +209,17 @@ class EmbeddedStore:
                 log.debug("embedded store: members not tended this time: %s", exc)
             except Exception:
                 log.exception("embedded store: tending the members failed")
+
+    def _pace(self) -> float:
+        """Seconds to the next look: 0.5 while seats are free (the store grows a member
+        at a time, and a job whose store host is lost before a majority of members run
+        is lost); then the members watch each other every interval, and the others only
+        look for a free seat and the members' addresses, less often (idle CPU of etcd)."""
+        with self._view_lock:
+            growing = sum(1 for m in self._members if m.started and not m.learner) < self._target
+        if growing:
+            return min(0.5, self._interval)
+        return self._interval if self._member is not None else 3 * self._interval
 
     def _refresh(self) -> None:
         """Read the member list, check each member's health, point the client at the

@@ -255,15 +255,15 @@ class DynamicRendezvousHandler:
     def interrupt(self) -> None:
         """Make a blocked :meth:`next_rendezvous` raise RendezvousClosedError soon.
 
-        Safe to call from a signal handler (it only sets an event); the call
-        returns within one wait slice (at most ``keep_alive_interval *
-        keep_alive_max_attempt`` seconds, 2 s by default).
+        Safe to call from a signal handler (it only sets an event); the call returns
+        within one wait slice (at most ``dead_after`` seconds, 2 s by default).
         """
         self._interrupted.set()
 
     def _info(self, round_: int, rank: int, world_size: int) -> RendezvousInfo:
         self._round = round_
         self._polled.forget()
+        self._keep_alive.wake()  # follow the new round's ring at once
         state = self._rdzv.load()[0]
         incarnation = state.incarnations.get(rank, 0) if state.round == round_ else 0
         logger.info(

@@ -8,7 +8,8 @@ sees its agent gone (its parent changes: checked every 0.2 s, so even a SIGKILL 
 agent's whole process group, which does not reach this session, is seen; a
 parent-death signal would not do, as it follows the agent's thread that started
 the keeper, not the agent), it stops
-etcd (SIGTERM, then SIGKILL after 5 s), removes DATA_DIR and exits. When etcd exits
+etcd (SIGTERM, then SIGKILL after 5 s; SIGKILL at once when the agent is gone),
+removes DATA_DIR and exits. When etcd exits
 by itself, the keeper removes DATA_DIR and exits with etcd's code. So neither an etcd
 process nor its data outlive the agent, however the agent ends.
 
@@ -64,13 +65,18 @@ def main(argv: list[str]) -> int:
         print(f"relaunch: cannot start etcd {binary}: {exc}", file=sys.stderr)
         shutil.rmtree(data_dir, ignore_errors=True)
         return 1
+    orphaned = False
     try:
         while proc.poll() is None and not stop.wait(0.2):
             if os.getppid() != agent:
+                orphaned = True
                 stop.set()
     finally:
         if proc.poll() is None:
-            proc.terminate()
+            if orphaned:  # the node is gone: nothing to hand over, no reason to wait
+                proc.kill()
+            else:
+                proc.terminate()
             try:
                 proc.wait(timeout=5)
             except subprocess.TimeoutExpired:
