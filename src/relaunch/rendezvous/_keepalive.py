@@ -133,20 +133,9 @@ class KeepAlive:
         """Beat now (a round began: the ring's next participant may be another)."""
         self._wake.set()
 
-    def _interval(self) -> float:
-        """Seconds between beats: ``keep_alive_interval``, or ``dead_after`` where the
-        store's leases decide who is dead (etcd): the heartbeat in the state is written
-        once per ``dead_after`` there, a lost lifeline (a node's processes gone) wakes the
-        thread at once, and a silent node's expired lease is found within ``dead_after``
-        by whichever node beats first (each store read costs etcd CPU at idle)."""
-        settings = self._settings
-        if isinstance(self._rdzv.store, LeaseStore):
-            return max(settings.keep_alive_interval, settings.dead_after)
-        return settings.keep_alive_interval
-
     def _loop(self) -> None:
         while not self._stop.is_set():
-            self._wake.wait(self._interval())
+            self._wake.wait(self._settings.keep_alive_interval)
             self._wake.clear()
             if self._stop.is_set():
                 return

@@ -194,7 +194,7 @@ def _create_embedded(
 
 
 def _create_c10d(params: RendezvousParameters) -> DynamicRendezvousHandler:
-    from relaunch.store.tcp import TCPStoreClient, TCPStoreServer
+    from relaunch.store.tcp import TCPStoreClient
 
     conf = params.conf
     check_conf_keys(conf, C10D_CONF_KEYS)
@@ -208,23 +208,8 @@ def _create_c10d(params: RendezvousParameters) -> DynamicRendezvousHandler:
     target, binary = members_wanted(conf, params.max_nodes)
     if target and binary is not None:
         return _create_embedded(params, settings, (host, port), is_host, (target, binary))
-    server = None
-    if is_host:
-        bind = "::" if ":" in host else "0.0.0.0"
-        if explicit is None:
-            server = _host_or_find(host, bind, port, read_timeout)
-            is_host = server is not None
-        else:
-            try:
-                server = TCPStoreServer(host=bind, port=port).start()
-            except StoreConnectionError as exc:
-                raise RendezvousError(
-                    f"this node hosts the c10d rendezvous store of endpoint {host}:{port} "
-                    f"(is_host=1) but cannot listen on port {port} ({exc}); "
-                    "is another job using it?"
-                ) from exc
-        if server is not None:
-            logger.info("hosting the c10d rendezvous store on port %d", server.port)
+    server = _tcp_server(host, port, explicit, read_timeout) if is_host else None
+    is_host = server is not None
     try:
         # Once connected, a store that stays unreachable for a heartbeat timeout is lost.
         store = TCPStoreClient(
@@ -255,6 +240,30 @@ def _create_c10d(params: RendezvousParameters) -> DynamicRendezvousHandler:
         server=server,
         lifeline_host=params.local_addr or own_address(host, port),
     )
+
+
+def _tcp_server(
+    host: str, port: int, explicit: bool | None, read_timeout: float
+) -> TCPStoreServer | None:
+    """The TCP store server this node hosts for endpoint ``host:port``; None when
+    another agent here hosts it already (``is_host`` not given: found, not started)."""
+    from relaunch.store.tcp import TCPStoreServer
+
+    bind = "::" if ":" in host else "0.0.0.0"
+    if explicit is None:
+        server = _host_or_find(host, bind, port, read_timeout)
+    else:
+        try:
+            server = TCPStoreServer(host=bind, port=port).start()
+        except StoreConnectionError as exc:
+            raise RendezvousError(
+                f"this node hosts the c10d rendezvous store of endpoint {host}:{port} "
+                f"(is_host=1) but cannot listen on port {port} ({exc}); "
+                "is another job using it?"
+            ) from exc
+    if server is not None:
+        logger.info("hosting the c10d rendezvous store on port %d", server.port)
+    return server
 
 
 def _etcd_store(params: RendezvousParameters, timeout: float | None = None) -> Store:
