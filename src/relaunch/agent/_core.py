@@ -238,19 +238,13 @@ def decide(obs: Observation, policy: Policy) -> Action:
     )
     group_failed = tuple(v.local_rank for v in failed if v.local_rank not in dropped)
     lost = tuple(v.local_rank for v in obs.ranks if v.lost)
-    if group_failed:
-        # A rank hung past the timeout is named too: when another node's agent found its
-        # own blocked ranks first and restarted, this node's ranks blocked in collectives
-        # with the hung one fail; the hung one stopped first, and is the job's cause.
-        hang = _hang(obs, policy.hang_timeout) if policy.hang_timeout else None
-        if hang is not None:
-            named = {*group_failed, *lost, hang.local_rank}
-            return RestartGroup(failed=tuple(sorted(named)), hang=hang)
-        return RestartGroup(failed=tuple(sorted(group_failed + lost)))
-    if not dropped and policy.hang_timeout:
-        hang = _hang(obs, policy.hang_timeout)
-        if hang is not None:
-            return RestartGroup(failed=tuple(sorted((hang.local_rank, *lost))), hang=hang)
+    hang = _hang(obs, policy.hang_timeout) if policy.hang_timeout else None
+    if group_failed or (hang is not None and not dropped):
+        # A rank hung past the timeout is named with the failures: when another node's
+        # agent found its own blocked ranks first and restarted, this node's ranks blocked
+        # in collectives with the hung one fail; the hung one stopped first (the cause).
+        named = {*group_failed, *lost, *((hang.local_rank,) if hang else ())}
+        return RestartGroup(failed=tuple(sorted(named)), hang=hang)
     if dropped:
         views = {v.local_rank: v for v in obs.ranks}
         # Only a process that died (a signal: SIGKILL, SIGSEGV, an OOM kill, the hard
