@@ -1,8 +1,8 @@
 """The pause a snapshot costs a training step: ``relaunch.checkpoint.save`` (node memory,
 /dev/shm) beside ``torch.save`` to a file, for models of about 10M and 100M parameters
-with Adam (state: weights + two moments, 3x the parameters), on the CPU.
+with Adam (state: weights + two moments, 3x the parameters), on the CPU or a GPU.
 
-    python bench/snapshot_save.py [--sizes 10,100] [--reps 5]
+    python bench/snapshot_save.py [--sizes 10,100] [--reps 5] [--device cuda --batch 8192]
 
 Prints, per size: one training step (forward, backward, Adam) without snapshots, the
 same with ``save()`` after every step (the last one waited for); the pause: the time
@@ -11,7 +11,11 @@ step for the copy of the previous save to finish), also as a share of the step; 
 slowdown: the difference of the two step times, which is more than the pause where
 the writer thread's copy and checksum compete with the step for cores and memory
 bandwidth (on a GPU node the step runs on the GPU and the copy does not compete); and
-one ``torch.save`` of the same state to a file.
+one ``torch.save`` of the same state to a file. On a GPU (``--device cuda``, TF32
+matrix products) the state's CUDA tensors are copied to a pinned buffer on a copy
+stream beside the next step, and the optimizer's stream waits for that copy: the
+pause is then the wait for the previous snapshot to be whole (``save`` waits for it)
+where a snapshot takes longer than a step; ``--batch`` sets the step's size.
 """
 
 from __future__ import annotations
@@ -28,10 +32,10 @@ import torch
 from torch import nn
 
 
-def build(million: int) -> tuple[nn.Module, torch.optim.Optimizer, int]:
+def build(million: int, device: torch.device) -> tuple[nn.Module, torch.optim.Optimizer, int]:
     width = 2048
     layers = max(1, round(million * 1e6 / (width * width)))
-    model = nn.Sequential(*(nn.Linear(width, width) for _ in range(layers)))
+    model = nn.Sequential(*(nn.Linear(width, width) for _ in range(layers))).to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
     return model, optimizer, width
 
@@ -49,6 +53,8 @@ def train(
     from relaunch import checkpoint
 
     held = 0.0
+    sync = torch.cuda.synchronize if x.is_cuda else lambda: None
+    sync()
     t0 = time.perf_counter()
     for _ in range(reps):
         step = next(_steps)  # steps grow, as in training (a step saved again is a restart's)
@@ -62,6 +68,7 @@ def train(
             t = time.perf_counter()
             checkpoint.save(step, {"model": model.state_dict(), "opt": optimizer.state_dict()})
             held += time.perf_counter() - t
+    sync()
     seconds = time.perf_counter() - t0
     checkpoint.wait()
     return seconds / reps, held / reps
@@ -72,19 +79,25 @@ def main() -> None:
     parser.add_argument("--sizes", default="10,100", help="millions of parameters")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--batch", type=int, default=64, help="rows per step (2048 wide)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     args = parser.parse_args()
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.set_float32_matmul_precision("high")
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
     base = "/dev/shm" if os.path.isdir("/dev/shm") else None
     root = tempfile.mkdtemp(prefix="relaunch-bench-snap-", dir=base)
     disk = tempfile.mkdtemp(prefix="relaunch-bench-torchsave-")
     os.environ.update(RELAUNCH_SNAPSHOT_DIR=root, RANK="0", WORLD_SIZE="1")
+    if device.type == "cuda":
+        print(f"{torch.cuda.get_device_name()}, batch {args.batch}, TF32")
 
     print(f"{'params':>8} {'state MB':>9} {'step s':>8} {'with save s':>12} {'pause ms':>9} "
           f"{'pause/step':>11} {'slowdown/step':>14} {'torch.save ms':>14}")  # fmt: skip
     try:
         for million in (int(x) for x in args.sizes.split(",")):
-            model, optimizer, width = build(million)
-            x = torch.randn(args.batch, width)
+            model, optimizer, width = build(million, device)
+            x = torch.randn(args.batch, width, device=device)
 
             train(model, optimizer, x, 3, True)  # warm: Adam's state, the first files
             plain = statistics.median(
@@ -104,7 +117,7 @@ def main() -> None:
             slowdown = max(saving - plain, 0.0)
             print(f"{n / 1e6:7.1f}M {mb:9.0f} {plain:8.2f} {saving:12.2f} {pause * 1e3:9.1f} "
                   f"{pause / plain:10.1%} {slowdown / plain:14.1%} {torch_save * 1e3:14.0f}")  # fmt: skip
-            del model, optimizer
+            del model, optimizer, x
     finally:
         shutil.rmtree(root, ignore_errors=True)
         shutil.rmtree(disk, ignore_errors=True)

@@ -12,6 +12,9 @@ copies the snapshots to DIR in the background; a job started again with the same
 
 Options for trying faults: ``--kill RANK:STEP`` makes that rank SIGKILL itself at that
 step (first attempt only); ``--log-to DIR`` writes one line per step and rank.
+``--device cuda`` trains on the GPU (``cuda:LOCAL_RANK`` modulo the GPUs there are;
+deterministic kernels, so a resumed run's weights are bit for bit a fault-free run's):
+the snapshots then copy CUDA tensors, through pinned memory, beside the next step.
 """
 
 from __future__ import annotations
@@ -60,15 +63,25 @@ def main() -> None:
                         help="no snapshots: rank 0 torch.saves to --disk-dir every K steps "
                              "(the usual script, for comparison; runs under torchrun)")  # fmt: skip
     parser.add_argument("--disk-dir", default=None)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--backend", default="gloo", help="the process group's backend")
     args = parser.parse_args()
 
-    dist.init_process_group("gloo")
+    device = torch.device("cpu")
+    if args.device == "cuda":
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+        device = torch.device(
+            "cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
+        )
+        torch.cuda.set_device(device)
+    dist.init_process_group(args.backend)
     rank, world = dist.get_rank(), dist.get_world_size()
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     torch.manual_seed(0)
-    model = build_model(args.params)
+    model = build_model(args.params).to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
-    extra = torch.zeros(args.extra_mb * (1 << 18))  # float32: 4 bytes each
+    extra = torch.zeros(args.extra_mb * (1 << 18), device=device)  # float32: 4 bytes each
     start = 0
     disk = os.path.join(args.disk_dir or ".", "ckpt.pt")
     if args.disk_every:
@@ -80,13 +93,13 @@ def main() -> None:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         start = done + 1
-    ddp = DistributedDataParallel(model)
+    ddp = DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
     log = open(os.path.join(args.log_to, f"rank{rank}.jsonl"), "a") if args.log_to else None  # noqa: SIM115
     kill_rank, kill_step = (int(x) for x in args.kill.split(":")) if args.kill else (-1, -1)
     for step in range(start, args.steps):
         # the same batch for the same (rank, step), whatever happened before
         gen = torch.Generator().manual_seed(step * 1000 + rank)
-        x = torch.randn(8, 16, generator=gen)
+        x = torch.randn(8, 16, generator=gen).to(device)
         loss = (ddp(x) - x.sum(dim=1, keepdim=True)).pow(2).mean()
         optimizer.zero_grad()
         loss.backward()
@@ -119,7 +132,7 @@ def main() -> None:
     if not args.disk_every:
         checkpoint.wait()
     digest = hashlib.sha256(
-        b"".join(p.detach().numpy().tobytes() for p in model.parameters())
+        b"".join(p.detach().cpu().numpy().tobytes() for p in model.parameters())
     ).hexdigest()
     if log is not None:
         log.write(json.dumps({"rank": rank, "final": digest, "attempt": attempt}) + "\n")

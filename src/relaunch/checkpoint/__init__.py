@@ -14,7 +14,8 @@ In the training script (under ``relaunch``)::
         ...train one step...
         checkpoint.save(step, {"model": model.state_dict(), "opt": optimizer.state_dict()})
 
-``save(step, state)`` returns at once; a writer thread copies the tensors into the
+``save(step, state)`` returns at once (CUDA tensors: once their copies to a pinned host
+buffer are queued on a copy stream); a writer thread copies the tensors into the
 node's snapshot directory (the agent's ``--snapshot-dir``, by default a folder under
 /dev/shm removed when the job ends), then checksums them, writes the manifest and
 renames the folder, which makes the snapshot complete. The copy is finished before any
@@ -107,6 +108,7 @@ def _get() -> Any:
 
 
 def _where_from_env(env: Any) -> Any:
+    from relaunch.checkpoint._fill import threads_for
     from relaunch.checkpoint._saver import Where
 
     root = env.get(layout.ENV_DIR)
@@ -126,6 +128,7 @@ def _where_from_env(env: Any) -> Any:
         limit=_int(env, layout.ENV_LIMIT, "0", 0) or None,
         durable=os.path.join(durable, layout.safe_job(job)) if durable else None,
         agent=_agent(env.get(layout.ENV_AGENT)),
+        threads=threads_for(env),
     )
 
 

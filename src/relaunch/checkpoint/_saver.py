@@ -1,15 +1,21 @@
 """A rank's snapshots: written into the node's snapshot directory, read back whole.
 
 ``save`` encodes the state's tree (plain values are captured there) and returns; CUDA
-tensors are first queued for copy into pinned host buffers on their stream. A writer
-thread then takes a data file (the retiring snapshot's, its pages reused, or a new
-one), maps it and copies the tensors into it (on /dev/shm this is the one copy into
-node memory), computes the CRC-32, writes the manifest and renames the folder, which
-makes the snapshot complete. The copy is finished before any ``torch.optim`` optimizer
-steps again (a global pre-step hook waits for it), before the next ``save`` or
-``load``, and, with ``blocking=True``, before ``save`` returns: a tensor of the state
-changed otherwise in between (in place, by hand) must wait for
-:meth:`Saver.wait_copied` first. One save is in flight at a time.
+tensors are first queued for copy into a pinned host buffer, on a copy stream of their
+device that waits for the work queued so far (so the copy overlaps the next step's
+forward and backward). A writer thread then takes a data file (the retiring snapshot's,
+its pages reused, or a new one), maps it and copies the CPU tensors into it (on
+/dev/shm this is the one copy into node memory), waits for the CUDA copies and copies
+the pinned buffer in, computes the CRC-32, writes the manifest and renames the folder,
+which makes the snapshot complete (copies and CRC on a few threads: ``_fill``).
+
+The copy is finished before any ``torch.optim`` optimizer steps again (a global
+pre-step hook waits for the CPU tensors' copy, and makes the current CUDA stream wait
+for the copy stream: the GPU orders the optimizer's writes after the copy, the
+training thread does not wait), before the next ``save`` or ``load``, and, with
+``blocking=True``, before ``save`` returns: a tensor of the state changed otherwise in
+between (in place, by hand) must wait for :meth:`Saver.wait_copied` first. One save is
+in flight at a time.
 """
 
 from __future__ import annotations
@@ -21,7 +27,6 @@ import mmap
 import os
 import shutil
 import threading
-import zlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +36,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from relaunch.checkpoint import _layout as layout
 from relaunch.checkpoint import _wire as wire
 from relaunch.checkpoint._durable import discard_newer as discard_copies_newer
+from relaunch.checkpoint._fill import Filler, Part
 from relaunch.checkpoint._mapped import MappedFiles
 from relaunch.checkpoint._readback import read_regions
 from relaunch.checkpoint._tree import Leaf, decode, encode, finish
@@ -54,6 +60,19 @@ class Where:
     durable: str | None
     agent: tuple[str, int] | None = None
     """The node's agent (multi-node jobs): told of each snapshot; its successor copies it."""
+    threads: int = 1
+    """Threads that copy and checksum a save (``_fill.threads_for``)."""
+
+
+@dataclass
+class _Staged:
+    """The CUDA tensors of a save, on their way into the pinned buffer."""
+
+    leaves: list[Leaf]
+    """Their byte ranges of the data file, which the pinned buffer mirrors."""
+    pinned: torch.Tensor
+    copies: list[tuple[Any, Any]]
+    """``(copy stream, event recorded after its copies)`` per device."""
 
 
 @dataclass
@@ -63,9 +82,9 @@ class _Pending:
     step: int
     manifest_tree: Any
     nbytes: int
-    leaves: list[Leaf]
-    staged: list[tuple[Leaf, torch.Tensor]]
-    event: Any
+    host: list[Leaf]
+    """The values the writer copies itself: CPU tensors and bytes."""
+    staged: _Staged | None
 
 
 class Saver:
@@ -76,7 +95,11 @@ class Saver:
         self.rank_root = layout.rank_dir(where.root, where.rank)
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
-        self._pinned: dict[int, torch.Tensor] = {}
+        self._pinned: torch.Tensor | None = None
+        self._streams: dict[torch.device, Any] = {}
+        self._staged: _Staged | None = None
+        """The CUDA copies of the save in flight (the optimizer's stream waits for them)."""
+        self._filler = Filler(where.threads)
         self._copied = threading.Event()
         self._peer = False
         """Whether the last snapshot had a peer copy made (the node keeps one more)."""
@@ -89,7 +112,20 @@ class Saver:
 
     def _at_exit(self) -> None:
         self._exiting.set()  # the last snapshot waits for no copy: the peers may be gone
-        self.wait(120.0)
+        try:
+            self.wait(120.0)
+        finally:
+            self._filler.close()
+
+    def close(self) -> None:
+        """Wait for the save in flight (raising what it failed with), then stop the
+        copy threads and the optimizer hook; the Saver saves no more."""
+        atexit.unregister(self._at_exit)
+        try:
+            self.wait()
+        finally:
+            self._filler.close()
+            self._hook.remove()
 
     @property
     def window(self) -> int:
@@ -109,8 +145,9 @@ class Saver:
         folder = layout.partial_dir(self.rank_root, step)
         shutil.rmtree(folder, ignore_errors=True)
         os.makedirs(folder)
+        host = [leaf for leaf in leaves if leaf.nbytes and not _on_cuda(leaf)]
         try:
-            staged, event = self._stage_cuda(leaves)
+            staged = self._stage_cuda([leaf for leaf in leaves if leaf.nbytes and _on_cuda(leaf)])
         except BaseException:
             shutil.rmtree(folder, ignore_errors=True)
             raise
@@ -120,10 +157,10 @@ class Saver:
             step=step,
             manifest_tree=tree,
             nbytes=nbytes,
-            leaves=leaves,
+            host=host,
             staged=staged,
-            event=event,
         )
+        self._staged = staged
         self._copied = threading.Event()
         self._thread = threading.Thread(
             target=self._finish, args=(pending,), name="relaunch-snapshot-writer", daemon=True
@@ -133,10 +170,16 @@ class Saver:
             self.wait_copied()
 
     def wait_copied(self) -> None:
-        """Wait until the tensors of the save in flight are copied (the caller may then
-        change them); its checksum and rename may still be running."""
+        """Wait until the CPU tensors of the save in flight are copied, and make the
+        current CUDA stream of each device wait for the copy of its tensors (the caller
+        may then change them, on that stream); the rest of the save may still be
+        running."""
         thread = self._thread
         if thread is not None and thread.is_alive():
+            staged = self._staged
+            if staged is not None:
+                for stream, _event in staged.copies:
+                    torch.cuda.current_stream(stream.device).wait_stream(stream)
             self._copied.wait()
 
     def _check_limit(self, step: int, nbytes: int) -> None:
@@ -156,45 +199,67 @@ class Saver:
                 f"limit of {limit} (--snapshot-limit; {layout.ENV_LIMIT})"
             )
 
-    def _stage_cuda(self, leaves: list[Leaf]) -> tuple[list[tuple[Leaf, torch.Tensor]], Any]:
-        """Queue the copies of CUDA tensors into pinned buffers, on their stream, and
-        record an event after them; CPU tensors are the writer's."""
-        staged: list[tuple[Leaf, torch.Tensor]] = []
+    def _stage_cuda(self, leaves: list[Leaf]) -> _Staged | None:
+        """Queue the copies of the CUDA tensors ``leaves`` into the pinned buffer (at
+        their offsets of the data file), each on its device's copy stream after the work
+        queued so far on the current stream, and record an event after them."""
+        if not leaves:
+            return None
+        end = max(leaf.offset + leaf.nbytes for leaf in leaves)
+        if self._pinned is None or self._pinned.numel() < end:
+            self._pinned = None  # the old buffer goes first
+            self._pinned = torch.empty(end, dtype=torch.uint8, pin_memory=True)
+        pinned = self._pinned
+        streams: dict[torch.device, Any] = {}
         for leaf in leaves:
             src = leaf.tensor
-            if src is None or leaf.nbytes == 0 or src.device.type == "cpu":
-                continue
-            flat = src.detach().contiguous().reshape(-1).view(torch.uint8)
-            buf = self._pinned_buffer(len(staged), leaf.nbytes, src.device)
-            buf.copy_(flat, non_blocking=True)
-            staged.append((leaf, buf))
-        event = None
-        if staged and torch.cuda.is_available():
+            assert src is not None
+            stream = streams.get(src.device)
+            if stream is None:
+                stream = self._copy_stream(src.device)
+                stream.wait_stream(torch.cuda.current_stream(src.device))
+                streams[src.device] = stream
+            with torch.cuda.stream(stream):
+                flat = src.detach().contiguous().reshape(-1).view(torch.uint8)
+                pinned[leaf.offset : leaf.offset + leaf.nbytes].copy_(flat, non_blocking=True)
+            flat.record_stream(stream)  # its memory is not reused before the copy is done
+            leaf.tensor = None
+        copies = []
+        for stream in streams.values():
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            event.record()
-        return staged, event
+            event.record(stream)
+            copies.append((stream, event))
+        return _Staged(leaves=leaves, pinned=pinned, copies=copies)
 
-    def _copy(self, p: _Pending, mapping: mmap.mmap) -> None:
-        """Copy every tensor and byte string into the mapped file (in the writer)."""
-        if p.event is not None:
-            p.event.synchronize()
+    def _copy_stream(self, device: torch.device) -> Any:
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = self._streams[device] = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+        return stream
+
+    def _copy(self, p: _Pending, mapping: mmap.mmap) -> int:
+        """Copy every value into the mapped file (in the writer) and return its CRC-32:
+        the CPU values first (then the caller may change them), then the CUDA ones from
+        the pinned buffer once their copies are done, each chunk checksummed as it is
+        copied."""
         target = torch.frombuffer(mapping, dtype=torch.uint8)
         try:
-            staged = {id(leaf): buf for leaf, buf in p.staged}
-            for leaf in p.leaves:
-                if leaf.nbytes == 0:
-                    continue
-                dst = target[leaf.offset : leaf.offset + leaf.nbytes]
-                if leaf.raw is not None:
-                    dst.copy_(torch.frombuffer(bytearray(leaf.raw), dtype=torch.uint8))
-                elif id(leaf) in staged:
-                    dst.copy_(staged[id(leaf)])
-                else:
-                    assert leaf.tensor is not None
-                    dst.copy_(leaf.tensor.detach().contiguous().reshape(-1).view(torch.uint8))
+            self._filler.copy(target, [Part(leaf.offset, _flat(leaf)) for leaf in p.host])
+            self._copied.set()
+            staged, parts = p.staged, []
+            if staged is not None:
+                for _stream, event in staged.copies:
+                    event.synchronize()
+                parts = [
+                    Part(leaf.offset, staged.pinned[leaf.offset : leaf.offset + leaf.nbytes])
+                    for leaf in staged.leaves
+                ]
+            with memoryview(mapping) as view:
+                return self._filler.crc32(view, target, parts)
         finally:
             del target
-        p.leaves = []  # the caller's tensors are no longer needed
+            p.host = []  # the caller's tensors are no longer needed
+            p.staged = None
 
     def _data_file(self, p: _Pending) -> Any:
         """The partial snapshot's data file: the oldest snapshot's beyond the newest
@@ -213,14 +278,6 @@ class Saver:
         f.truncate(p.nbytes)
         return f
 
-    def _pinned_buffer(self, index: int, nbytes: int, device: torch.device) -> torch.Tensor:
-        buf = self._pinned.get(index)
-        if buf is None or buf.numel() < nbytes:
-            pin = device.type == "cuda"
-            buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
-            self._pinned[index] = buf
-        return buf[:nbytes]
-
     def _finish(self, p: _Pending) -> None:
         f = None
         try:
@@ -229,9 +286,7 @@ class Saver:
                 crc = 0
                 if p.nbytes:
                     mapping = self._maps.map(f, p.nbytes)
-                    self._copy(p, mapping)
-                    self._copied.set()
-                    crc = zlib.crc32(mapping)
+                    crc = self._copy(p, mapping)
             finally:
                 self._copied.set()
             f.flush()
@@ -380,3 +435,15 @@ class Saver:
                 f"{path}: CRC-32 {crc:#010x}, the manifest says {manifest.crc32:#010x}"
             )
         return finish(state)
+
+
+def _on_cuda(leaf: Leaf) -> bool:
+    return leaf.tensor is not None and leaf.tensor.device.type == "cuda"
+
+
+def _flat(leaf: Leaf) -> torch.Tensor:
+    """A CPU value's bytes, flat uint8."""
+    if leaf.raw is not None:
+        return torch.frombuffer(bytearray(leaf.raw), dtype=torch.uint8)
+    assert leaf.tensor is not None
+    return leaf.tensor.detach().contiguous().reshape(-1).view(torch.uint8)
