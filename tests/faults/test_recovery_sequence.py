@@ -103,12 +103,15 @@ import torch, torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 dist.init_process_group("gloo")
 model = DDP(torch.nn.Linear(4, 4))
-go = os.path.join(out, "go")
 for step in range(1000000):
     model(torch.randn(2, 4)).sum().backward()
     with open(os.path.join(out, f"step_{attempt}_{rank}"), "w") as f:
         f.write(str(step))
-    if os.path.exists(os.path.join(out, "finish")):
+    # the ranks agree to finish after the same step (one that saw the file alone would
+    # leave the other blocked in the next step's all-reduce: "Connection closed by peer")
+    finish = torch.tensor([float(os.path.exists(os.path.join(out, "finish")))])
+    dist.all_reduce(finish)
+    if finish.item():
         break
     time.sleep(0.02)
 dist.destroy_process_group()

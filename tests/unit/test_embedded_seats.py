@@ -37,13 +37,13 @@ def test_a_node_joins_while_seats_are_free_and_no_one_is_joining() -> None:
 def test_the_voting_members_grow_in_pairs() -> None:
     waiting = _m("d", learner=True)
     # one voting member: the first node to join waits as a learner
-    assert join_steps([A], 3) == JoinSteps(promote_first=None, promote_self=False)
+    assert join_steps([A], 3) == JoinSteps(promote_first=None, voting=False)
     # the next one promotes it, joins, and is promoted: 1 -> 3, never a lasting 2
-    assert join_steps([A, waiting], 3) == JoinSteps(promote_first=waiting.id, promote_self=True)
+    assert join_steps([A, waiting], 3) == JoinSteps(promote_first=waiting.id, voting=True)
     # two voting members (one was lost): a new one is promoted at once
-    assert join_steps([A, B], 3) == JoinSteps(promote_first=None, promote_self=True)
-    assert join_steps([A, B, C], 5) == JoinSteps(promote_first=None, promote_self=False)
-    assert join_steps([A, B, C, waiting], 5) == JoinSteps(waiting.id, promote_self=True)
+    assert join_steps([A, B], 3) == JoinSteps(promote_first=None, voting=True)
+    assert join_steps([A, B, C], 5) == JoinSteps(promote_first=None, voting=False)
+    assert join_steps([A, B, C, waiting], 5) == JoinSteps(waiting.id, voting=True)
     assert join_steps([A, B, C], 3) is None  # full
     assert join_steps([A, _m("e", learner=True, started=False)], 3) is None  # one starting
 

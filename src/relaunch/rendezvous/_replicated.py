@@ -13,8 +13,9 @@ state lives in etcd, not in a TCP store on one node:
   members, one at a time (a lock key under the node's lease), each first a learner
   (no vote: a member that never starts cannot cost the quorum), until there are
   ``store_members`` (3; 5 from five nodes). The voting members grow in pairs, 1 -> 3
-  -> 5 (:func:`~relaunch.rendezvous._seats.join_steps`): two voting members would
-  survive the loss of neither. etcd's own consensus keeps the state while a
+  -> 5 (:func:`~relaunch.rendezvous._seats.join_steps`): the next node promotes the
+  learner and joins as a voting member at once; two voting members would survive
+  the loss of neither. etcd's own consensus keeps the state while a
   majority lives.
 - Each member checks every member's health every 2 s. The steward (the healthy
   member with the smallest name) removes a member down for ``grace`` seconds, and a
@@ -172,15 +173,10 @@ class EmbeddedStore:
         )
         self._launch(spec)
 
-    def _launch(self, spec: MemberSpec, promote: str | None = None) -> None:
-        """Start this node's member; ``promote``: its id as a learner, promoted to a
-        voting member once it has caught up with the leader."""
+    def _launch(self, spec: MemberSpec) -> None:
+        """Start this node's member; return once it answers healthy (it has a leader)."""
         member = EtcdMember(self._binary, spec, self._log_dir)
         try:
-            if promote is not None:
-                assert self._store is not None
-                member.wait_serving(_JOIN_TIMEOUT)
-                promote_when_in_sync(self._store, promote, _JOIN_TIMEOUT)
             member.wait_healthy(_JOIN_TIMEOUT)
         except BaseException:
             member.stop()
@@ -287,10 +283,12 @@ class EmbeddedStore:
                 promote_when_in_sync(store, steps.promote_first, 5.0)
             peer = free_port(self._address)
             peer_url = f"http://{bracket(self._address)}:{peer}"
-            # a learner first: it has no vote until promoted, so a member that never
+            # the first of a pair a learner: it has no vote until promoted, so a member
+            # that never starts cannot cost the quorum; the second a voting member at
+            # once (the running ones hold the quorum while it starts)
             # starts cannot cost the cluster its quorum
             reply = store.request(
-                "/cluster/member/add", {"peerURLs": [peer_url], "isLearner": True}
+                "/cluster/member/add", {"peerURLs": [peer_url], "isLearner": not steps.voting}
             )
             added = str(int(reply["member"]["ID"]))
             cluster = [
@@ -309,7 +307,7 @@ class EmbeddedStore:
                 new_cluster=False,
                 token=f"relaunch-{self._run_id}",
             )
-            self._launch(spec, promote=added if steps.promote_self else None)
+            self._launch(spec)
             added = None  # a member now (voting, or a learner waiting for a pair): it stays
         except (StoreError, OSError, KeyError, TypeError, ValueError) as exc:
             log.warning("embedded store: this node could not become a member (%s); "

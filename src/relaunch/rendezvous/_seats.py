@@ -123,8 +123,9 @@ class JoinSteps:
 
     promote_first: str | None
     """The learner to promote before this node is added (it waited for a pair)."""
-    promote_self: bool
-    """Whether this node, once caught up, is promoted (else it waits as a learner)."""
+    voting: bool
+    """Whether this node is added as a voting member (the count becomes odd), else as a
+    learner that waits for the next node."""
 
 
 def join_steps(members: Sequence[Member], target: int) -> JoinSteps | None:
@@ -132,16 +133,17 @@ def join_steps(members: Sequence[Member], target: int) -> JoinSteps | None:
     taken, or a member is still starting).
 
     The voting members grow in pairs: etcd holds one learner at a time, so the first
-    new node waits as a learner beside an odd number of voting members, and the next
-    one promotes it, joins and is promoted itself: the voting members go 1 -> 3 -> 5
-    without an even count that a joining node's loss would cost the quorum (two
-    voting members survive the loss of neither). Only the short start of the second
-    member is such a window.
+    new node waits as a learner beside an odd number of voting members (a learner
+    that never starts costs no quorum), and the next one promotes it and is added as
+    a voting member at once: 1 -> 3 -> 5. While that third (or fifth) member starts,
+    the running ones hold the quorum, and when one of them is lost the cluster waits
+    for it and goes on. An even count that one loss stops for good is left only for
+    the moment between the promotion and the addition (two calls), not for the new
+    member's start (seconds on a loaded machine, when it was added as a learner and
+    promoted once caught up).
     """
     if len(members) >= target or any(not m.started for m in members):
         return None
     learners = [m for m in members if m.learner]
     voting = len(members) - len(learners) + len(learners[:1])
-    return JoinSteps(
-        promote_first=learners[0].id if learners else None, promote_self=voting % 2 == 0
-    )
+    return JoinSteps(promote_first=learners[0].id if learners else None, voting=voting % 2 == 0)

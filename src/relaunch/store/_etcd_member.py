@@ -209,10 +209,6 @@ class EtcdMember:
     def running(self) -> bool:
         return self._proc.poll() is None
 
-    def wait_serving(self, timeout: float) -> None:
-        """Return once the member's client port answers (a learner is not yet healthy)."""
-        self._wait(lambda: is_etcd(self.spec.client_url, 1.0), timeout, "serving")
-
     def wait_healthy(self, timeout: float) -> None:
         """Return once the member answers healthy (it has a leader)."""
         self._wait(lambda: healthy(self.spec.client_url, timeout=1.0), timeout, "healthy")
