@@ -24,7 +24,7 @@ __all__ = ["status_main"]
 
 _USAGE = (
     "relaunch status --rdzv-endpoint HOST:PORT --rdzv-id ID "
-    "[--rdzv-backend c10d|etcd] [--rdzv-conf K=V,...] [--watch] [--json]"
+    "[--rdzv-backend c10d|etcd] [--rdzv-conf K=V,...] [--watch] [--json] [--node ID]"
 )
 
 
@@ -41,6 +41,9 @@ def _parser() -> _Parser:
     p.add_argument("--rdzv-conf", "--rdzv_conf", default="")
     p.add_argument("--watch", action="store_true", help="Redraw the view live (Ctrl-C ends).")
     p.add_argument("--json", action="store_true", help="Print one JSON document.")
+    p.add_argument(
+        "--node", default=None, help="Show one node's whole row (its id, or its host's name)."
+    )
     p.add_argument("--interval", type=float, default=1.0, help="Seconds between redraws.")
     p.add_argument("--timeout", type=float, default=5.0, help="Seconds to wait for the store.")
     return p
@@ -61,6 +64,8 @@ def status_main(argv: Sequence[str]) -> int:
         ns = _parser().parse_args(list(argv))
         if ns.json and ns.watch:
             raise ConfigError("--json and --watch: expected one of them, not both")
+        if ns.node is not None and ns.watch:
+            raise ConfigError("--node and --watch: expected one of them, not both")
         for name in ("interval", "timeout"):
             if not 0 < getattr(ns, name) < 3600:
                 raise ConfigError(
@@ -94,6 +99,7 @@ def _show(store: object, run_id: str, ns: argparse.Namespace) -> int:
     from rich.live import Live
 
     from relaunch.status import read_job
+    from relaunch.status._document import as_document
 
     def read() -> dict[str, object]:
         doc = read_job(store, run_id, backend=ns.rdzv_backend)  # type: ignore[arg-type]
@@ -108,8 +114,12 @@ def _show(store: object, run_id: str, ns: argparse.Namespace) -> int:
         return _fail(f"the rendezvous store does not answer: {exc}", 1)
     except RelaunchError as exc:
         return _fail(str(exc), 1)
+    if ns.node is not None:
+        return _show_node(doc, ns.node)
     if ns.json:
-        print(json.dumps(doc, indent=1))
+        from relaunch.status._summary import summarize
+
+        print(json.dumps(summarize(as_document(doc)), indent=1))
         return 0
     console = Console()
     if not ns.watch:
@@ -126,6 +136,20 @@ def _show(store: object, run_id: str, ns: argparse.Namespace) -> int:
                 live.update(_render(doc), refresh=True)
     except KeyboardInterrupt:
         return 0
+
+
+def _show_node(doc: dict[str, object], node: str) -> int:
+    """One node's whole row as JSON; exit 1 when the job has no such node."""
+    from relaunch.status._document import as_document
+    from relaunch.status._summary import node_detail
+
+    row = node_detail(as_document(doc), node)
+    if row is None:
+        return _fail(
+            f"no node {node!r} in job {doc['run_id']!r} (or more than one on that host)", 1
+        )
+    print(json.dumps(row, indent=1))
+    return 0
 
 
 def _store_members(ns: argparse.Namespace) -> list[dict[str, object]] | None:

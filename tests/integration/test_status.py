@@ -26,6 +26,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from multinode_support.cluster import WORKER, Cluster, free_port
 from multinode_support.etcd import Member, etcd_binary, start_cluster
+from multinode_support.status_job import big_job
+from relaunch.status import render_html
 from relaunch.store.tcp import TCPStoreClient, TCPStoreServer
 
 pytestmark = pytest.mark.timeout(180)
@@ -181,6 +183,12 @@ def test_status_of_a_c10d_job_before_and_after_a_fault_and_metrics(tmp_path: Pat
         table = status(endpoint, "job42")
         assert table.returncode == 0, table.stderr
         assert "round 0" in table.stdout and "restarts used 0 of 2" in table.stdout
+        assert "2 nodes: running 2 (r)" in table.stdout and before["summary"]["grid"] == "rr"
+        node = before["nodes"][1]["node"]
+        one = status(endpoint, "job42", "--node", node)
+        assert one.returncode == 0 and json.loads(one.stdout)["rank"] == 1, one.stderr
+        none = status(endpoint, "job42", "--node", "nowhere")
+        assert none.returncode == 1 and "no node 'nowhere'" in none.stderr, none.stderr
 
         after = kill_rank_1_and_recover(cluster, endpoint, "job42", before)
         assert after["last_failure"]["rank"] == 1
@@ -246,6 +254,33 @@ def check_page_in_browser(tmp: Path, port: int) -> None:
     shot = tmp / "status.png"
     done = subprocess.run(
         [*base, f"--screenshot={shot}", url], capture_output=True, text=True, timeout=90
+    )
+    assert done.returncode == 0 and shot.exists(), done.stderr[-2000:]
+    assert png_colors(shot) > 50
+
+
+@pytest.mark.skipif(
+    CHROMIUM is None,
+    reason="Chromium is not installed (scripts/test.sh installs it from Debian's packages)",
+)
+def test_the_page_of_a_4096_node_job_renders_in_a_real_browser(tmp_path: Path) -> None:
+    """A big job's page draws a square per node and the rows of the nodes worth a look
+    (its load time is measured by bench/status_page_scale.py, not here)."""
+    assert CHROMIUM is not None
+    page = tmp_path / "big.html"
+    page.write_text(render_html(big_job(4096)))
+    base = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+            f"--user-data-dir={tmp_path / 'chromium'}", "--window-size=1000,1100"]  # fmt: skip
+    dom = subprocess.run(
+        [*base, "--dump-dom", page.as_uri()], capture_output=True, text=True, timeout=90
+    )
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    grid = dom.stdout.split('<div id="node-grid">', 1)[1].split("</div>", 1)[0]
+    assert grid.count("<i ") == 4096 + 16 and grid.count('class="f"') == 3
+    assert dom.stdout.count("<td>participant</td>") == 5  # the nodes worth a look
+    shot = tmp_path / "big.png"
+    done = subprocess.run(
+        [*base, f"--screenshot={shot}", page.as_uri()], capture_output=True, timeout=90
     )
     assert done.returncode == 0 and shot.exists(), done.stderr[-2000:]
     assert png_colors(shot) > 50

@@ -55,6 +55,7 @@ def test_store_exports() -> None:
         "LeaseStore",
         "MemoryStore",
         "PrefixStore",
+        "ScanStore",
         "Store",
         "TCPStoreClient",
         "TCPStoreServer",

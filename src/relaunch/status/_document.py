@@ -26,6 +26,7 @@ __all__ = [
     "RoundDoc",
     "SnapshotsDoc",
     "StoreMemberDoc",
+    "SummaryDoc",
     "TimelineDoc",
     "WorkerDoc",
     "WorldDoc",
@@ -162,6 +163,18 @@ class StoreMemberDoc(TypedDict):
     healthy: bool
 
 
+class SummaryDoc(TypedDict):
+    """Every node in brief (``relaunch.status._summary``)."""
+
+    nodes: int
+    listed: int
+    """How many of them ``nodes`` holds (all up to 64; above, those worth a look)."""
+    nodes_by_state: dict[str, int]
+    workers_by_state: dict[str, int]
+    grid: str
+    """One character per node, in the order of the rows (rank order, then the rest)."""
+
+
 class JobDocument(TypedDict):
     version: int
     run_id: str
@@ -179,6 +192,7 @@ class JobDocument(TypedDict):
     snapshots: SnapshotsDoc | None
     timeline: list[TimelineDoc]
     problems: list[str]
+    summary: SummaryDoc
     store_members: NotRequired[list[StoreMemberDoc]]
     """With the embedded store: added by its readers (``relaunch status``, the page)."""
 

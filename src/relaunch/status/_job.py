@@ -37,7 +37,8 @@ from relaunch.status._report import (
     WorkerRow,
     decode_report,
 )
-from relaunch.store import BatchStore, Store
+from relaunch.status._summary import summary_of
+from relaunch.store import BatchStore, ScanStore, Store
 
 __all__ = ["JOB_VERSION", "job_document", "local_document", "read_job", "status_key"]
 
@@ -49,7 +50,14 @@ def status_key(run_id: str, node: str) -> str:
     return f"{key_prefix(run_id)}status/{node}"
 
 
-def _read(store: Store, keys: list[str]) -> list[bytes | None]:
+def _read_reports(store: Store, run_id: str, nodes: list[str]) -> list[bytes | None]:
+    """The reports of ``nodes``, in one round trip where the store can (etcd: a range
+    over the reports' prefix; the TCP store: one multi-get): reading a big job's status
+    costs the store two requests, the state and the reports."""
+    if isinstance(store, ScanStore):
+        found = store.items_with_prefix(status_key(run_id, ""))
+        return [found.get(status_key(run_id, n)) for n in nodes]
+    keys = [status_key(run_id, n) for n in nodes]
     if isinstance(store, BatchStore):
         return store.multi_get(keys)
     return [store.get(k) for k in keys]
@@ -70,7 +78,7 @@ def read_job(store: Store, run_id: str, *, backend: str) -> dict[str, object]:
     nodes = _members(state)
     reports: dict[str, NodeReport] = {}
     problems: list[str] = []
-    for node, blob in zip(nodes, _read(store, [status_key(run_id, n) for n in nodes]), strict=True):
+    for node, blob in zip(nodes, _read_reports(store, run_id, nodes), strict=True):
         if blob is None:
             continue
         try:
@@ -266,6 +274,7 @@ def job_document(
         "snapshots": _snapshots(live, workers),
         "timeline": _timeline(live),
         "problems": problems or [],
+        "summary": summary_of(rows),
     }
 
 

@@ -12,11 +12,13 @@ import json
 import logging
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable, Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from relaunch.errors import RelaunchError
 from relaunch.status._board import escape
+from relaunch.status._document import as_document
 
 __all__ = ["CACHE_SECONDS", "StatusServer"]
 
@@ -70,9 +72,13 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         from relaunch.status._web import render_html, render_metrics
 
-        path = self.path.split("?", 1)[0]
+        path, _, query = self.path.partition("?")
+        node = urllib.parse.parse_qs(query).get("node")
+        if path == "/status.json" and node:
+            self._node(node[0])
+            return
         views = {
-            "/status.json": ("application/json", lambda d: json.dumps(d, indent=1).encode()),
+            "/status.json": ("application/json", _summary_json),
             "/metrics": ("text/plain; version=0.0.4; charset=utf-8", render_metrics),
             "/": ("text/html; charset=utf-8", lambda d: render_html(d).encode()),
         }
@@ -86,6 +92,21 @@ class _Handler(BaseHTTPRequestHandler):
         else:
             self._send(200, kind, body)
 
+    def _node(self, node: str) -> None:
+        """One node's whole row (``/status.json?node=ID``: its id, or its host)."""
+        from relaunch.status._summary import node_detail
+
+        doc = self.server.cache.get()
+        if isinstance(doc, str):
+            self._send(503, "text/plain; charset=utf-8", (escape(doc) + "\n").encode())
+            return
+        row = node_detail(as_document(doc), node)
+        if row is None:
+            body = escape(f"no node {node!r} in this job (or more than one on that host)")
+            self._send(404, "text/plain; charset=utf-8", (body + "\n").encode())
+            return
+        self._send(200, "application/json", json.dumps(row, indent=1).encode())
+
     def _send(self, code: int, kind: str, body: bytes) -> None:
         self.send_response(code)
         self.send_header("Content-Type", kind)
@@ -96,6 +117,13 @@ class _Handler(BaseHTTPRequestHandler):
 
     def log_message(self, format: str, *args: object) -> None:
         log.debug("status page: " + format, *args)
+
+
+def _summary_json(doc: Mapping[str, object]) -> bytes:
+    """``/status.json``: the document, a big job's summarized (``_summary``)."""
+    from relaunch.status._summary import summarize
+
+    return json.dumps(summarize(as_document(doc)), indent=1).encode()
 
 
 class _Server(ThreadingHTTPServer):

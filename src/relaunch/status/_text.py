@@ -17,6 +17,7 @@ from relaunch.status._document import (
     WorkerDoc,
     as_document,
 )
+from relaunch.status._summary import GRID, summarize
 
 __all__ = ["render_text"]
 
@@ -42,10 +43,46 @@ def failure_line(f: FailureDoc) -> str:
 
 
 def render_text(doc: Mapping[str, object]) -> RenderableType:
-    """Tables of the round, the nodes, the workers; the restart budget and last failure."""
-    job = as_document(doc)
+    """The round, the restart budget and the last failure; the nodes by state (a
+    character per node); tables of the nodes and the workers: of every node up to 64
+    nodes, of the nodes worth a look above (``_summary``)."""
+    job = summarize(as_document(doc))
     nodes, workers = _tables(job)
-    return Group(_head(job), nodes, workers, *_notes(job))
+    last, *notes = _notes(job)
+    return Group(_head(job), last, _states(job), nodes, workers, *notes)
+
+
+_STYLES = {
+    "failed": "bold red",
+    "recovering": "yellow",
+    "starting": "cyan",
+    "stopped": "magenta",
+    "silent": "dim",
+    "running": "green",
+    "succeeded": "blue",
+    "joining": "magenta",
+    "waiting": "yellow",
+    "spare": "dim",
+}
+
+
+def _states(job: JobDocument) -> Text:
+    """The nodes by state, then the grid: a character per node (``GRID``), colored."""
+    summary = job["summary"]
+    counts = ", ".join(f"{s} {n} ({GRID[s]})" for s, n in summary["nodes_by_state"].items())
+    workers = ", ".join(f"{s} {n}" for s, n in summary["workers_by_state"].items())
+    text = Text(f"{summary['nodes']} nodes: {counts}; workers: {workers or 'none'}\n")
+    styles = {char: _STYLES[state] for state, char in GRID.items()}
+    grid = summary["grid"]
+    start = 0
+    for i in range(1, len(grid) + 1):  # one span per run of the same state
+        if i == len(grid) or grid[i] != grid[start]:
+            text.append(grid[start:i], style=styles.get(grid[start], ""))
+            start = i
+    if summary["listed"] < summary["nodes"]:
+        text.append(f"\nthe tables: the {summary['listed']} nodes worth a look "
+                    "(relaunch status --node ID shows one node)", style="dim")  # fmt: skip
+    return text
 
 
 def _head(job: JobDocument) -> Text:
@@ -116,10 +153,10 @@ def _notes(job: JobDocument) -> list[RenderableType]:
     ]
     ip = job["inprocess"]
     if ip:
+        active = ip["active"] if len(ip["active"]) <= 32 else f"{len(ip['active'])} ranks"
         parts.append(
             Text(
-                f"in-process: iteration {ip['iteration']}, active ranks {ip['active']}, "
-                f"inactive {ip['inactive']}"
+                f"in-process: iteration {ip['iteration']}, active {active}, inactive {ip['inactive']}"
             )
         )
     snap = job["snapshots"]

@@ -16,6 +16,7 @@ from prometheus_client.core import (
 
 from relaunch.status._board import escape
 from relaunch.status._document import JobDocument, RecoverySeconds, as_document
+from relaunch.status._summary import GRID, summarize
 from relaunch.status._text import failure_line, snapshot_line
 
 __all__ = ["render_html", "render_metrics"]
@@ -39,6 +40,8 @@ _OFFSETS = {
     "workers_started": 7,
     "worker_respawned": 7,
 }
+_LANES = 24
+"""Nodes with a lane of their own in the timeline; more share one."""
 _LEGEND = (
     ("fault", "#d62728"),
     ("restart", "#ff7f0e"),
@@ -63,7 +66,25 @@ th{background:#f0f0f0}
 .failure{background:#ffebee;border:1px solid #ef9a9a;border-radius:6px;padding:8px;word-break:break-word}
 .muted{color:#777;font-size:.85em}
 svg{background:#fff;border:1px solid #ddd;border-radius:6px;max-width:100%;height:auto}
+#node-grid{display:grid;grid-template-columns:repeat(auto-fill,9px);gap:1px;margin:6px 0}
+#node-grid i{display:block;width:9px;height:9px}
+.key i{display:inline-block;width:9px;height:9px;margin:0 3px 0 8px}
 """
+_STATE_COLORS = {
+    "failed": "#d62728",
+    "recovering": "#ff7f0e",
+    "starting": "#17becf",
+    "stopped": "#8c564b",
+    "silent": "#7f7f7f",
+    "running": "#2ca02c",
+    "succeeded": "#1f77b4",
+    "joining": "#9467bd",
+    "waiting": "#bcbd22",
+    "spare": "#c7c7c7",
+}
+_GRID_STYLE = "".join(
+    f"#node-grid .{c},.key .{c}{{background:{_STATE_COLORS[s]}}}" for s, c in GRID.items()
+)
 
 
 def _e(value: object) -> str:
@@ -82,6 +103,9 @@ def _timeline(doc: JobDocument) -> str:
     if not events:
         return '<p class="muted">no events yet</p>'
     hosts = sorted({e["node"] for e in events})
+    together = len(hosts) > _LANES
+    if together:  # a big job: one lane for every node
+        hosts = ["*"]
     width, left, lane = 720, 150, 34
     height = 30 + lane * len(hosts) + 24
     t0 = events[0]["time"]
@@ -97,13 +121,15 @@ def _timeline(doc: JobDocument) -> str:
         label = next((e["host"] for e in events if e["node"] == node), node)
         if ranks.get(node) is not None:
             label = f"{label} (node {ranks[node]})"
+        if together:
+            label = f"{len({e['node'] for e in events})} nodes"
         parts.append(f'<text x="6" y="{y + 5}" font-size="12">{_e(label)[:22]}</text>')
         parts.append(f'<line x1="{left}" y1="{y}" x2="{width - 10}" y2="{y}" stroke="#ccc"/>')
     # Faults above the lane, recoveries below it: a fault and the restart a moment
     # later stay apart; faults are drawn last, on top.
     for e in sorted(events, key=lambda e: _OFFSETS.get(e["name"], 0) < 0):
         x = left + (e["time"] - t0) * scale
-        y = 30 + lane * hosts.index(e["node"]) + _OFFSETS.get(e["name"], 0)
+        y = 30 + lane * (0 if together else hosts.index(e["node"])) + _OFFSETS.get(e["name"], 0)
         color = _COLORS.get(e["name"], "#888")
         parts.append(
             f'<circle cx="{x:.1f}" cy="{y}" r="6" fill="{color}">'
@@ -122,14 +148,18 @@ def _timeline(doc: JobDocument) -> str:
 
 
 def render_html(doc: Mapping[str, object], *, refresh: float = 2.0) -> str:
-    """The whole page: refreshes itself every ``refresh`` seconds, fits a phone."""
-    job = as_document(doc)
+    """The whole page: refreshes itself every ``refresh`` seconds, fits a phone. A big
+    job's page (more than 64 nodes) draws every node as a square of the grid, and
+    the rows of the nodes worth a look (``_summary``)."""
+    full = as_document(doc)
+    job = summarize(full)
     return (
         _head(job, refresh)
         + _cards(job)
         + "<h2>last failure</h2>"
         + _last_failure(job)
         + "<h2>nodes</h2>"
+        + _node_grid(full, job["summary"]["listed"])
         + _node_table(job)
         + _store_table(job)
         + "<h2>workers</h2>"
@@ -149,7 +179,8 @@ def _head(doc: JobDocument, refresh: float) -> str:
         "<!doctype html><html lang=en><head><meta charset=utf-8>"
         '<meta name="viewport" content="width=device-width,initial-scale=1">'
         f'<meta http-equiv="refresh" content="{refresh:g}">'
-        f"<title>relaunch: {_e(doc['run_id'])}</title><style>{_STYLE}</style></head><body>"
+        f"<title>relaunch: {_e(doc['run_id'])}</title><style>{_STYLE}{_GRID_STYLE}</style>"
+        "</head><body>"
         f"<h1>relaunch job <code>{_e(doc['run_id'])}</code> "
         f'<span class="pill {state}">{state}</span></h1>'
     )
@@ -177,6 +208,36 @@ def _last_failure(doc: JobDocument) -> str:
     if last:
         return f'<div class="failure" id="last-failure">{_e(failure_line(last))}</div>'
     return '<p id="last-failure" class="muted">no failure</p>'
+
+
+def _node_grid(doc: JobDocument, listed: int) -> str:
+    """Every node by state: the counts with a key, a square per node (rank order), and
+    which rows the tables below hold (``listed`` of them)."""
+    summary = doc["summary"]
+    key = "".join(
+        f'<span><i class="{GRID[state]}"></i>{_e(state)} {count}</span>'
+        for state, count in summary["nodes_by_state"].items()
+    )
+    workers = ", ".join(f"{k} {v}" for k, v in summary["workers_by_state"].items())
+    whole = summary["listed"] == summary["nodes"]
+    ranks = [row["rank"] for row in doc["nodes"]] if whole else []
+    squares = []
+    for i, char in enumerate(summary["grid"]):
+        rank = ranks[i] if i < len(ranks) else None
+        label = f"node {i}" if rank is None else f"rank {rank}"
+        squares.append(f'<i class="{char}" title="{label}"></i>')
+    note = ""
+    if listed < summary["nodes"]:
+        note = (
+            f'<p class="muted" id="listed">below: the {listed} nodes worth a look '
+            f"of {summary['nodes']} (not running calmly, a worker not running, the root "
+            "cause's host); one node's whole row: <code>status.json?node=ID</code></p>"
+        )
+    return (
+        f'<p class="key" id="node-states">{summary["nodes"]} nodes:{key}'
+        f'<span class="muted"> · workers: {_e(workers or "none")}</span></p>'
+        f'<div id="node-grid">{"".join(squares)}</div>{note}'
+    )
 
 
 def _node_table(doc: JobDocument) -> str:

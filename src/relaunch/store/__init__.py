@@ -4,7 +4,7 @@
 (``etcd3gw``, the ``relaunch[etcd]`` extra) only when one is created.
 """
 
-from relaunch.store._protocol import BatchStore, LeaseStore, Store
+from relaunch.store._protocol import BatchStore, LeaseStore, ScanStore, Store
 from relaunch.store.etcd import EtcdStore
 from relaunch.store.memory import MemoryStore
 from relaunch.store.prefix import LeasePrefixStore, PrefixStore
@@ -17,6 +17,7 @@ __all__ = [
     "LeaseStore",
     "MemoryStore",
     "PrefixStore",
+    "ScanStore",
     "Store",
     "TCPStoreClient",
     "TCPStoreServer",

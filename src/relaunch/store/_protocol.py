@@ -77,3 +77,12 @@ class LeaseStore(Store, Protocol):
     def keys_with_prefix(self, prefix: str) -> list[str]:
         """Every key that starts with ``prefix``."""
         ...
+
+
+@runtime_checkable
+class ScanStore(Store, Protocol):
+    """A store that reads every key under a prefix in one round trip (etcd's range)."""
+
+    def items_with_prefix(self, prefix: str) -> dict[str, bytes]:
+        """Every key that starts with ``prefix``, with its value."""
+        ...

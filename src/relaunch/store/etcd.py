@@ -286,13 +286,24 @@ class EtcdStore:
 
     def keys_with_prefix(self, prefix: str) -> list[str]:
         """The keys that start with ``prefix`` (one range request)."""
+        return list(self._scan(prefix, keys_only=True))
+
+    def items_with_prefix(self, prefix: str) -> dict[str, bytes]:
+        """Every key that starts with ``prefix``, with its value (one range request)."""
+        return self._scan(prefix, keys_only=False)
+
+    def _scan(self, prefix: str, *, keys_only: bool) -> dict[str, bytes]:
         start = (self._prefix + prefix).encode()
         end = start[:-1] + bytes([start[-1] + 1]) if start and start[-1] < 0xFF else b"\0"
-        reply = self._http.post(
-            "/kv/range", {"key": _b64(start), "range_end": _b64(end), "keys_only": True}
-        )
+        body: dict[str, Any] = {"key": _b64(start), "range_end": _b64(end)}
+        if keys_only:
+            body["keys_only"] = True
+        reply = self._http.post("/kv/range", body)
         cut = len(self._prefix.encode())
-        return [_unb64(kv["key"])[cut:].decode() for kv in reply.get("kvs") or []]
+        return {
+            _unb64(kv["key"])[cut:].decode(): _unb64(kv.get("value", ""))
+            for kv in reply.get("kvs") or []
+        }
 
     def close(self) -> None:
         """Stop refreshing and revoke the lease (its keys vanish), then close. Idempotent."""
