@@ -1,15 +1,18 @@
 """Rendezvous at scale: relaunch vs torch's DynamicRendezvousHandler, same TCP store.
 
-N simulated nodes (threads, one store connection each) join one round with
-``min_nodes = max_nodes = N`` through the same TCP store server: relaunch's
-pure-Python server (the one agents host), in a process of its own, so it costs
-both sides the same (``--server torch`` uses torch's C++ server instead). Prints, per N, the
-seconds from "go" until every node has its rank, the store operations made,
-and the ratio. Run by hand (not in CI)::
+N simulated nodes (threads, one store connection each, spread over ``--procs P``
+processes) join one round with ``min_nodes = max_nodes = N`` through the same TCP
+store server: relaunch's pure-Python server (the one agents host), in a process of
+its own, so it costs both sides the same (``--server torch`` uses torch's C++ server
+instead). Prints, per N: the seconds from "go" (every node's handler made, its
+connection open) until every node has its rank, the store operations made until then,
+the bytes they moved (keys and values, both ways), and the server's CPU seconds until
+then (the nodes leave the rendezvous after every one has its rank). Run by hand (not
+in CI)::
 
-    python bench/rendezvous_scale.py                 # N = 8 64 256 1024
-    python bench/rendezvous_scale.py 8 64 --torch-cap 120
-    python bench/rendezvous_scale.py --lost-node     # time to notice a lost node
+    python bench/rendezvous_scale.py                      # N = 8 64 256 1024
+    python bench/rendezvous_scale.py 1024 4096 16384 --procs 16 --torch-cap 60
+    python bench/rendezvous_scale.py --lost-node          # time to notice a lost node
 
 ``--lost-node``: three node processes (c10d, default settings, ``--nnodes 2:3``)
 complete a round; one is SIGKILLed; prints when the survivors noticed (their
@@ -27,6 +30,7 @@ import argparse
 import logging
 import os
 import resource
+import select
 import subprocess
 import sys
 import threading
@@ -40,10 +44,37 @@ from relaunch.rendezvous.handler import DynamicRendezvousHandler
 from relaunch.store.tcp import TCPStoreClient
 
 
-class CountingStore:
-    """A Store proxy counting the calls made through it."""
+class Counter:
+    """Store operations and the bytes they moved, counted from many threads."""
 
-    def __init__(self, inner: Any, counter: list[int]) -> None:
+    def __init__(self) -> None:
+        self.ops = 0
+        self.bytes = 0
+        self._lock = threading.Lock()
+
+    def add(self, moved: int) -> None:
+        with self._lock:
+            self.ops += 1
+            self.bytes += moved
+
+
+def _size(value: Any) -> int:
+    """Bytes of keys and values in a call's arguments or result (framing not counted)."""
+    if isinstance(value, (bytes, bytearray)):
+        return len(value)
+    if isinstance(value, str):
+        return len(value.encode())
+    if isinstance(value, dict):
+        return sum(_size(k) + _size(v) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return sum(_size(v) for v in value)
+    return 8 if isinstance(value, (int, float)) else 0
+
+
+class CountingStore:
+    """A Store proxy counting the calls made through it and the bytes they moved."""
+
+    def __init__(self, inner: Any, counter: Counter) -> None:
         self._inner = inner
         self._counter = counter
 
@@ -53,16 +84,19 @@ class CountingStore:
             return attr
 
         def call(*args: Any, **kwargs: Any) -> Any:
-            self._counter[0] += 1
-            return attr(*args, **kwargs)
+            result = attr(*args, **kwargs)
+            self._counter.add(_size(args) + _size(kwargs) + _size(result))
+            return result
 
         return call
 
 
 def run_threads(n: int, work: Callable[[int], None], cap: float) -> tuple[float, int]:
-    """Start ``n`` threads on a barrier; return (seconds until all finished, failures)."""
+    """Start ``n`` threads; once told "go" on stdin, run ``work`` in each; return the
+    wall-clock time the last one finished and the failures."""
     go = threading.Barrier(n + 1)
     failures = [0]
+    finished = [0.0]
     lock = threading.Lock()
 
     def body(i: int) -> None:
@@ -73,27 +107,30 @@ def run_threads(n: int, work: Callable[[int], None], cap: float) -> tuple[float,
             with lock:
                 failures[0] += 1
             if failures[0] == 1:
-                print(f"    node {i}: {type(exc).__name__}: {exc}"[:200])
+                print(f"    node {i}: {type(exc).__name__}: {exc}"[:200], file=sys.stderr)
+        with lock:
+            finished[0] = max(finished[0], time.time())
 
     threads = [threading.Thread(target=body, args=(i,), name=f"bench-node-{i}") for i in range(n)]
     for t in threads:
         t.start()
+    print("ready", flush=True)
+    sys.stdin.readline()
     go.wait()
-    start = time.perf_counter()
     for t in threads:
         t.join(timeout=cap + 60)
-    return time.perf_counter() - start, failures[0]
+    return finished[0], failures[0]
 
 
-def bench_relaunch(n: int, port: int, run_id: str) -> tuple[float, int, int]:
+def bench_relaunch(n: int, total: int, port: int, run_id: str) -> tuple[float, Counter, int]:
     settings = RendezvousSettings(
         run_id=run_id,
-        min_nodes=n,
-        max_nodes=n,
+        min_nodes=total,
+        max_nodes=total,
         keep_alive_interval=5.0,
         keep_alive_max_attempt=3,
     )
-    counter = [0]
+    counter = Counter()
     clients = [TCPStoreClient("127.0.0.1", port, timeout=120) for _ in range(n)]
     handlers = [
         DynamicRendezvousHandler(
@@ -108,9 +145,11 @@ def bench_relaunch(n: int, port: int, run_id: str) -> tuple[float, int, int]:
     def work(i: int) -> None:
         ranks[i] = handlers[i].next_rendezvous().rank
 
-    seconds, failures = run_threads(n, work, 600)
-    ops = counter[0]
-    assert failures or sorted(ranks) == list(range(n)), "ranks are not 0..N-1"
+    done, failures = run_threads(n, work, 600)
+    assert failures or (len(set(ranks)) == n and all(0 <= r < total for r in ranks)), "bad ranks"
+    # the round's traffic; the nodes leave once every process has its ranks
+    print(done, counter.ops, counter.bytes, failures, flush=True)
+    sys.stdin.readline()
     closers = [
         threading.Thread(target=h.shutdown, name=f"bench-shutdown-{i}")
         for i, h in enumerate(handlers)
@@ -119,10 +158,12 @@ def bench_relaunch(n: int, port: int, run_id: str) -> tuple[float, int, int]:
         t.start()
     for t in closers:
         t.join(timeout=120)
-    return seconds, ops, failures
+    return done, counter, failures
 
 
-def bench_torch(n: int, port: int, run_id: str, cap: float) -> tuple[float, int, int]:
+def bench_torch(
+    n: int, total: int, port: int, run_id: str, cap: float
+) -> tuple[float, Counter, int]:
     import torch.distributed as dist
     from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
         C10dRendezvousBackend,
@@ -132,14 +173,15 @@ def bench_torch(n: int, port: int, run_id: str, cap: float) -> tuple[float, int,
     )
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousTimeout
 
-    counter = [0]
-    lock = threading.Lock()
+    counter = Counter()
+    counting = [False]
 
     class CountingBackend(C10dRendezvousBackend):
         def _call_store(self, store_op: str, *args: Any, **kwargs: Any) -> Any:
-            with lock:
-                counter[0] += 1
-            return super()._call_store(store_op, *args, **kwargs)
+            result = super()._call_store(store_op, *args, **kwargs)
+            if counting[0]:
+                counter.add(_size(args) + _size(result))
+            return result
 
     stores = [
         dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=cap + 60))
@@ -148,20 +190,21 @@ def bench_torch(n: int, port: int, run_id: str, cap: float) -> tuple[float, int,
     timeout = RendezvousTimeout(join=timedelta(seconds=cap))
     handlers = [
         TorchHandler.from_backend(
-            run_id, store, CountingBackend(store, run_id), n, n, "127.0.0.1", timeout
+            run_id, store, CountingBackend(store, run_id), total, total, "127.0.0.1", timeout
         )
         for store in stores
     ]
-    counter[0] = 0
+    counting[0] = True
 
     def work(i: int) -> None:
         handlers[i].next_rendezvous()
 
-    seconds, failures = run_threads(n, work, cap)
-    ops = counter[0]
+    done, failures = run_threads(n, work, cap)
+    print(done, counter.ops, counter.bytes, failures, flush=True)
+    sys.stdin.readline()
     for h in handlers:
         h._stop_heartbeats()
-    return seconds, ops, failures
+    return done, counter, failures
 
 
 LOST_NODE = """
@@ -223,20 +266,73 @@ def bench_lost_node() -> None:
                 p.stdout.close()
 
 
-def _one(kind: str, n: int, port: int, cap: float) -> tuple[float, int, int] | None:
-    """Run one measurement in a process of its own; None when it did not finish in time."""
-    cmd = [sys.executable, __file__, "--one", kind, str(n), str(port), "--torch-cap", str(cap)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, start_new_session=True)
+def _measure(kind: str, n: int, port: int, procs: int, cap: float, server: int) -> str:
+    """One round of ``n`` nodes of ``kind`` spread over ``procs`` processes: the row's
+    cells (seconds, ops, bytes, server CPU seconds), or "> cap" when it did not finish."""
+    counts = [n // procs + (1 if i < n % procs else 0) for i in range(procs)]
+    children = []
+    for part in (c for c in counts if c):
+        cmd = [sys.executable, __file__, "--part", kind, str(part), str(n), str(port),
+               "--torch-cap", str(cap)]  # fmt: skip
+        children.append(
+            subprocess.Popen(
+                cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True
+            )
+        )
     try:
-        out, _ = proc.communicate(timeout=cap + 60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.communicate(timeout=30)
-        return None
-    if proc.returncode != 0:
-        return None
-    seconds, ops, failures = out.split()[-3:]
-    return float(seconds), int(ops), int(failures)
+        for child in children:
+            assert child.stdout is not None
+            if child.stdout.readline().strip() != b"ready":
+                return "failed to start"
+        cpu0 = _cpu_seconds(server)
+        go = time.time()
+        for child in children:
+            assert child.stdin is not None
+            child.stdin.write(b"go\n")
+            child.stdin.flush()
+        done, ops, moved, failures = 0.0, 0, 0, 0
+        end = time.monotonic() + cap + 120
+        for child in children:
+            assert child.stdout is not None
+            line = _line(child.stdout, end - time.monotonic())
+            t, o, b, f = line.split()
+            done, ops, moved, failures = (
+                max(done, float(t)),
+                ops + int(o),
+                moved + int(b),
+                failures + int(f),
+            )
+        cpu = _cpu_seconds(server) - cpu0
+        for child in children:  # every node has its rank: they may leave now
+            assert child.stdin is not None
+            child.stdin.write(b"bye\n")
+            child.stdin.flush()
+        for child in children:
+            child.communicate(timeout=cap + 120)
+    except (subprocess.TimeoutExpired, ValueError):
+        return f"> {cap:.0f} s"
+    finally:
+        for child in children:
+            if child.poll() is None:
+                child.kill()
+                child.communicate(timeout=30)
+    if failures:
+        return f"> {cap:.0f} s ({failures} failed)"
+    return f"{done - go:>8.2f} {ops:>9} {moved / 1e6:>9.1f} {cpu:>7.1f}"
+
+
+def _line(stream: Any, timeout: float) -> bytes:
+    """One line of a child's output, or TimeoutExpired after ``timeout`` seconds."""
+    ready, _, _ = select.select([stream], [], [], max(timeout, 0.0))
+    if not ready:
+        raise subprocess.TimeoutExpired("part", timeout)
+    return bytes(stream.readline())
+
+
+def _cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 SERVER = """
@@ -252,11 +348,14 @@ server.close()
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("sizes", nargs="*", type=int, default=[8, 64, 256, 1024])
+    parser.add_argument("--procs", type=int, default=1, help="processes the nodes are spread over")
     parser.add_argument("--torch-cap", type=float, default=120.0, help="seconds")
     parser.add_argument("--no-torch", action="store_true")
     parser.add_argument("--server", choices=["relaunch", "torch"], default="relaunch")
     parser.add_argument("--lost-node", action="store_true")
-    parser.add_argument("--one", nargs=3, metavar=("KIND", "N", "PORT"), help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--part", nargs=4, metavar=("KIND", "N", "TOTAL", "PORT"), help=argparse.SUPPRESS
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.CRITICAL)
     _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -265,13 +364,12 @@ def main() -> None:
     if args.lost_node:
         bench_lost_node()
         return
-    if args.one:
-        kind, n, port = args.one[0], int(args.one[1]), int(args.one[2])
+    if args.part:
+        kind, n, total, port = args.part[0], *(int(x) for x in args.part[1:])
         if kind == "relaunch":
-            result = bench_relaunch(n, port, f"relaunch-{n}")
+            bench_relaunch(n, total, port, f"relaunch-{total}")
         else:
-            result = bench_torch(n, port, f"torch-{n}", args.torch_cap)
-        print(*result, flush=True)
+            bench_torch(n, total, port, f"torch-{total}", args.torch_cap)
         os._exit(0)  # torch's capped handler threads may still be running
     server: Any = None
     proc: subprocess.Popen[bytes] | None = None
@@ -279,18 +377,29 @@ def main() -> None:
         import torch.distributed as dist
 
         server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-        port = server.port
+        port, server_pid = server.port, os.getpid()
     else:
         proc = subprocess.Popen(
             [sys.executable, "-c", SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE
         )
         assert proc.stdout is not None
-        port = int(proc.stdout.readline())
-    print(f"TCP store ({args.server} server) on 127.0.0.1:{port}; each run in its own process")
-    print(f"{'N':>6} {'relaunch s':>11} {'ops':>8} {'torch s':>10} {'ops':>8} {'ratio':>8}")
+        port, server_pid = int(proc.stdout.readline()), proc.pid
+    print(f"TCP store ({args.server} server) on 127.0.0.1:{port}; nodes in {args.procs} "
+          "process(es)", flush=True)  # fmt: skip
+    head = f"{'s':>8} {'ops':>9} {'MB':>9} {'cpu s':>7}"
+    print(f"{'N':>6} relaunch: {head}   torch: {head}", flush=True)
     try:
+        capped_at = None  # torch is not run past the N where it did not finish
         for n in args.sizes:
-            _row(n, port, args)
+            ours = _measure("relaunch", n, port, args.procs, 600.0, server_pid)
+            if args.no_torch:
+                theirs = ""
+            elif capped_at is not None:
+                theirs = f"(not run: > cap at N={capped_at})"
+            else:
+                theirs = _measure("torch", n, port, args.procs, args.torch_cap, server_pid)
+                capped_at = n if theirs.lstrip().startswith(">") else None
+            print(f"{n:>6}           {ours:<36}          {theirs}", flush=True)
     finally:
         if proc is not None:
             assert proc.stdin is not None
@@ -300,22 +409,6 @@ def main() -> None:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(timeout=10)
-
-
-def _row(n: int, port: int, args: argparse.Namespace) -> None:
-    ours = _one("relaunch", n, port, 600.0)
-    if ours is None:
-        print(f"{n:>6} relaunch did not finish", flush=True)
-        return
-    line = f"{n:>6} {ours[0]:>11.3f} {ours[1]:>8}"
-    if not args.no_torch:
-        theirs = _one("torch", n, port, args.torch_cap)
-        if theirs is None or theirs[2]:
-            cap = args.torch_cap
-            line += f" {'> ' + format(cap, '.0f'):>10} {'?':>8} {'> ' + format(cap / ours[0], '.0f'):>7}x"
-        else:
-            line += f" {theirs[0]:>10.3f} {theirs[1]:>8} {theirs[0] / ours[0]:>7.1f}x"
-    print(line, flush=True)
 
 
 if __name__ == "__main__":

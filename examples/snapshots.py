@@ -105,6 +105,9 @@ def main() -> None:
         loss.backward()
         optimizer.step()
         if attempt == 0 and rank == kill_rank and step == kill_step and not args.kill_after_save:
+            # the previous step's snapshot is whole (its writer may lag a loaded
+            # machine by a step): the step in flight is the one lost
+            checkpoint.wait()
             os.kill(os.getpid(), signal.SIGKILL)
         state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
         if args.extra_mb:

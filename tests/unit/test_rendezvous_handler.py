@@ -219,3 +219,51 @@ def test_interrupt_ends_a_blocked_next_rendezvous(store: MemoryStore) -> None:
         with pytest.raises(RendezvousClosedError, match="interrupted"):
             blocked.result(timeout=30)
     shut(h)
+
+
+def test_join_acks_and_assignments_round_trip_and_refuse_garbage() -> None:
+    from relaunch.rendezvous._backend import Assignment, JoinAck
+
+    place = Assignment(3, 8, 12, "10.0.0.4_7_0")
+    for ack in (JoinAck(5, 2, True, False), JoinAck(6, 2, True, True, place)):
+        assert JoinAck.parse(ack.encode()) == ack
+    assert Assignment.parse(Assignment(0, 1).encode()) == Assignment(0, 1, 0, None)
+    assert Assignment.parse(b"3 8") == Assignment(3, 8)  # a record of an older agent
+    for bad in (b"", b"h", b"a 1 2 p", b"a 1 2 p c 3 x 0 -", b"a x 2 p c", b"x 1 2 p c"):
+        assert JoinAck.parse(bad) is None, bad
+    for bad in (b"", b"3", b"3 8 1", b"a b c d", b"\xff\xfe 1"):
+        assert Assignment.parse(bad) is None, bad
+
+
+def test_one_steward_at_a_time_taken_over_when_it_stops(store: MemoryStore) -> None:
+    from relaunch.rendezvous._corrupt import CorruptWatch
+    from relaunch.rendezvous._liveness import Liveness
+
+    now = [1000.0]
+    settings = RendezvousSettings(
+        run_id="job", min_nodes=1, max_nodes=2, keep_alive_interval=1.0, keep_alive_max_attempt=3
+    )
+    a, b = (Liveness(store, "p/", settings, lambda: now[0]) for _ in range(2))
+    watch_a, watch_b = CorruptWatch("job", 3.0), CorruptWatch("job", 3.0)
+    assert a.steward("a", watch_a) and not b.steward("b", watch_b)
+    now[0] += 1
+    assert a.steward("a", watch_a) and not b.steward("b", watch_b)  # a says so again
+    a.report_corrupt(RendezvousStateError("key 'p/state': bad round"))
+    now[0] += 1
+    assert a.steward("a", watch_a)
+    assert watch_b.expired(since=None) is False and watch_b.error() is None
+    assert not b.steward("b", watch_b)  # b hears of the corruption from a's key
+    assert watch_b.expired(since=-1e12)  # corrupt as b knows it now (since a moment)
+    a.report_corrupt(None)
+    now[0] += 1
+    assert a.steward("a", watch_a) and not b.steward("b", watch_b)  # and of its end
+    assert not watch_b.expired(since=None)
+    now[0] += 4  # a stopped beating: b takes over once its key is older than dead_after
+    assert b.steward("b", watch_b) and not a.steward("a", watch_a)
+    a.beat("a")
+    b.beat("b")
+    now[0] += 1
+    assert a.heartbeats(["a", "b", "c"]) == {"a": 1007.0, "b": 1007.0}
+    assert a.alive(["a", "b", "c"]) == {"a", "b"}
+    store.set("p/steward", b"{not json")  # a corrupt key is taken over, not trusted
+    assert a.steward("a", watch_a)

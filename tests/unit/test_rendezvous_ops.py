@@ -13,7 +13,6 @@ from relaunch.rendezvous._ops import (
     decide_close,
     decide_exit,
     decide_join,
-    decide_keep_alive,
     decide_leave,
     needs_wake,
     nodes_waiting,
@@ -32,6 +31,13 @@ from relaunch.rendezvous._state import (
 
 T0 = 1_000_000.0
 FAR = math.inf
+
+
+def _beat(state: RendezvousState, node: str, when: float) -> RendezvousState:
+    """A copy of ``state`` whose heartbeat time of ``node`` is ``when``."""
+    new = state.copy()
+    new.last_heartbeats[node] = when
+    return new
 
 
 def settings(lo: int = 2, hi: int = 3, **kw: float) -> RendezvousSettings:
@@ -112,8 +118,8 @@ def test_dead_participant_reopens_round_for_survivors_and_spare() -> None:
     s = settings(2, 2, keep_alive_interval=1.0, keep_alive_max_attempt=2)
     state = joined(["a_1_0", "b_1_0", "c_1_0"], s)
     assert state.complete and state.redundancy_list == {"c_1_0"}
-    state = apply(Action.KEEP_ALIVE, state, "a_1_0", T0 + 2.5, s)
-    state = apply(Action.KEEP_ALIVE, state, "c_1_0", T0 + 2.5, s)
+    state = _beat(state, "a_1_0", T0 + 2.5)
+    state = _beat(state, "c_1_0", T0 + 2.5)
     same, dead = remove_dead(state, T0 + 2.0, s)
     assert dead == [] and same is state
     state, dead = remove_dead(state, T0 + 2.6, s)
@@ -134,8 +140,8 @@ def test_survivors_below_min_wait_and_dead_expected_node_is_dropped() -> None:
     state = place(state, "a_1_0", T0 + 1.0, s)
     state = place(state, "b_1_0", T0 + 1.0, s)
     assert not state.complete  # c is expected
-    state = apply(Action.KEEP_ALIVE, state, "a_1_0", T0 + 3.0, s)
-    state = apply(Action.KEEP_ALIVE, state, "b_1_0", T0 + 3.0, s)
+    state = _beat(state, "a_1_0", T0 + 3.0)
+    state = _beat(state, "b_1_0", T0 + 3.0)
     state, dead = remove_dead(state, T0 + 3.0, s)
     assert dead == ["c_1_0"]
     assert state.complete and len(state.participants) == 2
@@ -176,15 +182,6 @@ def test_leave_keeps_complete_round_for_the_others() -> None:
     assert decide_exit(state3, "b_1_0", T0, FAR) is Action.FINISH
 
 
-def test_keep_alive_due_and_timeout() -> None:
-    s = settings(keep_alive_interval=1.0)
-    state = joined(["a_1_0"], s)
-    assert decide_keep_alive(state, "a_1_0", T0 + 0.1, s, FAR) is Action.FINISH
-    assert decide_keep_alive(state, "a_1_0", T0 + 0.6, s, FAR) is Action.KEEP_ALIVE
-    assert decide_keep_alive(state, "a_1_0", T0 + 0.6, s, T0) is Action.ERROR_TIMEOUT
-    assert decide_keep_alive(state, "zz_1_0", T0 + 5, s, FAR) is Action.FINISH
-
-
 def test_failure_restarts_are_counted_once_per_round() -> None:
     state = RendezvousState(run_id="job")
     state = record_failure(state, 3)
@@ -201,7 +198,7 @@ def test_wake_only_on_changes_that_matter() -> None:
     three = place(two, "c_1_0", T0, s)
     assert needs_wake(one, two)  # the last call started
     assert not needs_wake(two, three)  # one more participant: nobody needs to wake
-    beat = apply(Action.KEEP_ALIVE, three, "a_1_0", T0 + 1, s)
+    beat = _beat(three, "a_1_0", T0 + 1)
     assert not needs_wake(three, beat)
 
 
@@ -278,7 +275,7 @@ def test_a_lost_inprocess_node_leaves_a_vacancy_that_a_spare_fills() -> None:
     state = _inprocess(joined(["a_1_0", "b_1_0", "c_1_0"], s), s, T0)
     assert state.inprocess == {"a_1_0", "b_1_0"} and state.redundancy_list == {"c_1_0"}
     for node in ("a_1_0", "c_1_0"):
-        state = apply(Action.KEEP_ALIVE, state, node, T0 + 2.5, s)
+        state = _beat(state, node, T0 + 2.5)
     old = state
     state, dead = remove_dead(state, T0 + 2.6, s)
     assert dead == ["b_1_0"]
@@ -301,14 +298,14 @@ def test_a_lost_inprocess_node_leaves_a_vacancy_that_a_spare_fills() -> None:
 def test_without_a_spare_the_round_goes_on_smaller_and_a_new_node_fills_it() -> None:
     s = settings(2, 2, keep_alive_interval=1.0, keep_alive_max_attempt=2)
     state = _inprocess(joined(["a_1_0", "b_1_0"], s), s, T0)
-    state = apply(Action.KEEP_ALIVE, state, "a_1_0", T0 + 2.5, s)
+    state = _beat(state, "a_1_0", T0 + 2.5)
     state, dead = remove_dead(state, T0 + 2.6, s)
     assert dead == ["b_1_0"] and state.complete and list(state.vacancies) == [1]
     later = place(state, "d_9_0", T0 + 60, s)  # a node that arrives a minute later
     assert later.participants == {"a_1_0": 0, "d_9_0": 1} and later.round == 0
     # a second loss of the same rank starts above the first replacement's incarnation
     later = apply(Action.MARK_INPROCESS, later, "d_9_0", T0 + 61, s)
-    later = apply(Action.KEEP_ALIVE, later, "a_1_0", T0 + 70, s)
+    later = _beat(later, "a_1_0", T0 + 70)
     later, dead = remove_dead(later, T0 + 70.5, s)
     assert dead == ["d_9_0"] and later.vacancies[1] > later.incarnations[1]
 
@@ -319,13 +316,13 @@ def test_a_lost_node_reopens_the_round_unless_every_node_restarts_in_process() -
     state = apply(Action.MARK_INPROCESS, state, "b_1_0", T0, s)
     state = apply(Action.MARK_INPROCESS, state, "c_1_0", T0, s)
     for node in ("b_1_0", "c_1_0"):
-        state = apply(Action.KEEP_ALIVE, state, node, T0 + 2.5, s)
+        state = _beat(state, node, T0 + 2.5)
     reopened, _ = remove_dead(state, T0 + 2.6, s)  # a's workers do not: a new round
     assert reopened.round == 1 and not reopened.vacancies and not reopened.inprocess
     # the rank-0 node hosts the workers' store: losing it reopens the round too
     state = _inprocess(joined(["a_1_0", "b_1_0", "c_1_0"], s), s, T0)
     for node in ("b_1_0", "c_1_0"):
-        state = apply(Action.KEEP_ALIVE, state, node, T0 + 2.5, s)
+        state = _beat(state, node, T0 + 2.5)
     reopened, _ = remove_dead(state, T0 + 2.6, s)
     assert reopened.round == 1 and not reopened.vacancies
 
@@ -352,6 +349,6 @@ def test_the_node_hosting_the_store_is_rank_0_of_every_round() -> None:
     assert again.store_host == "z_9_0"
     # losing the host forgets it (its store is gone: the job is lost anyway)
     for node in ("a_1_0", "b_1_0"):
-        state = apply(Action.KEEP_ALIVE, state, node, T0 + 2.5, s)
+        state = _beat(state, node, T0 + 2.5)
     state, dead = remove_dead(state, T0 + 2.6, s)
     assert dead == ["z_9_0"] and state.store_host is None

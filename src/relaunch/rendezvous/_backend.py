@@ -17,12 +17,15 @@ Keys, under ``relaunch/rdzv/<run_id>/``:
     cost O(N) store operations, not the O(N^2) of everyone retrying the same
     compare-and-set, and a node that is not the head never reads the state.
 ``assign/<r>/<node>``
-    ``"<rank> <world_size>"``, written (before the epoch key) by whoever
-    completes round ``r``: a participant learns its rank with one small read.
-``alive/<node>``
-    Only with a store that has leases (etcd): the node's liveness key, under its
-    lease. Then a node is dead when its key is gone, as etcd judges it, and the
-    heartbeat times in the state are not used (no clock skew between hosts).
+    ``"<rank> <world_size> <incarnation> <successor>"``, written (before the epoch
+    key) by whoever completes round ``r`` (or fills a vacancy of it): a participant
+    learns its rank, the incarnation its workers start at, and the node it watches
+    (the next participant by rank, ``-`` for none) with one small read, without
+    reading the state.
+``hb/<node>``, ``alive/<node>``, ``steward``
+    Liveness (:mod:`relaunch.rendezvous._liveness`): each node's own heartbeat key,
+    its lease's key on etcd, and the node that finds the dead this interval. The
+    heartbeat times in the state are when each node was placed, not heartbeats.
 ``round/<r>/``
     The prefix of the store handed out with round ``r``.
 """
@@ -36,12 +39,20 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from relaunch.errors import StoreTimeoutError
-from relaunch.rendezvous._ops import needs_wake, place, remove_dead
+from relaunch.rendezvous._liveness import Liveness
+from relaunch.rendezvous._ops import needs_wake, place_all, remove_dead
 from relaunch.rendezvous._settings import RendezvousSettings
 from relaunch.rendezvous._state import RendezvousState, decode_state, encode_state, round_size
-from relaunch.store import BatchStore, LeaseStore, Store
+from relaunch.store import BatchStore, Store
 
-__all__ = ["REQUEST_VERSION", "JoinAck", "StateBackend", "key_prefix"]
+__all__ = [
+    "REQUEST_VERSION",
+    "Assignment",
+    "JoinAck",
+    "StateBackend",
+    "assignment_of",
+    "key_prefix",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +66,34 @@ def key_prefix(run_id: str) -> str:
 
 
 @dataclass(frozen=True)
+class Assignment:
+    """A participant's place in a complete round, at ``assign/<r>/<node>``."""
+
+    rank: int
+    world_size: int
+    incarnation: int = 0
+    """The incarnation its workers start at (a vacancy's; else 0)."""
+    successor: str | None = None
+    """The next participant by rank, whose lifeline this node watches (None: alone)."""
+
+    def encode(self) -> bytes:
+        return f"{self.rank} {self.world_size} {self.incarnation} {self.successor or '-'}".encode()
+
+    @classmethod
+    def parse(cls, raw: bytes) -> Assignment | None:
+        parts = raw.decode(errors="replace").split()
+        try:
+            if len(parts) == 4:
+                nxt = None if parts[3] == "-" else parts[3]
+                return cls(int(parts[0]), int(parts[1]), int(parts[2]), nxt)
+            if len(parts) == 2:
+                return cls(int(parts[0]), int(parts[1]))
+        except ValueError:
+            pass
+        return None
+
+
+@dataclass(frozen=True)
 class JoinAck:
     """What the applier of a join request tells its node, at ``ack/<t>``."""
 
@@ -64,20 +103,45 @@ class JoinAck:
     """Whether the node is a participant of ``round`` (else: read the state)."""
     complete: bool
     """Whether ``round`` was complete in the state that took the node in."""
+    place: Assignment | None = None
+    """The node's place when its request completed the round (no more reads)."""
 
     def encode(self) -> bytes:
         where = "p" if self.participant else "-"
-        return f"a {self.epoch} {self.round} {where} {'c' if self.complete else 'o'}".encode()
+        head = f"a {self.epoch} {self.round} {where} {'c' if self.complete else 'o'}".encode()
+        return head if self.place is None else head + b" " + self.place.encode()
 
     @classmethod
     def parse(cls, raw: bytes) -> JoinAck | None:
-        parts = raw.split()
-        if len(parts) != 5 or parts[0] != b"a":
+        parts = raw.split(maxsplit=5)
+        if len(parts) not in (5, 6) or parts[0] != b"a":
+            return None
+        place = Assignment.parse(parts[5]) if len(parts) == 6 else None
+        if len(parts) == 6 and place is None:
             return None
         try:
-            return cls(int(parts[1]), int(parts[2]), parts[3] == b"p", parts[4] == b"c")
+            flags = parts[3] == b"p", parts[4] == b"c"
+            return cls(int(parts[1]), int(parts[2]), *flags, place)
         except ValueError:
             return None
+
+
+def _ring(state: RendezvousState) -> dict[str, str]:
+    """Each participant -> the next by rank (the node whose lifeline it watches)."""
+    order = sorted(state.participants, key=state.participants.__getitem__)
+    if len(order) < 2:
+        return {}
+    return {n: order[(i + 1) % len(order)] for i, n in enumerate(order)}
+
+
+def assignment_of(
+    state: RendezvousState, node: str, ring: dict[str, str] | None = None
+) -> Assignment:
+    """The place of ``node``, a participant of the complete round of ``state``
+    (``ring``: :func:`_ring` of it, when already made)."""
+    rank = state.participants[node]
+    after = (_ring(state) if ring is None else ring).get(node)
+    return Assignment(rank, round_size(state), state.incarnations.get(rank, 0), after)
 
 
 class StateBackend:
@@ -94,25 +158,20 @@ class StateBackend:
         self.clock = clock
         self.prefix = key_prefix(settings.run_id)
         self.state_key = self.prefix + "state"
-
-    def alive(self) -> set[str] | None:
-        """Nodes the store itself knows alive (etcd: a key under a lease), or None.
-
-        None means the store has no liveness of its own: heartbeats in the state decide.
-        """
-        if not isinstance(self.store, LeaseStore):
-            return None
-        cut = len(self.prefix) + len("alive/")
-        return {key[cut:] for key in self.store.keys_with_prefix(self.prefix + "alive/")}
+        self.liveness = Liveness(store, self.prefix, settings, clock)
 
     def announce(self, node: str) -> None:
-        """Register ``node``'s liveness key when the store has leases (before joining)."""
-        if isinstance(self.store, LeaseStore):
-            self.store.set_ephemeral(f"{self.prefix}alive/{node}", b"1", self.settings.dead_after)
+        """Write ``node``'s liveness keys (before it joins)."""
+        self.liveness.announce(node)
 
     def remove_dead(self, state: RendezvousState, now: float) -> tuple[RendezvousState, list[str]]:
-        """:func:`remove_dead` with the store's own liveness when it has one."""
-        return remove_dead(state, now, self.settings, self.alive())
+        """:func:`remove_dead` of the nodes the state knows, by their liveness keys (one
+        read of O(N) bytes: only the steward, a join's applier and a waiting node call
+        it, never every node at every beat)."""
+        if not state.last_heartbeats:
+            return state, []
+        alive = self.liveness.alive(state.last_heartbeats)
+        return remove_dead(state, now, self.settings, alive)
 
     def fresh(self) -> RendezvousState:
         return RendezvousState(run_id=self.settings.run_id)
@@ -163,24 +222,18 @@ class StateBackend:
 
     def _publish_assignments(self, state: RendezvousState, nodes: Iterable[str]) -> None:
         """Tell participants of a just-completed round (or a node that filled a vacancy)
-        their rank without a state read."""
-        world = round_size(state)
+        their place without a state read."""
+        ring = _ring(state)
         items = {
-            self._assign_key(state.round, node): f"{state.participants[node]} {world}".encode()
+            self._assign_key(state.round, node): assignment_of(state, node, ring).encode()
             for node in nodes
         }
         self._multi_set(items)
 
-    def assignment(self, round_: int, node: str) -> tuple[int, int] | None:
-        """``(rank, world_size)`` of ``node`` in round ``round_`` once it completed, else None."""
+    def assignment(self, round_: int, node: str) -> Assignment | None:
+        """``node``'s place in round ``round_`` once it completed, else None."""
         raw = self.store.get(self._assign_key(round_, node))
-        if raw is None:
-            return None
-        try:
-            rank, world = (int(x) for x in raw.split())
-        except ValueError:
-            return None
-        return rank, world
+        return None if raw is None else Assignment.parse(raw)
 
     def wait_epoch(self, epoch: int, timeout: float) -> bool:
         """Wait until the state's epoch passed ``epoch``; False after ``timeout``."""
@@ -228,7 +281,7 @@ class StateBackend:
                 state, raw = self.load()
                 if state.applied >= ticket:
                     return None
-                self._apply_requests(state, raw)
+                self._apply_requests(state, raw, skip_missing=stalls > 0)
                 head = False
             try:
                 self.store.wait([ack_key], timeout)
@@ -246,17 +299,22 @@ class StateBackend:
                 continue
             return ack
 
-    def _read_requests(self, first: int, last: int) -> list[str | None]:
-        """The node ids of join requests ``first..last`` (None: missing or refused)."""
+    def _read_requests(self, first: int, last: int, *, skip_missing: bool) -> list[str | None]:
+        """The node ids of join requests ``first..`` (None: refused): up to ``last``
+        with ``skip_missing`` (a ticket taken but never written, its node gone: waited
+        for a keep-alive interval, then skipped), else up to the first ticket whose
+        request is not written yet (its node holds it between two calls; it applies
+        from there, handed the queue)."""
         keys = [f"{self.prefix}req/{t}" for t in range(first, last + 1)]
         raws = self._multi_get(keys)
         missing = [key for key, raw in zip(keys, raws, strict=True) if raw is None]
-        if missing:
-            # Taken tickets whose request is being written: wait a moment for them.
+        if missing and skip_missing:
             with contextlib.suppress(StoreTimeoutError):
                 self.store.wait(missing, self.settings.keep_alive_interval)
             raws = self._multi_get(keys)
-        return [self._parse_request(key, raw) for key, raw in zip(keys, raws, strict=True)]
+        elif missing:
+            raws = raws[: raws.index(None)]
+        return [self._parse_request(key, raw) for key, raw in zip(keys, raws, strict=False)]
 
     def _multi_get(self, keys: list[str]) -> list[bytes | None]:
         if isinstance(self.store, BatchStore) and keys:
@@ -288,22 +346,28 @@ class StateBackend:
             return None
         return node
 
-    def _apply_requests(self, state: RendezvousState, raw: bytes | None) -> None:
-        last = self.store.add(self.prefix + "req", 0)
+    def _apply_requests(
+        self, state: RendezvousState, raw: bytes | None, *, skip_missing: bool
+    ) -> None:
         first = state.applied + 1
-        nodes = self._read_requests(first, last)
+        nodes = self._read_requests(first, self.store.add(self.prefix + "req", 0),
+                                    skip_missing=skip_missing)  # fmt: skip
+        last = first + len(nodes) - 1
         now = self.clock()
         new, _ = self.remove_dead(state, now)
         new = new.copy()
-        for node in nodes:
-            if node is not None:
-                new = place(new, node, now, self.settings)
+        place_all(new, [n for n in nodes if n is not None], now, self.settings)
         new.applied = max(last, state.applied)
         new, _, written = self.commit(state, raw, new)
         if written:
             acks = {}
+            ring = _ring(new) if new.complete else {}
             for ticket, node in zip(range(first, last + 1), nodes, strict=True):
-                ack = JoinAck(new.epoch, new.round, node in new.participants, new.complete)
+                took = node is not None and node in new.participants
+                place = None
+                if node is not None and took and new.complete:
+                    place = assignment_of(new, node, ring)
+                ack = JoinAck(new.epoch, new.round, took, new.complete, place)
                 acks[f"{self.prefix}ack/{ticket}"] = ack.encode()
             acks[f"{self.prefix}ack/{last + 1}"] = b"h"
             self._multi_set(acks)

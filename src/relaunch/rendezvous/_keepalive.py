@@ -1,6 +1,14 @@
 """The keep-alive thread of one rendezvous handler: heartbeats, dead-node removal, and
 the node's lifeline (:mod:`relaunch.rendezvous._lifeline`): a watched node whose
-processes die is removed at once, not after the heartbeat timeout."""
+processes die is removed at once, not after the heartbeat timeout.
+
+Each beat costs this node O(1) store work: its heartbeat key, the steward key
+(:mod:`relaunch.rendezvous._liveness`), the refused-nodes count. Only the steward reads
+the state and everyone's liveness, and removes the dead; a node whose lifeline reported
+a lost node reads the state to remove it. The steward also reports a corrupt state in
+its key, so every node learns of it (and gives up on it after the dead-node delay)
+without reading the state itself.
+"""
 
 from __future__ import annotations
 
@@ -8,14 +16,13 @@ import logging
 import threading
 from collections.abc import Callable
 
-from relaunch.errors import RelaunchError, RendezvousStateError, RendezvousTimeoutError
-from relaunch.rendezvous._backend import StateBackend
+from relaunch.errors import RelaunchError, RendezvousStateError
+from relaunch.rendezvous._backend import StateBackend, assignment_of
 from relaunch.rendezvous._corrupt import CorruptWatch
 from relaunch.rendezvous._lifeline import Lifeline, Target, decode_address, encode_address
-from relaunch.rendezvous._ops import Action, apply, decide_keep_alive, remove_lost
+from relaunch.rendezvous._ops import remove_lost
 from relaunch.rendezvous._settings import RendezvousSettings
-from relaunch.rendezvous._state import RendezvousState, node_sort_key
-from relaunch.store import LeaseStore
+from relaunch.rendezvous._state import RendezvousState
 
 __all__ = ["KeepAlive"]
 
@@ -23,10 +30,12 @@ logger = logging.getLogger(__name__)
 
 
 class KeepAlive:
-    """Every ``keep_alive_interval``: write ``node``'s heartbeat when due and remove the
-    dead nodes (one read, at most one compare-and-set); ``after_beat`` runs after each.
-    With ``lifeline_host``, the node listens there (:class:`Lifeline`) and watches the
-    next participant: one it reports lost wakes the thread, which removes it.
+    """Every ``keep_alive_interval``: write ``node``'s heartbeat; as the steward, remove
+    the dead nodes (one state read, one liveness read, at most one compare-and-set);
+    ``after_beat`` runs after each. With ``lifeline_host``, the node listens there
+    (:class:`Lifeline`) and watches the next participant (:meth:`follow`, or the ring
+    of the state when it read one): one it reports lost wakes the thread, which
+    removes it.
 
     Owns one thread (named after the node) from :meth:`start` until :meth:`stop`, and
     the lifeline until :meth:`close_lifeline` (after the node left the state).
@@ -107,27 +116,29 @@ class KeepAlive:
             self._lost.add(node)
         self._wake.set()
 
-    def _follow(self, state: RendezvousState) -> None:
-        """Watch the participant after this node (a ring over the participants)."""
+    def follow(self, node: str | None) -> None:
+        """Watch ``node``'s lifeline (the next participant of this node's round, as its
+        assignment says; None: no one)."""
         lifeline = self._lifeline
-        if lifeline is None:
+        if lifeline is None or node == self._followed:
             return
-        ring = sorted(state.participants, key=node_sort_key)
-        nxt = ring[(ring.index(self._node) + 1) % len(ring)] if self._node in ring else None
-        if nxt == self._node:
-            nxt = None
-        if nxt == self._followed:
-            return
-        self._followed = nxt
+        self._followed = node
         target = None
-        if nxt is not None:
-            raw = self._rdzv.store.get(_lifeline_key(self._rdzv.prefix, nxt))
+        if node is not None:
+            raw = self._rdzv.store.get(_lifeline_key(self._rdzv.prefix, node))
             try:
-                target = None if raw is None else Target(nxt, *decode_address(raw))
+                target = None if raw is None else Target(node, *decode_address(raw))
             except ValueError as exc:
                 logger.warning("the lifeline address of node %s is corrupt (%s): its loss "
-                               "is noticed by its heartbeats only", nxt, exc)  # fmt: skip
+                               "is noticed by its heartbeats only", node, exc)  # fmt: skip
         lifeline.watch(target)
+
+    def _follow_ring(self, state: RendezvousState) -> None:
+        """Watch the participant after this node by rank, as ``state`` has them."""
+        if self._node in state.participants:
+            self.follow(assignment_of(state, self._node).successor)
+        else:
+            self.follow(None)
 
     def wake(self) -> None:
         """Beat now (a round began: the ring's next participant may be another)."""
@@ -148,45 +159,41 @@ class KeepAlive:
                 logger.warning("rendezvous keep-alive of %s failed: %s", self._node, exc)
 
     def beat(self) -> None:
-        """Write our heartbeat when due and remove dead and lost nodes (one read, at
-        most one CAS); then watch the next participant."""
+        """Write our heartbeat; as the steward (or with lost nodes to remove), read the
+        state and remove the dead and the lost (at most one CAS)."""
         rdzv = self._rdzv
-        deadline = self._clock() + self._settings.heartbeat_timeout
-        state, raw = rdzv.load()
-        self._corrupt.ok()
+        rdzv.liveness.beat(self._node)
         with self._lost_lock:
             lost, self._lost = self._lost, set()
-        self._follow(self._beat(state, raw, deadline, lost))
+        steward = rdzv.liveness.steward(self._node, self._corrupt)
+        if not (steward or lost):
+            return
+        try:
+            state, raw = rdzv.load()
+        except RendezvousStateError as exc:
+            if steward:
+                rdzv.liveness.report_corrupt(exc)
+            raise
+        self._corrupt.ok()
+        if steward:
+            rdzv.liveness.report_corrupt(None)
+        self._follow_ring(self._clean(state, raw, lost, scan=steward))
 
-    def _beat_due(self, state: RendezvousState, now: float) -> bool:
-        """Whether to write the heartbeat into the state now. Where the store has
-        liveness of its own (etcd leases decide who is dead), the state's heartbeat
-        only tells ``relaunch status`` how recent a node is: once per ``dead_after``."""
-        if not isinstance(self._rdzv.store, LeaseStore):
-            return True
-        last = state.last_heartbeats.get(self._node)
-        return last is None or now - last >= self._settings.dead_after
-
-    def _beat(
-        self, state: RendezvousState, raw: bytes | None, deadline: float, lost: set[str]
+    def _clean(
+        self, state: RendezvousState, raw: bytes | None, lost: set[str], *, scan: bool
     ) -> RendezvousState:
+        """Remove the ``lost`` nodes, and the dead ones too with ``scan``; the state now."""
         rdzv = self._rdzv
         while not self._stop.is_set():
             now = self._clock()
-            new, dead = rdzv.remove_dead(state, now)
+            new, dead = rdzv.remove_dead(state, now) if scan else (state, [])
             new, gone = remove_lost(new, lost, now, self._settings)
             dead += gone
-            action = decide_keep_alive(new, self._node, now, self._settings, deadline)
-            if action is Action.ERROR_TIMEOUT:
-                raise RendezvousTimeoutError(f"heartbeat of {self._node} not written in time")
-            if action is Action.KEEP_ALIVE and self._beat_due(new, now):
-                new = apply(action, new, self._node, now, self._settings)
             if new is state:
                 return state
             state, raw, written = rdzv.commit(state, raw, new)
             if written:
-                if dead:
-                    logger.info("rendezvous %s: removed dead nodes %s", state.run_id, dead)
+                logger.info("rendezvous %s: removed dead nodes %s", state.run_id, dead)
                 return state
         return state
 

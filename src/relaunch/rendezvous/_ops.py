@@ -24,12 +24,12 @@ __all__ = [
     "decide_close",
     "decide_exit",
     "decide_join",
-    "decide_keep_alive",
     "decide_leave",
     "incarnation_base",
     "needs_wake",
     "nodes_waiting",
     "place",
+    "place_all",
     "record_failure",
     "remove_dead",
     "remove_lost",
@@ -42,7 +42,6 @@ ROLLBACK_WINDOW = 5.0
 class Action(enum.Enum):
     """What a node does next."""
 
-    KEEP_ALIVE = "keep_alive"
     ADD_TO_PARTICIPANTS = "add_to_participants"
     ADD_TO_WAIT_LIST = "add_to_wait_list"
     ADD_TO_REDUNDANCY_LIST = "add_to_redundancy_list"
@@ -62,15 +61,10 @@ class Action(enum.Enum):
     FINISH = "finish"
 
 
-JOIN_REQUEST_ACTIONS = frozenset(
-    {
-        Action.ADD_TO_PARTICIPANTS,
-        Action.ADD_TO_WAIT_LIST,
-        Action.ADD_TO_REDUNDANCY_LIST,
-        Action.REMOVE_FROM_REDUNDANCY_LIST,
-        Action.FILL_VACANCY,
-    }
-)
+JOIN_REQUEST_ACTIONS = frozenset({
+    Action.ADD_TO_PARTICIPANTS, Action.ADD_TO_WAIT_LIST, Action.ADD_TO_REDUNDANCY_LIST,
+    Action.REMOVE_FROM_REDUNDANCY_LIST, Action.FILL_VACANCY,
+})  # fmt: skip
 """Placements of a joining node; they go through the join queue, applied in batches."""
 
 
@@ -89,12 +83,10 @@ def can_complete(state: RendezvousState, now: float, settings: RendezvousSetting
         return True
     if state.deadline is not None and now >= state.deadline:
         return True
-    return bool(state.expected) and all(n in state.participants for n in state.expected)
-
-
-def _due(state: RendezvousState, node: str, now: float, settings: RendezvousSettings) -> bool:
-    last = state.last_heartbeats.get(node)
-    return last is not None and now - last >= settings.keep_alive_interval / 2
+    expected = state.expected
+    if not expected or count < len(expected):  # (cheap first: a batch of joins is O(N))
+        return False
+    return all(n in state.participants for n in expected)
 
 
 def decide_join(
@@ -103,7 +95,7 @@ def decide_join(
     """Next step of ``node`` joining the next complete round; ``deadline`` is its join deadline.
 
     Heartbeats are not this operation's business: the keep-alive thread writes them
-    (:func:`decide_keep_alive`) for as long as the handler lives.
+    (:mod:`relaunch.rendezvous._liveness`) for as long as the handler lives.
     """
     if state.closed:
         if node in state.redundancy_list:
@@ -158,15 +150,6 @@ def decide_close(state: RendezvousState, now: float, deadline: float) -> Action:
     if state.closed:
         return Action.FINISH
     return Action.ERROR_TIMEOUT if now > deadline else Action.MARK_CLOSED
-
-
-def decide_keep_alive(
-    state: RendezvousState, node: str, now: float, settings: RendezvousSettings, deadline: float
-) -> Action:
-    """Refresh ``node``'s heartbeat when it is due."""
-    if _due(state, node, now, settings):
-        return Action.ERROR_TIMEOUT if now > deadline else Action.KEEP_ALIVE
-    return Action.FINISH
 
 
 def _reopen(state: RendezvousState) -> None:
@@ -235,9 +218,15 @@ def apply(
 ) -> RendezvousState:
     """Return a copy of ``state`` with the write ``action`` of ``node`` performed."""
     new = state.copy()
-    if action is Action.KEEP_ALIVE:
-        new.last_heartbeats[node] = now
-    elif action is Action.ADD_TO_PARTICIPANTS:
+    _perform(action, new, node, now, settings)
+    return new
+
+
+def _perform(
+    action: Action, new: RendezvousState, node: str, now: float, settings: RendezvousSettings
+) -> None:
+    """Perform the write ``action`` of ``node`` on ``new`` itself."""
+    if action is Action.ADD_TO_PARTICIPANTS:
         _add_participant(new, node, now, settings)
     elif action is Action.ADD_TO_WAIT_LIST:
         new.redundancy_list.discard(node)
@@ -277,7 +266,6 @@ def apply(
     else:
         raise ValueError(f"{action} is not a write action")
     _maybe_complete(new, now, settings)
-    return new
 
 
 def incarnation_base(now: float) -> int:
@@ -382,12 +370,22 @@ def place(
     state: RendezvousState, node: str, now: float, settings: RendezvousSettings
 ) -> RendezvousState:
     """Perform the join request of ``node``: its placement actions, without a deadline."""
-    for _ in range(3):
-        action = decide_join(state, node, now, settings, math.inf)
-        if action not in JOIN_REQUEST_ACTIONS:
-            break
-        state = apply(action, state, node, now, settings)
-    return state
+    new = state.copy()
+    place_all(new, [node], now, settings)
+    return new
+
+
+def place_all(
+    state: RendezvousState, nodes: Collection[str], now: float, settings: RendezvousSettings
+) -> None:
+    """Perform the join requests of ``nodes`` in order on ``state`` itself (one copy for
+    a whole batch of requests, not one per request: a batch of N is O(N))."""
+    for node in nodes:
+        for _ in range(3):
+            action = decide_join(state, node, now, settings, math.inf)
+            if action not in JOIN_REQUEST_ACTIONS:
+                break
+            _perform(action, state, node, now, settings)
 
 
 def record_failure(state: RendezvousState, failed_round: int) -> RendezvousState:

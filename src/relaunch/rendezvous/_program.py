@@ -11,6 +11,8 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
+from collections.abc import Callable
 
 from relaunch._text import printable
 from relaunch.errors import RendezvousError
@@ -18,7 +20,7 @@ from relaunch.rendezvous._settings import RendezvousSettings
 from relaunch.store import Store
 from relaunch.store.signed import is_signed
 
-__all__ = ["claim_program", "log_refused"]
+__all__ = ["RefusedLog", "claim_program", "log_refused"]
 
 logger = logging.getLogger("relaunch.rendezvous.handler")
 
@@ -75,3 +77,19 @@ def log_refused(store: Store, prefix: str, run_id: str, seen: int) -> int:
             run_id, printable(who), printable(what),
         )  # fmt: skip
     return max(seen, count)
+
+
+class RefusedLog:
+    """Logs the job's refused nodes, looking once per ``every`` seconds (one small read)."""
+
+    def __init__(self, store: Store, prefix: str, run_id: str, every: float,
+                 clock: Callable[[], float]) -> None:  # fmt: skip
+        self._store, self._prefix, self._run_id = store, prefix, run_id
+        self._every, self._clock = every, clock
+        self._seen, self._at = 0, -math.inf
+
+    def __call__(self) -> None:
+        now = self._clock()
+        if now - self._at >= self._every:
+            self._at = now
+            self._seen = log_refused(self._store, self._prefix, self._run_id, self._seen)

@@ -14,7 +14,7 @@ from relaunch.errors import (
     RendezvousGracefulExitError,
     RendezvousTimeoutError,
 )
-from relaunch.rendezvous._backend import StateBackend
+from relaunch.rendezvous._backend import Assignment, StateBackend, assignment_of
 from relaunch.rendezvous._corrupt import CorruptWatch
 from relaunch.rendezvous._keepalive import KeepAlive
 from relaunch.rendezvous._ops import (
@@ -25,9 +25,9 @@ from relaunch.rendezvous._ops import (
     nodes_waiting,
 )
 from relaunch.rendezvous._polled import PolledState
-from relaunch.rendezvous._program import claim_program, log_refused
+from relaunch.rendezvous._program import RefusedLog, claim_program
 from relaunch.rendezvous._settings import RendezvousSettings
-from relaunch.rendezvous._state import RendezvousState, new_node_id, peer_addresses, round_size
+from relaunch.rendezvous._state import RendezvousState, new_node_id, peer_addresses
 from relaunch.rendezvous._writes import (
     claim_store_host,
     close,
@@ -97,16 +97,17 @@ class DynamicRendezvousHandler:
         self._shut = False
         self._joined = False
         self._program: str | None = None
-        self._refused_seen = 0
         self._corrupt = CorruptWatch(settings.run_id, settings.dead_after)
         self._polled = PolledState(self._rdzv, self._corrupt, self._node)
+        refused = RefusedLog(self._ka_rdzv.store, self._rdzv.prefix, settings.run_id,
+                             settings.dead_after, clock)  # fmt: skip
         self._keep_alive = KeepAlive(
             node=self._node,
             backend=self._ka_rdzv,
             settings=settings,
             corrupt=self._corrupt,
             clock=clock,
-            after_beat=self._log_refused,
+            after_beat=refused,
             lifeline_host=lifeline_host,
         )
 
@@ -178,8 +179,7 @@ class DynamicRendezvousHandler:
             info: RendezvousInfo | None = None
             if action is Action.FINISH:
                 assert state is not None
-                rank = state.participants[self._node]
-                info = self._info(state.round, rank, round_size(state))
+                info = self._info(state.round, assignment_of(state, self._node), state)
             elif action in JOIN_REQUEST_ACTIONS:
                 if action is Action.REMOVE_FROM_REDUNDANCY_LIST:
                     deadline = now + settings.join_timeout
@@ -213,11 +213,13 @@ class DynamicRendezvousHandler:
         ack = self._rdzv.request_join(self._node, self._interrupted.is_set)
         if ack is None or not ack.participant:
             return None
+        if ack.place is not None:  # this request completed the round
+            return self._info(ack.round, ack.place)
         timeout = min(self._settings.dead_after, deadline - now)
         if not ack.complete and not self._rdzv.wait_epoch(ack.epoch, timeout):
             return None
         got = self._rdzv.assignment(ack.round, self._node)
-        return None if got is None else self._info(ack.round, *got)
+        return None if got is None else self._info(ack.round, got)
 
     def _sync(
         self,
@@ -228,13 +230,14 @@ class DynamicRendezvousHandler:
     ) -> RendezvousInfo | None:
         """Wait for the state to change (running ``while_waiting`` beside a running
         round); this node's place when its round completed meanwhile, else None."""
-        if while_waiting is not None and self._waits_beside_a_running_round(state):
+        beside = state.complete and self._node not in state.participants  # spare, waiting
+        if while_waiting is not None and beside:
             while_waiting()
         self._rdzv.wait_change(state, self._sync_timeout(state, now, deadline))
         if self._node not in state.participants:
             return None
         got = self._rdzv.assignment(state.round, self._node)
-        return None if got is None else self._info(state.round, *got)
+        return None if got is None else self._info(state.round, got)
 
     # -- the program check ----------------------------------------------------------
 
@@ -247,11 +250,6 @@ class DynamicRendezvousHandler:
         if self._program is not None and not self._settings.allow_mixed:
             claim_program(self._store, self._rdzv.prefix, self._node, self._program, self._settings)
 
-    def _log_refused(self) -> None:
-        self._refused_seen = log_refused(
-            self._ka_rdzv.store, self._rdzv.prefix, self._settings.run_id, self._refused_seen
-        )
-
     def interrupt(self) -> None:
         """Make a blocked :meth:`next_rendezvous` raise RendezvousClosedError soon.
 
@@ -260,41 +258,34 @@ class DynamicRendezvousHandler:
         """
         self._interrupted.set()
 
-    def _info(self, round_: int, rank: int, world_size: int) -> RendezvousInfo:
+    def _info(
+        self, round_: int, place: Assignment, state: RendezvousState | None = None
+    ) -> RendezvousInfo:
+        """The round's info for this node at ``place`` (the state is read only for a
+        signed store's peers, and only when not given)."""
         self._round = round_
         self._polled.forget()
-        self._keep_alive.wake()  # follow the new round's ring at once
-        state = self._rdzv.load()[0]
-        incarnation = state.incarnations.get(rank, 0) if state.round == round_ else 0
-        logger.info(
-            "rendezvous %s round %d complete: node %s has rank %d of %d",
-            self._settings.run_id,
-            round_,
-            self._node,
-            rank,
-            world_size,
-        )
+        self._keep_alive.follow(place.successor)  # the new round's ring
+        rank, world_size = place.rank, place.world_size
+        peers = None
+        if isinstance(self._store, SignedStore):
+            if state is None or state.round != round_:
+                state = self._rdzv.load()[0]
+            peers = peer_addresses(state.participants)  # IP literals: no DNS lookups
+            if peers is None:
+                logger.warning("the workers' store admits every address: the nodes' addresses"
+                               " %s are not all IP literals (give --local-addr as an IP to "
+                               "restrict it)", sorted(state.participants))  # fmt: skip
+        logger.info("rendezvous %s round %d complete: node %s has rank %d of %d",
+                    self._settings.run_id, round_, self._node, rank, world_size)  # fmt: skip
         return RendezvousInfo(
             store=PrefixStore.over(self._store, f"{self._rdzv.prefix}round/{round_}/"),
             rank=rank,
             world_size=world_size,
             round=round_,
-            peers=self._peers(state) if isinstance(self._store, SignedStore) else None,
-            incarnation=incarnation,
+            peers=peers,
+            incarnation=place.incarnation,
         )
-
-    def _peers(self, state: RendezvousState) -> frozenset[str] | None:
-        """The round's nodes' addresses, if each is an IP literal (no DNS lookups)."""
-        found = peer_addresses(state.participants)
-        if found is None:
-            logger.warning("the workers' store admits every address: the nodes' addresses "
-                           "%s are not all IP literals (give --local-addr as an IP to restrict "
-                           "it)", sorted(state.participants))  # fmt: skip
-        return found
-
-    def _waits_beside_a_running_round(self, state: RendezvousState) -> bool:
-        """A spare, or a node waiting for the next round while the current one runs."""
-        return state.complete and self._node not in state.participants
 
     def _sync_timeout(self, state: RendezvousState, now: float, deadline: float) -> float:
         timeout = self._settings.dead_after
@@ -318,18 +309,20 @@ class DynamicRendezvousHandler:
     def vacancies(self) -> dict[int, int]:
         """Group ranks of this node's round left by lost nodes (tiered recovery), each
         with the incarnation its replacement starts at; empty in another round."""
-        state = self._polled.get()
-        if self._round is None or state.round != self._round or not state.complete:
-            return {}
-        return dict(state.vacancies)
+        state = self._this_round()
+        return {} if state is None else dict(state.vacancies)
 
     def replaced(self) -> dict[int, int]:
         """Group ranks of this node's round taken over from lost nodes, with the
         incarnation their workers started at; empty in another round."""
+        state = self._this_round()
+        return {} if state is None else dict(state.incarnations)
+
+    def _this_round(self) -> RendezvousState | None:
+        """The state (as last polled) while it is this node's round, complete."""
         state = self._polled.get()
-        if self._round is None or state.round != self._round or not state.complete:
-            return {}
-        return dict(state.incarnations)
+        ok = self._round is not None and state.round == self._round and state.complete
+        return state if ok else None
 
     def mark_inprocess(self) -> None:
         """This node's workers restart in-process: when it is lost, its rank may be
@@ -382,6 +375,7 @@ class DynamicRendezvousHandler:
         ok = True
         try:
             leave(self._rdzv, self._node, self._settings, self._clock)
+            self._rdzv.liveness.forget(self._node)
             if self._hosts_store:  # an embedded member leaves its cluster instead
                 wait_for_others(self._rdzv, self._node, self._settings, self._clock)
         except RelaunchError as exc:

@@ -13,6 +13,7 @@ from typing import cast
 
 from relaunch.errors import RendezvousStateError, StatusError
 from relaunch.rendezvous._backend import key_prefix
+from relaunch.rendezvous._liveness import heartbeat_times
 from relaunch.rendezvous._state import RendezvousState, decode_state, node_sort_key
 from relaunch.status._document import (
     FailureDoc,
@@ -50,14 +51,13 @@ def status_key(run_id: str, node: str) -> str:
     return f"{key_prefix(run_id)}status/{node}"
 
 
-def _read_reports(store: Store, run_id: str, nodes: list[str]) -> list[bytes | None]:
-    """The reports of ``nodes``, in one round trip where the store can (etcd: a range
-    over the reports' prefix; the TCP store: one multi-get): reading a big job's status
-    costs the store two requests, the state and the reports."""
+def _read_many(store: Store, prefix: str, nodes: list[str]) -> list[bytes | None]:
+    """The values of ``prefix + node`` for ``nodes``, in one round trip where the store
+    can (etcd: a range over the prefix; the TCP store: one multi-get)."""
     if isinstance(store, ScanStore):
-        found = store.items_with_prefix(status_key(run_id, ""))
-        return [found.get(status_key(run_id, n)) for n in nodes]
-    keys = [status_key(run_id, n) for n in nodes]
+        found = store.items_with_prefix(prefix)
+        return [found.get(prefix + n) for n in nodes]
+    keys = [prefix + n for n in nodes]
     if isinstance(store, BatchStore):
         return store.multi_get(keys)
     return [store.get(k) for k in keys]
@@ -78,14 +78,15 @@ def read_job(store: Store, run_id: str, *, backend: str) -> dict[str, object]:
     nodes = _members(state)
     reports: dict[str, NodeReport] = {}
     problems: list[str] = []
-    for node, blob in zip(nodes, _read_reports(store, run_id, nodes), strict=True):
+    beats = heartbeat_times(nodes, _read_many(store, key_prefix(run_id) + "hb/", nodes))
+    for node, blob in zip(nodes, _read_many(store, status_key(run_id, ""), nodes), strict=True):
         if blob is None:
             continue
         try:
             reports[node] = decode_report(blob, key=status_key(run_id, node))
         except StatusError as exc:
             problems.append(str(exc))
-    return dict(job_document(state, reports, backend=backend, problems=problems))
+    return dict(job_document(state, reports, backend=backend, problems=problems, heartbeats=beats))
 
 
 def _members(state: RendezvousState) -> list[str]:
@@ -95,8 +96,11 @@ def _members(state: RendezvousState) -> list[str]:
     )
 
 
-def _node_row(node: str, state: RendezvousState, report: NodeReport | None, now: float) -> NodeRow:
-    """The row of ``node``: its place in the round (its role), its heartbeat, its report."""
+def _node_row(
+    node: str, state: RendezvousState, report: NodeReport | None, beat: float | None, now: float
+) -> NodeRow:
+    """The row of ``node``: its place in the round (its role), its heartbeat (``beat``:
+    its time), its report."""
     role: Role
     if node in state.participants:
         role = "participant" if state.complete else "joining"
@@ -104,7 +108,6 @@ def _node_row(node: str, state: RendezvousState, report: NodeReport | None, now:
         role = "spare"
     else:
         role = "waiting"
-    beat = state.last_heartbeats.get(node)
     addr = node_sort_key(node)[0] or node
     return {
         "node": node,
@@ -243,11 +246,15 @@ def job_document(
     backend: str,
     problems: list[str] | None = None,
     now: float | None = None,
+    heartbeats: dict[str, float] | None = None,
 ) -> JobDocument:
-    """Join the rendezvous state and the node reports into the status document."""
+    """Join the rendezvous state, the node reports and the nodes' ``heartbeats`` (their
+    times; None: as the state has them, when each node was placed) into the status
+    document."""
     now = time.time() if now is None else now
+    beats = state.last_heartbeats if heartbeats is None else heartbeats
     nodes = _members(state)
-    rows = [_node_row(n, state, reports.get(n), now) for n in nodes]
+    rows = [_node_row(n, state, reports.get(n), beats.get(n), now) for n in nodes]
     rows.sort(key=lambda r: (r["rank"] is None, r["rank"] or 0, node_sort_key(r["node"])))
     live = [reports[n] for n in nodes if n in reports]
     last = _root_cause(live)

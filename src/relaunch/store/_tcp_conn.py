@@ -37,18 +37,21 @@ class ProtocolError(ConnectionError):
 class Connection:
     """One blocking socket with a receive buffer."""
 
-    __slots__ = ("buf", "sock")
+    __slots__ = ("_timeout", "buf", "sock")
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
         self.buf = bytearray()
+        self._timeout: float | None = sock.gettimeout()
 
     def send(self, data: bytes) -> None:
         self.sock.sendall(data)
 
     def read(self, size: int, timeout: float | None) -> bytes:
         """Read exactly ``size`` bytes; ``TimeoutError`` when none come in ``timeout``."""
-        self.sock.settimeout(timeout)
+        if len(self.buf) < size and timeout != self._timeout:  # (a syscall: only when new)
+            self.sock.settimeout(timeout)
+            self._timeout = timeout
         while len(self.buf) < size:
             chunk = self.sock.recv(max(65536, size - len(self.buf)))
             if not chunk:

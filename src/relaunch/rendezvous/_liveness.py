@@ -1,0 +1,169 @@
+"""Who is alive, at O(1) store work per node and keep-alive interval.
+
+Keys, under ``relaunch/rdzv/<run_id>/``:
+
+``hb/<node>``
+    The node's heartbeat: its wall-clock time in milliseconds, written by the node
+    itself every keep-alive interval (one small write; the shared state is not
+    rewritten). A node whose heartbeat is older than the dead-node delay is dead. On a
+    store with leases (etcd) the node's ``alive/<node>`` key, under its lease, decides
+    instead (etcd's clock, no skew between hosts), and the heartbeat, written once per
+    dead-node delay there, only tells ``relaunch status`` how recent the node is.
+``steward``
+    ``{"v": 1, "node": N, "ms": T, "corrupt": null or "why"}``: the node that reads
+    everyone's liveness this interval, when it last said so, and whether the state it
+    last read was corrupt. The steward reads the state and every node's liveness once
+    per beat (two reads of O(N) bytes), removes the dead, and rewrites its key every
+    half dead-node delay (at once when its report changes); every other node reads
+    this key (one small read), learns from it that the state is corrupt (and valid
+    again), and takes the role over by compare-and-set once it is older than the
+    dead-node delay (its holder stopped beating). So finding dead nodes costs the
+    store O(N) per interval in total, not O(N) per node.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Iterable
+
+from relaunch.errors import RendezvousStateError
+from relaunch.rendezvous._corrupt import CorruptWatch
+from relaunch.rendezvous._settings import RendezvousSettings
+from relaunch.store import BatchStore, LeaseStore, Store
+
+__all__ = ["Liveness", "heartbeat_times"]
+
+
+class Liveness:
+    """The heartbeat and steward keys of one run in ``store`` (``prefix``: its keys')."""
+
+    def __init__(
+        self, store: Store, prefix: str, settings: RendezvousSettings, clock: Callable[[], float]
+    ) -> None:
+        self.store = store
+        self._prefix = prefix
+        self._settings = settings
+        self._clock = clock
+        self._steward_raw: bytes | None = None
+        """The steward key as this node last wrote it (it holds the role while it is so)."""
+        self._reporting: str | None = None
+        """The corruption this node, as the steward, saw in its last read of the state."""
+        self._heard: bool = False
+        """Whether this node learned of a corrupt state from the steward's key."""
+        self._beaten = -math.inf
+        """When this node last wrote its heartbeat."""
+        self._said: tuple[float, str | None] = (-math.inf, None)
+        """When this node, as the steward, last wrote its key, and the report in it."""
+
+    def hb_key(self, node: str) -> str:
+        return f"{self._prefix}hb/{node}"
+
+    def _alive_key(self, node: str) -> str:
+        return f"{self._prefix}alive/{node}"
+
+    def announce(self, node: str) -> None:
+        """Before ``node`` joins: its heartbeat, and its liveness key under its lease
+        where the store has leases."""
+        if isinstance(self.store, LeaseStore):
+            self.store.set_ephemeral(self._alive_key(node), b"1", self._settings.dead_after)
+        self.beat(node)
+
+    def beat(self, node: str) -> None:
+        """Write ``node``'s heartbeat (one small write), on a store with leases only once
+        per dead-node delay (the lease decides who is alive; a write costs etcd a raft
+        round, so that is only ``relaunch status``'s heartbeat age)."""
+        now = self._clock()
+        if isinstance(self.store, LeaseStore) and now - self._beaten < self._settings.dead_after:
+            return
+        self.store.set(self.hb_key(node), str(round(now * 1000)).encode())
+        self._beaten = now
+
+    def forget(self, node: str) -> None:
+        """``node`` left: its heartbeat goes with it."""
+        self.store.delete(self.hb_key(node))
+
+    def heartbeats(self, nodes: Iterable[str]) -> dict[str, float]:
+        """The heartbeat times (seconds) of ``nodes`` that have one (one round trip
+        where the store reads many keys at once)."""
+        wanted = list(nodes)
+        keys = [self.hb_key(n) for n in wanted]
+        if isinstance(self.store, BatchStore):
+            raws = self.store.multi_get(keys) if keys else []
+        else:
+            raws = [self.store.get(k) for k in keys]
+        return heartbeat_times(wanted, raws)
+
+    def alive(self, nodes: Iterable[str]) -> set[str]:
+        """Those of ``nodes`` that are alive: their lease's key is there (etcd), else
+        their heartbeat is younger than the dead-node delay."""
+        if isinstance(self.store, LeaseStore):
+            cut = len(self._prefix) + len("alive/")
+            keys = self.store.keys_with_prefix(self._prefix + "alive/")
+            return {key[cut:] for key in keys} & set(nodes)
+        limit = self._clock() - self._settings.dead_after
+        return {n for n, t in self.heartbeats(nodes).items() if t >= limit}
+
+    def steward(self, node: str, watch: CorruptWatch) -> bool:
+        """Whether ``node`` is the steward this interval: it holds the role and says so
+        again, or takes it over from a holder that stopped beating (compare-and-set:
+        one node wins). One small read, and a small write while it holds the role.
+        Another node's steward key that says the state is corrupt (or valid again) is
+        told to ``watch``."""
+        key = f"{self._prefix}steward"
+        raw = self.store.get(key)
+        held = None if raw is None else _parse(raw)
+        mine = raw is not None and raw == self._steward_raw
+        now = self._clock()
+        if held is not None and not mine and held[1] >= now - self._settings.dead_after:
+            self._steward_raw = None
+            self._hear(held[2], watch)
+            return False
+        said_at, said = self._said
+        if mine and said == self._reporting and now - said_at < self._settings.dead_after / 2:
+            return True  # said recently, and the same: no write
+        doc = {"v": 1, "node": node, "ms": round(now * 1000), "corrupt": self._reporting}
+        current, written = self.store.compare_set(key, raw, json.dumps(doc).encode())
+        self._steward_raw = current if written else None
+        self._said = (now, self._reporting) if written else (-math.inf, None)
+        return written
+
+    def report_corrupt(self, why: RendezvousStateError | None) -> None:
+        """What this node, as the steward, found in the state (None: it decoded); said
+        in its key from the next beat."""
+        self._reporting = None if why is None else str(why)[:1000]
+
+    def _hear(self, corrupt: str | None, watch: CorruptWatch) -> None:
+        if corrupt is not None:
+            self._heard = True
+            watch.seen(RendezvousStateError(corrupt))
+        elif self._heard:
+            self._heard = False
+            watch.ok()
+
+
+def _parse(raw: bytes) -> tuple[str, float, str | None] | None:
+    """``(node, seconds, corrupt)`` of a steward key, or None when it is not one (a
+    corrupt key is taken over)."""
+    try:
+        doc = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+        return None
+    if not isinstance(doc, dict) or doc.get("v") != 1:
+        return None
+    node, ms, corrupt = doc.get("node"), doc.get("ms"), doc.get("corrupt")
+    if not isinstance(node, str) or type(ms) is not int or not 0 <= ms < 2**53:
+        return None
+    if corrupt is not None and not isinstance(corrupt, str):
+        return None
+    return node, ms / 1000, corrupt
+
+
+def heartbeat_times(nodes: Iterable[str], raws: Iterable[bytes | None]) -> dict[str, float]:
+    """Each node's heartbeat time (seconds) from its ``hb/`` key's value (milliseconds);
+    a node without one, or with one that is not a number, is left out (never written)."""
+    found = {}
+    for node, raw in zip(nodes, raws, strict=True):
+        if raw is not None and raw.isdigit() and len(raw) <= 16:
+            found[node] = int(raw) / 1000
+    return found
