@@ -7,8 +7,10 @@ its own, so it costs both sides the same (``--server torch`` uses torch's C++ se
 instead). Prints, per N: the seconds from "go" (every node's handler made, its
 connection open) until every node has its rank, the store operations made until then,
 the bytes they moved (keys and values, both ways), and the server's CPU seconds until
-then (the nodes leave the rendezvous after every one has its rank). Run by hand (not
-in CI)::
+then (the nodes leave the rendezvous after every one has its rank, up to
+:data:`LEAVE_UP_TO` nodes). Each node holds two connections (its calls, its waits):
+N = 16384 needs an open-file limit above 32768 for the server. Run by hand (not in
+CI), in a loopback-only network namespace (torch's store looks up each peer's name)::
 
     python bench/rendezvous_scale.py                      # N = 8 64 256 1024
     python bench/rendezvous_scale.py 1024 4096 16384 --procs 16 --torch-cap 60
@@ -27,10 +29,12 @@ so heartbeats cost both the same during the round.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import logging
 import os
 import resource
 import select
+import signal
 import subprocess
 import sys
 import threading
@@ -91,6 +95,19 @@ class CountingStore:
         return call
 
 
+LEAVE_UP_TO = 4096
+"""Rounds of at most this many nodes leave the rendezvous afterwards; in bigger ones the
+nodes end without leaving (a mass leave is O(N^2) today: each leaving node rewrites the
+state; the next N runs under another run id)."""
+
+
+def _told() -> None:
+    """Wait for the parent's next word; end at once when it is gone (its end of the
+    pipe closed: a killed bench leaves no part running)."""
+    if not sys.stdin.readline():
+        os._exit(1)
+
+
 def run_threads(n: int, work: Callable[[int], None], cap: float) -> tuple[float, int]:
     """Start ``n`` threads; once told "go" on stdin, run ``work`` in each; return the
     wall-clock time the last one finished and the failures."""
@@ -115,7 +132,7 @@ def run_threads(n: int, work: Callable[[int], None], cap: float) -> tuple[float,
     for t in threads:
         t.start()
     print("ready", flush=True)
-    sys.stdin.readline()
+    _told()
     go.wait()
     for t in threads:
         t.join(timeout=cap + 60)
@@ -149,15 +166,16 @@ def bench_relaunch(n: int, total: int, port: int, run_id: str) -> tuple[float, C
     assert failures or (len(set(ranks)) == n and all(0 <= r < total for r in ranks)), "bad ranks"
     # the round's traffic; the nodes leave once every process has its ranks
     print(done, counter.ops, counter.bytes, failures, flush=True)
-    sys.stdin.readline()
-    closers = [
-        threading.Thread(target=h.shutdown, name=f"bench-shutdown-{i}")
-        for i, h in enumerate(handlers)
-    ]
-    for t in closers:
-        t.start()
-    for t in closers:
-        t.join(timeout=120)
+    _told()
+    if total <= LEAVE_UP_TO:
+        closers = [
+            threading.Thread(target=h.shutdown, name=f"bench-shutdown-{i}")
+            for i, h in enumerate(handlers)
+        ]
+        for t in closers:
+            t.start()
+        for t in closers:
+            t.join(timeout=120)
     return done, counter, failures
 
 
@@ -201,7 +219,7 @@ def bench_torch(
 
     done, failures = run_threads(n, work, cap)
     print(done, counter.ops, counter.bytes, failures, flush=True)
-    sys.stdin.readline()
+    _told()
     for h in handlers:
         h._stop_heartbeats()
     return done, counter, failures
@@ -365,6 +383,8 @@ def main() -> None:
         bench_lost_node()
         return
     if args.part:
+        # die with the bench (Linux: PR_SET_PDEATHSIG), whatever the part is doing
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
         kind, n, total, port = args.part[0], *(int(x) for x in args.part[1:])
         if kind == "relaunch":
             bench_relaunch(n, total, port, f"relaunch-{total}")
