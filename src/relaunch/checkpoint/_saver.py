@@ -39,6 +39,7 @@ from relaunch.checkpoint._durable import discard_newer as discard_copies_newer
 from relaunch.checkpoint._fill import Filler, Part
 from relaunch.checkpoint._mapped import MappedFiles
 from relaunch.checkpoint._readback import read_regions
+from relaunch.checkpoint._staging import CudaStager, Staged, on_cuda
 from relaunch.checkpoint._tree import Leaf, decode, encode, finish
 from relaunch.errors import SnapshotError
 
@@ -65,17 +66,6 @@ class Where:
 
 
 @dataclass
-class _Staged:
-    """The CUDA tensors of a save, on their way into the pinned buffer."""
-
-    leaves: list[Leaf]
-    """Their byte ranges of the data file, which the pinned buffer mirrors."""
-    pinned: torch.Tensor
-    copies: list[tuple[Any, Any]]
-    """``(copy stream, event recorded after its copies)`` per device."""
-
-
-@dataclass
 class _Pending:
     folder: str
     final: str
@@ -84,7 +74,7 @@ class _Pending:
     nbytes: int
     host: list[Leaf]
     """The values the writer copies itself: CPU tensors and bytes."""
-    staged: _Staged | None
+    staged: Staged | None
 
 
 class Saver:
@@ -95,9 +85,8 @@ class Saver:
         self.rank_root = layout.rank_dir(where.root, where.rank)
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
-        self._pinned: torch.Tensor | None = None
-        self._streams: dict[torch.device, Any] = {}
-        self._staged: _Staged | None = None
+        self._stager = CudaStager()
+        self._staged: Staged | None = None
         """The CUDA copies of the save in flight (the optimizer's stream waits for them)."""
         self._filler = Filler(where.threads)
         self._copied = threading.Event()
@@ -145,9 +134,9 @@ class Saver:
         folder = layout.partial_dir(self.rank_root, step)
         shutil.rmtree(folder, ignore_errors=True)
         os.makedirs(folder)
-        host = [leaf for leaf in leaves if leaf.nbytes and not _on_cuda(leaf)]
+        host = [leaf for leaf in leaves if leaf.nbytes and not on_cuda(leaf)]
         try:
-            staged = self._stage_cuda([leaf for leaf in leaves if leaf.nbytes and _on_cuda(leaf)])
+            staged = self._stager.stage([leaf for leaf in leaves if leaf.nbytes and on_cuda(leaf)])
         except BaseException:
             shutil.rmtree(folder, ignore_errors=True)
             raise
@@ -198,44 +187,6 @@ class Saver:
                 f"directory {self.where.root} to {others + mine_after + nbytes} bytes, over its "
                 f"limit of {limit} (--snapshot-limit; {layout.ENV_LIMIT})"
             )
-
-    def _stage_cuda(self, leaves: list[Leaf]) -> _Staged | None:
-        """Queue the copies of the CUDA tensors ``leaves`` into the pinned buffer (at
-        their offsets of the data file), each on its device's copy stream after the work
-        queued so far on the current stream, and record an event after them."""
-        if not leaves:
-            return None
-        end = max(leaf.offset + leaf.nbytes for leaf in leaves)
-        if self._pinned is None or self._pinned.numel() < end:
-            self._pinned = None  # the old buffer goes first
-            self._pinned = torch.empty(end, dtype=torch.uint8, pin_memory=True)
-        pinned = self._pinned
-        streams: dict[torch.device, Any] = {}
-        for leaf in leaves:
-            src = leaf.tensor
-            assert src is not None
-            stream = streams.get(src.device)
-            if stream is None:
-                stream = self._copy_stream(src.device)
-                stream.wait_stream(torch.cuda.current_stream(src.device))
-                streams[src.device] = stream
-            with torch.cuda.stream(stream):
-                flat = src.detach().contiguous().reshape(-1).view(torch.uint8)
-                pinned[leaf.offset : leaf.offset + leaf.nbytes].copy_(flat, non_blocking=True)
-            flat.record_stream(stream)  # its memory is not reused before the copy is done
-            leaf.tensor = None
-        copies = []
-        for stream in streams.values():
-            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            event.record(stream)
-            copies.append((stream, event))
-        return _Staged(leaves=leaves, pinned=pinned, copies=copies)
-
-    def _copy_stream(self, device: torch.device) -> Any:
-        stream = self._streams.get(device)
-        if stream is None:
-            stream = self._streams[device] = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
-        return stream
 
     def _copy(self, p: _Pending, mapping: mmap.mmap) -> int:
         """Copy every value into the mapped file (in the writer) and return its CRC-32:
@@ -435,10 +386,6 @@ class Saver:
                 f"{path}: CRC-32 {crc:#010x}, the manifest says {manifest.crc32:#010x}"
             )
         return finish(state)
-
-
-def _on_cuda(leaf: Leaf) -> bool:
-    return leaf.tensor is not None and leaf.tensor.device.type == "cuda"
 
 
 def _flat(leaf: Leaf) -> torch.Tensor:

@@ -26,10 +26,11 @@ from relaunch.status._report import (
 from relaunch.status._server import StatusServer
 
 if TYPE_CHECKING:
+    from relaunch.status._metrics import render_metrics
     from relaunch.status._text import render_text
-    from relaunch.status._web import render_html, render_metrics
+    from relaunch.status._web import render_html
 
-_LAZY = {"render_text": "_text", "render_html": "_web", "render_metrics": "_web"}
+_LAZY = {"render_text": "_text", "render_html": "_web", "render_metrics": "_metrics"}
 
 
 def __getattr__(name: str) -> object:

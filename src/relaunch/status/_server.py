@@ -70,7 +70,8 @@ class _Handler(BaseHTTPRequestHandler):
     timeout = 10  # a client that stops sending cannot hold a thread for long
 
     def do_GET(self) -> None:
-        from relaunch.status._web import render_html, render_metrics
+        from relaunch.status._metrics import render_metrics
+        from relaunch.status._web import render_html
 
         path, _, query = self.path.partition("?")
         node = urllib.parse.parse_qs(query).get("node")
