@@ -4,6 +4,7 @@ state (torchrun 2.13 fails this: pytorch issue 135712)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from multinode_support.ports import free_port
+from multinode_support.stacks import stacks_of_tree
 
 PY = sys.executable
 
@@ -38,24 +40,28 @@ dist.destroy_process_group()
 def run_nodes(
     common: list[str], script: Path, out_dir: Path, env: dict[str, str]
 ) -> list[tuple[int, str, str]]:
-    """Run node ranks 0 and 1 to the end; (exit code, stdout, stderr) of each. Reaps both."""
-    nodes = [
-        subprocess.Popen(
-            [PY, "-m", "relaunch", *common, f"--node-rank={rank}", str(script), str(out_dir)],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-        )
-        for rank in (0, 1)
-    ]  # fmt: skip
-    results = []
-    try:
-        for node in nodes:
-            out, err = node.communicate(timeout=140)
-            results.append((node.returncode, out, err))
-    finally:
-        for node in nodes:
-            if node.poll() is None:
-                node.kill()
-                node.wait()
+    """Run node ranks 0 and 1 to the end; (exit code, stdout, stderr) of each. Reaps
+    both; a node still running after 140 s fails the test with its threads' stacks."""
+    with contextlib.ExitStack() as stack:
+        nodes = [
+            stack.enter_context(subprocess.Popen(
+                [PY, "-m", "relaunch", *common, f"--node-rank={rank}", str(script), str(out_dir)],
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+            ))
+            for rank in (0, 1)
+        ]  # fmt: skip
+        results = []
+        try:
+            for node in nodes:
+                try:
+                    out, err = node.communicate(timeout=140)
+                except subprocess.TimeoutExpired:
+                    pytest.fail(f"node {nodes.index(node)} hangs:\n{stacks_of_tree(node.pid)}")
+                results.append((node.returncode, out, err))
+        finally:
+            for node in nodes:
+                if node.poll() is None:
+                    node.kill()
     return results
 
 

@@ -235,8 +235,10 @@ class PeerCopies:
                 version = self._pull(r, source, version)
                 self.pulls += 1
             except (OSError, wire.WireError) as exc:  # the predecessor is gone or busy
+                # (its record stays the round's: no store read until the next round, so
+                # this thread never races the agent's loop to a store that is gone)
                 log.debug("snapshots: pull from the predecessor: %s", exc)
-                version, read_in = None, None
+                version = None
                 self._stop.wait(0.2)
             except Exception:
                 log.exception("snapshots: pulling the predecessor's snapshots failed; retrying")

@@ -8,7 +8,8 @@ there, so a node that restarts its workers makes the others restart too (they se
 it waiting). ``--rdzv-conf`` keys: ``join_timeout`` (seconds, default 600) and
 ``secret_file`` (every record signed with the job's secret, as for the dynamic
 backends: a node without it, or with another, cannot join). Standalone: one node,
-no network at all.
+no network at all. Once joined, a store that cannot be reached again within 5 s
+(:data:`RECONNECT_TIMEOUT`) is lost: node 0 is gone, and the other nodes end.
 """
 
 from __future__ import annotations
@@ -45,6 +46,11 @@ log = logging.getLogger(__name__)
 _CLOSED_KEY = "closed"
 STATIC_CONF_KEYS = ("join_timeout", "secret_file")
 """The ``--rdzv-conf`` keys the static backend reads (any other is refused)."""
+RECONNECT_TIMEOUT = 5.0
+"""Once joined, node 0's store that broke a connection and cannot be reached again
+for this long is gone (node 0 is): a call fails then, whichever thread (the agent's
+loop, the snapshot puller) met the break first. (The join itself waits up to
+``join_timeout`` for node 0 to start.)"""
 
 
 class StandaloneRendezvousHandler:
@@ -129,7 +135,13 @@ class StaticRendezvousHandler:
         if node_rank == 0:
             self._server = TCPStoreServer(host=bind_host, port=port)
             self._server.start()
-        client: Store = TCPStoreClient(host, port, timeout=timeout, prefix=f"static/{run_id}")
+        client: Store = TCPStoreClient(
+            host,
+            port,
+            timeout=timeout,
+            reconnect_timeout=RECONNECT_TIMEOUT,
+            prefix=f"static/{run_id}",
+        )
         if secret is not None:
             from relaunch.store.signed import SignedStore
 
