@@ -2,6 +2,7 @@
 
     python examples/three_tiers.py            # drives the whole demo on this host
     python examples/three_tiers.py --steps 3000 --gap 4
+    python examples/three_tiers.py --keep DIR   # the agents' logs, the ranks' steps
 
 It starts a job of two nodes of two gloo workers (two ``relaunch`` agents, c10d on
 127.0.0.1) and a spare node, all on this host, with this file as the training script
@@ -144,6 +145,9 @@ def main() -> None:
     parser.add_argument("--worker", metavar="OUT", help=argparse.SUPPRESS)
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--gap", type=float, default=3.0, help="seconds between faults")
+    parser.add_argument("--keep", metavar="DIR", help="write the agents' logs and the "
+                        "ranks' step records into DIR and keep them (default: a temporary "
+                        "directory, removed at the end)")  # fmt: skip
     args = parser.parse_args()
     if args.worker:
         worker(Path(args.worker), args.steps)
@@ -151,8 +155,14 @@ def main() -> None:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    with tempfile.TemporaryDirectory(prefix="three_tiers_") as tmp:
-        out = Path(tmp)
+    with contextlib.ExitStack() as stack:
+        if args.keep:
+            out = Path(args.keep)
+            out.mkdir(parents=True, exist_ok=True)
+            if any(out.iterdir()):
+                parser.error(f"--keep: {out} is not empty (its step records would mislead)")
+        else:
+            out = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="three_tiers_")))
         agents: dict[str, subprocess.Popen[bytes]] = {}
 
         def start(name: str) -> None:

@@ -21,7 +21,7 @@ import jsonschema
 import pytest
 
 from multinode_support.cluster import Cluster
-from multinode_support.etcd import etcd_binary
+from multinode_support.etcd import etcd_binary, voting_names
 from multinode_support.netns import Net, network
 from multinode_support.waiting import wait_for
 
@@ -77,38 +77,10 @@ def _training(cluster: Cluster, nodes: set[str], world: int) -> None:
     )
 
 
-_VOTING = r"""
-import json, sys, urllib.request
-def ask(url, path, body=None):
-    data = None if body is None else json.dumps(body).encode()
-    with urllib.request.urlopen(url + path, data=data, timeout=1) as reply:
-        return json.loads(reply.read())
-names = set()
-for url in sys.argv[1:]:
-    try:
-        members = ask(url, "/v3/cluster/member/list", {})["members"]
-    except (OSError, ValueError, KeyError):
-        continue
-    for m in members:
-        if m.get("isLearner") or not m.get("clientURLs"):
-            continue
-        try:
-            if ask(m["clientURLs"][0], "/health").get("health") == "true":
-                names.add(m["name"])
-        except (OSError, ValueError):
-            pass
-    break
-print(" ".join(sorted(names)))
-"""
-
-
 def _voting(net: Net, alive: str) -> set[str]:
     """The nodes whose etcd member votes and is healthy, as node ``alive`` sees it."""
     urls = [f"http://{net.addr(int(n))}:{PORT}" for n in alive]
-    ns = net.spaces[int(alive[0])]
-    out = subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-c", _VOTING, *urls],
-                         capture_output=True, text=True, timeout=30, check=False).stdout  # fmt: skip
-    names = out.split()
+    names = voting_names(urls, ["ip", "netns", "exec", net.spaces[int(alive[0])]])
     return {str(i) for i in range(len(net.spaces)) if any(
         name.startswith(f"{net.addr(i)}-") for name in names)}  # fmt: skip
 

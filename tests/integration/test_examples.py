@@ -87,12 +87,16 @@ def test_the_readme_demo_fails_at_step_15_restarts_and_finishes_40_steps(tmp_pat
 def test_three_tiers_handles_each_fault_in_its_tier_and_keeps_healthy_processes(
     tmp_path: Path,
 ) -> None:
-    # As the docstring writes it: ``python examples/three_tiers.py``.
-    code, out, err = _run(
-        [sys.executable, "examples/three_tiers.py"], ROOT, _env(tmp_path), timeout=420
+    # As the docstring writes it (its files kept, for the failure's message).
+    job = tmp_path / "job"
+    code, out, err = _run([sys.executable, "examples/three_tiers.py", "--keep", str(job)],
+                          ROOT, _env(tmp_path), timeout=420)  # fmt: skip
+    logs = "".join(
+        f"\n--- {log.name} (its end) ---\n" + "".join(log.read_text().splitlines(True)[-80:])
+        for log in sorted(job.glob("*.log"))
     )
-    assert code == 0, f"{out}\n{err}"
-    summary = out.split("\nsummary:\n", 1)[1]
+    assert code == 0, f"{out}\n{err}{logs}"
+    summary = out.split("\nsummary:\n", 1)[1] + logs
     tiers = {
         "exception in rank 1": "in-process restart",
         "SIGKILL of rank 3": "process",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import signal
 import subprocess
+import sys
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -11,7 +12,7 @@ from pathlib import Path
 
 from multinode_support.cluster import free_ports
 
-__all__ = ["Member", "etcd_binary", "start_cluster"]
+__all__ = ["VOTING", "Member", "etcd_binary", "start_cluster", "voting_names"]
 
 
 def etcd_binary() -> Path | None:
@@ -94,3 +95,38 @@ def start_cluster(binary: Path, tmp: Path, size: int) -> list[Member]:
             m.stop()
         raise
     return members
+
+
+VOTING = r"""
+import json, sys, urllib.request
+def ask(url, path, body=None):
+    data = None if body is None else json.dumps(body).encode()
+    with urllib.request.urlopen(url + path, data=data, timeout=1) as reply:
+        return json.loads(reply.read())
+names = set()
+for url in sys.argv[1:]:
+    try:
+        members = ask(url, "/v3/cluster/member/list", {})["members"]
+    except (OSError, ValueError, KeyError):
+        continue
+    for m in members:
+        if m.get("isLearner") or not m.get("clientURLs"):
+            continue
+        try:
+            if ask(m["clientURLs"][0], "/health").get("health") == "true":
+                names.add(m["name"])
+        except (OSError, ValueError):
+            pass
+    break
+print(" ".join(sorted(names)))
+"""
+"""A program printing the names of the etcd members that vote and are healthy, as the
+first of its arguments (client URLs) that answers lists them."""
+
+
+def voting_names(urls: list[str], prefix: list[str] | None = None) -> list[str]:
+    """The voting, healthy members' names, asked of ``urls`` in a process of its own
+    (``prefix``: what runs it, e.g. ``ip netns exec NS``)."""
+    out = subprocess.run([*(prefix or []), sys.executable, "-c", VOTING, *urls],
+                         capture_output=True, text=True, timeout=30, check=False).stdout  # fmt: skip
+    return out.split()

@@ -59,6 +59,8 @@ def test_store_exports() -> None:
         "Store",
         "TCPStoreClient",
         "TCPStoreServer",
+        "get_many",
+        "set_many",
     ]
 
 

@@ -43,7 +43,7 @@ from relaunch.rendezvous._liveness import Liveness
 from relaunch.rendezvous._ops import needs_wake, place_all, remove_dead
 from relaunch.rendezvous._settings import RendezvousSettings
 from relaunch.rendezvous._state import RendezvousState, decode_state, encode_state, round_size
-from relaunch.store import BatchStore, Store
+from relaunch.store import Store, get_many, set_many
 
 __all__ = [
     "REQUEST_VERSION",
@@ -228,7 +228,7 @@ class StateBackend:
             self._assign_key(state.round, node): assignment_of(state, node, ring).encode()
             for node in nodes
         }
-        self._multi_set(items)
+        set_many(self.store, items)
 
     def assignment(self, round_: int, node: str) -> Assignment | None:
         """``node``'s place in round ``round_`` once it completed, else None."""
@@ -306,27 +306,15 @@ class StateBackend:
         request is not written yet (its node holds it between two calls; it applies
         from there, handed the queue)."""
         keys = [f"{self.prefix}req/{t}" for t in range(first, last + 1)]
-        raws = self._multi_get(keys)
+        raws = get_many(self.store, keys)
         missing = [key for key, raw in zip(keys, raws, strict=True) if raw is None]
         if missing and skip_missing:
             with contextlib.suppress(StoreTimeoutError):
                 self.store.wait(missing, self.settings.keep_alive_interval)
-            raws = self._multi_get(keys)
+            raws = get_many(self.store, keys)
         elif missing:
             raws = raws[: raws.index(None)]
         return [self._parse_request(key, raw) for key, raw in zip(keys, raws, strict=False)]
-
-    def _multi_get(self, keys: list[str]) -> list[bytes | None]:
-        if isinstance(self.store, BatchStore) and keys:
-            return self.store.multi_get(keys)
-        return [self.store.get(key) for key in keys]
-
-    def _multi_set(self, items: dict[str, bytes]) -> None:
-        if isinstance(self.store, BatchStore):
-            self.store.multi_set(items)
-            return
-        for key, value in items.items():
-            self.store.set(key, value)
 
     def _parse_request(self, key: str, raw: bytes | None) -> str | None:
         if raw is None:
@@ -370,4 +358,4 @@ class StateBackend:
                 ack = JoinAck(new.epoch, new.round, took, new.complete, place)
                 acks[f"{self.prefix}ack/{ticket}"] = ack.encode()
             acks[f"{self.prefix}ack/{last + 1}"] = b"h"
-            self._multi_set(acks)
+            set_many(self.store, acks)

@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterable
 from relaunch.errors import RendezvousStateError
 from relaunch.rendezvous._corrupt import CorruptWatch
 from relaunch.rendezvous._settings import RendezvousSettings
-from relaunch.store import BatchStore, LeaseStore, Store
+from relaunch.store import LeaseStore, Store, get_many
 
 __all__ = ["Liveness", "heartbeat_times"]
 
@@ -87,12 +87,7 @@ class Liveness:
         """The heartbeat times (seconds) of ``nodes`` that have one (one round trip
         where the store reads many keys at once)."""
         wanted = list(nodes)
-        keys = [self.hb_key(n) for n in wanted]
-        if isinstance(self.store, BatchStore):
-            raws = self.store.multi_get(keys) if keys else []
-        else:
-            raws = [self.store.get(k) for k in keys]
-        return heartbeat_times(wanted, raws)
+        return heartbeat_times(wanted, get_many(self.store, [self.hb_key(n) for n in wanted]))
 
     def alive(self, nodes: Iterable[str]) -> set[str]:
         """Those of ``nodes`` that are alive: their lease's key is there (etcd), else

@@ -39,7 +39,7 @@ from relaunch.status._report import (
     decode_report,
 )
 from relaunch.status._summary import summary_of
-from relaunch.store import BatchStore, ScanStore, Store
+from relaunch.store import ScanStore, Store, get_many
 
 __all__ = ["JOB_VERSION", "job_document", "local_document", "read_job", "status_key"]
 
@@ -57,10 +57,7 @@ def _read_many(store: Store, prefix: str, nodes: list[str]) -> list[bytes | None
     if isinstance(store, ScanStore):
         found = store.items_with_prefix(prefix)
         return [found.get(prefix + n) for n in nodes]
-    keys = [prefix + n for n in nodes]
-    if isinstance(store, BatchStore):
-        return store.multi_get(keys)
-    return [store.get(k) for k in keys]
+    return get_many(store, [prefix + n for n in nodes])
 
 
 def read_job(store: Store, run_id: str, *, backend: str) -> dict[str, object]:

@@ -4,7 +4,7 @@
 (``etcd3gw``, the ``relaunch[etcd]`` extra) only when one is created.
 """
 
-from relaunch.store._protocol import BatchStore, LeaseStore, ScanStore, Store
+from relaunch.store._protocol import BatchStore, LeaseStore, ScanStore, Store, get_many, set_many
 from relaunch.store.etcd import EtcdStore
 from relaunch.store.memory import MemoryStore
 from relaunch.store.prefix import LeasePrefixStore, PrefixStore
@@ -21,4 +21,6 @@ __all__ = [
     "Store",
     "TCPStoreClient",
     "TCPStoreServer",
+    "get_many",
+    "set_many",
 ]

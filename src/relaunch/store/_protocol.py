@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
-__all__ = ["BatchStore", "LeaseStore", "Store"]
+__all__ = ["BatchStore", "LeaseStore", "ScanStore", "Store", "get_many", "set_many"]
 
 
 @runtime_checkable
@@ -86,3 +86,22 @@ class ScanStore(Store, Protocol):
     def items_with_prefix(self, prefix: str) -> dict[str, bytes]:
         """Every key that starts with ``prefix``, with its value."""
         ...
+
+
+def get_many(store: Store, keys: list[str]) -> list[bytes | None]:
+    """The value of each of ``keys`` now (None where unset), in order: one round trip
+    where the store reads many keys at once (:class:`BatchStore`), else one per key."""
+    if not keys:
+        return []
+    if isinstance(store, BatchStore):
+        return store.multi_get(keys)
+    return [store.get(key) for key in keys]
+
+
+def set_many(store: Store, items: dict[str, bytes]) -> None:
+    """Set every key of ``items``: one round trip where the store can, else one per key."""
+    if isinstance(store, BatchStore):
+        store.multi_set(items)
+        return
+    for key, value in items.items():
+        store.set(key, value)
