@@ -144,7 +144,8 @@ def test_five_kills_one_second_apart_are_replaced_by_forks_that_import_nothing(
             assert info is not None
             os.kill(info[0], signal.SIGKILL)
             time.sleep(1.0)  # the next fault comes 1 s later, recovered or not
-            wait_for(lambda a=attempt: started(tmp_path, a + 1, 0) is not None)  # type: ignore[misc]
+            # both ranks of the next attempt started (the next kill is of either one)
+            wait_for(lambda a=attempt: all(started(tmp_path, a + 1, r) for r in (0, 1)))  # type: ignore[misc]
         wait_for(lambda: stepped(tmp_path, 5, 0) and stepped(tmp_path, 5, 1))
         (tmp_path / "finish").write_text("")
         code, _, err = run.finish(timeout=60)

@@ -4,16 +4,17 @@ short corruption, retried once through a broken connection."""
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
-from relaunch.errors import RendezvousStateError, StoreConnectionError
+from relaunch.errors import RendezvousClosedError, RendezvousStateError, StoreConnectionError
 from relaunch.rendezvous._backend import StateBackend
 from relaunch.rendezvous._corrupt import CorruptWatch
 from relaunch.rendezvous._epochs import EpochWatch
 from relaunch.rendezvous._state import RendezvousState
 from relaunch.store import LeaseStore
 
-__all__ = ["PolledState"]
+__all__ = ["PolledState", "load_through_corruption"]
 
 logger = logging.getLogger(__name__)
 
@@ -85,3 +86,28 @@ class PolledState:
                 return seen
         self._probed = now
         return self._rdzv.changed_since(state)
+
+
+def load_through_corruption(
+    backend: StateBackend,
+    corrupt: CorruptWatch,
+    interrupted: threading.Event,
+    *,
+    patient: bool,
+) -> tuple[RendezvousState, bytes | None]:
+    """The state now. While it is corrupt (said once: ``corrupt``), a ``patient`` caller
+    (a node that read a valid one and waits for a round) reads again every keep-alive
+    interval for up to the dead-node delay, as the agent's polls go on with their last
+    valid state; then, or at once when not patient, RendezvousStateError.
+    RendezvousClosedError once ``interrupted`` is set."""
+    while True:
+        try:
+            loaded = backend.load()
+        except RendezvousStateError as exc:
+            if corrupt.expired(corrupt.seen(exc)) or not patient:
+                raise
+            if interrupted.wait(backend.settings.keep_alive_interval):
+                raise RendezvousClosedError("next_rendezvous interrupted") from exc
+            continue
+        corrupt.ok()
+        return loaded

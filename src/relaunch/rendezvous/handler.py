@@ -24,7 +24,7 @@ from relaunch.rendezvous._ops import (
     decide_join,
     nodes_waiting,
 )
-from relaunch.rendezvous._polled import PolledState
+from relaunch.rendezvous._polled import PolledState, load_through_corruption
 from relaunch.rendezvous._program import RefusedLog, claim_program
 from relaunch.rendezvous._settings import RendezvousSettings
 from relaunch.rendezvous._state import RendezvousState, new_node_id, peer_addresses
@@ -194,7 +194,9 @@ class DynamicRendezvousHandler:
                 continue
             if info is not None:
                 return info
-            state, raw = self._rdzv.load()
+            state, raw = load_through_corruption(
+                self._rdzv, self._corrupt, self._interrupted, patient=state is not None
+            )
 
     def _raise_if_ended(self, action: Action) -> None:
         """Raise what ends next_rendezvous for ``action``, if it is one of the ends."""
