@@ -3,6 +3,7 @@ torchrun with the script's own disk checkpoints every K steps, in the same run.
 
     python bench/goodput.py [--steps 600] [--step-time 0.05] [--fault-every 8] [--every 50]
                             [--params 10] [--nodes 2 --nproc 1 --node-kill-every 2]
+                            [--device cuda --backend nccl] [--launchers relaunch]
 
 ``--nodes`` agents of the launcher on this machine (each with a snapshot directory of
 its own; gloo over loopback), ``--nproc`` workers each (``examples/snapshots.py``: DDP,
@@ -18,8 +19,13 @@ checkpoint at all, with its checkpoints and no fault, and with faults. Prints pe
 launcher: wall times, faults, goodput (fault-free time / wall time with faults), steps
 redone per fault (step executions beyond ``--steps``, per fault), and the cost of
 saving per step (fault-free wall time against the same script with no checkpoint at
-all, per step). ``--params M``: a model of about M million parameters (Adam: its state
-is 3x that) instead of the example's tiny one.
+all, per step), the seconds of wall time each fault cost (faulted against fault-free),
+and from that the goodput at one fault a minute ("@1/min": one minus that cost over 60
+s, times the no-checkpoint time over the fault-free time, so that saving counts).
+``--params M``: a model of about M million parameters (Adam: its state is 3x that)
+instead of the example's tiny one. ``--device cuda --backend nccl --nproc 1``: on a GPU
+(snapshots through pinned memory, beside the next step). ``--launchers relaunch``: one
+launcher only.
 """
 
 from __future__ import annotations
@@ -130,7 +136,8 @@ def run(launcher: str, args: argparse.Namespace, faults: bool, mode: str) -> dic
     """One job; ``mode``: "snapshot" (every step), "disk" (every K steps) or "none"."""
     out = Path(tempfile.mkdtemp(prefix="relaunch-goodput-"))
     script = [str(EXAMPLE), "--steps", str(args.steps), "--sleep", str(args.step_time),
-              "--log-to", str(out), "--params", str(args.params)]  # fmt: skip
+              "--log-to", str(out), "--params", str(args.params),
+              "--device", args.device, "--backend", args.backend]  # fmt: skip
     if mode == "disk":
         script += ["--disk-every", str(args.every), "--disk-dir", str(out)]
     elif mode == "none":
@@ -205,6 +212,11 @@ def main() -> None:
                         help="relaunch only: agents beyond --nodes, waiting as spares")  # fmt: skip
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--limit", type=float, default=600.0, help="seconds a run may take")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="where the example trains (cuda: pinned, asynchronous snapshots)")  # fmt: skip
+    parser.add_argument("--backend", default="gloo", help="the process group's backend")
+    parser.add_argument("--launchers", default="relaunch,torchrun",
+                        help="which launchers run, comma-separated")  # fmt: skip
     args = parser.parse_args()
     if args.node_kill_every and args.nodes < 2:
         parser.error("--node-kill-every needs --nodes 2 or more (the first node hosts the store)")
@@ -215,17 +227,25 @@ def main() -> None:
           f"{args.nproc} worker(s), a SIGKILL every {args.fault_every} s{kinds}; "
           f"torchrun's script saves every {args.every} steps")  # fmt: skip
     print(f"{'launcher':<10} {'clean s':>8} {'faulted s':>10} {'faults':>7} {'nodes':>6} "
-          f"{'goodput':>8} {'redone/fault':>13} {'save ms/step':>13}")  # fmt: skip
+          f"{'goodput':>8} {'redone/fault':>13} {'save ms/step':>13} {'lost s/fault':>13} "
+          f"{'@1/min':>7}")  # fmt: skip
+    chosen = set(args.launchers.split(","))
     for launcher, mode in (("relaunch", "snapshot"), ("torchrun", "disk")):
+        if launcher not in chosen:
+            continue
         bare = run(launcher, args, False, "none")
         clean = run(launcher, args, False, mode)
         hit = run(launcher, args, True, mode)
         redone = (hit["executed"] - args.steps) / max(hit["faults"], 1)
         save = (clean["wall"] - bare["wall"]) / args.steps * 1e3
         shown = f"{redone:13.1f}" if hit["finished"] else f"{'(unfinished)':>13}"
+        # seconds of wall time each fault cost, and the goodput that gives at one
+        # fault a minute, the cost of saving included (the bare run's time is the ideal)
+        lost = (hit["wall"] - clean["wall"]) / max(hit["faults"], 1)
+        projected = max(0.0, 1 - lost / 60) * min(1.0, bare["wall"] / clean["wall"])
         print(f"{launcher:<10} {clean['wall']:8.1f} {hit['wall']:10.1f} {hit['faults']:7.0f} "
               f"{hit['nodes']:6.0f} {clean['wall'] / hit['wall']:8.1%} {shown} "
-              f"{save:13.1f}")  # fmt: skip
+              f"{save:13.1f} {lost:13.2f} {projected:7.1%}")  # fmt: skip
 
 
 if __name__ == "__main__":
