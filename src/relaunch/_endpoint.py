@@ -68,10 +68,14 @@ def join_endpoint(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
+def family_of(address: str) -> socket.AddressFamily:
+    """The socket family of an address literal: IPv6 when it holds a colon."""
+    return socket.AF_INET6 if ":" in address else socket.AF_INET
+
+
 def own_address(toward: str, port: int) -> str:
     """This machine's address on the route to ``toward`` (no DNS, no packet sent)."""
-    family = socket.AF_INET6 if ":" in toward else socket.AF_INET
-    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+    with socket.socket(family_of(toward), socket.SOCK_DGRAM) as probe:
         try:
             probe.connect((toward, port))
         except OSError:

@@ -23,24 +23,12 @@ from collections.abc import Callable, Sequence
 from importlib.machinery import PathFinder
 from typing import TypeVar
 
+from relaunch import _parse
 from relaunch._cli_options import OPTS
 from relaunch._cli_slurm import SlurmDefaults, slurm_defaults
 from relaunch._cli_values import Values, build_parser
 from relaunch._endpoint import C10D_PORT, ETCD_PORT
-from relaunch._parse import parse_bytes
-from relaunch.config import (
-    BACKENDS,
-    START_METHODS,
-    LaunchConfig,
-    Std,
-    check_run_id,
-    check_template,
-    parse_endpoint,
-    parse_nnodes,
-    parse_rdzv_conf,
-    parse_signals,
-    parse_std,
-)
+from relaunch.config import BACKENDS, START_METHODS, LaunchConfig, Std
 from relaunch.errors import ConfigError
 
 __all__ = ["main", "parse_args"]
@@ -113,7 +101,7 @@ def _module_exists(name: str) -> bool:
 
 
 def _std(values: Values, dest: str, nproc: int) -> dict[int, Std]:
-    parsed = values.parsed(dest, parse_std)
+    parsed = values.parsed(dest, _parse.parse_std)
     if isinstance(parsed, dict) and any(rank >= nproc for rank in parsed):
         logger.warning("%s: local ranks >= %s do not exist; ignored", values.label(dest), nproc)
     return Std.to_map(parsed, nproc)
@@ -134,7 +122,7 @@ def _rendezvous(values: Values, nnodes: tuple[int, int]) -> tuple[str, str, str,
     if backend not in BACKENDS:
         values.fail("rdzv_backend", "one of " + ", ".join(BACKENDS))
     endpoint = values.stripped("rdzv_endpoint")
-    run_id = values.parsed("rdzv_id", check_run_id)
+    run_id = values.parsed("rdzv_id", _parse.check_run_id)
     if values.switch("standalone"):
         for dest in ("rdzv_backend", "rdzv_endpoint", "rdzv_id", "nnodes"):
             if values.given(dest):
@@ -157,13 +145,13 @@ def _rendezvous(values: Values, nnodes: tuple[int, int]) -> tuple[str, str, str,
             addr = _check_host(values, "master_addr") or "127.0.0.1"
             port = values.integer("master_port", 0, 65535) if values.given("master_port") else None
             return backend, f"{addr}:{_STATIC_PORT if port is None else port}", run_id, nnodes
-        return backend, values.parsed("rdzv_endpoint", parse_endpoint, None), run_id, nnodes
+        return backend, values.parsed("rdzv_endpoint", _parse.parse_endpoint, None), run_id, nnodes
     default_port = C10D_PORT if backend == "c10d" else ETCD_PORT
     items = endpoint.split(",") if backend == "etcd" and endpoint else [endpoint or "127.0.0.1"]
     label = values.label("rdzv_endpoint")
     if backend == "c10d" and "," in endpoint:
         values.fail("rdzv_endpoint", "HOST[:PORT] (one endpoint for c10d)")
-    normalized = [parse_endpoint(item, default_port, label) for item in items]
+    normalized = [_parse.parse_endpoint(item, default_port, label) for item in items]
     return backend, ",".join(normalized), run_id, nnodes
 
 
@@ -245,7 +233,7 @@ def _template(values: Values) -> str | None:
     if template is None:
         template = os.environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE") or None
         label = "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"
-    return None if template is None else check_template(template, label)
+    return None if template is None else _parse.check_template(template, label)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> LaunchConfig:
@@ -256,7 +244,7 @@ def parse_args(argv: Sequence[str] | None = None) -> LaunchConfig:
     """
     ns, values, slurm = _command_line(argv)
     entrypoint, module, no_python, run_path = _entry(values, ns.training_script)
-    nnodes = values.parsed("nnodes", parse_nnodes)
+    nnodes = values.parsed("nnodes", _parse.parse_nnodes)
     nproc_kind = _nproc(values)
     node_rank = values.integer("node_rank", 0)
     if values.stripped("rdzv_backend") == "static" and node_rank >= nnodes[1]:
@@ -272,7 +260,7 @@ def parse_args(argv: Sequence[str] | None = None) -> LaunchConfig:
     config = LaunchConfig(
         min_nodes=min_nodes, max_nodes=max_nodes, node_rank=node_rank,
         rdzv_backend=backend, rdzv_endpoint=endpoint, rdzv_id=run_id,
-        rdzv_conf=slurm.conf(_with_secret(values.parsed("rdzv_conf", parse_rdzv_conf))),
+        rdzv_conf=slurm.conf(_with_secret(values.parsed("rdzv_conf", _parse.parse_rdzv_conf))),
         standalone=values.switch("standalone"),
         max_restarts=values.integer("max_restarts", 0),
         monitor_interval=values.number("monitor_interval", positive=True),
@@ -293,10 +281,10 @@ def parse_args(argv: Sequence[str] | None = None) -> LaunchConfig:
         log_line_prefix_template=_template(values),
         snapshot_dir=_check_dir(values, "snapshot_dir"),
         snapshot_keep=values.integer("snapshot_keep", 1),
-        snapshot_limit=values.parsed("snapshot_limit", parse_bytes)
+        snapshot_limit=values.parsed("snapshot_limit", _parse.parse_bytes)
         if values.given("snapshot_limit") else None,
         checkpoint_dir=_check_dir(values, "checkpoint_dir"),
-        signals_to_handle=values.parsed("signals_to_handle", parse_signals),
+        signals_to_handle=values.parsed("signals_to_handle", _parse.parse_signals),
         # Last: the file system, then counting devices (may import torch).
         entrypoint=_check_exists(entrypoint, module, no_python),
         nproc_per_node=(nproc := _resolve_nproc(values, nproc_kind)),

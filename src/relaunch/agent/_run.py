@@ -14,6 +14,7 @@ import signal
 import time
 from typing import assert_never
 
+from relaunch import events
 from relaunch.agent._attempt import Slot, return_values
 from relaunch.agent._core import (
     Action,
@@ -62,22 +63,7 @@ from relaunch.errors import (
     RendezvousStateError,
     StoreError,
 )
-from relaunch.events import (
-    Detail,
-    Event,
-    EventSink,
-    MembershipChanged,
-    NotNeeded,
-    RendezvousClosed,
-    RendezvousComplete,
-    Restart,
-    RunFailed,
-    Stopped,
-    StoreLost,
-    WorkerHung,
-    WorkersFailed,
-    WorkersSucceeded,
-)
+from relaunch.events import Detail, Event, EventSink
 from relaunch.procs import (
     RunLogDir,
     set_child_subreaper,
@@ -149,7 +135,7 @@ class AgentRun:
                 return self._stopped()  # our own interrupt() ended a rendezvous
             if self._attempt < 0:
                 # Closed before this node ever ran workers: a spare the job did not need.
-                self._emit(NotNeeded())
+                self._emit(events.NotNeeded())
                 return RunResult(state=WorkerState.SUCCEEDED)
             raise
 
@@ -208,7 +194,7 @@ class AgentRun:
             reason = f"{exc} (for longer than this node can go on without it)"
         else:
             reason = store_lost_reason(self._handler, exc)
-        self._emit(StoreLost(reason=reason))
+        self._emit(events.StoreLost(reason=reason))
         return RunResult(state=WorkerState.FAILED, failures=failures, reason=reason)
 
     def _loop_once_started(self) -> RunResult:
@@ -225,7 +211,7 @@ class AgentRun:
                     return self._stopped()
                 # Another node gave up on the job (or it was closed): we fail with it.
                 self._stop_workers(signal.SIGTERM)
-                self._emit(RendezvousClosed())
+                self._emit(events.RendezvousClosed())
                 return RunResult(state=WorkerState.FAILED, failures=self._job_failures({}))
             if result is not None:
                 return result
@@ -271,7 +257,7 @@ class AgentRun:
             case ExitBarrier():
                 return self._succeeded(action, obs)
             case RestartGroup(reason="membership"):
-                self._emit(MembershipChanged())
+                self._emit(events.MembershipChanged())
                 self._restart()
             case RestartGroup():
                 if action.hang is not None:
@@ -288,12 +274,12 @@ class AgentRun:
         if action.kill:
             self._stop_workers(signal.SIGKILL)  # returned, then stuck in teardown
         self._group.state = WorkerState.SUCCEEDED
-        self._emit(WorkersSucceeded(attempt=self._attempt, after_return=notes))
+        self._emit(events.WorkersSucceeded(attempt=self._attempt, after_return=notes))
         note = finish_round(self._handler, self._info, self._spec.exit_barrier_timeout, self._emit)
         values = return_values(self._spec, self._group.workers, self._slots())
         return RunResult(state=WorkerState.SUCCEEDED, return_values=values, reason=note)
 
-    def _report_hang(self, hang: Hang) -> WorkerHung:
+    def _report_hang(self, hang: Hang) -> events.WorkerHung:
         assert self._policy.hang_timeout is not None
         pid = self._workers.pids()[hang.local_rank]
         return report_hang(hang, self._slots()[hang.local_rank], pid, self._policy.hang_timeout)
@@ -302,7 +288,7 @@ class AgentRun:
         """Restart after a worker failure, or end the run when the job's budget is spent."""
         assert self._info is not None
         self._emit(
-            WorkersFailed(
+            events.WorkersFailed(
                 attempt=self._attempt,
                 failures={r: f.exitcode for r, f in failures.items()},
                 causes=causes(failures),
@@ -313,19 +299,19 @@ class AgentRun:
         verdict = after_failure(total, self._policy.max_restarts)
         if isinstance(verdict, GiveUp):
             self._stop_workers(signal.SIGTERM)
-            self._emit(RunFailed(attempt=self._attempt, restarts=verdict.restarts))
+            self._emit(events.RunFailed(attempt=self._attempt, restarts=verdict.restarts))
             try:
                 self._handler.set_closed()  # the other nodes stop too
             except (RendezvousError, StoreError) as exc:
                 log.warning("could not close the rendezvous: %s", exc)
             return RunResult(state=WorkerState.FAILED, failures=self._job_failures(failures))
-        self._emit(Restart(restarts=total, max_restarts=self._spec.max_restarts))
+        self._emit(events.Restart(restarts=total, max_restarts=self._spec.max_restarts))
         self._restart()
         return None
 
     def _stopped(self) -> RunResult:
         sig = self._stop.signum or signal.SIGTERM
-        self._emit(Stopped(signal=sig))
+        self._emit(events.Stopped(signal=sig))
         self._stop_workers(sig)
         return RunResult(state=WorkerState.STOPPED)
 
@@ -347,7 +333,7 @@ class AgentRun:
         self._membership.new_round(info.rank, info.incarnation)
         replacing = bool(info.incarnation)
         self._emit(
-            RendezvousComplete(
+            events.RendezvousComplete(
                 round=info.round,
                 world_size=info.world_size,
                 seconds=round(time.monotonic() - t0, 4),

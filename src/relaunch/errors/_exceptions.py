@@ -28,25 +28,6 @@ libraries (torch, etcd, sockets) are translated at the boundary with
 
 from __future__ import annotations
 
-__all__ = [
-    "ConfigError",
-    "InProcessError",
-    "RelaunchError",
-    "RendezvousClosedError",
-    "RendezvousError",
-    "RendezvousGracefulExitError",
-    "RendezvousStateError",
-    "RendezvousTimeoutError",
-    "SnapshotError",
-    "StatusError",
-    "StoreClosedError",
-    "StoreConnectionError",
-    "StoreError",
-    "StoreTimeoutError",
-    "TimerError",
-    "WorkerError",
-]
-
 
 class RelaunchError(Exception):
     """Root of every error relaunch raises on purpose."""

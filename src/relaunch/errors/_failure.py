@@ -11,12 +11,7 @@ from datetime import datetime
 from typing import Any, cast
 
 from relaunch.errors._exceptions import WorkerError
-from relaunch.errors._file import (
-    NOT_AVAILABLE,
-    ErrorFileProblem,
-    ProblemKind,
-    read_error_file,
-)
+from relaunch.errors._file import NOT_AVAILABLE, ErrorFileProblem, ProblemKind, read_error_file
 
 __all__ = ["FailureFormatError", "ProcessFailure"]
 

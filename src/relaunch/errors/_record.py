@@ -9,12 +9,7 @@ import os
 from collections.abc import Callable
 from typing import Any, ParamSpec, TypeVar
 
-from relaunch.errors._file import (
-    ERROR_FILE_ENV,
-    NOT_AVAILABLE,
-    build_error_data,
-    write_error_file,
-)
+from relaunch.errors._file import ERROR_FILE_ENV, NOT_AVAILABLE, build_error_data, write_error_file
 
 __all__ = ["record"]
 

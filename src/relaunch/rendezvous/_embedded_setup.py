@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from relaunch._endpoint import own_address
 from relaunch.errors import ConfigError, StoreError
 from relaunch.rendezvous._member_calls import member_endpoints
-from relaunch.rendezvous._replicated import EmbeddedStore
+from relaunch.rendezvous._replicated import EmbeddedSettings, EmbeddedStore
 from relaunch.rendezvous._seats import parse_members
 from relaunch.rendezvous._settings import RendezvousSettings
 from relaunch.rendezvous.api import RendezvousParameters
@@ -86,16 +86,18 @@ def start_embedded(
     host, port = endpoint
     target, binary = members
     embedded = EmbeddedStore(
-        binary=binary,
-        run_id=params.run_id,
-        endpoint=endpoint,
-        address=params.local_addr or (host if is_host else own_address(host, port)),
-        target=target,
-        hosts=is_host,
-        grace=max(settings.dead_after, 3.0),
-        lease_ttl=settings.dead_after,
-        read_timeout=read_timeout,
-        log_dir=os.environ.get("RELAUNCH_ETCD_LOG_DIR"),
+        EmbeddedSettings(
+            binary=binary,
+            run_id=params.run_id,
+            endpoint=endpoint,
+            address=params.local_addr or (host if is_host else own_address(host, port)),
+            target=target,
+            hosts=is_host,
+            grace=max(settings.dead_after, 3.0),
+            lease_ttl=settings.dead_after,
+            read_timeout=read_timeout,
+            log_dir=os.environ.get("RELAUNCH_ETCD_LOG_DIR"),
+        )
     )
     return embedded, embedded.start()
 

@@ -26,6 +26,8 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from relaunch._endpoint import family_of
+
 __all__ = ["Lifeline", "Target", "decode_address", "encode_address"]
 
 log = logging.getLogger(__name__)
@@ -96,7 +98,7 @@ class Lifeline:
     def start(self) -> None:
         """Listen (on ``host`` when it is an IP address, else on every address) and
         start the thread; OSError when it cannot listen."""
-        family = socket.AF_INET6 if ":" in self._host else socket.AF_INET
+        family = family_of(self._host)
         bind = self._host if _is_ip(self._host) else "::" if family == socket.AF_INET6 else ""
         listener = socket.socket(family, socket.SOCK_STREAM)
         try:

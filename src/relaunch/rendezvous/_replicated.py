@@ -37,6 +37,7 @@ import logging
 import os
 import threading
 import time
+from dataclasses import dataclass
 
 from relaunch.errors import StoreConnectionError, StoreError
 from relaunch.rendezvous._member_calls import (
@@ -58,7 +59,7 @@ from relaunch.store._etcd_member import (
 )
 from relaunch.store.etcd import EtcdStore
 
-__all__ = ["EmbeddedStore"]
+__all__ = ["EmbeddedSettings", "EmbeddedStore"]
 
 log = logging.getLogger(__name__)
 
@@ -66,38 +67,39 @@ _JOIN_TIMEOUT = 30.0
 """Seconds a new member may take to become healthy."""
 
 
+@dataclass(frozen=True, kw_only=True)
+class EmbeddedSettings:
+    """What one node's part of the embedded store is given."""
+
+    binary: str
+    """The etcd binary."""
+    run_id: str
+    endpoint: tuple[str, int]
+    """Where a node first asks (the c10d endpoint)."""
+    address: str
+    """This node's address, where its member listens."""
+    target: int
+    """How many voting members the store grows to."""
+    hosts: bool
+    """Whether this node hosts the endpoint (starts the first member)."""
+    grace: float
+    """Seconds a member may be down before it is replaced."""
+    lease_ttl: float
+    read_timeout: float
+    log_dir: str | None = None
+    """Where the members' logs go (None: nowhere)."""
+    interval: float = 2.0
+    """Seconds between the member checks."""
+
+
 class EmbeddedStore:
     """This node's part of the embedded store: a client of the cluster, maybe a
     member, and the thread that keeps the members whole. :meth:`close` ends both."""
 
-    def __init__(
-        self,
-        *,
-        binary: str,
-        run_id: str,
-        endpoint: tuple[str, int],
-        address: str,
-        target: int,
-        hosts: bool,
-        grace: float,
-        lease_ttl: float,
-        read_timeout: float,
-        log_dir: str | None = None,
-        interval: float = 2.0,
-    ) -> None:
-        self._binary = binary
-        self._run_id = run_id
-        self._endpoint = endpoint
-        self._address = address
-        self._target = target
-        self._hosts = hosts
-        self._grace = grace
-        self._lease_ttl = lease_ttl
-        self._read_timeout = read_timeout
-        self._log_dir = log_dir
-        self._interval = interval
-        self._name = f"{address}-{os.getpid()}-{run_id}"
-        self._lock_key = f"relaunch/embedded/{run_id}/joining"
+    def __init__(self, settings: EmbeddedSettings) -> None:
+        self._cfg = settings
+        self._name = f"{settings.address}-{os.getpid()}-{settings.run_id}"
+        self._lock_key = f"relaunch/embedded/{settings.run_id}/joining"
         self._member: EtcdMember | None = None
         self._members: list[Member] = []
         self._down: dict[str, float] = {}
@@ -113,9 +115,9 @@ class EmbeddedStore:
     def start(self) -> EtcdStore:
         """Start or reach the cluster, join it if seats are free, start the keeper
         thread; returns the client the rendezvous uses (closed by :meth:`close`)."""
-        host, port = self._endpoint
+        host, port = self._cfg.endpoint
         try:
-            if self._hosts and port_free(self._bind_address(), port):
+            if self._cfg.hosts and port_free(self._bind_address(), port):
                 try:
                     self._start_member(port, initial=None)
                 except StoreConnectionError as exc:  # another agent here took the port first
@@ -128,38 +130,38 @@ class EmbeddedStore:
             self.close()
             raise
         self._thread = threading.Thread(
-            target=self._run, name=f"relaunch-embedded-store-{self._run_id}", daemon=True
+            target=self._run, name=f"relaunch-embedded-store-{self._cfg.run_id}", daemon=True
         )
         self._thread.start()
         return store
 
     def _bind_address(self) -> str:
-        return self._address if self._address.startswith("127.") else "0.0.0.0"
+        return self._cfg.address if self._cfg.address.startswith("127.") else "0.0.0.0"
 
     def _reach(self) -> None:
         """Wait (up to ``read_timeout``) until the endpoint's cluster answers."""
         assert self._store is not None
-        deadline = time.monotonic() + self._read_timeout
+        deadline = time.monotonic() + self._cfg.read_timeout
         while True:
             try:
                 self._store.request("/cluster/member/list", {})
                 return
             except StoreConnectionError as exc:
                 if time.monotonic() >= deadline:
-                    host, port = self._endpoint
+                    host, port = self._cfg.endpoint
                     raise StoreConnectionError(
                         f"cannot reach the embedded rendezvous store at {host}:{port} within "
-                        f"read_timeout={self._read_timeout:g} s: is a node of the job up "
+                        f"read_timeout={self._cfg.read_timeout:g} s: is a node of the job up "
                         f"there? ({exc})"
                     ) from exc
                 time.sleep(0.2)
 
     def _start_member(self, client_port: int | None, initial: str | None) -> None:
         """Start this node's member: a new cluster (``initial`` None) or one joining."""
-        address = self._address
+        address = self._cfg.address
         port = client_port
         if port is None:
-            wanted = self._endpoint[1]
+            wanted = self._cfg.endpoint[1]
             port = wanted if port_free(self._bind_address(), wanted) else free_port(address)
         peer = free_port(address)
         spec = MemberSpec(
@@ -169,13 +171,13 @@ class EmbeddedStore:
             peer_port=peer,
             initial_cluster=initial or f"{self._name}=http://{bracket(address)}:{peer}",
             new_cluster=initial is None,
-            token=f"relaunch-{self._run_id}",
+            token=f"relaunch-{self._cfg.run_id}",
         )
         self._launch(spec)
 
     def _launch(self, spec: MemberSpec) -> None:
         """Start this node's member; return once it answers healthy (it has a leader)."""
-        member = EtcdMember(self._binary, spec, self._log_dir)
+        member = EtcdMember(self._cfg.binary, spec, self._cfg.log_dir)
         try:
             member.wait_healthy(_JOIN_TIMEOUT)
         except BaseException:
@@ -212,10 +214,12 @@ class EmbeddedStore:
         is lost); then the members watch each other every interval, and the others only
         look for a free seat and the members' addresses, less often (idle CPU of etcd)."""
         with self._view_lock:
-            growing = sum(1 for m in self._members if m.started and not m.learner) < self._target
+            growing = (
+                sum(1 for m in self._members if m.started and not m.learner) < self._cfg.target
+            )
         if growing:
-            return min(0.5, self._interval)
-        return self._interval if self._member is not None else 3 * self._interval
+            return min(0.5, self._cfg.interval)
+        return self._cfg.interval if self._member is not None else 3 * self._cfg.interval
 
     def _refresh(self) -> None:
         """Read the member list, check each member's health, point the client at the
@@ -250,10 +254,10 @@ class EmbeddedStore:
         decided = plan(
             self._members,
             self._me(),
-            self._target,
+            self._cfg.target,
             self._down,
             time.monotonic(),
-            self._grace,
+            self._cfg.grace,
             _JOIN_TIMEOUT + 10.0,
         )
         for member_id in decided.remove:
@@ -261,7 +265,9 @@ class EmbeddedStore:
                 (m.name or "(never started)" for m in self._members if m.id == member_id), ""
             )
             remove_member(self._store, member_id, name)
-            log.warning("embedded store: member %s down %g s or more: removed", name, self._grace)
+            log.warning(
+                "embedded store: member %s down %g s or more: removed", name, self._cfg.grace
+            )
         for learner in (m for m in self._members if m.id == decided.promote):
             promote_once(self._store, learner)  # else tried again next time
         if decided.join and self._admitted:
@@ -272,17 +278,17 @@ class EmbeddedStore:
         the seat left to another node when the member cannot start."""
         assert self._store is not None
         store = self._store
-        if not store.claim_ephemeral(self._lock_key, self._name.encode(), self._lease_ttl):
+        if not store.claim_ephemeral(self._lock_key, self._name.encode(), self._cfg.lease_ttl):
             return
         added: str | None = None
         try:
-            steps = join_steps(list_members(store), self._target)
+            steps = join_steps(list_members(store), self._cfg.target)
             if steps is None:
                 return
             if steps.promote_first is not None:  # the learner that waited for a pair
                 promote_when_in_sync(store, steps.promote_first, 5.0)
-            peer = free_port(self._address)
-            peer_url = f"http://{bracket(self._address)}:{peer}"
+            peer = free_port(self._cfg.address)
+            peer_url = f"http://{bracket(self._cfg.address)}:{peer}"
             # the first of a pair a learner: it has no vote until promoted, so a member
             # that never starts cannot cost the quorum; the second a voting member at
             # once (the running ones hold the quorum while it starts)
@@ -296,16 +302,18 @@ class EmbeddedStore:
                 for m in parse_members(reply)
                 if m.peer_urls
             ]
-            wanted = self._endpoint[1]
-            port = wanted if port_free(self._bind_address(), wanted) else free_port(self._address)
+            wanted = self._cfg.endpoint[1]
+            port = (
+                wanted if port_free(self._bind_address(), wanted) else free_port(self._cfg.address)
+            )
             spec = MemberSpec(
                 name=self._name,
-                address=self._address,
+                address=self._cfg.address,
                 client_port=port,
                 peer_port=peer,
                 initial_cluster=",".join(cluster),
                 new_cluster=False,
-                token=f"relaunch-{self._run_id}",
+                token=f"relaunch-{self._cfg.run_id}",
             )
             self._launch(spec)
             added = None  # a member now (voting, or a learner waiting for a pair): it stays
@@ -347,7 +355,7 @@ class EmbeddedStore:
         self._wake.set()
         thread, self._thread = self._thread, None
         if thread is not None:
-            thread.join(timeout=self._read_timeout + 15)
+            thread.join(timeout=self._cfg.read_timeout + 15)
         store, self._store = self._store, None
         if store is not None:
             if self._member is not None:

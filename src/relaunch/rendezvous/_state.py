@@ -7,6 +7,7 @@ a process-wide counter.
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import itertools
 import json
@@ -112,27 +113,13 @@ class RendezvousState:
     long as the job can; a lost node is then never the one the others depend on."""
 
     def copy(self) -> RendezvousState:
-        return RendezvousState(
-            run_id=self.run_id,
-            seq=self.seq,
-            epoch=self.epoch,
-            round=self.round,
-            complete=self.complete,
-            closed=self.closed,
-            deadline=self.deadline,
-            participants=dict(self.participants),
-            wait_list=set(self.wait_list),
-            redundancy_list=set(self.redundancy_list),
-            expected=set(self.expected),
-            last_heartbeats=dict(self.last_heartbeats),
-            applied=self.applied,
-            restarts=self.restarts,
-            failed_round=self.failed_round,
-            inprocess=set(self.inprocess),
-            vacancies=dict(self.vacancies),
-            incarnations=dict(self.incarnations),
-            store_host=self.store_host,
-        )
+        """A copy with maps and sets of its own (their items are immutable)."""
+        fresh = dataclasses.replace(self)
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, dict | set):
+                setattr(fresh, f.name, value.copy())
+        return fresh
 
     def knows(self, node: str) -> bool:
         """Whether ``node`` appears anywhere in the state."""

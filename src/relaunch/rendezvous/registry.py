@@ -45,6 +45,7 @@ from relaunch.rendezvous.handler import DynamicRendezvousHandler
 from relaunch.store import Store
 
 if TYPE_CHECKING:
+    from relaunch.rendezvous._replicated import EmbeddedStore
     from relaunch.store.tcp import TCPStoreServer
 
 __all__ = ["C10D_CONF_KEYS", "DEFAULT_PORT", "ETCD_CONF_KEYS", "connect_store", "create_handler"]
@@ -177,20 +178,7 @@ def _create_embedded(
 
     read_timeout = _seconds(params.conf, "read_timeout", 60.0)
     embedded, store = start_embedded(params, settings, endpoint, is_host, members, read_timeout)
-    try:
-        signed = _signed(store, params)
-    except ConfigError:
-        embedded.close()
-        raise
-    return DynamicRendezvousHandler(
-        backend="c10d",
-        store=signed,
-        settings=settings,
-        local_addr=params.local_addr,
-        owns_store=False,
-        embedded=embedded,
-        lifeline_host=params.local_addr or own_address(*endpoint),
-    )
+    return _c10d_handler(params, settings, store, endpoint, embedded=embedded)
 
 
 def _create_c10d(params: RendezvousParameters) -> DynamicRendezvousHandler:
@@ -225,10 +213,24 @@ def _create_c10d(params: RendezvousParameters) -> DynamicRendezvousHandler:
             f"cannot reach the c10d rendezvous store at {host}:{port} within "
             f"read_timeout={read_timeout} s: is the node hosting it up? ({exc})"
         ) from exc
+    return _c10d_handler(params, settings, store, (host, port), server=server)
+
+
+def _c10d_handler(
+    params: RendezvousParameters,
+    settings: RendezvousSettings,
+    store: Store,
+    endpoint: tuple[str, int],
+    *,
+    server: TCPStoreServer | None = None,
+    embedded: EmbeddedStore | None = None,
+) -> DynamicRendezvousHandler:
+    """The c10d handler over ``store`` (owned by ``embedded`` when there is one, else by
+    the handler); a bad job secret closes what was started for it."""
     try:
         signed = _signed(store, params)
     except ConfigError:
-        store.close()
+        (embedded or store).close()
         if server is not None:
             server.close()
         raise
@@ -238,7 +240,9 @@ def _create_c10d(params: RendezvousParameters) -> DynamicRendezvousHandler:
         settings=settings,
         local_addr=params.local_addr,
         server=server,
-        lifeline_host=params.local_addr or own_address(host, port),
+        owns_store=embedded is None,
+        embedded=embedded,
+        lifeline_host=params.local_addr or own_address(*endpoint),
     )
 
 

@@ -17,33 +17,9 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, assert_never
 
+from relaunch import events
 from relaunch._text import printable
-from relaunch.events import (
-    Detail,
-    Event,
-    ExitBarrierTimeout,
-    ForkServerReady,
-    ForkServerRefused,
-    ForkServerStarted,
-    MembershipChanged,
-    NodeLost,
-    NodeReplaced,
-    NotNeeded,
-    RendezvousClosed,
-    RendezvousComplete,
-    Restart,
-    RunFailed,
-    Stopped,
-    StoreLost,
-    WatchdogExpired,
-    WorkerHung,
-    WorkerLost,
-    WorkerRespawned,
-    WorkersFailed,
-    WorkersStarted,
-    WorkersStopped,
-    WorkersSucceeded,
-)
+from relaunch.events import Detail, Event
 from relaunch.status._report import (
     TIMELINE_LENGTH,
     FailureLine,
@@ -75,9 +51,9 @@ def _how(exitcode: int) -> str:
 
 
 _EndOrQuiet = (
-    RunFailed | WorkersSucceeded | Stopped | StoreLost | RendezvousClosed | NotNeeded
-    | WatchdogExpired | ExitBarrierTimeout | WorkersStopped | ForkServerStarted
-    | ForkServerReady | ForkServerRefused
+    events.RunFailed | events.WorkersSucceeded | events.Stopped | events.StoreLost | events.RendezvousClosed | events.NotNeeded
+    | events.WatchdogExpired | events.ExitBarrierTimeout | events.WorkersStopped | events.ForkServerStarted
+    | events.ForkServerReady | events.ForkServerRefused
 )  # fmt: skip
 
 
@@ -162,33 +138,33 @@ class StatusBoard:
     def _voice(self, detail: Detail, ev: Event) -> str | None:
         """What ``detail`` changes on the board, and the line a user hears, if any."""
         match detail:
-            case RendezvousComplete():
+            case events.RendezvousComplete():
                 return self._rendezvous_complete(detail, ev)
-            case WorkersStarted():
+            case events.WorkersStarted():
                 return self._workers_started(detail, ev)
-            case WorkersFailed():
+            case events.WorkersFailed():
                 return self._workers_failed(detail, ev)
-            case Restart():
+            case events.Restart():
                 self._update(restarts=detail.restarts)
                 return (
                     f"restarting this node's workers (restart {detail.restarts} of "
                     f"{detail.max_restarts}, after a worker failure; tier: group restart)"
                 )
-            case MembershipChanged():
+            case events.MembershipChanged():
                 self._fault(ev.timestamp, "membership")
                 return (
                     "a new round is starting (a node joined, left, or restarts after a "
                     "failure): restarting this node's workers (tier: membership restart)"
                 )
-            case WorkerHung():
+            case events.WorkerHung():
                 return self._worker_hung(detail)
-            case WorkerLost():
+            case events.WorkerLost():
                 return self._worker_lost(detail, ev)
-            case WorkerRespawned():
+            case events.WorkerRespawned():
                 return self._worker_respawned(detail, ev)
-            case NodeLost():
+            case events.NodeLost():
                 return self._node_lost(detail, ev)
-            case NodeReplaced():
+            case events.NodeReplaced():
                 return self._node_replaced(detail, ev)
             case _:
                 return self._voice_of_the_end(detail)
@@ -196,31 +172,31 @@ class StatusBoard:
     def _voice_of_the_end(self, detail: _EndOrQuiet) -> str | None:
         """The events that end a run, and those the board only counts on (no line)."""
         match detail:
-            case RunFailed():
+            case events.RunFailed():
                 self._update(state="failed")
                 used = f"{detail.restarts} of {self._report.max_restarts}"
                 return f"no restarts left ({used} used): the job fails"
-            case WorkersSucceeded():
+            case events.WorkersSucceeded():
                 self._update(state="succeeded")
-            case Stopped():
+            case events.Stopped():
                 self._update(state="stopped")
                 return f"stopping the workers ({_signal(detail.signal)} received)"
-            case StoreLost():
+            case events.StoreLost():
                 self._update(state="failed")  # the launcher prints the reason itself
-            case RendezvousClosed():
+            case events.RendezvousClosed():
                 self._update(state="failed")
                 return "another node closed the job (after its failure): stopping"
-            case NotNeeded():
+            case events.NotNeeded():
                 self._update(state="succeeded")
                 return "this spare node was not needed: the job finished without it"
-            case WatchdogExpired():
+            case events.WatchdogExpired():
                 return f"watchdog expired for pid {detail.pid} (scope {escape(detail.scope)})"
             case (
-                ExitBarrierTimeout()
-                | WorkersStopped()
-                | ForkServerStarted()
-                | ForkServerReady()
-                | ForkServerRefused()
+                events.ExitBarrierTimeout()
+                | events.WorkersStopped()
+                | events.ForkServerStarted()
+                | events.ForkServerReady()
+                | events.ForkServerRefused()
             ):
                 pass
             case _:
@@ -249,7 +225,7 @@ class StatusBoard:
         self._update(state="running")
 
     # -- the events with more to say ---------------------------------------------------
-    def _rendezvous_complete(self, e: RendezvousComplete, ev: Event) -> str | None:
+    def _rendezvous_complete(self, e: events.RendezvousComplete, ev: Event) -> str | None:
         before, self._world = self._world, e.world_size
         self._update(round=e.round)
         if e.replaces is not None:
@@ -267,7 +243,7 @@ class StatusBoard:
             return f"round {e.round}: a node {verb}; {e.world_size} node(s) now (was {before})"
         return None
 
-    def _workers_started(self, e: WorkersStarted, ev: Event) -> str | None:
+    def _workers_started(self, e: events.WorkersStarted, ev: Event) -> str | None:
         self._update(attempt=e.attempt)
         recovering = self._fault_at is not None
         self._recovered(ev.timestamp)
@@ -275,7 +251,7 @@ class StatusBoard:
             return f"workers running again (attempt {e.attempt})"
         return None
 
-    def _workers_failed(self, e: WorkersFailed, ev: Event) -> str:
+    def _workers_failed(self, e: events.WorkersFailed, ev: Event) -> str:
         lines = []
         first: FailureLine | None = None
         for rank, cause in sorted(e.causes.items(), key=lambda kv: kv[1].time):
@@ -301,7 +277,7 @@ class StatusBoard:
         self._fault(ev.timestamp, "group")
         return "; ".join(lines) or "workers failed"
 
-    def _worker_lost(self, e: WorkerLost, ev: Event) -> str:
+    def _worker_lost(self, e: events.WorkerLost, ev: Event) -> str:
         self._count("faults", "lost")
         code = e.exitcode or -signal.SIGKILL
         message = _first_line(e.reason)
@@ -316,12 +292,12 @@ class StatusBoard:
             "its in-process peers keep running"
         )
 
-    def _worker_hung(self, e: WorkerHung) -> str:
+    def _worker_hung(self, e: events.WorkerHung) -> str:
         self._hung.add(e.local_rank)
         self._count("faults", "hang")
         return f"local rank {e.local_rank} (pid {e.pid}) hung: {_first_line(e.reason)}"
 
-    def _worker_respawned(self, e: WorkerRespawned, ev: Event) -> str:
+    def _worker_respawned(self, e: events.WorkerRespawned, ev: Event) -> str:
         self._recovered(ev.timestamp)
         how = "forked" if e.forked else "started"
         return (
@@ -330,7 +306,7 @@ class StatusBoard:
             "running (tier: process)"
         )
 
-    def _node_lost(self, e: NodeLost, ev: Event) -> str:
+    def _node_lost(self, e: events.NodeLost, ev: Event) -> str:
         self._count("faults", "node")
         self._fault(ev.timestamp, "node")
         first, last = e.ranks
@@ -340,7 +316,7 @@ class StatusBoard:
             "its place (tier: node)"
         )
 
-    def _node_replaced(self, e: NodeReplaced, ev: Event) -> str:
+    def _node_replaced(self, e: events.NodeReplaced, ev: Event) -> str:
         lost = "" if e.seen_lost else " (lost moments before)"
         if not e.seen_lost:
             self._count("faults", "node")

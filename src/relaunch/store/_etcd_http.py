@@ -58,7 +58,11 @@ class EtcdEndpoints:
         self.timeout = float(timeout)
         self.closed = False
         self._etcd3gw = etcd3gw
-        self._tls = (protocol, ca_cert, key, cert)
+        # etcd3gw's names: cert_key, cert_cert
+        self._client_options: dict[str, Any] = {
+            "protocol": protocol, "ca_cert": ca_cert, "cert_key": key, "cert_cert": cert,
+            "timeout": self.timeout, "api_path": "/v3/",
+        }  # fmt: skip
         self._user = user
         self._password = password
         self._lock = threading.Lock()
@@ -70,18 +74,8 @@ class EtcdEndpoints:
         self._set(endpoints)
 
     def _set(self, endpoints: Sequence[tuple[str, int]]) -> None:
-        protocol, ca_cert, key, cert = self._tls
         self._clients = [
-            self._etcd3gw.client(
-                host=host,
-                port=port,
-                protocol=protocol,
-                ca_cert=ca_cert,
-                cert_key=key,
-                cert_cert=cert,
-                timeout=self.timeout,
-                api_path="/v3/",
-            )
+            self._etcd3gw.client(host=host, port=port, **self._client_options)
             for host, port in endpoints
         ]
         self._names = [f"{host}:{port}" for host, port in endpoints]

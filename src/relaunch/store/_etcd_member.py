@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import BinaryIO
 from urllib.parse import urlsplit
 
+from relaunch._endpoint import family_of
 from relaunch.errors import ConfigError, StoreConnectionError
 
 __all__ = [
@@ -83,22 +84,20 @@ def is_etcd(client_url: str, timeout: float) -> bool:
         return False
 
 
-def free_port(address: str) -> int:
-    """A port free on ``address`` now (the kernel's pick)."""
-    family = socket.AF_INET6 if ":" in address else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.bind((address, 0))
+def free_port(address: str, port: int = 0) -> int:
+    """A port free on ``address`` now: ``port``, or the kernel's pick for 0 (OSError
+    when ``port`` is taken)."""
+    with socket.socket(family_of(address), socket.SOCK_STREAM) as s:
+        s.bind((address, port))
         return int(s.getsockname()[1])
 
 
 def port_free(address: str, port: int) -> bool:
     """Whether ``port`` can be bound on ``address`` now."""
-    family = socket.AF_INET6 if ":" in address else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        try:
-            s.bind((address, port))
-        except OSError:
-            return False
+    try:
+        free_port(address, port)
+    except OSError:
+        return False
     return True
 
 
