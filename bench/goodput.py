@@ -6,8 +6,9 @@ torchrun with the script's own disk checkpoints every K steps, in the same run.
                             [--device cuda --backend nccl] [--launchers relaunch]
 
 ``--nodes`` agents of the launcher on this machine (each with a snapshot directory of
-its own; gloo over loopback), ``--nproc`` workers each (``examples/snapshots.py``: DDP,
-a step of ``--step-time`` seconds of sleep beside its compute), ``--max-restarts``
+its own in /dev/shm, node memory, as relaunch's default; gloo over loopback),
+``--nproc`` workers each (``examples/snapshots.py``: DDP, a step of ``--step-time``
+seconds of sleep beside its compute), ``--max-restarts``
 enough for every fault. A fault every ``--fault-every`` seconds, the same schedule for
 both launchers: a SIGKILL of a random worker, or, every ``--node-kill-every``-th fault,
 of a whole node: its agent and every process under it, then its snapshot directory is
@@ -49,14 +50,18 @@ from _common import free_port, in_loopback_netns
 
 from relaunch.procs._sys import descendants
 
+SHM = "/dev/shm"
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "snapshots.py"
 
 
 class Cluster:
     """The agents of one run, one per simulated node, each with its snapshot directory."""
 
-    def __init__(self, launcher: str, args: argparse.Namespace, out: Path, script: list[str]):
+    def __init__(
+        self, launcher: str, args: argparse.Namespace, out: Path, shm: Path, script: list[str]
+    ):
         self.launcher, self.args, self.out, self.script = launcher, args, out, script
+        self.shm = shm
         self.port = free_port()
         self.nodes: list[subprocess.Popen[bytes]] = []
         self.dirs: list[Path] = []
@@ -69,7 +74,9 @@ class Cluster:
 
     def _start(self) -> subprocess.Popen[bytes]:
         self.started += 1
-        self._dir = self.out / f"snapshots-{self.started}"
+        # node memory, as relaunch's default (a directory on disk would add a file
+        # system's writes and fsync to every save)
+        self._dir = self.shm / f"snapshots-{self.started}"
         head = [sys.executable, "-m", "relaunch"] if self.launcher == "relaunch" else ["torchrun"]
         extra = [f"--snapshot-dir={self._dir}"] if self.launcher == "relaunch" else []
         cmd = [
@@ -135,6 +142,9 @@ class Cluster:
 def run(launcher: str, args: argparse.Namespace, faults: bool, mode: str) -> dict[str, float]:
     """One job; ``mode``: "snapshot" (every step), "disk" (every K steps) or "none"."""
     out = Path(tempfile.mkdtemp(prefix="relaunch-goodput-"))
+    shm = Path(
+        tempfile.mkdtemp(prefix="relaunch-goodput-", dir=SHM if os.path.isdir(SHM) else None)
+    )
     script = [str(EXAMPLE), "--steps", str(args.steps), "--sleep", str(args.step_time),
               "--log-to", str(out), "--params", str(args.params),
               "--device", args.device, "--backend", args.backend]  # fmt: skip
@@ -144,7 +154,7 @@ def run(launcher: str, args: argparse.Namespace, faults: bool, mode: str) -> dic
         script += ["--disk-every", str(10**9), "--disk-dir", str(out)]
     rng = random.Random(args.seed)
     t0 = time.monotonic()
-    cluster = Cluster(launcher, args, out, script)
+    cluster = Cluster(launcher, args, out, shm, script)
     killed = {"worker": 0, "node": 0}
     finished = True
     try:
@@ -168,6 +178,7 @@ def run(launcher: str, args: argparse.Namespace, faults: bool, mode: str) -> dic
     finally:
         rc = cluster.close()
         shutil.rmtree(out, ignore_errors=True)
+        shutil.rmtree(shm, ignore_errors=True)
     if rc != 0:
         print(f"  note: {launcher} {mode}: the first node exited {rc}")
     return {"wall": wall, "faults": sum(killed.values()), "nodes": killed["node"],
