@@ -254,9 +254,11 @@ def main() -> None:
         # fault a minute, the cost of saving included (the bare run's time is the ideal)
         lost = (hit["wall"] - clean["wall"]) / max(hit["faults"], 1)
         projected = max(0.0, 1 - lost / 60) * min(1.0, bare["wall"] / clean["wall"])
+        # a run stopped at --limit gives no cost per fault: its wall time is the limit
+        cost = f"{lost:13.2f} {projected:7.1%}" if hit["finished"] else f"{'-':>13} {'-':>7}"
         print(f"{launcher:<10} {clean['wall']:8.1f} {hit['wall']:10.1f} {hit['faults']:7.0f} "
               f"{hit['nodes']:6.0f} {clean['wall'] / hit['wall']:8.1%} {shown} "
-              f"{save:13.1f} {lost:13.2f} {projected:7.1%}")  # fmt: skip
+              f"{save:13.1f} {cost}")  # fmt: skip
 
 
 if __name__ == "__main__":
