@@ -74,7 +74,7 @@ def worker(out: Path, steps: int) -> None:
         ddp = DistributedDataParallel(model)
         log = (out / f"rank{rank}.jsonl").open("a", buffering=1)
         generator = torch.Generator().manual_seed(rank)
-        while held["step"] < steps:
+        while held["step"] < final_step(out, steps):
             flag = out / f"raise{rank}"
             if flag.exists():
                 flag.unlink()
@@ -95,6 +95,15 @@ def worker(out: Path, steps: int) -> None:
         dist.destroy_process_group()
 
     train()
+
+
+def final_step(out: Path, steps: int) -> int:
+    """``steps``, or the step the driver wrote in ``stop_at`` after the last fault (every
+    rank reads it before it gets there, so every rank ends at the same step)."""
+    try:
+        return min(steps, int((out / "stop_at").read_text()))
+    except (OSError, ValueError):
+        return steps
 
 
 # -- the driver -----------------------------------------------------------------------
@@ -223,6 +232,9 @@ def main() -> None:
                             os.kill(pid, signal.SIGKILL)
                     node1.wait()
                 measure(what, t0, last_step)
+            # the demo is over: the job trains 50 more steps and ends
+            (out / "stop_at.tmp").write_text(str(max(x["step"] for x in latest(out).values()) + 50))
+            (out / "stop_at.tmp").rename(out / "stop_at")
             codes = {n: p.wait(timeout=300) for n, p in agents.items() if n != "node1"}
             kept = all(pids[r] == first_pids[r] for r in (0, 1))
             print("summary:")

@@ -6,24 +6,29 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-python -m pip install --quiet --disable-pip-version-check torch==2.13.0
-python -m pip install --quiet --disable-pip-version-check -e '.[test]'
+# --no-compile: pip would compile every module of every package (torch, transformers,
+# lightning) to bytecode, about a minute of the run; Python compiles what the tests
+# import, once, on first import.
+pip_install=(python -m pip install --quiet --disable-pip-version-check --no-compile)
+"${pip_install[@]}" torch==2.13.0
+"${pip_install[@]}" -e '.[test]'
 
-# The status page is checked in a real headless browser: Chromium from Debian's packages.
-if ! command -v chromium >/dev/null && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
-  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium) \
-    >/dev/null 2>&1 || echo "note: cannot install chromium; the page's browser check is skipped" >&2
-fi
-
-# `srun relaunch ...` is checked on a real Slurm (controller, node daemons, munge) from
-# Debian's packages, run by the tests in network namespaces; nothing is started here.
-if ! command -v slurmctld >/dev/null; then
+# The status page is checked in a real headless browser (Chromium), and `srun relaunch
+# ...` on a real Slurm (controller, node daemons, munge, run by the tests in network
+# namespaces; nothing is started here): both from Debian's packages (one index update).
+apt_install() {  # $1: what the packages are for; the rest: the packages
+  local what="$1"
+  shift
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" >/dev/null 2>&1 \
+    || echo "note: cannot install $*; the $what tests are skipped" >&2
+}
+if ! command -v chromium >/dev/null || ! command -v slurmctld >/dev/null; then
   if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
-    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
-      slurmctld slurmd munge slurm-client) >/dev/null 2>&1 \
-      || echo "note: cannot install Slurm; the Slurm tests are skipped" >&2
+    apt-get update -qq >/dev/null 2>&1 || echo "note: apt-get update failed" >&2
+    command -v chromium >/dev/null || apt_install "status page's browser" chromium
+    command -v slurmctld >/dev/null || apt_install Slurm slurmctld slurmd munge slurm-client
   else
-    echo "note: no apt-get as root to install Slurm; the Slurm tests are skipped" >&2
+    echo "note: no apt-get as root to install Chromium or Slurm; their tests are skipped" >&2
   fi
 fi
 

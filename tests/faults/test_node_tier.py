@@ -63,8 +63,9 @@ def replaced_by_a_spare(tmp_path: Path, **rdzv: str) -> None:
         name = victim(j)
         survivor = "b" if name == "a" else "a"
         pids = {n: j.pid_of(n) for n in RANKS}
+        fault = j.newest_step()
         killed = j.kill_node(name)
-        j.finish((survivor, "spare"))
+        j.finish((survivor, "spare"), after=fault)
     lost = {n: p for n, p in pids.items() if n.startswith("1_")}
     check_recovered(j, lost, {n: p for n, p in pids.items() if n not in lost}, (survivor,))
     assert gone(killed)
@@ -84,12 +85,13 @@ def test_without_a_spare_the_job_goes_on_smaller_and_grows_back_when_a_node_join
         name = victim(j)
         survivor = "b" if name == "a" else "a"
         pids = {n: j.pid_of(n) for n in RANKS}
-        kill_step = max(s.step for s in j.steps())
+        kill_step = j.newest_step()
         j.kill_node(name)
         # the two ranks left go on at world size 2, in their processes
         j.wait_for_steps(lambda s: s.world == 2 and s.step > kill_step + 20, 2, "world 2")
+        joined = j.newest_step()
         j.start("late")
-        j.finish((survivor, "late"))
+        j.finish((survivor, "late"), after=joined)
     lost = {n: p for n, p in pids.items() if n.startswith("1_")}
     check_recovered(j, lost, {n: p for n, p in pids.items() if n not in lost}, (survivor,))
     late = [e["metadata"] for e in j.events("late") if e["name"] == "rendezvous_complete"]

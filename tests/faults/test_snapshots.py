@@ -123,8 +123,20 @@ def job(tmp_path: Path) -> Iterator[Job]:
         j.close()
 
 
+_REFERENCES: dict[tuple[object, ...], str] = {}
+
+
 def _reference(tmp: Path, nnodes: int, nproc: int, *script_args: str) -> str:
-    """The final weights of a fault-free run of the same layout."""
+    """The final weights of a fault-free run of the same layout (run once per layout
+    and arguments in a session: the run is deterministic, and six tests compare with
+    the same one)."""
+    key = (nnodes, nproc, *script_args)
+    if key not in _REFERENCES:
+        _REFERENCES[key] = _run_reference(tmp, nnodes, nproc, *script_args)
+    return _REFERENCES[key]
+
+
+def _run_reference(tmp: Path, nnodes: int, nproc: int, *script_args: str) -> str:
     ref = Job(tmp, f"ref{nnodes}x{nproc}", f"127.0.0.1:{free_port()}")
     try:
         for node in ("a", "b")[:nnodes]:

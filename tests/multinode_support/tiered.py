@@ -29,6 +29,16 @@ WORKER = textwrap.dedent(
 
     OUT = os.environ["OUT_DIR"]
     STEPS = int(os.environ["STEPS"])
+
+    def last_step():
+        # STEPS, or the step the test wrote in OUT/stop_at once it saw what it waited
+        # for (every rank reads it before passing it, so every rank ends at that step)
+        try:
+            with open(f"{OUT}/stop_at") as f:
+                return min(STEPS, int(f.read()))
+        except (OSError, ValueError):
+            return STEPS
+
     INCARNATION = int(os.environ.get("RELAUNCH_INPROCESS_INCARNATION", "0"))
     NAME = f"{os.environ['GROUP_RANK']}_{os.environ['LOCAL_RANK']}"
     # A replacement starts from other weights: only the broadcast can make them equal.
@@ -62,7 +72,7 @@ WORKER = textwrap.dedent(
         STEP[0] = state["step"]
         new = sorted(call_wrapper.new_ranks)
         with open(f"{OUT}/steps_{NAME}.log", "a") as log:
-            while STEP[0] < STEPS:
+            while STEP[0] < last_step():
                 loss = MODEL(torch.ones(4, 8)).pow(2).mean()
                 OPT.zero_grad()
                 loss.backward()
@@ -156,6 +166,10 @@ class TieredJob:
                 )
         return rows
 
+    def newest_step(self) -> int:
+        """The newest step any rank logged."""
+        return max(s.step for s in self.steps())
+
     def pid_of(self, node: str) -> int:
         return next(s.pid for s in reversed(self.steps()) if s.node == node)
 
@@ -224,8 +238,15 @@ class TieredJob:
         proc.wait(timeout=10)
         return pids
 
-    def finish(self, names: tuple[str, ...] | None = None) -> None:
-        """Every (named) agent exits 0 within 180 s."""
+    def finish(self, names: tuple[str, ...] | None = None, *, after: int | None = None) -> None:
+        """Every (named) agent exits 0 within 180 s. With ``after`` (the newest step
+        before a fault): once every rank stepped at full size past it, the job is told to
+        end 20 steps later instead of at ``steps_total``."""
+        if after is not None:
+            self.wait_for_steps(lambda s: s.world == 4 and s.step > after + 2, 4, "full size")
+            stop_at = max(s.step for s in self.steps()) + 20
+            (self.out / "stop_at.tmp").write_text(str(stop_at))
+            (self.out / "stop_at.tmp").rename(self.out / "stop_at")
         for name in names or tuple(self.agents):
             try:
                 assert self.agents[name].wait(timeout=180) == 0, self.output()
