@@ -22,6 +22,11 @@ agent share, named in the worker's environment and written by the runner (``_war
 - ``RELAUNCH_INPROCESS_PRELOAD``: a file listing (one per line) the modules this
   node's workers import; a replacement process imports those it lacks before it asks
   to join, so its peers never wait for its imports (they train on meanwhile).
+- ``RELAUNCH_SNAPSHOT_DIR``: the node's snapshot directory (``relaunch.checkpoint``),
+  one folder per global rank (:func:`snapshot_rank_dir`). A worker whose rank has a
+  snapshot there when it starts (a restart; a node that took a lost node's ranks) has
+  the runner start reading the newest one back before the script runs
+  (:func:`snapshot_to_prefetch`); ``checkpoint.load()`` takes what it read.
 - ``RELAUNCH_PROGRESS_FILE`` (with ``--hang-timeout``): its mtime is the last time the
   worker's main thread ran Python code; ``RELAUNCH_STACK_FILE`` receives its Python
   stacks when the agent sends ``RELAUNCH_STACK_SIGNAL`` (faulthandler).
@@ -40,6 +45,7 @@ import json
 import math
 import os
 import signal
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 __all__ = [
@@ -51,6 +57,7 @@ __all__ = [
     "JOIN_WAIT_ENV",
     "MARKER_ENV",
     "PRELOAD_ENV",
+    "SNAPSHOT_DIR_ENV",
     "STACK_SIGNAL",
     "AttemptFiles",
     "ExitRecord",
@@ -62,6 +69,8 @@ __all__ = [
     "read_exit_file",
     "read_marker",
     "read_module_list",
+    "snapshot_rank_dir",
+    "snapshot_to_prefetch",
 ]
 
 EXIT_FILE_VERSION = 2
@@ -77,6 +86,27 @@ ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
 INPROCESS_ROOT = "/relaunch/inprocess"
 STACK_SIGNAL = signal.SIGRTMIN + 5
 """The signal that makes a runner write its Python stacks (relaunch.inprocess uses +4)."""
+SNAPSHOT_DIR_ENV = "RELAUNCH_SNAPSHOT_DIR"
+"""The node's snapshot directory (the agent sets it for its workers)."""
+
+
+def snapshot_rank_dir(root: str, rank: int) -> str:
+    """The folder of global rank ``rank``'s snapshots in the node's directory ``root``."""
+    return os.path.join(root, f"rank-{rank:05d}")
+
+
+def snapshot_to_prefetch(env: Mapping[str, str]) -> bool:
+    """Whether a worker with environment ``env`` should have its rank's newest snapshot
+    read back before its script runs: its rank has one in node memory and it is not an
+    in-process replacement (which takes its state from its running peers)."""
+    root, rank = env.get(SNAPSHOT_DIR_ENV), env.get("RANK", "")
+    if not root or not rank.isdigit() or env.get(INCARNATION_ENV):
+        return False
+    try:
+        names = os.listdir(snapshot_rank_dir(root, int(rank)))
+    except OSError:
+        return False
+    return any(name.startswith("step-") for name in names)
 
 
 @dataclass(frozen=True)

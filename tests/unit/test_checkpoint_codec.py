@@ -39,7 +39,7 @@ def _roundtrip(state: object) -> Any:
             data[leaf.offset : leaf.offset + leaf.nbytes] = flat
     state, regions = decode(json.loads(json.dumps(tree)), size, "here")
     for offset, nbytes, target in regions:
-        target[:] = data[offset : offset + nbytes].numpy().data
+        target.copy_(data[offset : offset + nbytes])
     return finish(state)
 
 

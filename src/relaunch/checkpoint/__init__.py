@@ -97,6 +97,13 @@ def load() -> tuple[int, Any] | None:
     return found[0], found[1]
 
 
+def _prefetch() -> None:
+    """Start reading this rank's newest snapshot in node memory on a thread (the runner
+    calls this in a restarted worker before its script runs); ``load()`` takes it when
+    the ranks agree on that step, and a ``save()`` first drops it."""
+    _get().prefetch()
+
+
 def _get() -> Any:
     global _current
     with _lock:

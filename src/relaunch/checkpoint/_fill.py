@@ -10,7 +10,9 @@ side, and the file's CRC-32 is combined from the chunks' (zlib's ``crc32_combine
 in Python: a chunk's CRC is shifted past the next chunk by a 32x32 matrix over GF(2),
 built once per chunk length). Where the copy does not have to be done first (the CUDA
 tensors, whose pinned buffer nobody waits for), a chunk is checksummed right after it
-is copied, while its bytes are still in the cache: one pass over memory, not two.
+is copied, while its bytes are still in the cache: one pass over memory, not two. A
+snapshot is read back the same way, each chunk copied out of the mapped file into the
+values and checksummed while in the cache (``_readback``).
 
 How many threads: the CPUs this process may run on, shared by the node's ranks
 (``LOCAL_WORLD_SIZE``), at most 8; one means no thread at all (the writer does it).
@@ -42,7 +44,8 @@ _R = TypeVar("_R")
 
 @dataclass(frozen=True)
 class Part:
-    """A value's bytes (``source``, flat uint8) that go at ``offset`` of the file."""
+    """A value's bytes (``source``, flat uint8) that go at ``offset`` of the file (or
+    come from there, when a snapshot is read back)."""
 
     offset: int
     source: torch.Tensor
@@ -86,9 +89,10 @@ class Filler:
         self._map(lambda t: t[0].copy_(t[1]), tasks)
 
     def crc32(self, data: memoryview, target: torch.Tensor | None = None,
-              parts: Sequence[Part] = ()) -> int:  # fmt: skip
+              parts: Sequence[Part] = (), *, reading: bool = False) -> int:  # fmt: skip
         """The CRC-32 of ``data`` (bytes), as ``zlib.crc32`` gives it; ``parts`` are first
-        copied into ``target`` (flat uint8, over the same bytes), chunk by chunk."""
+        copied into ``target`` (flat uint8, over the same bytes), chunk by chunk, or with
+        ``reading`` from ``target`` into each part's ``source`` (a snapshot read back)."""
         n = len(data)
         spans = [(lo, min(n, lo + CHUNK)) for lo in range(0, n, CHUNK)]
         ordered = sorted(parts, key=lambda p: p.offset)
@@ -100,7 +104,9 @@ class Filler:
             while target is not None and i < len(ordered) and ordered[i].offset < hi:
                 part = ordered[i]
                 a, b = max(lo, part.offset), min(hi, part.offset + part.source.numel())
-                if a < b:
+                if a < b and reading:
+                    part.source[a - part.offset : b - part.offset].copy_(target[a:b])
+                elif a < b:
                     target[a:b].copy_(part.source[a - part.offset : b - part.offset])
                 i += 1
             return zlib.crc32(data[lo:hi])

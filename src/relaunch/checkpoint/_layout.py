@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from relaunch._contract import SNAPSHOT_DIR_ENV, snapshot_rank_dir
 from relaunch.errors import SnapshotError
 
 __all__ = [
@@ -43,6 +44,7 @@ __all__ = [
     "CorruptSnapshot",
     "Manifest",
     "Restore",
+    "Where",
     "alive",
     "append_restore",
     "complete_steps",
@@ -60,7 +62,7 @@ __all__ = [
     "write_manifest",
 ]
 
-ENV_DIR = "RELAUNCH_SNAPSHOT_DIR"
+ENV_DIR = SNAPSHOT_DIR_ENV
 """The node's snapshot directory (the agent sets it for its workers)."""
 ENV_KEEP = "RELAUNCH_SNAPSHOT_KEEP"
 """How many snapshots each rank keeps (newest first)."""
@@ -87,8 +89,7 @@ class CorruptSnapshot(SnapshotError):
     """A snapshot that cannot be used: unreadable, truncated, of another job or layout."""
 
 
-def rank_dir(root: str, rank: int) -> str:
-    return os.path.join(root, f"rank-{rank:05d}")
+rank_dir = snapshot_rank_dir
 
 
 def step_dir(rank_root: str, step: int) -> str:
@@ -196,6 +197,23 @@ def usage(root: str) -> int:
 def safe_job(job: str) -> str:
     """The job id as a file name."""
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in job) or "none"
+
+
+@dataclass(frozen=True)
+class Where:
+    """Who this process is and where its snapshots go."""
+
+    root: str
+    job: str
+    rank: int
+    world_size: int
+    keep: int
+    limit: int | None
+    durable: str | None
+    agent: tuple[str, int] | None = None
+    """The node's agent (multi-node jobs): told of each snapshot; its successor copies it."""
+    threads: int = 1
+    """Threads that copy and checksum a save (``_fill.threads_for``)."""
 
 
 @dataclass(frozen=True)

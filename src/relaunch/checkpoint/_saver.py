@@ -37,32 +37,16 @@ from relaunch.checkpoint import _layout as layout
 from relaunch.checkpoint import _wire as wire
 from relaunch.checkpoint._durable import discard_newer as discard_copies_newer
 from relaunch.checkpoint._fill import Filler, Part
+from relaunch.checkpoint._layout import Where
 from relaunch.checkpoint._mapped import MappedFiles
-from relaunch.checkpoint._readback import read_regions
+from relaunch.checkpoint._readback import Prefetch, offered_steps, read_step
 from relaunch.checkpoint._staging import CudaStager, Staged, on_cuda
-from relaunch.checkpoint._tree import Leaf, decode, encode, finish
+from relaunch.checkpoint._tree import Leaf, encode
 from relaunch.errors import SnapshotError
 
 __all__ = ["Saver", "Where"]
 
 log = logging.getLogger("relaunch.checkpoint")
-
-
-@dataclass(frozen=True)
-class Where:
-    """Who this process is and where its snapshots go."""
-
-    root: str
-    job: str
-    rank: int
-    world_size: int
-    keep: int
-    limit: int | None
-    durable: str | None
-    agent: tuple[str, int] | None = None
-    """The node's agent (multi-node jobs): told of each snapshot; its successor copies it."""
-    threads: int = 1
-    """Threads that copy and checksum a save (``_fill.threads_for``)."""
 
 
 @dataclass
@@ -95,6 +79,8 @@ class Saver:
         self._exiting = threading.Event()
         self._warned_peer = False
         self._maps = MappedFiles()
+        self._prefetch: Prefetch | None = None
+        """A read of the newest snapshot started before the script ran (``prefetch``)."""
         atexit.register(self._at_exit)
         # a fence: no optimizer changes the tensors of a save still being copied
         self._hook = register_optimizer_step_pre_hook(self._before_optimizer_step)
@@ -104,6 +90,7 @@ class Saver:
         try:
             self.wait(120.0)
         finally:
+            self._drop_prefetch()
             self._filler.close()
 
     def close(self) -> None:
@@ -113,8 +100,15 @@ class Saver:
         try:
             self.wait()
         finally:
+            self._drop_prefetch()
             self._filler.close()
             self._hook.remove()
+
+    def _drop_prefetch(self) -> None:
+        """Forget the prefetched state (a script that saves before it loads, or ends)."""
+        fetched, self._prefetch = self._prefetch, None
+        if fetched is not None:
+            fetched.join()
 
     @property
     def window(self) -> int:
@@ -128,6 +122,7 @@ class Saver:
     # -- saving --------------------------------------------------------------------------
     def save(self, step: int, state: object, *, blocking: bool = False) -> None:
         self.wait()
+        self._drop_prefetch()
         tree, leaves, nbytes = encode(state)
         self._check_limit(step, nbytes)
         os.makedirs(self.rank_root, exist_ok=True)
@@ -335,57 +330,25 @@ class Saver:
 
     # -- reading -------------------------------------------------------------------------
     def steps(self, root: str | None = None) -> list[int]:
-        """This rank's snapshots that can be offered (manifest of this job, rank and world
-        size), newest first; a mismatched one is refused with one warning."""
-        base = layout.rank_dir(root or self.where.root, self.where.rank)
-        found = []
-        for step in layout.complete_steps(base):
-            folder = layout.step_dir(base, step)
-            try:
-                self._check(layout.read_manifest(folder), folder, step)
-            except layout.CorruptSnapshot as exc:
-                log.warning("snapshot refused: %s", exc)
-                continue
-            found.append(step)
-        return found
+        """This rank's snapshots that can be offered, newest first (``offered_steps``)."""
+        return offered_steps(self.where, root)
 
-    def _check(self, m: layout.Manifest, folder: str, step: int) -> None:
-        w = self.where
-        for name, got, want in (
-            ("job", m.job, w.job),
-            ("rank", m.rank, w.rank),
-            ("world_size", m.world_size, w.world_size),
-            ("step", m.step, step),
-        ):
-            if got != want:
-                raise layout.CorruptSnapshot(
-                    f"{folder}: {name} {got!r} where this job expects {want!r} "
-                    "(a snapshot of another job or layout)"
-                )
+    def prefetch(self) -> None:
+        """Start reading this rank's newest snapshot in node memory on a thread, for
+        ``read`` to take (a restarted worker, before its script runs)."""
+        if self._prefetch is None:
+            self._prefetch = Prefetch(self.where, self._filler)
 
     def read(self, step: int, root: str | None = None) -> object:
         """The state of snapshot ``step``; CorruptSnapshot when it is not whole. Each
         tensor is read straight into a storage of its own (no second copy of the state)."""
-        folder = layout.step_dir(layout.rank_dir(root or self.where.root, self.where.rank), step)
-        manifest = layout.read_manifest(folder)
-        self._check(manifest, folder, step)
-        path = os.path.join(folder, layout.DATA)
-        state, regions = decode(manifest.tree, manifest.nbytes, folder)
-        try:
-            size = os.path.getsize(path)
-            if size != manifest.nbytes:
-                raise layout.CorruptSnapshot(
-                    f"{path}: {size} bytes, the manifest says {manifest.nbytes} (truncated?)"
-                )
-            with open(path, "rb", buffering=0) as f:
-                crc = read_regions(f, regions, size, path)
-        except OSError as exc:
-            raise layout.CorruptSnapshot(f"{path}: unreadable ({exc})") from exc
-        if crc != manifest.crc32:
-            raise layout.CorruptSnapshot(
-                f"{path}: CRC-32 {crc:#010x}, the manifest says {manifest.crc32:#010x}"
-            )
-        return finish(state)
+        fetched, self._prefetch = self._prefetch, None
+        if fetched is not None:
+            took, state = fetched.take(step) if root is None else (fetched.join(), None)
+            del fetched  # a read of another step: freed before this one
+            if took:
+                return state
+        return read_step(self.where, step, root, self._filler)
 
 
 def _flat(leaf: Leaf) -> torch.Tensor:

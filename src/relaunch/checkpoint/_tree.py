@@ -106,8 +106,9 @@ def _plain(obj: object, path: str) -> Any:
     )
 
 
-Region = tuple[int, int, memoryview]
-"""``(offset, nbytes, target)``: bytes of the data file that go into ``target``."""
+Region = tuple[int, int, torch.Tensor]
+"""``(offset, nbytes, target)``: bytes of the data file that go into ``target`` (flat
+uint8 over the value's storage)."""
 
 
 class _Bytes(bytearray):
@@ -190,8 +191,7 @@ class _Decoder:
             raise self.bad(path, f"{nbytes} bytes for shape {shape} of {value[0]}")
         tensor = torch.empty(shape, dtype=dtype)
         if nbytes:
-            target = tensor.reshape(-1).view(torch.uint8).numpy().data
-            self.regions.append((offset, nbytes, target.cast("B")))
+            self.regions.append((offset, nbytes, tensor.reshape(-1).view(torch.uint8)))
         return tensor
 
     def mapping(self, value: object, path: str) -> dict[object, object]:
@@ -213,7 +213,7 @@ class _Decoder:
         offset, nbytes = self.span(value, path, 2)
         raw = _Bytes(nbytes)
         if nbytes:
-            self.regions.append((offset, nbytes, memoryview(raw)))
+            self.regions.append((offset, nbytes, torch.frombuffer(raw, dtype=torch.uint8)))
         return raw
 
 

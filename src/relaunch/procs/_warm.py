@@ -27,11 +27,14 @@ What the runner adds to a plain ``python script.py`` (the worker contract, defin
   runs Python code (checked with a pending call, like the in-process watchdog), so
   the agent can find a hung worker; ``RELAUNCH_STACK_FILE`` receives the Python
   stacks (faulthandler) when the agent sends ``RELAUNCH_STACK_SIGNAL``.
+- A worker whose rank has a snapshot in node memory: a thread reads the newest back
+  while the script starts (``relaunch.checkpoint``; the one import of relaunch here).
 - ``report_modules``: a daemon thread keeps a list of the modules this worker
   imported current during its first two minutes, for the fork server to preload.
 
 This file runs by path, outside the relaunch package: it imports nothing of relaunch
-(the contract module is loaded from its file: standard library only).
+(the contract module is loaded from its file: standard library only) but
+``relaunch.checkpoint``, in a worker that has a snapshot to read back.
 """
 
 from __future__ import annotations
@@ -181,6 +184,7 @@ def become_worker(request: dict[str, object]) -> None:
         _report_modules(report)
     _worker_hooks.install_progress_and_stacks()
     _worker_hooks.install_group_keeper()
+    _start_snapshot_prefetch()
     argv = [str(a) for a in args]
     if kind == "script":
         sys.argv = [target, *argv]
@@ -192,6 +196,21 @@ def become_worker(request: dict[str, object]) -> None:
         runpy.run_module(target, run_name="__main__", alter_sys=True)
     else:
         _call_function(target, request)
+
+
+def _start_snapshot_prefetch() -> None:
+    """A worker whose rank has a snapshot in node memory (a restart; a node that took a
+    lost node's ranks): start reading the newest back now, beside the script's imports
+    and its model's construction; ``checkpoint.load()`` takes it. Only such a worker
+    imports relaunch (and torch) here: the script that saved those snapshots did."""
+    if not _contract.snapshot_to_prefetch(os.environ):
+        return
+    try:
+        from relaunch import checkpoint
+
+        checkpoint._prefetch()
+    except Exception as exc:  # load() reads the snapshot itself, and says what fails
+        print(f"relaunch runner: snapshot not read ahead ({exc!r})", file=sys.stderr)
 
 
 def _run_script(path: str) -> None:
