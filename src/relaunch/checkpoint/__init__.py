@@ -27,7 +27,9 @@ restore, the same on every rank (ranks compare what they have over the default p
 group: call it after ``init_process_group``), or None. A snapshot that is not whole
 (killed mid-save, truncated, corrupt) is never loaded: the older one is, after one
 warning. Tensors come back on the CPU; ``load_state_dict`` copies them where they
-belong. With ``--checkpoint-dir`` the agent also copies snapshots to shared storage in
+belong. A worker that starts with a snapshot of its rank in node memory (a restart)
+has it read back on a thread while its script starts (the runner begins the read), so
+``load()`` mostly finds it done. With ``--checkpoint-dir`` the agent also copies snapshots to shared storage in
 the background, and a rank whose node memory lacks a step takes it from there (the
 ranks of a lost node on their replacement; every rank after every node was lost).
 """
