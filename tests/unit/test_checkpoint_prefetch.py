@@ -59,9 +59,21 @@ def test_the_prefetched_step_and_any_other_read_as_without_it(tmp_path: Path) ->
         again.prefetch()
         try:
             assert _equal(again.read(wanted), _state(wanted))
-            assert _prefetching() == []
+            assert again.read_ahead == (wanted == 1) and _prefetching() == []
         finally:
             again.close()
+
+
+def test_a_step_of_the_durable_copies_is_read_from_there(tmp_path: Path) -> None:
+    _saved(tmp_path / "durable", range(3))  # steps 1 and 2 kept there
+    _saved(tmp_path / "memory", range(2))
+    again = Saver(_where(tmp_path / "memory"))
+    again.prefetch()  # of step 1, in memory
+    try:
+        assert _equal(again.read(2, str(tmp_path / "durable")), _state(2))
+        assert not again.read_ahead and _prefetching() == []
+    finally:
+        again.close()
 
 
 def test_a_corrupt_snapshot_read_ahead_is_refused_as_when_read(tmp_path: Path) -> None:

@@ -95,7 +95,8 @@ def load() -> tuple[int, Any] | None:
     saver.discard_newer(step)
     if found is None:
         return None
-    log.info("rank %s: restored step %s from %s", saver.where.rank, step, source)
+    ahead = " (read ahead while the script started)" if saver.read_ahead else ""
+    log.info("rank %s: restored step %s from %s%s", saver.where.rank, step, source, ahead)
     return found[0], found[1]
 
 

@@ -81,6 +81,8 @@ class Saver:
         self._maps = MappedFiles()
         self._prefetch: Prefetch | None = None
         """A read of the newest snapshot started before the script ran (``prefetch``)."""
+        self.read_ahead = False
+        """Whether the last ``read`` took the read started by ``prefetch``."""
         atexit.register(self._at_exit)
         # a fence: no optimizer changes the tensors of a save still being copied
         self._hook = register_optimizer_step_pre_hook(self._before_optimizer_step)
@@ -343,10 +345,17 @@ class Saver:
         """The state of snapshot ``step``; CorruptSnapshot when it is not whole. Each
         tensor is read straight into a storage of its own (no second copy of the state)."""
         fetched, self._prefetch = self._prefetch, None
+        self.read_ahead = False
         if fetched is not None:
-            took, state = fetched.take(step) if root is None else (fetched.join(), None)
+            # the read ahead is of node memory's newest step; anything else is read now
+            took, state = False, None
+            if root is None:
+                took, state = fetched.take(step)
+            else:
+                fetched.join()
             del fetched  # a read of another step: freed before this one
             if took:
+                self.read_ahead = True
                 return state
         return read_step(self.where, step, root, self._filler)
 
