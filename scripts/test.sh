@@ -6,12 +6,17 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# --no-compile: pip would compile every module of every package (torch, transformers,
-# lightning) to bytecode, about a minute of the run; Python compiles what the tests
-# import, once, on first import.
-pip_install=(python -m pip install --quiet --disable-pip-version-check --no-compile)
+# pip compiles every module it installs to bytecode (about a minute of the run for
+# torch, transformers and lightning). Not skipped (--no-compile): where
+# PYTHONDONTWRITEBYTECODE is set, as on these machines, no process would ever write the
+# bytecode, and every worker of every test would compile torch again on import.
+pip_install=(python -m pip install --quiet --disable-pip-version-check)
 "${pip_install[@]}" torch==2.13.0
 "${pip_install[@]}" -e '.[test]'
+# pip does not compile an editable install's own modules, and where
+# PYTHONDONTWRITEBYTECODE is set no process writes them either: every agent, fork
+# server and worker the tests start would compile relaunch again (0.45 s each here).
+python -m compileall -q src
 
 # The status page is checked in a real headless browser (Chromium), and `srun relaunch
 # ...` on a real Slurm (controller, node daemons, munge, run by the tests in network
