@@ -58,10 +58,8 @@ def test_with_etcd_a_lost_node_is_replaced_by_a_spare(tmp_path: Path) -> None:
 def replaced_by_a_spare(tmp_path: Path, **rdzv: str) -> None:
     with two_nodes(tmp_path, steps=500, **rdzv) as j:
         j.start("spare")
-        # the spare waits as a spare and gets its fork server ready (3 s and more): its
-        # two workers are then forked at once (a spare whose workers start seconds apart
-        # is a case of its own; see the note of stop 35)
-        j.wait_event("spare", "fork_server_ready", timeout=60)
+        # the spare waits as a spare and gets its fork server ready (3 s and more)
+        j.wait_event("spare", "fork_server_started", timeout=60)
         name = victim(j)
         survivor = "b" if name == "a" else "a"
         pids = {n: j.pid_of(n) for n in RANKS}
