@@ -357,7 +357,9 @@ def _configure_logging() -> None:
             f"LOGLEVEL: expected DEBUG, INFO, WARNING, ERROR or CRITICAL, got {level!r}"
         )
     logging.basicConfig(
-        level=level, stream=sys.stderr, format="[relaunch] %(levelname)s %(name)s: %(message)s"
+        level=level,
+        stream=sys.stderr,
+        format="[relaunch] %(asctime)s %(levelname)s %(name)s: %(message)s",
     )
 
 

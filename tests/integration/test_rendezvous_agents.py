@@ -87,7 +87,11 @@ class Agents:
         return doc
 
     def wait(self, i: int, timeout: float = 90) -> int:
-        return self.procs[i].wait(timeout=timeout)
+        try:
+            return self.procs[i].wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            logs = "\n".join(f"--- agent {j}:\n{self.log(j)}" for j in range(len(self.procs)))
+            raise AssertionError(f"agent {i} still runs after {timeout:g} s\n{logs}") from None
 
     def kill(self, i: int) -> None:
         self.procs[i].send_signal(signal.SIGKILL)

@@ -101,6 +101,20 @@ def test_a_wait_in_flight_ends_when_the_store_is_closed(etcd: Member) -> None:
             waiter.result(timeout=10)
 
 
+def test_a_leaving_node_does_not_wait_the_timeout_for_a_store_that_is_gone(
+    etcd: Member,
+) -> None:
+    store = EtcdStore([("127.0.0.1", etcd.client_port)], timeout=600.0)
+    try:
+        store.set("k", b"v")
+        etcd.stop()
+        store.hurry()
+        with pytest.raises(StoreError):  # in 2 s, not 600 (the test's timeout is 120)
+            store.get("k")
+    finally:
+        store.close()
+
+
 def test_missing_extra_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
     import sys
 

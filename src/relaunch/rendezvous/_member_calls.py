@@ -16,6 +16,7 @@ from relaunch.store._etcd_member import any_healthy, endpoint_of
 from relaunch.store.etcd import EtcdStore
 
 __all__ = [
+    "answers",
     "client_endpoints",
     "leave_cluster",
     "list_members",
@@ -56,19 +57,25 @@ def promote_once(store: EtcdStore, learner: Member) -> bool:
         return False
 
 
-def promote_when_in_sync(store: EtcdStore, member_id: str, timeout: float) -> None:
-    """Promote the learner ``member_id``, trying again while etcd refuses it (not yet
-    in sync with the leader) for up to ``timeout`` seconds."""
+def promote_when_in_sync(store: EtcdStore, learner: Member, timeout: float) -> bool:
+    """Promote ``learner``, trying again while etcd refuses it (not yet in sync with
+    the leader) for up to ``timeout`` seconds; False, and no promotion, once it does
+    not answer a health check. A dead learner promoted beside one voting member makes
+    two, one of them dead: no quorum, for good. etcd promotes a learner that stopped
+    in sync, so its health is checked before each try."""
     deadline = time.monotonic() + timeout
     while True:
+        if not answers(learner.client_urls):
+            return False
         try:
-            store.request("/cluster/member/promote", {"ID": member_id})
-            return
+            store.request("/cluster/member/promote", {"ID": learner.id})
+            log.info("embedded store: promoted learner %s", learner.name)
+            return True
         except StoreConnectionError:
             raise
         except StoreError as exc:
             if time.monotonic() > deadline:
-                raise StoreError(f"learner {member_id} never caught up: {exc}") from exc
+                raise StoreError(f"learner {learner.name} never caught up: {exc}") from exc
             time.sleep(0.1)
 
 
@@ -94,7 +101,7 @@ def leave_cluster(store: EtcdStore, name: str) -> None:
     others = [m for m in members if m.name != name]
     # down: twice no healthy answer in 2 s (a member that is only slow, on a loaded
     # machine, must not be removed: that could cost the others their quorum)
-    up = [m for m in others if m.started and _answers(m.client_urls)]
+    up = [m for m in others if m.started and answers(m.client_urls)]
     for m in others:
         if m not in up:
             remove_member(store, m.id, m.name or "(joining)")
@@ -106,5 +113,7 @@ def leave_cluster(store: EtcdStore, name: str) -> None:
         remove_member(store, mine[0].id, name)
 
 
-def _answers(urls: tuple[str, ...]) -> bool:
+def answers(urls: tuple[str, ...]) -> bool:
+    """Whether a member at ``urls`` answers a health check (twice 2 s: a member that
+    is only slow, on a loaded machine, counts as up)."""
     return any_healthy(urls, timeout=2.0) or any_healthy(urls, timeout=2.0)

@@ -122,7 +122,9 @@ class EmbeddedStore:
                     self._start_member(port, initial=None)
                 except StoreConnectionError as exc:  # another agent here took the port first
                     log.info("embedded store: not the first member (%s); joining", exc)
-            store = EtcdStore([(host, port)], timeout=5.0)
+            # as patient as a member's start: while a voting member added to a pair
+            # starts, the loss of one of the pair leaves no quorum until it runs
+            store = EtcdStore([(host, port)], timeout=_JOIN_TIMEOUT)
             self._store = store
             self._reach()
             self._refresh()
@@ -179,7 +181,7 @@ class EmbeddedStore:
         """Start this node's member; return once it answers healthy (it has a leader)."""
         member = EtcdMember(self._cfg.binary, spec, self._cfg.log_dir)
         try:
-            member.wait_healthy(_JOIN_TIMEOUT)
+            member.wait_healthy(_JOIN_TIMEOUT, cancel=self._stop)
         except BaseException:
             member.stop()
             raise
@@ -282,39 +284,26 @@ class EmbeddedStore:
             return
         added: str | None = None
         try:
-            steps = join_steps(list_members(store), self._cfg.target)
-            if steps is None:
+            members = list_members(store)
+            steps = join_steps(members, self._cfg.target)
+            if steps is None or self._stop.is_set():  # (stop: the node leaves)
                 return
-            if steps.promote_first is not None:  # the learner that waited for a pair
-                promote_when_in_sync(store, steps.promote_first, 5.0)
+            learner = next((m for m in members if m.id == steps.promote_first), None)
+            if learner is not None and not promote_when_in_sync(store, learner, 5.0):
+                # no vote lost: the next look finds its seat free (this node a learner)
+                remove_member(store, learner.id, learner.name)
+                log.warning("embedded store: learner %s does not answer: removed", learner.name)
+                return
             peer = free_port(self._cfg.address)
             peer_url = f"http://{bracket(self._cfg.address)}:{peer}"
             # the first of a pair a learner: it has no vote until promoted, so a member
             # that never starts cannot cost the quorum; the second a voting member at
             # once (the running ones hold the quorum while it starts)
-            # starts cannot cost the cluster its quorum
             reply = store.request(
                 "/cluster/member/add", {"peerURLs": [peer_url], "isLearner": not steps.voting}
             )
             added = str(int(reply["member"]["ID"]))
-            cluster = [
-                f"{m.name if m.id != added else self._name}={m.peer_urls[0]}"
-                for m in parse_members(reply)
-                if m.peer_urls
-            ]
-            wanted = self._cfg.endpoint[1]
-            port = (
-                wanted if port_free(self._bind_address(), wanted) else free_port(self._cfg.address)
-            )
-            spec = MemberSpec(
-                name=self._name,
-                address=self._cfg.address,
-                client_port=port,
-                peer_port=peer,
-                initial_cluster=",".join(cluster),
-                new_cluster=False,
-                token=f"relaunch-{self._cfg.run_id}",
-            )
+            spec = self._joining_spec(peer, added, parse_members(reply))
             self._launch(spec)
             added = None  # a member now (voting, or a learner waiting for a pair): it stays
         except (StoreError, OSError, KeyError, TypeError, ValueError) as exc:
@@ -325,6 +314,25 @@ class EmbeddedStore:
                 remove_member(store, added, self._name)
             with contextlib.suppress(StoreError):
                 store.delete(self._lock_key)
+
+    def _joining_spec(self, peer: int, added: str, members: list[Member]) -> MemberSpec:
+        """How this node's member starts once added as ``added`` to ``members``."""
+        cluster = [
+            f"{m.name if m.id != added else self._name}={m.peer_urls[0]}"
+            for m in members
+            if m.peer_urls
+        ]
+        wanted = self._cfg.endpoint[1]
+        port = wanted if port_free(self._bind_address(), wanted) else free_port(self._cfg.address)
+        return MemberSpec(
+            name=self._name,
+            address=self._cfg.address,
+            client_port=port,
+            peer_port=peer,
+            initial_cluster=",".join(cluster),
+            new_cluster=False,
+            token=f"relaunch-{self._cfg.run_id}",
+        )
 
     # -- what the others read --------------------------------------------------------------
 
@@ -353,6 +361,8 @@ class EmbeddedStore:
         this node's member. Idempotent."""
         self._stop.set()
         self._wake.set()
+        if self._store is not None:
+            self._store.hurry()  # the members may be gone before this node
         thread, self._thread = self._thread, None
         if thread is not None:
             thread.join(timeout=self._cfg.read_timeout + 15)

@@ -71,6 +71,8 @@ class EtcdEndpoints:
         self._current = 0
         self._authed: set[int] = set()
         self._retired: list[Any] = []
+        self._answered = True
+        self._hurried = False
         self._set(endpoints)
 
     def _set(self, endpoints: Sequence[tuple[str, int]]) -> None:
@@ -94,6 +96,10 @@ class EtcdEndpoints:
             self._set(endpoints)
             self._current = wanted.index(current) if current in wanted else 0
             self._authed = set()
+
+    def hurry(self) -> None:
+        """Every call from now on waits at most ``_AFTER_LOSS`` for an endpoint."""
+        self._hurried = True
 
     def current(self) -> tuple[Any, str, Callable[[], None]]:
         """The client in use, its name, and a call that moves on to the next one."""
@@ -123,13 +129,20 @@ class EtcdEndpoints:
     def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         """POST to the first endpoint that answers; sweep again (backing off) while the
         cluster has no leader or no endpoint answers, for up to ``timeout`` seconds."""
-        deadline = time.monotonic() + self.timeout
+        # once a call found no endpoint for its whole timeout, the store is taken for
+        # lost until one answers: the calls after it (an agent saying why it stops, and
+        # leaving) each wait a moment, not the whole timeout again
+        quick = self._hurried or not self._answered
+        patience_left = min(self.timeout, _AFTER_LOSS) if quick else self.timeout
+        deadline = time.monotonic() + patience_left
         delay, patience = 0.05, _ATTEMPT
         while True:
             result, errors = self._sweep(path, body, deadline, patience)
             if result is not None:
+                self._answered = True
                 return result
             if time.monotonic() + delay > deadline:
+                self._answered = False
                 raise StoreConnectionError("no etcd endpoint answered: " + "; ".join(errors))
             time.sleep(delay)
             delay, patience = min(delay * 2, 1.0), patience * 2
@@ -186,6 +199,11 @@ class EtcdEndpoints:
 _ATTEMPT = 1.0
 """Seconds one endpoint may take to answer, in a call's first sweep, before the call
 moves on to the next endpoint."""
+
+
+_AFTER_LOSS = 2.0
+"""Seconds a call may take while the store is taken for lost (the call before it
+found no endpoint that answered within the whole timeout)."""
 
 
 def _unavailable(status: int, text: str) -> bool:

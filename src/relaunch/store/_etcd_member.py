@@ -8,6 +8,7 @@ the keeper (:mod:`relaunch.store._etcd_keeper`) whatever happens to the agent.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import shutil
@@ -16,6 +17,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -208,15 +210,28 @@ class EtcdMember:
     def running(self) -> bool:
         return self._proc.poll() is None
 
-    def wait_healthy(self, timeout: float) -> None:
-        """Return once the member answers healthy (it has a leader)."""
-        self._wait(lambda: healthy(self.spec.client_url, timeout=1.0), timeout, "healthy")
+    def wait_healthy(self, timeout: float, cancel: threading.Event | None = None) -> None:
+        """Return once the member answers healthy (it has a leader); ``cancel`` set:
+        given up (its node is leaving)."""
+        ready = functools.partial(healthy, self.spec.client_url, timeout=1.0)
+        self._wait(ready, timeout, "healthy", cancel)
 
-    def _wait(self, ready: Callable[[], bool], timeout: float, what: str) -> None:
+    def _wait(
+        self,
+        ready: Callable[[], bool],
+        timeout: float,
+        what: str,
+        cancel: threading.Event | None = None,
+    ) -> None:
         """StoreConnectionError if it exits or is not ``what`` within ``timeout``
-        seconds (the process is then stopped)."""
+        seconds, or ``cancel`` is set (the process is then stopped)."""
         deadline = time.monotonic() + timeout
         while not ready():
+            if cancel is not None and cancel.is_set():
+                self.stop()
+                raise StoreConnectionError(
+                    f"etcd member {self.spec.name} stopped before it was {what}: its node leaves"
+                )
             if self._proc.poll() is not None:
                 self.stop()
                 raise StoreConnectionError(

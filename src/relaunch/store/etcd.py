@@ -32,6 +32,10 @@ __all__ = ["EtcdStore"]
 
 logger = logging.getLogger(__name__)
 
+_CONNECT = 3.0
+"""Seconds a watch may take to connect (a member on a lost host never answers; the
+caller's next read fails over)."""
+
 
 def _b64(data: bytes | str) -> str:
     raw = data.encode() if isinstance(data, str) else data
@@ -87,6 +91,12 @@ class EtcdStore:
         """Try these endpoints from now on (a cluster whose members changed); the one
         in use stays first when it is still among them."""
         self._http.use(endpoints)
+
+    def hurry(self) -> None:
+        """From now on each call waits a moment (2 s), not the whole timeout, for an
+        endpoint: this node is leaving, and a store that stopped answering (its
+        members' nodes gone first) must not hold it up call after call."""
+        self._http.hurry()
 
     def request(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         """One call of etcd's JSON API (``/cluster/member/list``...), failed over as every
@@ -178,7 +188,7 @@ class EtcdStore:
                 client.get_url("/watch"),
                 json=body,
                 stream=True,
-                timeout=(self._timeout, max(timeout, 0.01)),
+                timeout=(min(self._timeout, _CONNECT), max(timeout, 0.01)),
                 verify=self._http.verify,
             )
         except self._requests.RequestException as exc:
@@ -191,13 +201,23 @@ class EtcdStore:
                 resp.close()
                 raise StoreClosedError("the etcd store was closed during a wait")
             self._streams.add(resp)
+        deadline = time.monotonic() + timeout
         try:
+            # each read waits at most ``timeout``; a stream that keeps sending lines
+            # without our event (a member without a leader) ends at the deadline too
             for line in resp.iter_lines():
+                if time.monotonic() >= deadline:
+                    return
                 if not line:
                     continue
-                result = json.loads(line).get("result", {})
-                if result.get("events"):
-                    return
+                try:
+                    result = json.loads(line)["result"]
+                    if result.get("events") or result.get("canceled"):
+                        return  # canceled: no event comes on this stream (the caller re-reads)
+                except (ValueError, KeyError, TypeError, AttributeError):
+                    logger.info("etcd watch on %s: a line that is not a watch reply: %.200r",
+                                name, line)  # fmt: skip
+                    return  # the caller re-reads the key
         except self._requests.exceptions.ConnectionError as exc:
             if "timed out" in str(exc).lower() or "timeout" in type(exc.__context__).__name__:
                 return  # the caller re-reads and decides whether time is up
