@@ -1,7 +1,7 @@
 """A lost node by kind (the store's host, an etcd member, any other), relaunch's
 embedded store against torchrun's c10d, side by side in the same run.
 
-    python bench/store_host_lost.py [--runs 2] [--nodes 4] [--idle 10] [--load 2]
+    python bench/store_host_lost.py [--runs 2] [--nodes 4] [--idle 10] [--load 2] [--kinds host]
 
 ``--nodes`` agents on this machine (loopback, in a network namespace of their own)
 x 1 worker of a tiny DDP job on gloo (a step: an all-reduce and 50 ms of sleep),
@@ -187,7 +187,13 @@ def main() -> None:
     parser.add_argument("--idle", type=float, default=10.0, help="seconds of idle CPU measured")
     parser.add_argument("--only", choices=("relaunch", "torchrun"), help="one launcher only")
     parser.add_argument("--load", type=int, default=0, help="busy processes beside the job")
+    parser.add_argument(
+        "--kinds", default="host,member,other", help="the kinds of node lost, comma-separated"
+    )
     args = parser.parse_args()
+    unknown = set(args.kinds.split(",")) - {"host", "member", "other"}
+    if unknown:
+        parser.error(f"--kinds: expected host, member or other, got {sorted(unknown)}")
     in_loopback_netns()
     load = [
         subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
@@ -207,7 +213,7 @@ def _table(args: argparse.Namespace) -> None:
           f"of {args.runs}")  # fmt: skip
     print(f"{'node lost':<12} {'relaunch':>24} {'torchrun':>24}")
     cpus = []
-    for kind in ("host", "member", "other"):
+    for kind in args.kinds.split(","):
         row = {}
         for launcher in ("relaunch", "torchrun"):
             if args.only not in (None, launcher):
