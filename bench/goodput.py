@@ -33,17 +33,20 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
 import random
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import free_port, in_loopback_netns
@@ -156,6 +159,7 @@ def run(launcher: str, args: argparse.Namespace, faults: bool, mode: str) -> dic
     t0 = time.monotonic()
     cluster = Cluster(launcher, args, out, shm, script)
     killed = {"worker": 0, "node": 0}
+    kills: list[float] = []
     finished = True
     try:
         next_fault = t0 + args.fault_every
@@ -168,13 +172,17 @@ def run(launcher: str, args: argparse.Namespace, faults: bool, mode: str) -> dic
             if faults and time.monotonic() >= next_fault:
                 every = args.node_kill_every
                 if every and (sum(killed.values()) + 1) % every == 0:
+                    kills.append(time.time())
                     cluster.kill_node(cluster.pick_node(rng))
                     killed["node"] += 1
                 elif _kill_worker(out, rng):
+                    kills.append(time.time())
                     killed["worker"] += 1
                 next_fault = time.monotonic() + args.fault_every
         wall = time.monotonic() - t0
-        executed = sum(1 for r in _rows(out) if r.get("rank") == 0 and "step" in r)
+        rows = _rows(out)
+        executed = sum(1 for r in rows if r.get("rank") == 0 and "step" in r)
+        parts = _restart_parts(rows, kills)
     finally:
         rc = cluster.close()
         shutil.rmtree(out, ignore_errors=True)
@@ -182,7 +190,31 @@ def run(launcher: str, args: argparse.Namespace, faults: bool, mode: str) -> dic
     if rc != 0:
         print(f"  note: {launcher} {mode}: the first node exited {rc}")
     return {"wall": wall, "faults": sum(killed.values()), "nodes": killed["node"],
-            "executed": executed, "finished": finished}  # fmt: skip
+            "executed": executed, "finished": finished, "parts": parts}  # fmt: skip
+
+
+PARTS = ("exec", "imported", "group", "built", "loaded", "stepped")
+
+
+def _restart_parts(rows: list[dict[str, Any]], kills: list[float]) -> list[list[float]]:
+    """Per restart of rank 0 (attempt > 0): the seconds from the fault before it to the
+    new process, then between the example's phases (imported torch, process group up,
+    model and optimizer built, snapshot loaded) and to its first step's end."""
+    found = []
+    for row in rows:
+        phases = row.get("phases")
+        if row.get("rank") != 0 or not row.get("attempt") or not isinstance(phases, dict):
+            continue
+        steps = [
+            float(r["t"]) for r in rows
+            if r.get("rank") == 0 and r.get("attempt") == row["attempt"] and "step" in r
+        ]  # fmt: skip
+        before = [k for k in kills if k <= phases["exec"]]
+        if not steps or not before:
+            continue
+        marks = [max(before), *(float(phases[p]) for p in PARTS[:-1]), min(steps)]
+        found.append([b - a for a, b in itertools.pairwise(marks)])
+    return found
 
 
 def _kill_worker(out: Path, rng: random.Random) -> bool:
@@ -196,7 +228,7 @@ def _kill_worker(out: Path, rng: random.Random) -> bool:
     return True
 
 
-def _rows(out: Path) -> list[dict[str, object]]:
+def _rows(out: Path) -> list[dict[str, Any]]:
     rows = []
     for path in out.glob("rank*.jsonl"):
         for line in path.read_text().splitlines():
@@ -241,12 +273,14 @@ def main() -> None:
           f"{'goodput':>8} {'redone/fault':>13} {'save ms/step':>13} {'lost s/fault':>13} "
           f"{'@1/min':>7}")  # fmt: skip
     chosen = set(args.launchers.split(","))
+    parts = {}
     for launcher, mode in (("relaunch", "snapshot"), ("torchrun", "disk")):
         if launcher not in chosen:
             continue
         bare = run(launcher, args, False, "none")
         clean = run(launcher, args, False, mode)
         hit = run(launcher, args, True, mode)
+        parts[launcher] = hit["parts"]
         redone = (hit["executed"] - args.steps) / max(hit["faults"], 1)
         save = (clean["wall"] - bare["wall"]) / args.steps * 1e3
         shown = f"{redone:13.1f}" if hit["finished"] else f"{'(unfinished)':>13}"
@@ -259,6 +293,13 @@ def main() -> None:
         print(f"{launcher:<10} {clean['wall']:8.1f} {hit['wall']:10.1f} {hit['faults']:7.0f} "
               f"{hit['nodes']:6.0f} {clean['wall'] / hit['wall']:8.1%} {shown} "
               f"{save:13.1f} {cost}")  # fmt: skip
+    # where a fault's seconds go: the medians over the faulted run's restarts of rank 0
+    names = ("fault->exec", "import", "group", "build", "load", "1st step")
+    for launcher, found in parts.items():
+        if found:
+            medians = [statistics.median(col) for col in zip(*found, strict=True)]
+            shown = ", ".join(f"{n} {m:.2f}" for n, m in zip(names, medians, strict=True))
+            print(f"{launcher}: a restart's parts, s (median of {len(found)}): {shown}")
 
 
 if __name__ == "__main__":

@@ -34,6 +34,22 @@ from torch.nn.parallel import DistributedDataParallel
 from relaunch import checkpoint
 
 
+def _started() -> float:
+    """When this process began (its fork), in ``time.time()``'s clock: Linux only."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return time.time()
+    return time.time() - uptime + ticks / os.sysconf("SC_CLK_TCK")
+
+
+# the parts of a (re)start, written to --log-to: where a fault's seconds go
+PHASES = {"exec": _started(), "imported": time.time()}
+
+
 def build_model(millions: float) -> nn.Module:
     """The tiny default model, or about ``millions`` million parameters."""
     if millions <= 0:
@@ -76,11 +92,13 @@ def main() -> None:
         )
         torch.cuda.set_device(device)
     dist.init_process_group(args.backend)
+    PHASES["group"] = time.time()
     rank, world = dist.get_rank(), dist.get_world_size()
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     torch.manual_seed(0)
     model = build_model(args.params).to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    PHASES["built"] = time.time()
     extra = torch.zeros(args.extra_mb * (1 << 18), device=device)  # float32: 4 bytes each
     start = 0
     disk = os.path.join(args.disk_dir or ".", "ckpt.pt")
@@ -93,8 +111,11 @@ def main() -> None:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         start = done + 1
+    PHASES["loaded"] = time.time()
     ddp = DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
     log = open(os.path.join(args.log_to, f"rank{rank}.jsonl"), "a") if args.log_to else None  # noqa: SIM115
+    if log is not None:
+        log.write(json.dumps({"rank": rank, "attempt": attempt, "phases": PHASES}) + "\n")
     kill_rank, kill_step = (int(x) for x in args.kill.split(":")) if args.kill else (-1, -1)
     for step in range(start, args.steps):
         # the same batch for the same (rank, step), whatever happened before

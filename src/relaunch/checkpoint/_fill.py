@@ -88,6 +88,12 @@ class Filler:
                 tasks.append((dst, part.source[lo:hi]))
         self._map(lambda t: t[0].copy_(t[1]), tasks)
 
+    def zero(self, target: torch.Tensor) -> None:
+        """Zero ``target`` (flat uint8), chunk by chunk: fresh memory's pages are faulted
+        in on several threads."""
+        n = target.numel()
+        self._map(lambda lo: target[lo : lo + CHUNK].zero_(), range(0, n, CHUNK))
+
     def crc32(self, data: memoryview, target: torch.Tensor | None = None,
               parts: Sequence[Part] = (), *, reading: bool = False) -> int:  # fmt: skip
         """The CRC-32 of ``data`` (bytes), as ``zlib.crc32`` gives it; ``parts`` are first

@@ -69,10 +69,10 @@ class Saver:
         self.rank_root = layout.rank_dir(where.root, where.rank)
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
-        self._stager = CudaStager()
+        self._filler = Filler(where.threads)
+        self._stager = CudaStager(self._filler)
         self._staged: Staged | None = None
         """The CUDA copies of the save in flight (the optimizer's stream waits for them)."""
-        self._filler = Filler(where.threads)
         self._copied = threading.Event()
         self._peer = False
         """Whether the last snapshot had a peer copy made (the node keeps one more)."""
@@ -103,6 +103,7 @@ class Saver:
             self.wait()
         finally:
             self._drop_prefetch()
+            self._stager.close()
             self._filler.close()
             self._hook.remove()
 
