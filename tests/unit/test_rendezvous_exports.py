@@ -54,12 +54,14 @@ def test_store_exports() -> None:
         "LeasePrefixStore",
         "LeaseStore",
         "MemoryStore",
+        "PeekStore",
         "PrefixStore",
         "ScanStore",
         "Store",
         "TCPStoreClient",
         "TCPStoreServer",
         "get_many",
+        "peek",
         "set_many",
     ]
 

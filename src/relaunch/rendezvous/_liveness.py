@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterable
 from relaunch.errors import RendezvousStateError
 from relaunch.rendezvous._corrupt import CorruptWatch
 from relaunch.rendezvous._settings import RendezvousSettings
-from relaunch.store import LeaseStore, Store, get_many
+from relaunch.store import LeaseStore, Store, get_many, peek
 
 __all__ = ["Liveness", "heartbeat_times"]
 
@@ -106,7 +106,10 @@ class Liveness:
         Another node's steward key that says the state is corrupt (or valid again) is
         told to ``watch``."""
         key = f"{self._prefix}steward"
-        raw = self.store.get(key)
+        # a read with no consensus round where the store has one (etcd): every node
+        # polls this key every beat, and what it decides on the answer is a
+        # compare-and-set, which a stale answer fails
+        raw = peek(self.store, key)
         held = None if raw is None else _parse(raw)
         mine = raw is not None and raw == self._steward_raw
         now = self._clock()

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from relaunch._text import printable
 from relaunch.errors import RendezvousError
 from relaunch.rendezvous._settings import RendezvousSettings
-from relaunch.store import Store
+from relaunch.store import Store, peek
 from relaunch.store.signed import is_signed
 
 __all__ = ["RefusedLog", "claim_program", "log_refused"]
@@ -60,7 +60,7 @@ def claim_program(
 
 def log_refused(store: Store, prefix: str, run_id: str, seen: int) -> int:
     """Log the refusals after the first ``seen``; return how many there are now."""
-    raw = store.get(prefix + "refused/count")
+    raw = peek(store, prefix + "refused/count")  # a poll: the cheapest read the store has
     try:
         count = int(raw or b"0")
     except ValueError:

@@ -4,7 +4,16 @@
 (``etcd3gw``, the ``relaunch[etcd]`` extra) only when one is created.
 """
 
-from relaunch.store._protocol import BatchStore, LeaseStore, ScanStore, Store, get_many, set_many
+from relaunch.store._protocol import (
+    BatchStore,
+    LeaseStore,
+    PeekStore,
+    ScanStore,
+    Store,
+    get_many,
+    peek,
+    set_many,
+)
 from relaunch.store.etcd import EtcdStore
 from relaunch.store.memory import MemoryStore
 from relaunch.store.prefix import LeasePrefixStore, PrefixStore
@@ -16,11 +25,13 @@ __all__ = [
     "LeasePrefixStore",
     "LeaseStore",
     "MemoryStore",
+    "PeekStore",
     "PrefixStore",
     "ScanStore",
     "Store",
     "TCPStoreClient",
     "TCPStoreServer",
     "get_many",
+    "peek",
     "set_many",
 ]

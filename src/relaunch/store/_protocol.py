@@ -4,7 +4,16 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
-__all__ = ["BatchStore", "LeaseStore", "ScanStore", "Store", "get_many", "set_many"]
+__all__ = [
+    "BatchStore",
+    "LeaseStore",
+    "PeekStore",
+    "ScanStore",
+    "Store",
+    "get_many",
+    "peek",
+    "set_many",
+]
 
 
 @runtime_checkable
@@ -86,6 +95,27 @@ class ScanStore(Store, Protocol):
     def items_with_prefix(self, prefix: str) -> dict[str, bytes]:
         """Every key that starts with ``prefix``, with its value."""
         ...
+
+
+@runtime_checkable
+class PeekStore(Store, Protocol):
+    """A replicated store that can answer a read from the member it asks, with no
+    consensus round (etcd's serializable range): a fraction of a linearizable read's
+    cost to the cluster, and possibly a moment behind the newest write (never behind
+    this client's own writes while it asks the same member)."""
+
+    def peek(self, key: str) -> bytes | None:
+        """The value of ``key`` as the member asked has it (None when unset)."""
+        ...
+
+
+def peek(store: Store, key: str) -> bytes | None:
+    """``key``'s value, read as cheaply as ``store`` can (:class:`PeekStore`), else by
+    ``get``: for polls whose answer is only reported, or is checked again by a
+    compare-and-set before anything is decided on it."""
+    if isinstance(store, PeekStore):
+        return store.peek(key)
+    return store.get(key)
 
 
 def get_many(store: Store, keys: list[str]) -> list[bytes | None]:

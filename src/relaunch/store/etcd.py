@@ -108,14 +108,25 @@ class EtcdStore:
 
     # -- the Store protocol -------------------------------------------------------------
 
-    def _range(self, key: str) -> tuple[dict[str, Any] | None, int]:
-        reply = self._http.post("/kv/range", {"key": self._key(key)})
+    def _range(self, key: str, *, serializable: bool = False) -> tuple[dict[str, Any] | None, int]:
+        body: dict[str, Any] = {"key": self._key(key)}
+        if serializable:
+            body["serializable"] = True
+        reply = self._http.post("/kv/range", body)
         kvs = reply.get("kvs") or []
         revision = int(reply.get("header", {}).get("revision", 0))
         return (kvs[0] if kvs else None), revision
 
     def get(self, key: str) -> bytes | None:
         kv, _ = self._range(key)
+        if kv is None:
+            return None
+        return _unb64(kv.get("value", ""))
+
+    def peek(self, key: str) -> bytes | None:
+        """``get`` answered by the member asked, with no consensus round (a serializable
+        range: :class:`~relaunch.store.PeekStore`)."""
+        kv, _ = self._range(key, serializable=True)
         if kv is None:
             return None
         return _unb64(kv.get("value", ""))

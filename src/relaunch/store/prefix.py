@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from relaunch.store._protocol import BatchStore, LeaseStore, Store
+from relaunch.store._protocol import BatchStore, LeaseStore, Store, peek
 
 __all__ = ["LeasePrefixStore", "PrefixStore"]
 
@@ -75,6 +75,9 @@ class LeasePrefixStore(PrefixStore):
 
     def set_ephemeral(self, key: str, value: bytes, ttl: float) -> None:
         self._leases.set_ephemeral(self._key(key), value, ttl)
+
+    def peek(self, key: str) -> bytes | None:
+        return peek(self.store, self._key(key))
 
     def keys_with_prefix(self, prefix: str) -> list[str]:
         cut = len(self.prefix)

@@ -16,7 +16,7 @@ import hmac
 import os
 
 from relaunch.errors import ConfigError, RendezvousStateError
-from relaunch.store._protocol import BatchStore, LeaseStore, Store
+from relaunch.store._protocol import BatchStore, LeaseStore, Store, peek
 
 __all__ = ["SUFFIX", "SignedLeaseStore", "SignedStore", "is_signed", "read_secret"]
 
@@ -133,6 +133,9 @@ class SignedLeaseStore(SignedStore):
 
     def set_ephemeral(self, key: str, value: bytes, ttl: float) -> None:
         self.store.set_ephemeral(key, self._sign(key, bytes(value)), ttl)
+
+    def peek(self, key: str) -> bytes | None:
+        return self._open(key, peek(self.store, key))
 
     def keys_with_prefix(self, prefix: str) -> list[str]:
         return self.store.keys_with_prefix(prefix)
