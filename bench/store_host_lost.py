@@ -70,7 +70,10 @@ class Job:
                    "--rdzv-id=bench", "--local-addr=127.0.0.1", "--monitor-interval=0.1", *conf,
                    str(script), str(out)]  # fmt: skip
             env = {**os.environ, "BENCH_NODE": str(i), "OMP_NUM_THREADS": "1",
-                   "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "GLOO_SOCKET_IFNAME": "lo"}  # fmt: skip
+                   "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "GLOO_SOCKET_IFNAME": "lo",
+                   # what an agent leaves (a SIGKILLed one cannot remove its run dir)
+                   # goes with the bench's directory
+                   "TMPDIR": str(out)}  # fmt: skip
             with open(out / f"agent_{i}.out", "wb") as log:
                 self.procs.append(subprocess.Popen(cmd, env=env, stdout=log,
                                                    stderr=subprocess.STDOUT, start_new_session=True))  # fmt: skip
@@ -173,6 +176,7 @@ def one(
         return None, cpu
     finally:
         job.close()
+        shutil.rmtree(out, ignore_errors=True)
         with contextlib.suppress(OSError):
             for path in out.iterdir():
                 path.unlink()

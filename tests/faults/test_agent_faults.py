@@ -84,9 +84,11 @@ def test_worker_ignoring_sigterm_is_killed_after_grace(tmp_path: Path) -> None:
         time.sleep(600)
         """,
     )
+    # the failed run keeps its logs (by design): in tmp_path, not in /tmp
     config = parse_args(
-        ["--standalone", "--nproc-per-node=2", "--shutdown-timeout=0.5", s, str(tmp_path)]
-    )
+        ["--standalone", "--nproc-per-node=2", "--shutdown-timeout=0.5",
+         f"--log-dir={tmp_path / 'logs'}", s, str(tmp_path)]
+    )  # fmt: skip
     spec = build_spec(config, create_rendezvous_handler(config), dict(os.environ))
     assert spec.stop_grace == 0.5
     result = LocalAgent(spec).run()
