@@ -2,6 +2,7 @@
 embedded store against torchrun's c10d, side by side in the same run.
 
     python bench/store_host_lost.py [--runs 2] [--nodes 4] [--idle 10] [--load 2] [--kinds host]
+    python bench/store_host_lost.py --sequence 6 [--gap 1:5] [--load 2]
 
 ``--nodes`` agents on this machine (loopback, in a network namespace of their own)
 x 1 worker of a tiny DDP job on gloo (a step: an all-reduce and 50 ms of sleep),
@@ -21,6 +22,7 @@ import argparse
 import contextlib
 import glob
 import os
+import random
 import shutil
 import signal
 import subprocess
@@ -54,30 +56,34 @@ TRAIN = textwrap.dedent(
 class Job:
     def __init__(self, launcher: str, nodes: int, out: Path) -> None:
         self.out, self.nodes = out, nodes
-        script = out / "train.py"
-        script.write_text(TRAIN)
-        port = free_port()
-        head = [
-            sys.executable,
-            "-m",
-            "relaunch" if launcher == "relaunch" else "torch.distributed.run",
-        ]
-        conf = ["--rdzv-conf=store_members=auto"] if launcher == "relaunch" else []
+        self.script = out / "train.py"
+        self.script.write_text(TRAIN)
+        self.port = free_port()
+        self.launcher = launcher
         self.procs: list[subprocess.Popen[bytes]] = []
         for i in range(nodes):
-            cmd = [*head, f"--nnodes={nodes - 1}:{nodes}", "--nproc-per-node=1",
-                   "--max-restarts=10", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
-                   "--rdzv-id=bench", "--local-addr=127.0.0.1", "--monitor-interval=0.1", *conf,
-                   str(script), str(out)]  # fmt: skip
-            env = {**os.environ, "BENCH_NODE": str(i), "OMP_NUM_THREADS": "1",
-                   "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "GLOO_SOCKET_IFNAME": "lo",
-                   # what an agent leaves (a SIGKILLed one cannot remove its run dir)
-                   # goes with the bench's directory
-                   "TMPDIR": str(out)}  # fmt: skip
-            with open(out / f"agent_{i}.out", "wb") as log:
-                self.procs.append(subprocess.Popen(cmd, env=env, stdout=log,
-                                                   stderr=subprocess.STDOUT, start_new_session=True))  # fmt: skip
+            self.start(self.port)
             time.sleep(0.3 if i == 0 else 0.1)
+
+    def start(self, port: int) -> int:
+        """Start one more node (its agent), its endpoint on ``port``; its index."""
+        i = len(self.procs)
+        head = [sys.executable, "-m",
+                "relaunch" if self.launcher == "relaunch" else "torch.distributed.run"]  # fmt: skip
+        conf = ["--rdzv-conf=store_members=auto"] if self.launcher == "relaunch" else []
+        cmd = [*head, f"--nnodes={self.nodes - 1}:{self.nodes}", "--nproc-per-node=1",
+               "--max-restarts=100", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+               "--rdzv-id=bench", "--local-addr=127.0.0.1", "--monitor-interval=0.1", *conf,
+               str(self.script), str(self.out)]  # fmt: skip
+        env = {**os.environ, "BENCH_NODE": str(i), "OMP_NUM_THREADS": "1",
+               "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "GLOO_SOCKET_IFNAME": "lo",
+               # what an agent leaves (a SIGKILLed one cannot remove its run dir)
+               # goes with the bench's directory
+               "TMPDIR": str(self.out)}  # fmt: skip
+        with open(self.out / f"agent_{i}.out", "wb") as log:
+            self.procs.append(subprocess.Popen(cmd, env=env, stdout=log,
+                                               stderr=subprocess.STDOUT, start_new_session=True))  # fmt: skip
+        return i
 
     def steps(self, node: int) -> list[tuple[int, float]]:
         path = self.out / f"steps_{node}.log"
@@ -99,11 +105,19 @@ class Job:
             times.append(min(later))
         return max(times)
 
-    def members(self) -> list[int]:
-        """Nodes running an etcd member (their keeper names the agent's pid)."""
+    def members(self) -> dict[int, int]:
+        """Nodes running an etcd member (their keeper names the agent's pid), with the
+        member's client port (an endpoint for a node that joins later)."""
         found = subprocess.run(["pgrep", "-af", "relaunch.store._etcd_keeper"],
                                capture_output=True, text=True, check=False).stdout  # fmt: skip
-        return [i for i, p in enumerate(self.procs) if f"--name 127.0.0.1-{p.pid}-" in found]
+        members = {}
+        for line in found.splitlines():
+            words = line.split()
+            for i, p in enumerate(self.procs):
+                if f"127.0.0.1-{p.pid}-" in line and "--listen-client-urls" in words:
+                    url = words[words.index("--listen-client-urls") + 1]
+                    members[i] = int(url.rsplit(":", 1)[1])
+        return members
 
     def kill(self, node: int) -> None:
         """SIGKILL the node whole; its memory (the etcd member's data) goes with it."""
@@ -155,7 +169,7 @@ def one(
             before = job.etcd_cpu()
             time.sleep(idle)
             cpu = (job.etcd_cpu() - before) / idle / nodes * 100
-        members = job.members() if launcher == "relaunch" else [0]
+        members = list(job.members()) if launcher == "relaunch" else [0]
         if kind == "host":
             victim = 0
         elif kind == "member":
@@ -177,10 +191,78 @@ def one(
     finally:
         job.close()
         shutil.rmtree(out, ignore_errors=True)
-        with contextlib.suppress(OSError):
-            for path in out.iterdir():
-                path.unlink()
-            out.rmdir()
+
+
+def sequence(args: argparse.Namespace) -> None:
+    """``--sequence K``: one relaunch job loses K nodes one after another, the kinds of
+    ``--kinds`` in turn (``host``: the endpoint's node while it lives, then any member),
+    each SIGKILLed ``--gap A:B`` seconds after the job trained again at full size; a
+    replacement node is started at once (as a scheduler would), its endpoint a live
+    member's address. Prints each loss's recovery (every survivor training at N-1) and
+    the replacement's rejoin (every node training at N again)."""
+    lo, hi = (float(x) for x in args.gap.split(":"))
+    rng = random.Random(args.seed)
+    kinds = args.kinds.split(",")
+    out = Path(tempfile.mkdtemp(prefix="relaunch-bench-lost-"))
+    job = Job("relaunch", args.nodes, out)
+    took: dict[str, list[float]] = {kind: [] for kind in kinds}
+    kept = False
+    print(f"{args.nodes} nodes x 1 worker, --nnodes={args.nodes - 1}:{args.nodes}, load "
+          f"{args.load}, {args.sequence} nodes lost in sequence, {args.gap} s apart")  # fmt: skip
+    try:
+        live = list(range(args.nodes))
+        if _wait_training(job, live, args.nodes, 0.0, 120) is None:
+            raise RuntimeError("the job never trained at full size")
+        for k in range(args.sequence):
+            time.sleep(rng.uniform(lo, hi))
+            kind = kinds[k % len(kinds)]
+            members = job.members()
+            voting = [m for m in live if m in members]
+            others = [n for n in live if n not in members]
+            if kind == "host" and 0 in live:
+                victim = 0
+            elif kind == "other" and others:
+                victim = rng.choice(others)
+            else:
+                victim = rng.choice(voting or live)
+            t0 = time.time()
+            job.kill(victim)
+            live.remove(victim)
+            at = _wait_training(job, live, args.nodes - 1, t0, args.limit)
+            if at is None:
+                print(f"{k + 1:>3} {kind:<7} node {victim}: not training again in "
+                      f"{args.limit:g} s: job lost (the agents' logs: {out})")  # fmt: skip
+                kept = True
+                return
+            endpoint = next(iter(job.members().values()), job.port)
+            t1 = time.time()
+            live.append(job.start(endpoint))
+            back = _wait_training(job, live, args.nodes, t1, args.limit)
+            took[kind].append(at - t0)
+            shown = "not back" if back is None else f"{back - t1:.2f} s"
+            print(f"{k + 1:>3} {kind:<7} node {victim}: survivors training in {at - t0:.2f} s; "
+                  f"a replacement back in {shown}")  # fmt: skip
+            if back is None:
+                return
+        for kind, got in took.items():
+            if got:
+                print(f"{kind}: median {median(got):.2f} s, max {max(got):.2f} s, of {len(got)}")
+    finally:
+        job.close()
+        if not kept:
+            shutil.rmtree(out, ignore_errors=True)
+
+
+def _wait_training(
+    job: Job, nodes: list[int], world: int, after: float, limit: float
+) -> float | None:
+    end = time.monotonic() + limit
+    while time.monotonic() < end:
+        at = job.training_at(nodes, world, after)
+        if at is not None:
+            return at
+        time.sleep(0.05)
+    return None
 
 
 def main() -> None:
@@ -194,6 +276,10 @@ def main() -> None:
     parser.add_argument(
         "--kinds", default="host,member,other", help="the kinds of node lost, comma-separated"
     )
+    parser.add_argument("--sequence", type=int, default=0, metavar="K",
+                        help="relaunch only: one job loses K nodes one after another")  # fmt: skip
+    parser.add_argument("--gap", default="1:5", help="seconds between recovery and next loss")
+    parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args()
     unknown = set(args.kinds.split(",")) - {"host", "member", "other"}
     if unknown:
@@ -204,7 +290,10 @@ def main() -> None:
         for _ in range(args.load)
     ]
     try:
-        _table(args)
+        if args.sequence:
+            sequence(args)
+        else:
+            _table(args)
     finally:
         for proc in load:
             proc.kill()
