@@ -107,8 +107,8 @@ class Liveness:
         told to ``watch``."""
         key = f"{self._prefix}steward"
         # a read with no consensus round where the store has one (etcd): every node
-        # polls this key every beat, and what it decides on the answer is a
-        # compare-and-set, which a stale answer fails
+        # polls this key every beat; an answer a moment old at worst delays a takeover
+        # by that moment, or fails the compare-and-set that takes the role
         raw = peek(self.store, key)
         held = None if raw is None else _parse(raw)
         mine = raw is not None and raw == self._steward_raw
