@@ -159,11 +159,8 @@ def one(
     job = Job(launcher, nodes, out)
     cpu = None
     try:
-        deadline = time.monotonic() + 120
-        while job.training_at(list(range(nodes)), nodes, 0) is None:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{launcher}: the job never trained at {nodes} nodes")
-            time.sleep(0.1)
+        if _wait_training(job, list(range(nodes)), nodes, 0.0, 120) is None:
+            raise RuntimeError(f"{launcher}: the job never trained at {nodes} nodes")
         time.sleep(2.0)
         if launcher == "relaunch" and idle > 0:
             before = job.etcd_cpu()
@@ -181,13 +178,8 @@ def one(
         t0 = time.time()
         job.kill(victim)
         left = [n for n in range(nodes) if n != victim]
-        end = time.monotonic() + limit
-        while time.monotonic() < end:
-            at = job.training_at(left, nodes - 1, t0)
-            if at is not None:
-                return at - t0, cpu
-            time.sleep(0.05)
-        return None, cpu
+        at = _wait_training(job, left, nodes - 1, t0, limit)
+        return (None if at is None else at - t0), cpu
     finally:
         job.close()
         shutil.rmtree(out, ignore_errors=True)

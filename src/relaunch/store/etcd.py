@@ -117,19 +117,19 @@ class EtcdStore:
         revision = int(reply.get("header", {}).get("revision", 0))
         return (kvs[0] if kvs else None), revision
 
-    def get(self, key: str) -> bytes | None:
-        kv, _ = self._range(key)
+    def _value(self, key: str, *, serializable: bool = False) -> bytes | None:
+        kv, _ = self._range(key, serializable=serializable)
         if kv is None:
             return None
         return _unb64(kv.get("value", ""))
 
+    def get(self, key: str) -> bytes | None:
+        return self._value(key)
+
     def peek(self, key: str) -> bytes | None:
         """``get`` answered by the member asked, with no consensus round (a serializable
         range: :class:`~relaunch.store.PeekStore`)."""
-        kv, _ = self._range(key, serializable=True)
-        if kv is None:
-            return None
-        return _unb64(kv.get("value", ""))
+        return self._value(key, serializable=True)
 
     def set(self, key: str, value: bytes) -> None:
         self._http.post("/kv/put", {"key": self._key(key), "value": _b64(value)})
