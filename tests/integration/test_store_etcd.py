@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -101,6 +102,29 @@ def test_a_wait_in_flight_ends_when_the_store_is_closed(etcd: Member) -> None:
         store.close()
         with pytest.raises(StoreError):  # at once, not after the 60 s
             waiter.result(timeout=10)
+
+
+def test_watch_wakes_at_the_next_change_and_when_its_watches_are_ended(etcd: Member) -> None:
+    store = store_for(etcd)
+    stop = threading.Event()
+    try:
+        store.set("seats", b"old")  # a value set before the watch is no news
+        assert store.watch("seats", 0.3) is False
+        with ThreadPoolExecutor(1, thread_name_prefix="test-etcd") as pool:
+            news = pool.submit(store.watch, "seats", 60.0)
+            time.sleep(0.5)  # in its watch now
+            store.set("seats", b"new")
+            assert news.result(timeout=10) is True
+            waiting = pool.submit(store.watch, "seats", 60.0, stop)
+            time.sleep(0.5)
+            stop.set()
+            store.end_watches()
+            # woken now, not after the 60 s: no news (or the broken stream's error)
+            with contextlib.suppress(StoreError):
+                assert waiting.result(timeout=10) is False
+            assert store.watch("seats", 60.0, stop) is False  # cancelled: at once
+    finally:
+        store.close()
 
 
 def test_a_leaving_node_does_not_wait_the_timeout_for_a_store_that_is_gone(

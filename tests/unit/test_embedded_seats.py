@@ -76,6 +76,17 @@ def test_only_the_steward_removes_and_only_after_the_grace() -> None:
     assert plan([A, B], None, 3, {}, 13.0, 3.0, 40.0).join
 
 
+def test_a_member_whose_port_refuses_is_removed_without_the_grace() -> None:
+    # nothing listens on its port: its process is gone, waiting only holds its seat
+    down = {C.id: 10.0}
+    assert plan([A, B, C], "a", 3, down, 10.0, 3.0, 40.0, {C.id}).remove == (C.id,)
+    assert plan([A, B, C], "b", 3, down, 10.0, 3.0, 40.0, {C.id}).remove == ()  # steward acts
+    # one added that never started keeps the join grace (its port refuses until it runs)
+    starting = _m("d", started=False)
+    down = {starting.id: 10.0}
+    assert plan([A, B, starting], "a", 3, down, 10.0, 3.0, 40.0, {starting.id}).remove == ()
+
+
 def test_a_steward_that_is_down_hands_over_to_the_next_name() -> None:
     down = {A.id: 0.0}
     assert plan([A, B, C], "b", 3, down, 5.0, 3.0, 40.0).remove == (A.id,)

@@ -23,6 +23,7 @@ __all__ = [
     "member_endpoints",
     "promote_once",
     "promote_when_in_sync",
+    "quorum_lost_line",
     "remove_member",
 ]
 
@@ -117,3 +118,14 @@ def answers(urls: tuple[str, ...]) -> bool:
     """Whether a member at ``urls`` answers a health check (twice 2 s: a member that
     is only slow, on a loaded machine, counts as up)."""
     return any_healthy(urls, timeout=2.0) or any_healthy(urls, timeout=2.0)
+
+
+def quorum_lost_line(members: list[Member], exc: BaseException) -> str:
+    """The line that ends the job when the store cannot be reached (each of
+    ``members``, as last listed, checked now)."""
+    up = [m.name for m in members if m.started and any_healthy(m.client_urls)]
+    down = [m.name or "(never started)" for m in members if m.name not in up]
+    return (
+        f"the embedded rendezvous store lost its quorum: members {', '.join(down) or '?'} "
+        f"unreachable, {len(up)} of {len(members)} left ({exc})"
+    )

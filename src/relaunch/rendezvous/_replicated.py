@@ -18,8 +18,10 @@ state lives in etcd, not in a TCP store on one node:
   the loss of neither. etcd's own consensus keeps the state while a
   majority lives.
 - Each member checks every member's health every 2 s. The steward (the healthy
-  member with the smallest name) removes a member down for ``grace`` seconds, and a
-  node that is not a member takes the seat: the next loss is survived too.
+  member with the smallest name) removes a member down for ``grace`` seconds (at
+  once when its port refuses: its process is gone), and a node that is not a member,
+  woken by the seats key the steward sets, takes the seat: the next loss is
+  survived too.
 - Quorum lost (a majority gone at once): the store's calls fail, and the agent ends
   the job with one line naming the members and their health.
 - A member that leaves with its node removes the members down now, then itself, so
@@ -46,15 +48,16 @@ from relaunch.rendezvous._member_calls import (
     list_members,
     promote_once,
     promote_when_in_sync,
+    quorum_lost_line,
     remove_member,
 )
 from relaunch.rendezvous._seats import Member, join_steps, parse_members, plan
 from relaunch.store._etcd_member import (
     EtcdMember,
     MemberSpec,
-    any_healthy,
     bracket,
     free_port,
+    member_health,
     port_free,
 )
 from relaunch.store.etcd import EtcdStore
@@ -100,9 +103,12 @@ class EmbeddedStore:
         self._cfg = settings
         self._name = f"{settings.address}-{os.getpid()}-{settings.run_id}"
         self._lock_key = f"relaunch/embedded/{settings.run_id}/joining"
+        self._seats_key = f"relaunch/embedded/{settings.run_id}/seats"
+        """Set when a seat is freed: the nodes waiting for one watch it."""
         self._member: EtcdMember | None = None
         self._members: list[Member] = []
         self._down: dict[str, float] = {}
+        self._refused: set[str] = set()
         self._store: EtcdStore | None = None
         self._stop = threading.Event()
         self._wake = threading.Event()
@@ -197,11 +203,7 @@ class EmbeddedStore:
         self._wake.set()
 
     def _run(self) -> None:
-        while not self._stop.is_set():
-            self._wake.wait(self._pace())
-            self._wake.clear()
-            if self._stop.is_set():
-                return
+        while self._sleep():
             try:
                 self._refresh()
                 self._tend()
@@ -210,15 +212,29 @@ class EmbeddedStore:
             except Exception:
                 log.exception("embedded store: tending the members failed")
 
+    def _sleep(self) -> bool:
+        """Wait for the next look (:meth:`_pace`); False once stopping. A node that may
+        take a seat wakes as soon as the steward frees one (it watches the seats key):
+        until the seat is filled again, a second member's loss takes the quorum."""
+        pace, store = self._pace(), self._store
+        # (while seats are free, it looks every 0.5 s anyway)
+        if store is not None and self._member is None and self._admitted and pace > 1.0:
+            began, changed = time.monotonic(), False
+            with contextlib.suppress(StoreError):  # (its look finds out what went wrong)
+                changed = store.watch(self._seats_key, pace, cancel=self._stop)
+            pace = 0.0 if changed else max(0.0, pace - (time.monotonic() - began))
+        self._wake.wait(pace)
+        self._wake.clear()
+        return not self._stop.is_set()
+
     def _pace(self) -> float:
-        """Seconds to the next look: 0.5 while seats are free (the store grows a member
-        at a time, and a job whose store host is lost before a majority of members run
-        is lost); then the members watch each other every interval, and the others only
+        """Seconds to the next look: 0.5 while seats are free or a member is down (the
+        store grows a member at a time, and a job whose store host is lost before a
+        majority of members run is lost); then the members watch each other every interval, and the others only
         look for a free seat and the members' addresses, less often (idle CPU of etcd)."""
         with self._view_lock:
-            growing = (
-                sum(1 for m in self._members if m.started and not m.learner) < self._cfg.target
-            )
+            up = [m for m in self._members if m.started and not m.learner]
+            growing = sum(1 for m in up if m.id not in self._down) < self._cfg.target
         if growing:
             return min(0.5, self._cfg.interval)
         return self._cfg.interval if self._member is not None else 3 * self._cfg.interval
@@ -229,13 +245,17 @@ class EmbeddedStore:
         assert self._store is not None
         members = list_members(self._store)
         now = time.monotonic()
+        refused = set()
         for m in members:
             # members check each other; the others leave that to them (no traffic)
-            checked = self._member is None or any_healthy(m.client_urls, local=True)
-            if m.started and checked:
+            seen = "healthy" if self._member is None else member_health(m.client_urls, local=True)
+            if m.started and seen == "healthy":
                 self._down.pop(m.id, None)
             else:
                 self._down.setdefault(m.id, now)
+                if seen == "refused":
+                    refused.add(m.id)
+        self._refused = refused
         for gone in set(self._down) - {m.id for m in members}:
             del self._down[gone]
         with self._view_lock:
@@ -261,15 +281,20 @@ class EmbeddedStore:
             time.monotonic(),
             self._cfg.grace,
             _JOIN_TIMEOUT + 10.0,
+            self._refused,
         )
         for member_id in decided.remove:
             name = next(
                 (m.name or "(never started)" for m in self._members if m.id == member_id), ""
             )
             remove_member(self._store, member_id, name)
-            log.warning(
-                "embedded store: member %s down %g s or more: removed", name, self._cfg.grace
+            why = (
+                "its port refuses" if member_id in self._refused else f"down {self._cfg.grace:g} s"
             )
+            log.warning("embedded store: member %s removed (%s)", name, why)
+        if decided.remove:  # wake the nodes that wait for a seat (they watch this key)
+            with contextlib.suppress(StoreError):
+                self._store.set(self._seats_key, repr(time.time()).encode())
         for learner in (m for m in self._members if m.id == decided.promote):
             promote_once(self._store, learner)  # else tried again next time
         if decided.join and self._admitted:
@@ -346,12 +371,7 @@ class EmbeddedStore:
         health checked now)."""
         with self._view_lock:
             seen = list(self._members)
-        up = [m.name for m in seen if m.started and any_healthy(m.client_urls)]
-        down = [m.name or "(never started)" for m in seen if m.name not in up]
-        return (
-            f"the embedded rendezvous store lost its quorum: members {', '.join(down) or '?'} "
-            f"unreachable, {len(up)} of {len(seen)} left ({exc})"
-        )
+        return quorum_lost_line(seen, exc)
 
     # -- stopping ----------------------------------------------------------------------
 
@@ -363,6 +383,7 @@ class EmbeddedStore:
         self._wake.set()
         if self._store is not None:
             self._store.hurry()  # the members may be gone before this node
+            self._store.end_watches()
         thread, self._thread = self._thread, None
         if thread is not None:
             thread.join(timeout=self._cfg.read_timeout + 15)

@@ -7,7 +7,7 @@ The I/O (listing members, health checks, starting etcd) is in
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,14 +81,17 @@ def plan(
     now: float,
     grace: float,
     join_grace: float,
+    refused: Collection[str] = (),
 ) -> Plan:
     """Decide for this node.
 
     ``me``: this node's member name, or None when it is not a member. ``down``: member
     id -> when it was first seen unhealthy or not started. Only the *steward* acts on
     members: the healthy voting member with the smallest name, so one node acts. It
-    removes a member down ``grace`` seconds, or one added and never started (its node
-    died while joining) after ``join_grace``, never the last voting member; and it
+    removes a member down ``grace`` seconds, a started one whose port ``refused`` the
+    last check at once (its process is gone: no grace helps, and a second loss before
+    its seat is filled again would take the quorum), or one added and never started
+    (its node died while joining) after ``join_grace``, never the last voting member; and it
     promotes a learner that is up when the voting members are even (an odd count
     survives as many losses as the next even one, and never fewer). A node that is
     not a member tries to join when the members, less those being removed, are fewer
@@ -103,7 +106,11 @@ def plan(
         gone = [
             m.id
             for m in members
-            if m.id in down and now - down[m.id] >= (grace if m.started else join_grace)
+            if m.id in down
+            and (
+                (m.started and m.id in refused)
+                or now - down[m.id] >= (grace if m.started else join_grace)
+            )
         ]
         if any(m.id not in gone for m in voting):
             remove = tuple(gone)

@@ -23,7 +23,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import BinaryIO
+from typing import BinaryIO, Literal
 from urllib.parse import urlsplit
 
 from relaunch._endpoint import family_of
@@ -31,14 +31,17 @@ from relaunch.errors import ConfigError, StoreConnectionError
 
 __all__ = [
     "EtcdMember",
+    "Health",
     "MemberSpec",
     "any_healthy",
     "bracket",
     "endpoint_of",
     "find_etcd",
     "free_port",
+    "health",
     "healthy",
     "is_etcd",
+    "member_health",
     "port_free",
 ]
 
@@ -65,16 +68,31 @@ def find_etcd() -> str | None:
     return shutil.which("etcd")
 
 
-def healthy(client_url: str, timeout: float = 1.0, *, local: bool = False) -> bool:
-    """Whether the member at ``client_url`` says it is healthy (it has a leader).
-    ``local``: as the member itself knows (no read through the leader: the check the
-    members make of each other every second, cheap at idle)."""
+Health = Literal["healthy", "refused", "unhealthy"]
+"""A member's health as one look sees it. ``refused``: nothing listens on its port
+(its process is gone: a definite loss, not a slow machine or an election);
+``unhealthy``: no leader, an error, or no answer in time."""
+
+
+def health(client_url: str, timeout: float = 1.0, *, local: bool = False) -> Health:
+    """The health of the member at ``client_url``. ``local``: as the member itself
+    knows (no read through the leader: the check the members make of each other,
+    cheap at idle)."""
     path = "/health?serializable=true" if local else "/health"
     try:
         with urllib.request.urlopen(client_url + path, timeout=timeout) as reply:
-            return b'"true"' in reply.read()
-    except (OSError, urllib.error.URLError, ValueError):
-        return False
+            return "healthy" if b'"true"' in reply.read() else "unhealthy"
+    except urllib.error.URLError as exc:
+        return "refused" if isinstance(exc.reason, ConnectionRefusedError) else "unhealthy"
+    except ConnectionRefusedError:
+        return "refused"
+    except (OSError, ValueError):
+        return "unhealthy"
+
+
+def healthy(client_url: str, timeout: float = 1.0, *, local: bool = False) -> bool:
+    """Whether the member at ``client_url`` says it is healthy (it has a leader)."""
+    return health(client_url, timeout, local=local) == "healthy"
 
 
 def is_etcd(client_url: str, timeout: float) -> bool:
@@ -114,6 +132,15 @@ def endpoint_of(url: str) -> tuple[str, int] | None:
 def any_healthy(urls: tuple[str, ...], timeout: float = 0.5, *, local: bool = False) -> bool:
     """Whether the member at any of ``urls`` is healthy (``timeout`` seconds each)."""
     return any(healthy(u, timeout=timeout, local=local) for u in urls)
+
+
+def member_health(urls: tuple[str, ...], timeout: float = 0.5, *, local: bool = False) -> Health:
+    """A member's health through its ``urls``: healthy at any, refused at every one
+    (none given: unhealthy)."""
+    seen = {health(u, timeout, local=local) for u in urls}
+    if "healthy" in seen:
+        return "healthy"
+    return "refused" if seen == {"refused"} else "unhealthy"
 
 
 @dataclass(frozen=True)

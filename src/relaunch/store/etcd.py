@@ -190,8 +190,18 @@ class EtcdStore:
                     raise StoreTimeoutError(f"key {key!r} not set within {timeout} s")
                 self._watch(key, revision + 1, left)
 
-    def _watch(self, key: str, start_revision: int, timeout: float) -> None:
-        """Return at the first event on ``key`` from ``start_revision``, or at ``timeout``."""
+    def watch(self, key: str, timeout: float, cancel: threading.Event | None = None) -> bool:
+        """Wait up to ``timeout`` seconds for the next change of ``key`` (a put or a
+        delete); whether one came. False early when the member asked fails (the caller
+        looks again), and once ``cancel`` is set and :meth:`end_watches` called."""
+        _, revision = self._range(key, serializable=True)
+        return self._watch(key, revision + 1, timeout, cancel)
+
+    def _watch(
+        self, key: str, start_revision: int, timeout: float, cancel: threading.Event | None = None
+    ) -> bool:
+        """Return at the first event on ``key`` from ``start_revision`` (True), or at
+        ``timeout``, on a failure, or once ``cancel`` is set (False)."""
         client, name, skip = self._http.current()
         body = {"create_request": {"key": self._key(key), "start_revision": str(start_revision)}}
         try:
@@ -206,11 +216,14 @@ class EtcdStore:
             # Move on to the next endpoint; the caller's next read fails over or fails.
             logger.info("etcd watch on %s failed: %s", name, exc)
             skip()
-            return
+            return False
         with self._lock:
             if self._closing:
                 resp.close()
                 raise StoreClosedError("the etcd store was closed during a wait")
+            if cancel is not None and cancel.is_set():
+                resp.close()
+                return False
             self._streams.add(resp)
         deadline = time.monotonic() + timeout
         try:
@@ -218,27 +231,30 @@ class EtcdStore:
             # without our event (a member without a leader) ends at the deadline too
             for line in resp.iter_lines():
                 if time.monotonic() >= deadline:
-                    return
+                    return False
                 if not line:
                     continue
                 try:
                     result = json.loads(line)["result"]
-                    if result.get("events") or result.get("canceled"):
-                        return  # canceled: no event comes on this stream (the caller re-reads)
+                    if result.get("events"):
+                        return True
+                    if result.get("canceled"):
+                        return False  # no event comes on this stream (the caller re-reads)
                 except (ValueError, KeyError, TypeError, AttributeError):
                     logger.info("etcd watch on %s: a line that is not a watch reply: %.200r",
                                 name, line)  # fmt: skip
-                    return  # the caller re-reads the key
+                    return False  # the caller re-reads the key
         except self._requests.exceptions.ConnectionError as exc:
             if "timed out" in str(exc).lower() or "timeout" in type(exc.__context__).__name__:
-                return  # the caller re-reads and decides whether time is up
+                return False  # the caller re-reads and decides whether time is up
             raise StoreConnectionError(f"etcd watch on {key!r} broke: {exc}") from exc
         except self._requests.RequestException:
-            return
+            return False
         finally:
             with self._lock:
                 self._streams.discard(resp)
             resp.close()
+        return False
 
     # -- liveness: one lease per store (per node) -------------------------------------
 
@@ -345,7 +361,7 @@ class EtcdStore:
             lease = self._lease
             self._closing = True  # no watch starts from now on
         self._lease_stop.set()
-        self._end_streams()
+        self.end_watches()
         if thread is not None:
             thread.join(timeout=self._timeout + 1)
         if lease is not None:
@@ -355,7 +371,7 @@ class EtcdStore:
                 logger.warning("etcd lease %x not revoked (it expires on its own): %s", lease, exc)
         self._http.close()
 
-    def _end_streams(self) -> None:
+    def end_watches(self) -> None:
         """Wake every thread in a watch now (its wait raises StoreConnectionError): a
         socket shut down wakes a blocked read, where closing it would not."""
         with self._lock:
