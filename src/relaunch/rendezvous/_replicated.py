@@ -230,8 +230,9 @@ class EmbeddedStore:
     def _pace(self) -> float:
         """Seconds to the next look: 0.5 while seats are free or a member is down (the
         store grows a member at a time, and a job whose store host is lost before a
-        majority of members run is lost); then the members watch each other every interval, and the others only
-        look for a free seat and the members' addresses, less often (idle CPU of etcd)."""
+        majority of members run is lost); then the members watch each other every
+        interval, and the others only look for a free seat and the members' addresses,
+        less often (idle CPU of etcd)."""
         with self._view_lock:
             up = [m for m in self._members if m.started and not m.learner]
             growing = sum(1 for m in up if m.id not in self._down) < self._cfg.target
