@@ -103,8 +103,7 @@ class EmbeddedStore:
         self._cfg = settings
         self._name = f"{settings.address}-{os.getpid()}-{settings.run_id}"
         self._lock_key = f"relaunch/embedded/{settings.run_id}/joining"
-        self._seats_key = f"relaunch/embedded/{settings.run_id}/seats"
-        """Set when a seat is freed: the nodes waiting for one watch it."""
+        self._seats_key = f"relaunch/embedded/{settings.run_id}/seats"  # set: a seat is free
         self._member: EtcdMember | None = None
         self._members: list[Member] = []
         self._down: dict[str, float] = {}
@@ -198,7 +197,8 @@ class EmbeddedStore:
 
     def admitted(self) -> None:
         """This node was let into the job (its program and secret checked): it may
-        take a member's seat from now on (a refused node never does)."""
+        take a member's seat from now on (a refused node never does). Called at each
+        round: the members look now (a round may follow a member's loss)."""
         self._admitted = True
         self._wake.set()
 
@@ -289,9 +289,7 @@ class EmbeddedStore:
                 (m.name or "(never started)" for m in self._members if m.id == member_id), ""
             )
             remove_member(self._store, member_id, name)
-            why = (
-                "its port refuses" if member_id in self._refused else f"down {self._cfg.grace:g} s"
-            )
+            why = "its port refuses" if member_id in self._refused else "down past the grace"
             log.warning("embedded store: member %s removed (%s)", name, why)
         if decided.remove:  # wake the nodes that wait for a seat (they watch this key)
             with contextlib.suppress(StoreError):

@@ -150,10 +150,10 @@ class DynamicRendezvousHandler:
         deadline = self._clock() + settings.join_timeout
         if not self._joined:
             self._check_program()
-            if self._embedded is not None:
-                self._embedded.admitted()
             if self._hosts_store:
                 claim_store_host(self._rdzv, self._node, settings, self._clock)
+        if self._embedded is not None:  # let in; and a new round may follow a member's loss
+            self._embedded.admitted()
         self._rdzv.announce(self._node)
         self._keep_alive.start()
         state: RendezvousState | None = None
