@@ -29,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -36,6 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import free_port, in_loopback_netns, median
 
 from relaunch.procs._sys import descendants
+from relaunch.store._etcd_member import healthy
 
 TRAIN = textwrap.dedent(
     """
@@ -190,14 +192,18 @@ def sequence(args: argparse.Namespace) -> None:
     ``--kinds`` in turn (``host``: the endpoint's node while it lives, then any member),
     each SIGKILLed ``--gap A:B`` seconds after the job trained again at full size; a
     replacement node is started at once (as a scheduler would), its endpoint a live
-    member's address. Prints each loss's recovery (every survivor training at N-1) and
-    the replacement's rejoin (every node training at N again)."""
+    member's address. Prints each loss's recovery (every survivor training at N-1), the
+    replacement's rejoin (every node training at N again), and for a member's loss the
+    time until as many members answer healthy as before it (the window in which a second
+    member's loss takes the quorum)."""
     lo, hi = (float(x) for x in args.gap.split(":"))
     rng = random.Random(args.seed)
     kinds = args.kinds.split(",")
     out = Path(tempfile.mkdtemp(prefix="relaunch-bench-lost-"))
     job = Job("relaunch", args.nodes, out)
     took: dict[str, list[float]] = {kind: [] for kind in kinds}
+    refills: list[float | None] = []
+    refill: _Refill | None = None
     kept = False
     print(f"{args.nodes} nodes x 1 worker, --nnodes={args.nodes - 1}:{args.nodes}, load "
           f"{args.load}, {args.sequence} nodes lost in sequence, {args.gap} s apart")  # fmt: skip
@@ -217,9 +223,13 @@ def sequence(args: argparse.Namespace) -> None:
                 victim = rng.choice(others)
             else:
                 victim = rng.choice(voting or live)
+            if refill is not None:  # the last member's loss: its seat, if filled by now
+                refills.append(refill.finish())
+            want = _healthy_members(job, live)
             t0 = time.time()
             job.kill(victim)
             live.remove(victim)
+            refill = _Refill(job, live, want, t0) if victim in members else None
             at = _wait_training(job, live, args.nodes - 1, t0, args.limit)
             if at is None:
                 print(f"{k + 1:>3} {kind:<7} node {victim}: not training again in "
@@ -239,10 +249,70 @@ def sequence(args: argparse.Namespace) -> None:
         for kind, got in took.items():
             if got:
                 print(f"{kind}: median {median(got):.2f} s, max {max(got):.2f} s, of {len(got)}")
+        if refill is not None:
+            refills.append(refill.finish(wait=True))
+            refill = None
+        _print_refills(refills)
     finally:
+        if refill is not None:  # the job was lost
+            refills.append(refill.finish())
+            _print_refills(refills)
         job.close()
         if not kept:
             shutil.rmtree(out, ignore_errors=True)
+
+
+def _healthy_members(job: Job, live: list[int]) -> int:
+    """How many of the ``live`` nodes run an etcd member that answers healthy (a lost
+    node's member may outlive it a moment: its keeper stops it when it sees the agent
+    gone)."""
+    ports = [p for n, p in job.members().items() if n in live]
+    return sum(healthy(f"http://127.0.0.1:{p}", timeout=0.5) for p in ports)
+
+
+class _Refill:
+    """Polls, from the loss at ``t0`` on, until ``want`` etcd members of ``live`` nodes
+    (a list the caller extends with the replacement) answer healthy again."""
+
+    def __init__(self, job: Job, live: list[int], want: int, t0: float) -> None:
+        self._job, self._live, self._want, self._t0 = job, live, want, t0
+        self._at: float | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="bench-refill", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.1):
+            if _healthy_members(self._job, list(self._live)) >= self._want:
+                self._at = time.time()
+                return
+
+    def finish(self, *, wait: bool = False) -> float | None:
+        """Seconds from the loss until the seat was filled; None when it was not by now
+        (the next loss is about to come: the sequence never waits for this poll), or
+        within 60 s of the loss with ``wait``."""
+        if wait:
+            self._thread.join(timeout=max(0.0, self._t0 + 60.0 - time.time()))
+        self._stop.set()
+        self._thread.join(timeout=10.0)
+        return None if self._at is None else self._at - self._t0
+
+
+def _print_refills(refills: list[float | None]) -> None:
+    filled = [r for r in refills if r is not None]
+    if not refills:
+        return
+    tail = (
+        f", {len(refills) - len(filled)} not filled before the next loss"
+        if len(filled) < len(refills)
+        else ""
+    )
+    shown = ", ".join("-" if r is None else f"{r:.2f}" for r in refills)
+    if filled:
+        print(f"a lost member's seat filled again (healthy): median {median(filled):.2f} s, "
+              f"max {max(filled):.2f} s, of {len(filled)}{tail} ({shown})")  # fmt: skip
+    else:
+        print(f"a lost member's seat never filled before the next loss ({shown})")
 
 
 def _wait_training(
