@@ -3,6 +3,7 @@
 with Adam (state: weights + two moments, 3x the parameters), on the CPU or a GPU.
 
     python bench/snapshot_save.py [--sizes 10,100] [--reps 5] [--device cuda --batch 8192]
+                                  [--no-torch-save]
 
 Prints, per size: one training step (forward, backward, Adam) without snapshots, the
 same with ``save()`` after every step (the last one waited for); the pause: the time
@@ -10,9 +11,11 @@ the training thread is held per step (in ``save()``, and waiting before the opti
 step for the copy of the previous save to finish), also as a share of the step; the
 slowdown: the difference of the two step times, which is more than the pause where
 the writer thread's copy and checksum compete with the step for cores and memory
-bandwidth (on a GPU node the step runs on the GPU and the copy does not compete); and
-one ``torch.save`` of the same state to a file. On a GPU (``--device cuda``, TF32
-matrix products) the state's CUDA tensors are copied to a pinned buffer on a copy
+bandwidth (on a GPU node the step runs on the GPU and the copy does not compete); a
+snapshot alone: ``save()`` until the snapshot is complete with nothing else running
+(the shortest step a snapshot every step can hide behind); and one ``torch.save`` of
+the same state to a file. On a GPU (``--device cuda``, TF32
+matrix products) the state's CUDA tensors are copied to node memory on a copy
 stream beside the next step, and the optimizer's stream waits for that copy: the
 pause is then the wait for the previous snapshot to be whole (``save`` waits for it)
 where a snapshot takes longer than a step; ``--batch`` sets the step's size.
@@ -74,12 +77,25 @@ def train(
     return seconds / reps, held / reps
 
 
+def snapshot_alone(model: nn.Module, optimizer: torch.optim.Optimizer) -> float:
+    """Seconds from ``save()`` until its snapshot is complete, nothing else running."""
+    from relaunch import checkpoint
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    checkpoint.save(next(_steps), {"model": model.state_dict(), "opt": optimizer.state_dict()})
+    checkpoint.wait()
+    return time.perf_counter() - t0
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--sizes", default="10,100", help="millions of parameters")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--batch", type=int, default=64, help="rows per step (2048 wide)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--no-torch-save", action="store_true", help="skip torch.save")
     args = parser.parse_args()
     device = torch.device(args.device)
     if device.type == "cuda":
@@ -93,7 +109,7 @@ def main() -> None:
         print(f"{torch.cuda.get_device_name()}, batch {args.batch}, TF32")
 
     print(f"{'params':>8} {'state MB':>9} {'step s':>8} {'with save s':>12} {'pause ms':>9} "
-          f"{'pause/step':>11} {'slowdown/step':>14} {'torch.save ms':>14}")  # fmt: skip
+          f"{'pause/step':>11} {'slowdown/step':>14} {'alone ms':>9} {'torch.save ms':>14}")  # fmt: skip
     try:
         for million in (int(x) for x in args.sizes.split(",")):
             model, optimizer, width = build(million, device)
@@ -106,17 +122,21 @@ def main() -> None:
             runs = [train(model, optimizer, x, args.reps, True) for _ in range(3)]
             saving = statistics.median(r[0] for r in runs)
             pause = statistics.median(r[1] for r in runs)
-            t0 = time.perf_counter()
-            torch.save(
-                {"model": model.state_dict(), "opt": optimizer.state_dict()},
-                os.path.join(disk, "ckpt.pt"),
-            )
-            torch_save = time.perf_counter() - t0
+            alone = statistics.median(snapshot_alone(model, optimizer) for _ in range(3))
+            torch_save = float("nan")
+            if not args.no_torch_save:
+                t0 = time.perf_counter()
+                torch.save(
+                    {"model": model.state_dict(), "opt": optimizer.state_dict()},
+                    os.path.join(disk, "ckpt.pt"),
+                )
+                torch_save = time.perf_counter() - t0
             n = sum(p.numel() for p in model.parameters())
             mb = 3 * n * 4 / 2**20
             slowdown = max(saving - plain, 0.0)
             print(f"{n / 1e6:7.1f}M {mb:9.0f} {plain:8.2f} {saving:12.2f} {pause * 1e3:9.1f} "
-                  f"{pause / plain:10.1%} {slowdown / plain:14.1%} {torch_save * 1e3:14.0f}")  # fmt: skip
+                  f"{pause / plain:10.1%} {slowdown / plain:14.1%} {alone * 1e3:9.1f} "
+                  f"{torch_save * 1e3:14.0f}")  # fmt: skip
             del model, optimizer, x
     finally:
         shutil.rmtree(root, ignore_errors=True)

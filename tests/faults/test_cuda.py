@@ -1,5 +1,6 @@
 """The CUDA paths, run where a GPU is (skipped elsewhere): snapshots of CUDA tensors
-(pinned buffer, copy stream, the optimizer's stream fenced behind the copy), workers
+(copied straight into the page-locked files on /dev/shm, through the pinned buffer on
+disk; the copy stream, the optimizer's stream fenced behind the copy), workers
 that use CUDA forked from the fork server after a SIGKILL, and NCCL aborted and set up
 again by in-process restarts.
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -61,10 +63,17 @@ def _assert_bitwise(got: Any, want: Any, path: str = "state") -> None:
         assert got == want, path
 
 
-def test_a_cuda_state_is_snapshotted_bitwise_while_the_optimizer_goes_on(tmp_path: Path) -> None:
+@pytest.mark.parametrize("where", ["dev-shm", "tmp-path"])
+def test_a_cuda_state_is_snapshotted_bitwise_while_the_optimizer_goes_on(
+    tmp_path: Path, where: str, caplog: pytest.LogCaptureFixture
+) -> None:
     """The optimizer steps right after ``save`` returns, on the same tensors, while the
     copy of 1.6 GB to the host is still under way: its pre-step hook orders its writes
-    after the copy, so the snapshot holds the values as of the save."""
+    after the copy, so the snapshot holds the values as of the save. On /dev/shm the
+    copies land in the data file itself (its mapping page-locked), also in a retired
+    snapshot's file reused; elsewhere they may go through the pinned buffer."""
+    import tempfile
+
     from relaunch.checkpoint._saver import Saver, Where
 
     torch.manual_seed(0)
@@ -84,21 +93,27 @@ def test_a_cuda_state_is_snapshotted_bitwise_while_the_optimizer_goes_on(tmp_pat
         "cpu": torch.arange(3),
         "plain": [7, "seven", None],
     }
-    saver = Saver(Where(str(tmp_path), "job", 0, 1, 2, None, None, threads=4))
+    root = tempfile.mkdtemp(dir="/dev/shm") if where == "dev-shm" else str(tmp_path)
+    saver = Saver(Where(root, "job", 0, 1, 2, None, None, threads=4))
     try:
-        state = {"model": model.state_dict(), "opt": optimizer.state_dict(), "extra": extra}
-        want = _cpu_copy(state)
-        saver.save(1, state)
-        step()
-        step()
-        saver.wait()
-        _assert_bitwise(saver.read(1), want)
-        saver.save(2, {"model": model.state_dict()}, blocking=True)
+        for n in range(1, 5):  # the third and fourth reuse the retired snapshots' files
+            state = {"model": model.state_dict(), "opt": optimizer.state_dict(), "extra": extra}
+            want = _cpu_copy(state)
+            saver.save(n, state)
+            step()
+            step()
+            saver.wait()
+            _assert_bitwise(saver.read(n), want)
+        saver.save(5, {"model": model.state_dict()}, blocking=True)
         want = _cpu_copy(model.state_dict())
         saver.wait()
-        _assert_bitwise(saver.read(2), {"model": want})
+        _assert_bitwise(saver.read(5), {"model": want})
     finally:
         saver.close()
+        if where == "dev-shm":
+            shutil.rmtree(root, ignore_errors=True)
+    if where == "dev-shm":
+        assert "cannot be page-locked" not in caplog.text
 
 
 def _run(tmp: Path, name: str, *script: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import random
 import zlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -70,3 +71,85 @@ def test_parts_copied_chunk_by_chunk_are_checksummed_with_the_rest(threads: int)
     assert torch.equal(target[64 : 64 + len(first)], first)
     assert torch.equal(target[2 * CHUNK : 2 * CHUNK + len(second)], second)
     assert crc == zlib.crc32(target.numpy().tobytes())
+
+
+class _Event:
+    """A stand-in for a CUDA event: it records that it was waited for."""
+
+    def __init__(self, waited: list[str], name: str) -> None:
+        self.waited, self.name = waited, name
+
+    def synchronize(self) -> None:
+        self.waited.append(self.name)
+
+
+def test_a_chunk_waits_for_the_events_of_the_cuda_bytes_it_holds_only() -> None:
+    from relaunch.checkpoint._staging import Staged
+
+    waited: list[str] = []
+    a, b = _Event(waited, "a"), _Event(waited, "b")
+    staged = Staged(leaves=[], buffer=None, copies=[])
+    staged.ready = [(0, 10, a), (10, 20, a), (30, 40, b)]  # 20..30: CPU bytes
+    staged.wait_for(20, 30)
+    assert waited == []
+    staged.wait_for(5, 15)
+    assert waited == ["a"]  # once, though two of its ranges are in the chunk
+    staged.wait_for(15, 35)
+    assert waited == ["a", "a", "b"]
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_each_chunk_is_announced_before_it_is_touched(threads: int) -> None:
+    data = bytearray(os.urandom(2 * CHUNK + 7))
+    target = torch.frombuffer(data, dtype=torch.uint8)
+    source = torch.arange(CHUNK + 3, dtype=torch.int64).remainder(251).to(torch.uint8)
+    seen: list[tuple[int, int]] = []
+    filler = Filler(threads)
+    try:
+        crc = filler.crc32(memoryview(data), target, [Part(CHUNK - 1, source)], before=lambda lo, hi: seen.append((lo, hi)))  # fmt: skip
+    finally:
+        filler.close()
+    assert sorted(seen) == [(0, CHUNK), (CHUNK, 2 * CHUNK), (2 * CHUNK, 2 * CHUNK + 7)]
+    assert bytes(data[CHUNK - 1 : 2 * CHUNK + 2]) == bytes(source.numpy())
+    assert crc == zlib.crc32(data)
+
+
+def test_only_tmpfs_is_offered_for_page_locking(tmp_path: Path) -> None:
+    from relaunch.checkpoint._staging import page_lockable
+
+    assert not page_lockable("/no/such/folder")
+    if os.path.isdir("/dev/shm") and "tmpfs" in _fs_type("/dev/shm"):
+        assert page_lockable("/dev/shm")
+    assert page_lockable(str(tmp_path)) == ("tmpfs" in _fs_type(str(tmp_path)))
+
+
+def _fs_type(path: str) -> str:
+    """The file system type of ``path`` as /proc/self/mounts names it."""
+    best, kind = "", ""
+    with open("/proc/self/mounts") as f:
+        for line in f:
+            mount, fstype = line.split()[1:3]
+            inside = (
+                os.path.realpath(path).startswith(mount.rstrip("/") + "/")
+                or os.path.realpath(path) == mount
+            )
+            if inside and len(mount) > len(best):
+                best, kind = mount, fstype
+    return kind
+
+
+def test_a_mapping_is_handed_to_its_hook_before_it_is_unmapped(tmp_path: Path) -> None:
+    import mmap
+
+    from relaunch.checkpoint._mapped import MappedFiles
+
+    seen: list[bool] = []
+    maps = MappedFiles(before_unmap=lambda m: seen.append(m.closed))
+    path = os.path.join(str(tmp_path), "data")
+    with open(path, "w+b") as f:
+        f.truncate(mmap.PAGESIZE)
+        first = maps.map(f, mmap.PAGESIZE, populate=False)
+        assert maps.map(f, mmap.PAGESIZE) is first  # kept, by inode
+        maps.forget(f)
+    assert seen == [False] and first.closed
+    maps.close()

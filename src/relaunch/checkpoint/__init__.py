@@ -14,8 +14,8 @@ In the training script (under ``relaunch``)::
         ...train one step...
         checkpoint.save(step, {"model": model.state_dict(), "opt": optimizer.state_dict()})
 
-``save(step, state)`` returns at once (CUDA tensors: once their copies to a pinned host
-buffer are queued on a copy stream); a writer thread copies the tensors into the
+``save(step, state)`` returns at once (CUDA tensors: once their copies into the page-locked
+snapshot file, or a pinned buffer, are queued on a copy stream); a writer thread copies the tensors into the
 node's snapshot directory (the agent's ``--snapshot-dir``, by default a folder under
 /dev/shm removed when the job ends), then checksums them, writes the manifest and
 renames the folder, which makes the snapshot complete. The copy is finished before any
@@ -57,8 +57,8 @@ would set the package attribute to the module)."""
 def save(step: int, state: object, *, blocking: bool = False) -> None:
     """Snapshot ``state`` (what ``state_dict()`` returns) as of ``step``.
 
-    Returns at once: a writer thread copies the tensors into node memory (CUDA ones
-    through pinned host buffers, queued on their stream before this returns). The copy
+    Returns at once: a writer thread copies the tensors into node memory (the copies of
+    CUDA ones to the host are queued on a copy stream before this returns). The copy
     is done before any ``torch.optim`` optimizer steps again, before the next ``save``
     or ``load``, and before this returns with ``blocking=True``; a tensor of the state
     that you change otherwise (in place, by hand) must wait for :func:`wait_copied`.

@@ -95,10 +95,13 @@ class Filler:
         self._map(lambda lo: target[lo : lo + CHUNK].zero_(), range(0, n, CHUNK))
 
     def crc32(self, data: memoryview, target: torch.Tensor | None = None,
-              parts: Sequence[Part] = (), *, reading: bool = False) -> int:  # fmt: skip
+              parts: Sequence[Part] = (), *, reading: bool = False,
+              before: Callable[[int, int], None] | None = None) -> int:  # fmt: skip
         """The CRC-32 of ``data`` (bytes), as ``zlib.crc32`` gives it; ``parts`` are first
         copied into ``target`` (flat uint8, over the same bytes), chunk by chunk, or with
-        ``reading`` from ``target`` into each part's ``source`` (a snapshot read back)."""
+        ``reading`` from ``target`` into each part's ``source`` (a snapshot read back).
+        ``before(lo, hi)`` is called before the chunk ``[lo, hi)`` is touched (it waits
+        until that chunk's bytes have landed)."""
         n = len(data)
         spans = [(lo, min(n, lo + CHUNK)) for lo in range(0, n, CHUNK)]
         ordered = sorted(parts, key=lambda p: p.offset)
@@ -106,6 +109,8 @@ class Filler:
 
         def chunk(span: tuple[int, int]) -> int:
             lo, hi = span
+            if before is not None:
+                before(lo, hi)
             i = max(0, bisect.bisect_right(starts, lo) - 1)
             while target is not None and i < len(ordered) and ordered[i].offset < hi:
                 part = ordered[i]

@@ -180,6 +180,24 @@ def alive(pid: int) -> bool:
     return True
 
 
+def check_limit(root: str, rank: int, step: int, nbytes: int, keep: int, limit: int | None) -> None:
+    """Refuse a snapshot of ``step`` (``nbytes``) that would bring the node's snapshot
+    directory ``root`` over ``limit``, counting the other ranks' snapshots and the newest
+    ``keep`` of ``rank`` besides it (those that stay while it is written)."""
+    if limit is None:
+        return
+    ours = rank_dir(root, rank)
+    kept = [s for s in complete_steps(ours) if s != step][:keep]
+    mine_after = sum(usage(step_dir(ours, s)) for s in kept)
+    others = usage(root) - usage(ours)
+    if others + mine_after + nbytes > limit:
+        raise SnapshotError(
+            f"snapshot of step {step} refused: its {nbytes} bytes would bring the node's snapshot "
+            f"directory {root} to {others + mine_after + nbytes} bytes, over its "
+            f"limit of {limit} (--snapshot-limit; {ENV_LIMIT})"
+        )
+
+
 def usage(root: str) -> int:
     """Bytes under ``root`` (every rank's snapshots, partial ones included; a file
     linked twice counts once)."""

@@ -10,7 +10,8 @@ time is mapped with its pages populated in one call.
 A mapping held for a deleted file would keep its memory: :meth:`keep_only` drops the
 mappings of every file that is no longer one of the rank's data files, after each
 prune. A held mapping keeps its inode alive, so an inode number in the table never
-names another file.
+names another file. A mapping that CUDA copies land in directly is page-locked by its
+user, which unlocks it in ``before_unmap`` (a locked range must not be unmapped).
 """
 
 from __future__ import annotations
@@ -18,29 +19,33 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import BinaryIO
 
 __all__ = ["MappedFiles"]
 
-_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
 
 class MappedFiles:
     """Shared mappings of data files by inode, each of the file's size when mapped."""
 
-    def __init__(self) -> None:
+    def __init__(self, before_unmap: Callable[[mmap.mmap], None] | None = None) -> None:
         self._held: dict[tuple[int, int], tuple[int, mmap.mmap]] = {}
+        self._before_unmap = before_unmap
 
-    def map(self, f: BinaryIO, nbytes: int) -> mmap.mmap:
-        """A mapping of the first ``nbytes`` of ``f`` (whose size is ``nbytes``)."""
+    def map(self, f: BinaryIO, nbytes: int, *, populate: bool = True) -> mmap.mmap:
+        """A mapping of the first ``nbytes`` of ``f`` (whose size is ``nbytes``); a new
+        one with its pages faulted in unless ``populate`` is false (the caller faults
+        them in itself, on several threads)."""
         st = os.fstat(f.fileno())
         key = (st.st_dev, st.st_ino)
         held = self._held.get(key)
         if held is not None and held[0] == nbytes:
             return held[1]
         self._drop(key)
-        mapping = mmap.mmap(f.fileno(), nbytes, flags=_FLAGS)
+        flags = mmap.MAP_SHARED | (_POPULATE if populate else 0)
+        mapping = mmap.mmap(f.fileno(), nbytes, flags=flags)
         self._held[key] = (nbytes, mapping)
         return mapping
 
@@ -67,5 +72,7 @@ class MappedFiles:
     def _drop(self, key: tuple[int, int]) -> None:
         held = self._held.pop(key, None)
         if held is not None:
+            if self._before_unmap is not None:
+                self._before_unmap(held[1])
             with contextlib.suppress(BufferError, ValueError):
                 held[1].close()

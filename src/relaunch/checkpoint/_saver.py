@@ -1,13 +1,15 @@
 """A rank's snapshots: written into the node's snapshot directory, read back whole.
 
 ``save`` encodes the state's tree (plain values are captured there) and returns; CUDA
-tensors are first queued for copy into a pinned host buffer, on a copy stream of their
-device that waits for the work queued so far (so the copy overlaps the next step's
-forward and backward). A writer thread then takes a data file (the retiring snapshot's,
-its pages reused, or a new one), maps it and copies the CPU tensors into it (on
-/dev/shm this is the one copy into node memory), waits for the CUDA copies and copies
-the pinned buffer in, computes the CRC-32, writes the manifest and renames the folder,
-which makes the snapshot complete (copies and CRC on a few threads: ``_fill``).
+tensors are first queued for copy straight into the snapshot's data file (or a pinned
+buffer, ``_staging``), on a copy stream of their device that waits for the work queued
+so far (so the copy overlaps the next step's forward and backward). A writer thread
+then takes a data file (the retiring snapshot's, its pages reused, or a new one; taken
+by ``save`` where CUDA copies land in it), maps it and copies the CPU tensors into it
+(on /dev/shm this is the one copy into node memory), computes the CRC-32 of each chunk
+once its CUDA bytes have landed (copying them in from the pinned buffer first, where
+one is used), writes the manifest and renames the folder, which makes the snapshot
+complete (copies and CRC on a few threads: ``_fill``).
 
 The copy is finished before any ``torch.optim`` optimizer steps again (a global
 pre-step hook waits for the CPU tensors' copy, and makes the current CUDA stream wait
@@ -40,7 +42,7 @@ from relaunch.checkpoint._fill import Filler, Part
 from relaunch.checkpoint._layout import Where
 from relaunch.checkpoint._mapped import MappedFiles
 from relaunch.checkpoint._readback import Prefetch, offered_steps, read_step
-from relaunch.checkpoint._staging import CudaStager, Staged, on_cuda
+from relaunch.checkpoint._staging import CudaStager, Staged, on_cuda, page_lockable
 from relaunch.checkpoint._tree import Leaf, encode
 from relaunch.errors import SnapshotError
 
@@ -58,7 +60,11 @@ class _Pending:
     nbytes: int
     host: list[Leaf]
     """The values the writer copies itself: CPU tensors and bytes."""
-    staged: Staged | None
+    staged: Staged | None = None
+    file: Any = None
+    """The data file, when ``save`` took it (CUDA copies land in its mapping)."""
+    direct: bool = False
+    """Whether they do (the writer then locks the next save's file)."""
 
 
 class Saver:
@@ -71,6 +77,9 @@ class Saver:
         self._error: BaseException | None = None
         self._filler = Filler(where.threads)
         self._stager = CudaStager(self._filler)
+        self._maps = MappedFiles(before_unmap=self._stager.unlock)
+        self._lockable: bool | None = None
+        """Whether the snapshot files' pages can be page-locked (tmpfs), once known."""
         self._staged: Staged | None = None
         """The CUDA copies of the save in flight (the optimizer's stream waits for them)."""
         self._copied = threading.Event()
@@ -78,7 +87,6 @@ class Saver:
         """Whether the last snapshot had a peer copy made (the node keeps one more)."""
         self._exiting = threading.Event()
         self._warned_peer = False
-        self._maps = MappedFiles()
         self._prefetch: Prefetch | None = None
         """A read of the newest snapshot started before the script ran (``prefetch``)."""
         self.read_ahead = False
@@ -103,6 +111,7 @@ class Saver:
             self.wait()
         finally:
             self._drop_prefetch()
+            self._maps.close()
             self._stager.close()
             self._filler.close()
             self._hook.remove()
@@ -127,27 +136,23 @@ class Saver:
         self.wait()
         self._drop_prefetch()
         tree, leaves, nbytes = encode(state)
-        self._check_limit(step, nbytes)
+        # what stays while this one is written: the other ranks' and our newest window-1
+        w = self.where
+        layout.check_limit(w.root, w.rank, step, nbytes, max(self.window - 1, 1), w.limit)
         os.makedirs(self.rank_root, exist_ok=True)
         folder = layout.partial_dir(self.rank_root, step)
         shutil.rmtree(folder, ignore_errors=True)
         os.makedirs(folder)
-        host = [leaf for leaf in leaves if leaf.nbytes and not on_cuda(leaf)]
-        try:
-            staged = self._stager.stage([leaf for leaf in leaves if leaf.nbytes and on_cuda(leaf)])
-        except BaseException:
-            shutil.rmtree(folder, ignore_errors=True)
-            raise
         pending = _Pending(
             folder=folder,
             final=layout.step_dir(self.rank_root, step),
             step=step,
             manifest_tree=tree,
             nbytes=nbytes,
-            host=host,
-            staged=staged,
+            host=[leaf for leaf in leaves if leaf.nbytes and not on_cuda(leaf)],
         )
-        self._staged = staged
+        self._stage([leaf for leaf in leaves if leaf.nbytes and on_cuda(leaf)], pending)
+        self._staged = pending.staged
         self._copied = threading.Event()
         self._thread = threading.Thread(
             target=self._finish, args=(pending,), name="relaunch-snapshot-writer", daemon=True
@@ -155,6 +160,27 @@ class Saver:
         self._thread.start()
         if blocking:
             self.wait_copied()
+
+    def _stage(self, leaves: list[Leaf], p: _Pending) -> None:
+        """Take the data file and queue the CUDA ``leaves``' copies into its mapping."""
+        if not leaves:
+            return
+        if self._lockable is None:
+            self._lockable = page_lockable(self.rank_root)
+        mapping, fresh = None, False
+        try:
+            if self._lockable:
+                p.file, fresh = self._data_file(p)
+                mapping = self._maps.map(p.file, p.nbytes, populate=not fresh)
+            p.staged = self._stager.stage(leaves, mapping, fresh)
+            p.direct = p.staged is not None and p.staged.buffer is None
+        except BaseException:
+            self._stager.settle()  # nothing lands in the file once it is gone
+            if p.file is not None:
+                self._maps.forget(p.file)
+                p.file.close()
+            shutil.rmtree(p.folder, ignore_errors=True)
+            raise
 
     def wait_copied(self) -> None:
         """Wait until the CPU tensors of the save in flight are copied, and make the
@@ -169,69 +195,69 @@ class Saver:
                     torch.cuda.current_stream(stream.device).wait_stream(stream)
             self._copied.wait()
 
-    def _check_limit(self, step: int, nbytes: int) -> None:
-        limit = self.where.limit
-        if limit is None:
-            return
-        # what stays while this one is written: the other ranks' and our newest window-1
-        keep = max(self.window - 1, 1)
-        ours = layout.rank_dir(self.where.root, self.where.rank)
-        kept = [s for s in layout.complete_steps(ours) if s != step][:keep]
-        mine_after = sum(layout.usage(layout.step_dir(ours, s)) for s in kept)
-        others = layout.usage(self.where.root) - layout.usage(ours)
-        if others + mine_after + nbytes > limit:
-            raise SnapshotError(
-                f"snapshot of step {step} refused: its {nbytes} bytes would bring the node's snapshot "
-                f"directory {self.where.root} to {others + mine_after + nbytes} bytes, over its "
-                f"limit of {limit} (--snapshot-limit; {layout.ENV_LIMIT})"
-            )
-
     def _copy(self, p: _Pending, mapping: mmap.mmap) -> int:
         """Copy every value into the mapped file (in the writer) and return its CRC-32:
         the CPU values first (then the caller may change them), then the CUDA ones from
         the pinned buffer once their copies are done, each chunk checksummed as it is
         copied."""
         target = torch.frombuffer(mapping, dtype=torch.uint8)
+        staged, parts = p.staged, []
         try:
             self._filler.copy(target, [Part(leaf.offset, _flat(leaf)) for leaf in p.host])
             self._copied.set()
-            staged, parts = p.staged, []
-            if staged is not None:
-                for _stream, event in staged.copies:
-                    event.synchronize()
+            if staged is not None and staged.buffer is not None:
                 parts = [
-                    Part(leaf.offset, staged.pinned[leaf.offset : leaf.offset + leaf.nbytes])
+                    Part(leaf.offset, staged.buffer[leaf.offset : leaf.offset + leaf.nbytes])
                     for leaf in staged.leaves
                 ]
+            before = staged.wait_for if staged is not None else None
             with memoryview(mapping) as view:
-                return self._filler.crc32(view, target, parts)
+                return self._filler.crc32(view, target, parts, before=before)
         finally:
-            del target
+            del target, parts
+            if staged is not None:
+                staged.synchronize()  # the file may be dropped once nothing lands in it
             p.host = []  # the caller's tensors are no longer needed
             p.staged = None
 
-    def _data_file(self, p: _Pending) -> Any:
-        """The partial snapshot's data file: the oldest snapshot's beyond the newest
-        keep-1 (at least one) when there is one to retire, its pages reused (a new file
-        costs zeroed pages, freeing one costs as much), else a new file. A data file
-        that an agent is copying (pinned: linked twice) is never reused."""
+    def _data_file(self, p: _Pending) -> tuple[Any, bool]:
+        """The partial snapshot's data file, and whether it is new: the oldest
+        snapshot's beyond the newest keep-1 (at least one) when there is one to retire,
+        its pages reused (a new file costs zeroed pages, freeing one costs as much), else
+        a new file. A data file that an agent is copying (pinned: linked twice) is never
+        reused."""
         path = os.path.join(p.folder, layout.DATA)
-        keep = max(self.window - 1, 1)
-        retire = [s for s in layout.complete_steps(self.rank_root) if s != p.step][keep:]
-        for step in retire:
+        for step in self._retiring(p.step):
             old = layout.step_dir(self.rank_root, step)
             if not os.path.exists(path):
                 layout.take_data(old, path)
             shutil.rmtree(old, ignore_errors=True)
-        f = open(path, "r+b" if os.path.exists(path) else "w+b")  # noqa: SIM115
+        fresh = not os.path.exists(path)
+        f = open(path, "w+b" if fresh else "r+b")  # noqa: SIM115
         f.truncate(p.nbytes)
-        return f
+        return f, fresh
+
+    def _retiring(self, step: int | None) -> list[int]:
+        """The complete snapshots a save of ``step`` retires: beyond the newest keep-1."""
+        keep = max(self.window - 1, 1)
+        return [s for s in layout.complete_steps(self.rank_root) if s != step][keep:]
+
+    def _lock_next(self) -> None:
+        """Page-lock the data file the next save will reuse, here in the writer: a
+        restarted worker's saves find the snapshots' files of its last life locked."""
+        retire = self._retiring(None)
+        if retire:
+            path = os.path.join(layout.step_dir(self.rank_root, retire[0]), layout.DATA)
+            with contextlib.suppress(OSError), open(path, "r+b") as f:
+                size = os.fstat(f.fileno()).st_size
+                if size:
+                    self._stager.lock(self._maps.map(f, size))
 
     def _finish(self, p: _Pending) -> None:
         f = None
         try:
             try:
-                f = self._data_file(p)
+                f = p.file if p.file is not None else self._data_file(p)[0]
                 crc = 0
                 if p.nbytes:
                     mapping = self._maps.map(f, p.nbytes)
@@ -258,8 +284,13 @@ class Saver:
             layout.prune(self.rank_root, self.window)
             self._keep_live_maps()
             self._replicate(p.step, crc)
+            if p.direct:
+                self._lock_next()
         except BaseException as exc:
             self._error = exc
+            if p.staged is not None:  # failed before the copy: nothing lands in the file
+                with contextlib.suppress(Exception):
+                    p.staged.synchronize()
             if f is not None:
                 self._maps.forget(f)
                 with contextlib.suppress(Exception):

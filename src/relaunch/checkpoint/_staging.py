@@ -1,19 +1,37 @@
-"""CUDA tensors of a save on their way to node memory: copied into one pinned host
-buffer (their byte ranges of the data file) on a per-device copy stream that waits for
-the work queued so far, an event recorded after the copies (the writer waits for it).
+"""CUDA tensors of a save on their way to node memory: copied straight into the
+snapshot's data file where its mapping can be page-locked, else into one pinned host
+buffer that the writer copies into the file, on a per-device copy stream that waits for
+the work queued so far. An event is recorded after every :data:`GROUP` bytes of a
+stream's copies, so the writer checksums (or copies) the file's first bytes while the
+later ones are still on their way.
 
-The buffer is exactly as large as the save's CUDA bytes: plain host memory, its pages
-faulted in on the filler's threads, then page-locked (``cudaHostRegister``). torch's
-pinned allocator would round it up to a power of two (a 1.2 GB state pins 2 GB) and
-page-lock it on one thread; a restarted worker pays that at its first save, and the
-driver unlocks every pinned byte when the process dies, before its agent can start the
-next one."""
+Straight into the file (``cudaHostRegister`` of its shared mapping, /dev/shm's pages):
+no second copy in host memory, no buffer as large as the state's CUDA bytes beside the
+snapshots, and the writer only checksums. A data file is locked once, when its mapping
+is made (a new file's pages are first faulted in on the filler's threads); the writer
+keeps its mappings from one save to the next (``_mapped``), and they rotate among the
+rank's ``keep`` files: after each save the writer locks the file the next save will
+reuse, so a restarted worker locks one file on its training thread, at its first save.
+Only tmpfs (/dev/shm) is tried: the kernel refuses long-term pins of a disk file
+system's pages (and the failed call leaves an error for the next kernel launch); a
+directory on disk, or a refusal, gets the pinned buffer from then on.
+
+The pinned buffer is exactly as large as the save's CUDA bytes: plain host memory, its
+pages faulted in on the filler's threads, then page-locked. torch's pinned allocator
+would round it up to a power of two (a 1.2 GB state pins 2 GB) and page-lock it on one
+thread; a restarted worker pays that at its first save, and the driver unlocks every
+pinned byte when the process dies, before its agent can start the next one."""
 
 from __future__ import annotations
 
+import bisect
+import contextlib
+import ctypes
 import logging
+import mmap
+import os
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -21,32 +39,70 @@ import torch
 from relaunch.checkpoint._fill import Filler
 from relaunch.checkpoint._tree import Leaf
 
-__all__ = ["CudaStager", "PinnedBuffer", "Staged", "on_cuda"]
+__all__ = ["GROUP", "CudaStager", "PinnedBuffer", "Staged", "on_cuda", "page_lockable"]
 
 log = logging.getLogger("relaunch.checkpoint")
 
+GROUP = 64 << 20
+"""Bytes of a stream's copies per event: the writer starts on them once they are in."""
+
 _PORTABLE = 1
 """``cudaHostRegisterPortable``: page-locked for every CUDA context of the process."""
+_TMPFS_MAGIC = 0x01021994
 
 
 @dataclass
 class Staged:
-    """The CUDA tensors of a save, on their way into the pinned buffer."""
+    """The CUDA tensors of a save, on their way into the data file or the pinned buffer."""
 
     leaves: list[Leaf]
-    """Their byte ranges of the data file, which the pinned buffer mirrors."""
-    pinned: torch.Tensor
+    """Their byte ranges of the data file."""
+    buffer: torch.Tensor | None
+    """The pinned buffer that mirrors the data file (the writer copies the leaves' ranges
+    from it); None when the copies land in the file itself."""
     copies: list[tuple[Any, Any]]
-    """``(copy stream, event recorded after its copies)`` per device."""
+    """``(copy stream, event recorded after its last copy)`` per device."""
+    ready: list[tuple[int, int, Any]] = field(default_factory=list)
+    """``(start, end, event)``: the file's bytes ``[start, end)`` are in once ``event``
+    is done; sorted by start."""
+
+    def wait_for(self, lo: int, hi: int) -> None:
+        """Wait until every CUDA byte of the file's ``[lo, hi)`` has landed."""
+        starts = [r[0] for r in self.ready]
+        i = max(0, bisect.bisect_right(starts, lo) - 1)
+        seen: set[int] = set()
+        while i < len(self.ready) and self.ready[i][0] < hi:
+            _start, end, event = self.ready[i]
+            if end > lo and id(event) not in seen:
+                seen.add(id(event))
+                event.synchronize()
+            i += 1
+
+    def synchronize(self) -> None:
+        """Wait for every copy (the memory they land in may then go)."""
+        for _stream, event in self.copies:
+            event.synchronize()
 
 
 class CudaStager:
-    """One rank's pinned buffer (grown as needed) and copy streams, one per device."""
+    """One rank's copy streams (one per device), its page-locked data file mappings, and
+    the pinned buffer (made only where a mapping cannot be locked; grown as needed)."""
 
     def __init__(self, filler: Filler) -> None:
         self._filler = filler
         self._pinned: PinnedBuffer | None = None
         self._streams: dict[torch.device, Any] = {}
+        self._locked: dict[int, int] = {}
+        """Page-locked mappings: their address -> length."""
+        self._refused = False
+        """The snapshot directory's pages cannot be locked: the pinned buffer is used."""
+        self.device: torch.device | None = None
+        """The device of the last save's first CUDA tensor (locks are made for it)."""
+
+    def settle(self) -> None:
+        """Wait for every copy queued on the copy streams."""
+        for stream in self._streams.values():
+            stream.synchronize()
 
     def close(self) -> None:
         """Unlock and free the pinned buffer (no copy may be in flight)."""
@@ -54,43 +110,111 @@ class CudaStager:
         if pinned is not None:
             pinned.close()
 
-    def stage(self, leaves: list[Leaf]) -> Staged | None:
-        """Queue the copies of the CUDA tensors ``leaves`` into the pinned buffer (at
-        their offsets of the data file), each on its device's copy stream after the work
-        queued so far on the current stream, and record an event after them."""
+    def stage(self, leaves: list[Leaf], into: mmap.mmap | None = None,
+              fresh: bool = False) -> Staged | None:  # fmt: skip
+        """Queue the copies of the CUDA tensors ``leaves`` into the data file's mapping
+        ``into`` (its pages faulted in first when ``fresh``: a new file), or into the
+        pinned buffer where that mapping cannot be page-locked, at their offsets of the
+        file; each on its device's copy stream after the work queued so far on the
+        current stream, with an event after every :data:`GROUP` bytes."""
         if not leaves:
             return None
         end = max(leaf.offset + leaf.nbytes for leaf in leaves)
-        if self._pinned is None or self._pinned.tensor.numel() < end:
-            self.close()  # the old buffer goes first
-            self._pinned = PinnedBuffer(end, self._filler)
-        pinned = self._pinned.tensor
-        streams: dict[torch.device, Any] = {}
+        self.device = leaves[0].tensor.device if leaves[0].tensor is not None else None
+        target = None
+        if into is not None and self.lock(into, fresh):
+            target = torch.frombuffer(into, dtype=torch.uint8)
+        buffer = None
+        if target is None:
+            if self._pinned is None or self._pinned.tensor.numel() < end:
+                self.close()  # the old buffer goes first
+                self._pinned = PinnedBuffer(end, self._filler)
+            buffer = target = self._pinned.tensor
+        staged = Staged(leaves=leaves, buffer=buffer, copies=[])
+        groups: dict[torch.device, _Group] = {}
         for leaf in leaves:
             src = leaf.tensor
             assert src is not None
-            stream = streams.get(src.device)
-            if stream is None:
-                stream = self._copy_stream(src.device)
-                stream.wait_stream(torch.cuda.current_stream(src.device))
-                streams[src.device] = stream
-            with torch.cuda.stream(stream):
+            group = groups.get(src.device)
+            if group is None:
+                group = groups[src.device] = _Group(self._copy_stream(src.device))
+                group.stream.wait_stream(torch.cuda.current_stream(src.device))
+            with torch.cuda.stream(group.stream):
                 flat = src.detach().contiguous().reshape(-1).view(torch.uint8)
-                pinned[leaf.offset : leaf.offset + leaf.nbytes].copy_(flat, non_blocking=True)
-            flat.record_stream(stream)  # its memory is not reused before the copy is done
+                target[leaf.offset : leaf.offset + leaf.nbytes].copy_(flat, non_blocking=True)
+            flat.record_stream(group.stream)  # its memory is not reused before the copy is done
             leaf.tensor = None
-        copies = []
-        for stream in streams.values():
-            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            event.record(stream)
-            copies.append((stream, event))
-        return Staged(leaves=leaves, pinned=pinned, copies=copies)
+            group.add(leaf, staged.ready)
+        for group in groups.values():
+            staged.copies.append((group.stream, group.close(staged.ready)))
+        staged.ready.sort(key=lambda r: r[0])
+        return staged
+
+    def unlock(self, mapping: mmap.mmap) -> None:
+        """Unlock ``mapping`` if it was locked here (before it is unmapped; no copy into
+        it may be in flight)."""
+        address = _address(mapping)
+        if self._locked.pop(address, None) is not None:
+            with torch.cuda.device(self.device):
+                torch.cuda.cudart().cudaHostUnregister(address)  # type: ignore[no-untyped-call]
+
+    def lock(self, mapping: mmap.mmap, fresh: bool = False) -> bool:
+        """Page-lock ``mapping`` (once; a ``fresh`` file's pages are faulted in first, on
+        several threads), for :attr:`device`; False where its pages cannot be locked."""
+        if self._refused or not len(mapping) or self.device is None:
+            return False
+        address = _address(mapping)
+        if self._locked.get(address) == len(mapping):
+            return True
+        if fresh:
+            target = torch.frombuffer(mapping, dtype=torch.uint8)
+            self._filler.zero(target)  # a new file's pages, faulted in on several threads
+            del target
+        cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
+        with torch.cuda.device(self.device):  # not device 0's context, on a new thread
+            error = cudart.cudaHostRegister(address, len(mapping), _PORTABLE)
+            if error != cudart.cudaError.success:
+                _forget_error(self.device)
+        if error != cudart.cudaError.success:
+            log.warning(
+                "the snapshot directory's pages cannot be page-locked (%s): CUDA tensors are "
+                "copied through a pinned buffer", error,
+            )  # fmt: skip
+            self._refused = True
+            return False
+        if not self._locked:
+            log.info("CUDA tensors are copied straight into the snapshot files (page-locked)")
+        self._locked[address] = len(mapping)
+        return True
 
     def _copy_stream(self, device: torch.device) -> Any:
         stream = self._streams.get(device)
         if stream is None:
             stream = self._streams[device] = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
         return stream
+
+
+class _Group:
+    """A stream's copies since its last event."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+        self.leaves: list[Leaf] = []
+        self.nbytes = 0
+
+    def add(self, leaf: Leaf, ready: list[tuple[int, int, Any]]) -> None:
+        self.leaves.append(leaf)
+        self.nbytes += leaf.nbytes
+        if self.nbytes >= GROUP:
+            self.close(ready)
+
+    def close(self, ready: list[tuple[int, int, Any]]) -> Any:
+        """Record an event after the copies so far and note their ranges; the event."""
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record(self.stream)
+        ready.extend((leaf.offset, leaf.offset + leaf.nbytes, event) for leaf in self.leaves)
+        self.leaves, self.nbytes = [], 0
+        return event
 
 
 class PinnedBuffer:
@@ -105,6 +229,7 @@ class PinnedBuffer:
         address = self.tensor.data_ptr()
         error = cudart.cudaHostRegister(address, nbytes, _PORTABLE)
         if error != cudart.cudaError.success:
+            _forget_error(torch.device("cuda", torch.cuda.current_device()))
             log.warning(
                 "page-locking a %d-byte snapshot buffer failed (%s): torch's pinned allocator is used",
                 nbytes, error,
@@ -123,3 +248,33 @@ class PinnedBuffer:
 
 def on_cuda(leaf: Leaf) -> bool:
     return leaf.tensor is not None and leaf.tensor.device.type == "cuda"
+
+
+def page_lockable(path: str) -> bool:
+    """Whether shared mappings of files under ``path`` can be page-locked: tmpfs."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        buf = ctypes.create_string_buffer(256)  # struct statfs, its f_type first
+        if libc.statfs(os.fsencode(path), buf) != 0:
+            return False
+        return ctypes.c_long.from_buffer(buf).value == _TMPFS_MAGIC
+    except (OSError, AttributeError):
+        return False
+
+
+def _forget_error(device: torch.device) -> None:
+    """Take the error a failed CUDA runtime call leaves to this thread's next kernel
+    launch (which would fail the caller's next, unrelated, operation)."""
+    with contextlib.suppress(RuntimeError):
+        torch.empty(1, device=device).fill_(1.0)  # a kernel launch: it checks for the error
+
+
+def _address(mapping: mmap.mmap) -> int:
+    """Where ``mapping`` starts in this process's memory."""
+    if not len(mapping):
+        return 0
+    view = ctypes.c_char.from_buffer(mapping)
+    try:
+        return ctypes.addressof(view)
+    finally:
+        del view  # the mapping may be closed again
