@@ -4,7 +4,9 @@ sleeps, no processes); and the loop's bookkeeping of lost ranks around it."""
 from __future__ import annotations
 
 import json
+import os
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -31,6 +33,7 @@ from relaunch.agent._core import (
     wants_fork_server,
 )
 from relaunch.agent._watch import after_return, failures, observe
+from relaunch.procs import is_stopped
 
 T0 = 1_000_000.0
 POLICY = Policy(max_restarts=3)
@@ -161,6 +164,19 @@ def test_the_worker_that_stopped_first_is_the_hung_one() -> None:
     assert decide(obs(ranks), HANGS) == RestartGroup(failed=(1,), hang=Hang(1, T0 - 7.0))
 
 
+def test_a_stopped_worker_is_the_hung_one_though_a_peer_stalled_first() -> None:
+    # rank 0 entered an all-reduce with rank 1, then rank 1 was SIGSTOPped mid-step:
+    # rank 0 made its last progress first, but the stopped process is the cause
+    ranks = [
+        RankView(local_rank=0, exitcode=None, progress=T0 - 6.0),
+        RankView(local_rank=1, exitcode=None, progress=T0 - 3.0, stopped=True),
+    ]
+    assert decide(obs(ranks), HANGS) == RestartGroup(failed=(1,), hang=Hang(1, T0 - 3.0))
+    # stopped alone is no hang: nothing is past the timeout yet
+    ranks[0] = RankView(local_rank=0, exitcode=None, progress=T0 - 1.0)
+    assert decide(obs(ranks), HANGS) == Monitor()
+
+
 def test_the_clock_decides_when_a_worker_is_hung() -> None:
     ranks = [RankView(local_rank=0, exitcode=None, progress=T0)]
     assert decide(obs(ranks, now=T0 + 4.99), HANGS) == Monitor()
@@ -246,6 +262,31 @@ def test_a_tearing_down_worker_is_no_running_inprocess_peer() -> None:
 def test_waiting_nodes_never_restart_workers_that_returned() -> None:
     ranks = with_rank(running(2), returned(1, None))
     assert decide(obs(ranks, nodes_waiting=1), TEARDOWN) == Monitor()
+
+
+def test_the_loop_sees_a_stopped_worker_when_it_watches_hangs(tmp_path: Path) -> None:
+    import subprocess
+
+    slots = {lr: Slot(env={}, files=AttemptFiles.in_dir(str(tmp_path / str(lr))), started=T0)
+             for lr in range(2)}  # fmt: skip
+    procs = [subprocess.Popen(["sleep", "30"]) for _ in range(2)]
+    try:
+        os.kill(procs[1].pid, signal.SIGSTOP)
+        wait = time.monotonic() + 10
+        while time.monotonic() < wait and not is_stopped(procs[1].pid):
+            time.sleep(0.01)
+        pids = {lr: p.pid for lr, p in enumerate(procs)}
+        codes: dict[int, int | None] = {0: None, 1: None}
+        seen = observe(slots, codes, watch_progress=True, stop_signal=None, nodes_waiting=0,
+                       pids=pids)  # fmt: skip
+        assert [v.stopped for v in seen.ranks] == [False, True]
+        unwatched = observe(slots, codes, watch_progress=False, stop_signal=None,
+                            nodes_waiting=0, pids=pids)  # fmt: skip
+        assert [v.stopped for v in unwatched.ranks] == [False, False]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait(timeout=10)
 
 
 def test_the_loop_sees_a_returned_worker_in_its_exit_file(tmp_path: Path) -> None:

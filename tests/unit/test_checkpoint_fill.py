@@ -89,7 +89,8 @@ def test_a_chunk_waits_for_the_events_of_the_cuda_bytes_it_holds_only() -> None:
     waited: list[str] = []
     a, b = _Event(waited, "a"), _Event(waited, "b")
     staged = Staged(leaves=[], buffer=None, copies=[])
-    staged.ready = [(0, 10, a), (10, 20, a), (30, 40, b)]  # 20..30: CPU bytes
+    staged.ready = [(30, 40, b), (0, 10, a), (10, 20, a)]  # 20..30: CPU bytes
+    staged.sort()
     staged.wait_for(20, 30)
     assert waited == []
     staged.wait_for(5, 15)
@@ -153,3 +154,29 @@ def test_a_mapping_is_handed_to_its_hook_before_it_is_unmapped(tmp_path: Path) -
         maps.forget(f)
     assert seen == [False] and first.closed
     maps.close()
+
+
+def test_a_failed_task_returns_only_once_every_running_task_has_ended() -> None:
+    # the tasks write into memory that the caller frees once the call raises
+    import threading
+
+    started: list[int] = []
+    ended: list[int] = []
+    release = threading.Event()
+
+    def task(i: int) -> None:
+        started.append(i)
+        if i == 0:
+            raise ValueError("the first chunk failed")
+        release.wait(0.3)  # still running when the failure is seen
+        ended.append(i)
+
+    filler = Filler(3)
+    try:
+        with pytest.raises(ValueError, match="first chunk"):
+            filler._map(task, range(6))
+        # every task that started has ended (those not started never will)
+        assert sorted(ended) == sorted(set(started) - {0}) and ended
+    finally:
+        release.set()
+        filler.close()

@@ -67,6 +67,9 @@ class RankView:
     """It runs under ``relaunch.inprocess`` (it wrote the in-process marker)."""
     progress: float | None = None
     """Wall-clock time its main thread last ran Python code; None when not watched."""
+    stopped: bool = False
+    """Its process is stopped (SIGSTOP, SIGTSTP) or traced, as seen when hangs are
+    watched: it makes no progress, whatever its last progress time."""
     lost: bool = False
     """Dropped earlier in this attempt: it died and its in-process peers went on."""
     respawns: int = 0
@@ -224,7 +227,14 @@ def _hang(obs: Observation, timeout: float) -> Hang | None:
         if not _done(v) and not v.inprocess and v.progress is not None
     }
     lr = oldest_hung(progress, obs.now, timeout)
-    return Hang(local_rank=lr, since=progress[lr]) if lr is not None else None
+    if lr is None:
+        return None
+    # a stopped process is the cause, though a peer that entered a collective with it
+    # before it was stopped made its last progress earlier
+    stopped = [v.local_rank for v in obs.ranks if v.stopped and v.local_rank in progress]
+    if stopped:
+        lr = min(stopped, key=lambda r: (progress[r], r))
+    return Hang(local_rank=lr, since=progress[lr])
 
 
 def decide(obs: Observation, policy: Policy) -> Action:

@@ -222,12 +222,14 @@ class AgentRun:
         slots = self._workers.slots
         running = all(code is None or slots[lr].lost for lr, code in codes.items())
         ask = ask_rendezvous and running and self._stop.signum is None
+        watch = bool(self._policy.hang_timeout)
         obs = observe(
             slots,
             codes,
-            watch_progress=bool(self._policy.hang_timeout),
+            watch_progress=watch,
             stop_signal=self._stop.signum,
             nodes_waiting=self._handler.num_nodes_waiting() if ask else 0,
+            pids=self._workers.pids() if watch else None,
         )
         return self._membership.observe(obs, ask=ask)
 

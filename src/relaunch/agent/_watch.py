@@ -26,6 +26,7 @@ from relaunch.agent._worker_files import (
 from relaunch.errors import ProcessFailure
 from relaunch.errors._failure import signal_name
 from relaunch.events import Cause, WorkerHung
+from relaunch.procs import is_stopped
 
 __all__ = ["after_return", "causes", "failures", "observe", "report_hang"]
 
@@ -39,10 +40,11 @@ def observe(
     watch_progress: bool,
     stop_signal: int | None,
     nodes_waiting: int,
+    pids: Mapping[int, int] | None = None,
 ) -> Observation:
     """One poll: each local rank's exit code (announced ones included), whether its
-    script returned, in-process marker, progress (when hangs are watched) and whether
-    it was dropped already."""
+    script returned, in-process marker, progress and whether its process (``pids``)
+    is stopped (when hangs are watched), and whether it was dropped already."""
     ranks: list[RankView] = []
     for lr, slot in sorted(slots.items()):
         inprocess = os.path.exists(slot.files.marker)
@@ -56,6 +58,7 @@ def observe(
                 exitcode=code,
                 inprocess=inprocess,
                 progress=last_progress(slot.files, slot.started) if watch_progress else None,
+                stopped=watch_progress and code is None and _stopped(pids, lr),
                 lost=slot.lost is not None,
                 respawns=slot.respawns,
                 returned=returned,
@@ -64,6 +67,11 @@ def observe(
     return Observation(
         ranks=ranks, now=time.time(), stop_signal=stop_signal, nodes_waiting=nodes_waiting
     )
+
+
+def _stopped(pids: Mapping[int, int] | None, local_rank: int) -> bool:
+    pid = None if pids is None else pids.get(local_rank)
+    return pid is not None and is_stopped(pid)
 
 
 def failures(

@@ -25,7 +25,7 @@ import functools
 import os
 import zlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -128,6 +128,8 @@ class Filler:
         return crc
 
     def _map(self, fn: Callable[[_T], _R], items: Iterable[_T]) -> list[_R]:
+        """``fn`` of each item, on the threads; every task has ended when this returns
+        or raises (the memory they write may go then)."""
         items = list(items)
         if self._threads <= 1 or len(items) <= 1:
             return [fn(item) for item in items]
@@ -135,7 +137,13 @@ class Filler:
             self._pool = ThreadPoolExecutor(
                 self._threads, thread_name_prefix="relaunch-snapshot-fill"
             )
-        return list(self._pool.map(fn, items))
+        tasks = [self._pool.submit(fn, item) for item in items]
+        try:
+            return [task.result() for task in tasks]
+        finally:
+            for task in tasks:
+                task.cancel()
+            wait(tasks)
 
 
 def crc32_combine(crc1: int, crc2: int, len2: int) -> int:

@@ -72,7 +72,9 @@ class MappedFiles:
     def _drop(self, key: tuple[int, int]) -> None:
         held = self._held.pop(key, None)
         if held is not None:
-            if self._before_unmap is not None:
-                self._before_unmap(held[1])
-            with contextlib.suppress(BufferError, ValueError):
-                held[1].close()
+            try:
+                if self._before_unmap is not None:
+                    self._before_unmap(held[1])
+            finally:
+                with contextlib.suppress(BufferError, ValueError):
+                    held[1].close()

@@ -1,15 +1,13 @@
 """A rank's snapshots: written into the node's snapshot directory, read back whole.
 
-``save`` encodes the state's tree (plain values are captured there) and returns; CUDA
-tensors are first queued for copy straight into the snapshot's data file (or a pinned
-buffer, ``_staging``), on a copy stream of their device that waits for the work queued
-so far (so the copy overlaps the next step's forward and backward). A writer thread
-then takes a data file (the retiring snapshot's, its pages reused, or a new one; taken
-by ``save`` where CUDA copies land in it), maps it and copies the CPU tensors into it
-(on /dev/shm this is the one copy into node memory), computes the CRC-32 of each chunk
-once its CUDA bytes have landed (copying them in from the pinned buffer first, where
-one is used), writes the manifest and renames the folder, which makes the snapshot
-complete (copies and CRC on a few threads: ``_fill``).
+``save`` encodes the state's tree (plain values are captured there) and queues the
+CUDA tensors' copies, straight into the data file or through a pinned buffer
+(``_staging``), on a copy stream that waits for the work queued so far (the copy
+overlaps the next step). A writer thread takes the data file (the retiring snapshot's,
+its pages reused, or a new one; ``save`` takes it for CUDA copies), copies the CPU
+tensors into its mapping (on /dev/shm the one copy into node memory), checksums each
+chunk once its CUDA bytes have landed, writes the manifest and renames the folder,
+which makes the snapshot complete (copies and CRC on a few threads: ``_fill``).
 
 The copy is finished before any ``torch.optim`` optimizer steps again (a global
 pre-step hook waits for the CPU tensors' copy, and makes the current CUDA stream wait
@@ -43,7 +41,7 @@ from relaunch.checkpoint._layout import Where
 from relaunch.checkpoint._mapped import MappedFiles
 from relaunch.checkpoint._readback import Prefetch, offered_steps, read_step
 from relaunch.checkpoint._staging import CudaStager, Staged, on_cuda, page_lockable
-from relaunch.checkpoint._tree import Leaf, encode
+from relaunch.checkpoint._tree import Leaf, encode, flat_bytes
 from relaunch.errors import SnapshotError
 
 __all__ = ["Saver", "Where"]
@@ -62,9 +60,10 @@ class _Pending:
     """The values the writer copies itself: CPU tensors and bytes."""
     staged: Staged | None = None
     file: Any = None
-    """The data file, when ``save`` took it (CUDA copies land in its mapping)."""
-    direct: bool = False
-    """Whether they do (the writer then locks the next save's file)."""
+    """The data file, when ``save`` took it."""
+    lockable: bool = False
+    """Whether the snapshot files can be page-locked (the writer then locks the next
+    save's file)."""
 
 
 class Saver:
@@ -111,8 +110,9 @@ class Saver:
             self.wait()
         finally:
             self._drop_prefetch()
-            self._maps.close()
-            self._stager.close()
+            if self._thread is None or not self._thread.is_alive():  # nothing copies into them
+                self._maps.close()
+                self._stager.close()
             self._filler.close()
             self._hook.remove()
 
@@ -162,24 +162,26 @@ class Saver:
             self.wait_copied()
 
     def _stage(self, leaves: list[Leaf], p: _Pending) -> None:
-        """Take the data file and queue the CUDA ``leaves``' copies into its mapping."""
+        """Queue the CUDA ``leaves``' copies: into the data file's mapping where it is a
+        reused file (taken here) that can be page-locked, else into the pinned buffer."""
         if not leaves:
             return
         if self._lockable is None:
             self._lockable = page_lockable(self.rank_root)
-        mapping, fresh = None, False
+        p.lockable = self._lockable and not self._stager.refused
         try:
-            if self._lockable:
+            mapping = None
+            if p.lockable:
                 p.file, fresh = self._data_file(p)
-                mapping = self._maps.map(p.file, p.nbytes, populate=not fresh)
-            p.staged = self._stager.stage(leaves, mapping, fresh)
-            p.direct = p.staged is not None and p.staged.buffer is None
+                if not fresh:  # a new file's pages would be faulted in here, then locked
+                    mapping = self._maps.map(p.file, p.nbytes)
+            p.staged = self._stager.stage(leaves, mapping)
         except BaseException:
             self._stager.settle()  # nothing lands in the file once it is gone
             if p.file is not None:
-                self._maps.forget(p.file)
                 p.file.close()
             shutil.rmtree(p.folder, ignore_errors=True)
+            self._keep_live_maps()
             raise
 
     def wait_copied(self) -> None:
@@ -197,13 +199,13 @@ class Saver:
 
     def _copy(self, p: _Pending, mapping: mmap.mmap) -> int:
         """Copy every value into the mapped file (in the writer) and return its CRC-32:
-        the CPU values first (then the caller may change them), then the CUDA ones from
-        the pinned buffer once their copies are done, each chunk checksummed as it is
-        copied."""
+        the CPU values first (then the caller may change them), then each chunk's CRC-32
+        once its CUDA bytes have landed (in the file itself, or in the pinned buffer,
+        whence they are copied first, in the same pass)."""
         target = torch.frombuffer(mapping, dtype=torch.uint8)
         staged, parts = p.staged, []
         try:
-            self._filler.copy(target, [Part(leaf.offset, _flat(leaf)) for leaf in p.host])
+            self._filler.copy(target, [Part(leaf.offset, flat_bytes(leaf)) for leaf in p.host])
             self._copied.set()
             if staged is not None and staged.buffer is not None:
                 parts = [
@@ -239,19 +241,26 @@ class Saver:
 
     def _retiring(self, step: int | None) -> list[int]:
         """The complete snapshots a save of ``step`` retires: beyond the newest keep-1."""
-        keep = max(self.window - 1, 1)
-        return [s for s in layout.complete_steps(self.rank_root) if s != step][keep:]
+        return [s for s in layout.complete_steps(self.rank_root) if s != step][
+            max(self.window - 1, 1) :
+        ]
 
     def _lock_next(self) -> None:
-        """Page-lock the data file the next save will reuse, here in the writer: a
-        restarted worker's saves find the snapshots' files of its last life locked."""
+        """Page-lock the data file the next save will reuse, here in the writer, not in
+        the next ``save`` (a file written through the pinned buffer, a restarted
+        worker's second file). Only a speed-up: a failure is left to that save."""
         retire = self._retiring(None)
-        if retire:
-            path = os.path.join(layout.step_dir(self.rank_root, retire[0]), layout.DATA)
-            with contextlib.suppress(OSError), open(path, "r+b") as f:
+        if not retire:
+            return
+        path = os.path.join(layout.step_dir(self.rank_root, retire[0]), layout.DATA)
+        try:
+            with open(path, "r+b") as f:
                 size = os.fstat(f.fileno()).st_size
                 if size:
                     self._stager.lock(self._maps.map(f, size))
+        except Exception as exc:
+            log.debug("rank %s: the next snapshot's file is not locked ahead: %s",
+                      self.where.rank, exc)  # fmt: skip
 
     def _finish(self, p: _Pending) -> None:
         f = None
@@ -284,7 +293,7 @@ class Saver:
             layout.prune(self.rank_root, self.window)
             self._keep_live_maps()
             self._replicate(p.step, crc)
-            if p.direct:
+            if p.lockable:
                 self._lock_next()
         except BaseException as exc:
             self._error = exc
@@ -292,18 +301,17 @@ class Saver:
                 with contextlib.suppress(Exception):
                     p.staged.synchronize()
             if f is not None:
-                self._maps.forget(f)
                 with contextlib.suppress(Exception):
                     f.close()
             shutil.rmtree(p.folder, ignore_errors=True)
+            with contextlib.suppress(Exception):
+                self._keep_live_maps()  # the partial file's mapping goes with it
 
     def _keep_live_maps(self) -> None:
-        """Unmap the data files that are gone (pruned, discarded): a mapping would keep
-        their memory."""
-        steps = layout.complete_steps(self.rank_root)
-        self._maps.keep_only(
-            os.path.join(layout.step_dir(self.rank_root, s), layout.DATA) for s in steps
-        )
+        """Unmap the data files that are gone (a mapping would keep their memory)."""
+        root = self.rank_root
+        steps = layout.complete_steps(root)
+        self._maps.keep_only(os.path.join(layout.step_dir(root, s), layout.DATA) for s in steps)
 
     def _replicate(self, step: int, crc: int) -> None:
         """Tell the agent of this snapshot and wait until its ring successor holds a
@@ -390,11 +398,3 @@ class Saver:
                 self.read_ahead = True
                 return state
         return read_step(self.where, step, root, self._filler)
-
-
-def _flat(leaf: Leaf) -> torch.Tensor:
-    """A CPU value's bytes, flat uint8."""
-    if leaf.raw is not None:
-        return torch.frombuffer(bytearray(leaf.raw), dtype=torch.uint8)
-    assert leaf.tensor is not None
-    return leaf.tensor.detach().contiguous().reshape(-1).view(torch.uint8)

@@ -1,23 +1,25 @@
 """CUDA tensors of a save on their way to node memory: copied straight into the
-snapshot's data file where its mapping can be page-locked, else into one pinned host
+snapshot's data file where its mapping is page-locked, else into one pinned host
 buffer that the writer copies into the file, on a per-device copy stream that waits for
-the work queued so far. An event is recorded after every :data:`GROUP` bytes of a
-stream's copies, so the writer checksums (or copies) the file's first bytes while the
-later ones are still on their way.
+the work queued so far. The copies go in slices of at most :data:`GROUP` bytes, an
+event after every :data:`GROUP` bytes of a stream's copies, so the writer checksums (or
+copies) the file's first bytes while the later ones are still on their way.
 
 Straight into the file (``cudaHostRegister`` of its shared mapping, /dev/shm's pages):
-no second copy in host memory, no buffer as large as the state's CUDA bytes beside the
-snapshots, and the writer only checksums. A data file is locked once, when its mapping
-is made (a new file's pages are first faulted in on the filler's threads); the writer
-keeps its mappings from one save to the next (``_mapped``), and they rotate among the
-rank's ``keep`` files: after each save the writer locks the file the next save will
-reuse, so a restarted worker locks one file on its training thread, at its first save.
-Only tmpfs (/dev/shm) is tried: the kernel refuses long-term pins of a disk file
-system's pages (and the failed call leaves an error for the next kernel launch); a
-directory on disk, or a refusal, gets the pinned buffer from then on.
+no second copy in host memory, and the writer only checksums. A data file is locked
+where it is reused: the writer keeps its mappings from one save to the next
+(``_mapped``), and after each save it locks the file that the next save will reuse (the
+oldest snapshot kept), off the training thread; a reused file not locked yet (a
+restarted worker's first save, into a snapshot of its last life) is locked by ``save``.
+A new file (the first saves of a job, ``--snapshot-keep 1``, a retiring file an agent is
+copying) gets the pinned buffer: locking it would mean faulting in all its pages on the
+training thread first. Only tmpfs (/dev/shm) is tried: the kernel refuses long-term
+pins of a disk file system's pages (and the failed call leaves an error for the next
+kernel launch); a directory on disk, or a refusal, gets the pinned buffer from then on.
 
-The pinned buffer is exactly as large as the save's CUDA bytes: plain host memory, its
-pages faulted in on the filler's threads, then page-locked. torch's pinned allocator
+The pinned buffer, made at the first save that needs it and kept, is as large as the
+data file up to its last CUDA byte: plain host memory, its pages faulted in on the
+filler's threads, then page-locked. torch's pinned allocator
 would round it up to a power of two (a 1.2 GB state pins 2 GB) and page-lock it on one
 thread; a restarted worker pays that at its first save, and the driver unlocks every
 pinned byte when the process dies, before its agent can start the next one."""
@@ -64,12 +66,16 @@ class Staged:
     """``(copy stream, event recorded after its last copy)`` per device."""
     ready: list[tuple[int, int, Any]] = field(default_factory=list)
     """``(start, end, event)``: the file's bytes ``[start, end)`` are in once ``event``
-    is done; sorted by start."""
+    is done; sorted by start, none overlapping."""
+    _starts: list[int] = field(default_factory=list)
+
+    def sort(self) -> None:
+        self.ready.sort(key=lambda r: r[0])
+        self._starts = [r[0] for r in self.ready]
 
     def wait_for(self, lo: int, hi: int) -> None:
         """Wait until every CUDA byte of the file's ``[lo, hi)`` has landed."""
-        starts = [r[0] for r in self.ready]
-        i = max(0, bisect.bisect_right(starts, lo) - 1)
+        i = max(0, bisect.bisect_right(self._starts, lo) - 1)
         seen: set[int] = set()
         while i < len(self.ready) and self.ready[i][0] < hi:
             _start, end, event = self.ready[i]
@@ -110,19 +116,23 @@ class CudaStager:
         if pinned is not None:
             pinned.close()
 
-    def stage(self, leaves: list[Leaf], into: mmap.mmap | None = None,
-              fresh: bool = False) -> Staged | None:  # fmt: skip
+    @property
+    def refused(self) -> bool:
+        """The snapshot directory's pages cannot be locked (the pinned buffer is used)."""
+        return self._refused
+
+    def stage(self, leaves: list[Leaf], into: mmap.mmap | None = None) -> Staged | None:
         """Queue the copies of the CUDA tensors ``leaves`` into the data file's mapping
-        ``into`` (its pages faulted in first when ``fresh``: a new file), or into the
-        pinned buffer where that mapping cannot be page-locked, at their offsets of the
-        file; each on its device's copy stream after the work queued so far on the
-        current stream, with an event after every :data:`GROUP` bytes."""
+        ``into`` (a reused file's: locked here if it is not yet), or into the pinned
+        buffer (no ``into``, or it cannot be locked), at their offsets of the file; each
+        on its device's copy stream after the work queued so far on the current stream,
+        with an event after every :data:`GROUP` bytes."""
         if not leaves:
             return None
         end = max(leaf.offset + leaf.nbytes for leaf in leaves)
         self.device = leaves[0].tensor.device if leaves[0].tensor is not None else None
         target = None
-        if into is not None and self.lock(into, fresh):
+        if into is not None and self.lock(into):
             target = torch.frombuffer(into, dtype=torch.uint8)
         buffer = None
         if target is None:
@@ -141,13 +151,16 @@ class CudaStager:
                 group.stream.wait_stream(torch.cuda.current_stream(src.device))
             with torch.cuda.stream(group.stream):
                 flat = src.detach().contiguous().reshape(-1).view(torch.uint8)
-                target[leaf.offset : leaf.offset + leaf.nbytes].copy_(flat, non_blocking=True)
+                for lo in range(0, leaf.nbytes, GROUP):  # slices: the writer starts sooner
+                    hi = min(leaf.nbytes, lo + GROUP)
+                    dst = target[leaf.offset + lo : leaf.offset + hi]
+                    dst.copy_(flat[lo:hi], non_blocking=True)
+                    group.add(leaf.offset + lo, leaf.offset + hi, staged.ready)
             flat.record_stream(group.stream)  # its memory is not reused before the copy is done
             leaf.tensor = None
-            group.add(leaf, staged.ready)
         for group in groups.values():
             staged.copies.append((group.stream, group.close(staged.ready)))
-        staged.ready.sort(key=lambda r: r[0])
+        staged.sort()
         return staged
 
     def unlock(self, mapping: mmap.mmap) -> None:
@@ -155,21 +168,20 @@ class CudaStager:
         it may be in flight)."""
         address = _address(mapping)
         if self._locked.pop(address, None) is not None:
-            with torch.cuda.device(self.device):
-                torch.cuda.cudart().cudaHostUnregister(address)  # type: ignore[no-untyped-call]
+            try:
+                with torch.cuda.device(self.device):
+                    torch.cuda.cudart().cudaHostUnregister(address)  # type: ignore[no-untyped-call]
+            except Exception as exc:  # the mapping goes all the same
+                log.warning("unlocking a snapshot file's mapping failed: %s", exc)
 
-    def lock(self, mapping: mmap.mmap, fresh: bool = False) -> bool:
-        """Page-lock ``mapping`` (once; a ``fresh`` file's pages are faulted in first, on
-        several threads), for :attr:`device`; False where its pages cannot be locked."""
+    def lock(self, mapping: mmap.mmap) -> bool:
+        """Page-lock ``mapping`` (once; its pages are there: a file written before), for
+        :attr:`device`; False where its pages cannot be locked."""
         if self._refused or not len(mapping) or self.device is None:
             return False
         address = _address(mapping)
         if self._locked.get(address) == len(mapping):
             return True
-        if fresh:
-            target = torch.frombuffer(mapping, dtype=torch.uint8)
-            self._filler.zero(target)  # a new file's pages, faulted in on several threads
-            del target
         cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
         with torch.cuda.device(self.device):  # not device 0's context, on a new thread
             error = cudart.cudaHostRegister(address, len(mapping), _PORTABLE)
@@ -195,26 +207,40 @@ class CudaStager:
 
 
 class _Group:
-    """A stream's copies since its last event."""
+    """A stream's copies since its last event: their ranges of the data file."""
 
     def __init__(self, stream: Any) -> None:
         self.stream = stream
-        self.leaves: list[Leaf] = []
+        self.ranges: list[tuple[int, int]] = []
         self.nbytes = 0
 
-    def add(self, leaf: Leaf, ready: list[tuple[int, int, Any]]) -> None:
-        self.leaves.append(leaf)
-        self.nbytes += leaf.nbytes
+    def add(self, lo: int, hi: int, ready: list[tuple[int, int, Any]]) -> None:
+        self.ranges.append((lo, hi))
+        self.nbytes += hi - lo
         if self.nbytes >= GROUP:
             self.close(ready)
 
-    def close(self, ready: list[tuple[int, int, Any]]) -> Any:
+    def close(self, ready: list[tuple[int, int, Any]]) -> _Landed:
         """Record an event after the copies so far and note their ranges; the event."""
-        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        event.record(self.stream)
-        ready.extend((leaf.offset, leaf.offset + leaf.nbytes, event) for leaf in self.leaves)
-        self.leaves, self.nbytes = [], 0
+        event = _Landed(self.stream)
+        ready.extend((lo, hi, event) for lo, hi in self.ranges)
+        self.ranges, self.nbytes = [], 0
         return event
+
+
+class _Landed:
+    """An event recorded on a copy stream, waited for with its device current (the
+    writer's threads make no context on another device: a rank on GPU 5 has none on GPU
+    0); its waiters sleep, not spin (several threads wait for the same one)."""
+
+    def __init__(self, stream: Any) -> None:
+        self.device = stream.device
+        self._event = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
+        self._event.record(stream)
+
+    def synchronize(self) -> None:
+        with torch.cuda.device(self.device):
+            self._event.synchronize()
 
 
 class PinnedBuffer:

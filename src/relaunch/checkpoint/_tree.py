@@ -26,7 +26,7 @@ import torch
 from relaunch.checkpoint._layout import CorruptSnapshot
 from relaunch.errors import SnapshotError
 
-__all__ = ["Leaf", "decode", "encode"]
+__all__ = ["Leaf", "decode", "encode", "flat_bytes"]
 
 _ALIGN = 64
 
@@ -113,6 +113,14 @@ uint8 over the value's storage)."""
 
 class _Bytes(bytearray):
     """A ``bytes`` leaf while its bytes are read (made ``bytes`` afterwards)."""
+
+
+def flat_bytes(leaf: Leaf) -> torch.Tensor:
+    """A CPU leaf's bytes, flat uint8."""
+    if leaf.raw is not None:
+        return torch.frombuffer(bytearray(leaf.raw), dtype=torch.uint8)
+    assert leaf.tensor is not None
+    return leaf.tensor.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
 def decode(tree: object, size: int, where: str) -> tuple[object, list[Region]]:
