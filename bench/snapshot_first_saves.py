@@ -1,5 +1,6 @@
-"""What a process's first snapshots cost on a GPU: the data files' mappings are
-page-locked once (the CUDA copies land in them), a new file's pages faulted in first.
+"""What a process's first snapshots cost on a GPU: a new data file takes the pinned
+buffer (made at the first save that needs it), a reused one's mapping is page-locked
+once (then the CUDA copies land in it), by ``save`` or, ahead, by the writer.
 
     python bench/snapshot_first_saves.py [--params 1000] [--batch 8192]
 
