@@ -269,6 +269,10 @@ def test_the_loop_sees_a_stopped_worker_when_it_watches_hangs(tmp_path: Path) ->
 
     slots = {lr: Slot(env={}, files=AttemptFiles.in_dir(str(tmp_path / str(lr))), started=T0)
              for lr in range(2)}  # fmt: skip
+    progress = Path(slots[0].files.progress_file)  # rank 0 stalled: states are read
+    progress.parent.mkdir(parents=True)
+    progress.write_text("")
+    os.utime(progress, (T0, T0))
     procs = [subprocess.Popen(["sleep", "30"]) for _ in range(2)]
     try:
         os.kill(procs[1].pid, signal.SIGSTOP)
@@ -278,10 +282,10 @@ def test_the_loop_sees_a_stopped_worker_when_it_watches_hangs(tmp_path: Path) ->
         pids = {lr: p.pid for lr, p in enumerate(procs)}
         codes: dict[int, int | None] = {0: None, 1: None}
         seen = observe(slots, codes, watch_progress=True, stop_signal=None, nodes_waiting=0,
-                       pids=pids)  # fmt: skip
+                       pids=pids, stalled_after=1.0)  # fmt: skip
         assert [v.stopped for v in seen.ranks] == [False, True]
         unwatched = observe(slots, codes, watch_progress=False, stop_signal=None,
-                            nodes_waiting=0, pids=pids)  # fmt: skip
+                            nodes_waiting=0, pids=pids, stalled_after=1.0)  # fmt: skip
         assert [v.stopped for v in unwatched.ranks] == [False, False]
     finally:
         for p in procs:

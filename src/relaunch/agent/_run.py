@@ -222,14 +222,15 @@ class AgentRun:
         slots = self._workers.slots
         running = all(code is None or slots[lr].lost for lr, code in codes.items())
         ask = ask_rendezvous and running and self._stop.signum is None
-        watch = bool(self._policy.hang_timeout)
+        hang_timeout = self._policy.hang_timeout
         obs = observe(
             slots,
             codes,
-            watch_progress=watch,
+            watch_progress=bool(hang_timeout),
             stop_signal=self._stop.signum,
             nodes_waiting=self._handler.num_nodes_waiting() if ask else 0,
-            pids=self._workers.pids() if watch else None,
+            pids=self._workers.pids() if hang_timeout else None,
+            stalled_after=hang_timeout,
         )
         return self._membership.observe(obs, ask=ask)
 

@@ -12,6 +12,7 @@ import os
 import signal
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 
 from relaunch.agent._attempt import Slot
 from relaunch.agent._core import ExitBarrier, Hang, Observation, RankView
@@ -41,10 +42,12 @@ def observe(
     stop_signal: int | None,
     nodes_waiting: int,
     pids: Mapping[int, int] | None = None,
+    stalled_after: float | None = None,
 ) -> Observation:
     """One poll: each local rank's exit code (announced ones included), whether its
-    script returned, in-process marker, progress and whether its process (``pids``)
-    is stopped (when hangs are watched), and whether it was dropped already."""
+    script returned, in-process marker, progress (when hangs are watched), and whether
+    it was dropped already; once some rank made no progress for ``stalled_after`` s,
+    whether each running process (``pids``) is stopped (no /proc read per poll before)."""
     ranks: list[RankView] = []
     for lr, slot in sorted(slots.items()):
         inprocess = os.path.exists(slot.files.marker)
@@ -58,19 +61,25 @@ def observe(
                 exitcode=code,
                 inprocess=inprocess,
                 progress=last_progress(slot.files, slot.started) if watch_progress else None,
-                stopped=watch_progress and code is None and _stopped(pids, lr),
                 lost=slot.lost is not None,
                 respawns=slot.respawns,
                 returned=returned,
             )
         )
-    return Observation(
-        ranks=ranks, now=time.time(), stop_signal=stop_signal, nodes_waiting=nodes_waiting
-    )
+    now = time.time()
+    if (
+        pids is not None
+        and stalled_after is not None
+        and any(v.progress is not None and now - v.progress >= stalled_after for v in ranks)
+    ):
+        ranks = [
+            replace(v, stopped=v.exitcode is None and _stopped(pids, v.local_rank)) for v in ranks
+        ]
+    return Observation(ranks=ranks, now=now, stop_signal=stop_signal, nodes_waiting=nodes_waiting)
 
 
-def _stopped(pids: Mapping[int, int] | None, local_rank: int) -> bool:
-    pid = None if pids is None else pids.get(local_rank)
+def _stopped(pids: Mapping[int, int], local_rank: int) -> bool:
+    pid = pids.get(local_rank)
     return pid is not None and is_stopped(pid)
 
 
