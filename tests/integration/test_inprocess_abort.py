@@ -4,14 +4,20 @@ A collective started *after* the abort (as a DDP backward still running in C++ d
 when it enqueues its next bucket) must fail at once, not wait for the group's
 timeout (120 s here). The abort expires the gloo backend's timeout for that: in the
 race seen under load (~1 in 500 DDP restarts, `bench/inprocess_soak.py`) such an
-allreduce otherwise waited in ``UnboundBuffer::waitSend``. The race itself needs
-timing a test cannot force, so the test checks the expired timeout directly.
+allreduce otherwise waited in ``UnboundBuffer::waitSend``; the first test checks the
+expired timeout directly.
+
+A collective created before the abort whose send gloo posts after it must fail too:
+with the sockets' write side shut down, such a send failed with EPIPE and gloo left
+it queued, unfailed, for the group's timeout (1 abort in 6 of an allreduce loop hung
+so). The second test aborts an allreduce loop at 16 moments.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
 import sys
 
@@ -77,6 +83,81 @@ def test_collective_started_after_abort_fails_at_once() -> None:
         result = json.loads(out.strip().splitlines()[-1])
         assert result["outcome"] == "failed", result
         assert result["gloo_timeout"] <= 0.01, result  # was 120 s before the abort
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.communicate()
+
+
+LOOP = r"""
+import datetime, os, threading
+import torch, torch.distributed as dist
+from relaunch.inprocess import AbortTorchDistributed, State
+from relaunch.inprocess._core import _sockets
+
+rank = int(os.environ["RANK"])
+store = dist.TCPStore(
+    "127.0.0.1", int(os.environ["MASTER_PORT"]), 2, rank == 0,
+    timeout=datetime.timedelta(seconds=60),
+)
+# The peer's collectives give up after 5 s: when the aborted rank's connection closes,
+# a send the peer posts at that moment can wait in gloo for the whole timeout (_sockets).
+timeout = datetime.timedelta(seconds=120 if rank == 0 else 5)
+state = State(rank=0, world_size=2, initial_rank=0, initial_world_size=2)
+for trial, ms in enumerate(os.environ["ABORT_AT_MS"].split(",")):
+    _sockets.mark_baseline()  # the store's connection is older: spared
+    prefixed = dist.PrefixStore(f"trial{trial}/", store)
+    dist.init_process_group("gloo", store=prefixed, rank=rank, world_size=2, timeout=timeout)
+    tensor = torch.ones(8)
+    dist.all_reduce(tensor)
+    aborter = threading.Timer(int(ms) / 1000, AbortTorchDistributed(), args=(state,))
+    if rank == 0:
+        aborter.start()
+    try:
+        while True:
+            dist.all_reduce(tensor)
+    except RuntimeError:
+        print(ms, "failed", flush=True)
+    aborter.cancel()
+    if rank == 0:
+        aborter.join()
+        _sockets.release_held()  # as the wrapper does once the function has left
+    dist.destroy_process_group()
+os._exit(0)
+"""
+
+
+@pytest.mark.timeout(180)
+def test_an_allreduce_loop_aborted_at_any_moment_fails() -> None:
+    moments = random.Random(7).sample(range(20, 200), 16)  # ms after the first allreduce
+    port = _free_port()
+    procs = []
+    try:
+        for rank in (0, 1):
+            env = dict(
+                os.environ,
+                RANK=str(rank),
+                MASTER_PORT=str(port),
+                OMP_NUM_THREADS="1",
+                ABORT_AT_MS=",".join(map(str, moments)),
+            )
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-c", LOOP],
+                    env=env,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                )
+            )
+        try:
+            out, err = procs[0].communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            procs[0].kill()
+            out, err = procs[0].communicate()
+            raise AssertionError(f"an aborted allreduce hung; the aborts before: {out}") from None
+        assert out.split() == [w for ms in moments for w in (str(ms), "failed")], err[-3000:]
     finally:
         for proc in procs:
             if proc.poll() is None:

@@ -159,9 +159,37 @@ def test_shutdown_new_connections_releases_a_blocked_reader() -> None:
         assert got == [b""]
         old.sendall(b"x")
         assert old_peer.recv(1) == b"x"
+        # only the read side at first (a gloo send posted meanwhile must not fail:
+        # see _sockets); a connection still open at the next call loses both sides
+        new.sendall(b"y")
+        assert _sockets.shutdown_new_connections() == 2
+        with pytest.raises(OSError):
+            new.sendall(b"z")
     finally:
         _sockets.clear_baseline()
         for s in (listener, old, old_peer, new, new_peer):
+            s.close()
+
+
+@pytest.mark.timeout(30)
+def test_a_shut_down_connection_stays_open_until_released() -> None:
+    listener = socket.create_server(("127.0.0.1", 0))
+    _sockets.mark_baseline()
+    ours = socket.create_connection(listener.getsockname())
+    peer, _ = listener.accept()
+    try:
+        assert _sockets.shutdown_new_connections() == 2
+        ours.close()  # as gloo does at the end-of-file
+        # held open: the peer's sends still land (gloo fails a send refused meanwhile
+        # only after the group's timeout: see _sockets)
+        peer.sendall(b"x")
+        _sockets.release_held()  # the last reference: unread data, so a reset
+        with pytest.raises(OSError):
+            for _ in range(100):
+                peer.sendall(b"y")
+    finally:
+        _sockets.clear_baseline()
+        for s in (listener, ours, peer):
             s.close()
 
 

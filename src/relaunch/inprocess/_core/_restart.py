@@ -10,7 +10,7 @@ import dataclasses
 import gc
 from typing import Any
 
-from relaunch.inprocess._core import _params
+from relaunch.inprocess._core import _params, _sockets
 from relaunch.inprocess._core._abort import destroy_default_group
 from relaunch.inprocess._core._call import POLL, RankCall
 from relaunch.inprocess._core._exceptions import RestartAbort
@@ -46,6 +46,9 @@ def restart(call: RankCall, cause: Any, members: set[int]) -> set[int]:
     release_frames(train_ex)
     gc.collect(1)
     call.groups.release()  # the last references: groups are destroyed without the GIL
+    # The abort's connections close only now: by this time the peers have aborted
+    # theirs (a close that reaches a peer's gloo mid-send can hang it: see _sockets).
+    _sockets.release_held()
     call.shared.iteration = it + 1  # a death from now on interrupts the next iteration
     terminated = call.coord.termination_barrier(
         it,
