@@ -7,7 +7,8 @@ Each trial starts two processes that run ``dist.all_reduce`` in a loop on a gloo
 group; each aborts itself with ``AbortTorchDistributed`` from a thread at a random
 moment, the second up to ``--skew-ms`` after the first (as every rank's monitor
 thread does on the same interruption), then releases its held connections
-``--release-ms`` after its loop failed (as the wrapper's restart does) and exits. A
+``--release-ms`` after its loop failed (the wrapper's restart releases once every rank
+reached its termination barrier, or after 0.2 s) and exits. A
 rank still running 15 s after it started is hung (gloo's timeout is 120 s).
 ``--at-once`` releases right after the abort (the connections close at once), to
 compare. ``--load N`` runs N busy loops beside. Prints how many ranks hung.
@@ -21,6 +22,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import free_port, in_loopback_netns
@@ -79,12 +81,15 @@ def trial(index: int, args: argparse.Namespace) -> int:
         )
         for rank in (0, 1)
     ]
-    hung = 0
-    for proc in procs:
-        try:
-            proc.wait(timeout=15)  # start, up to 0.33 s to the abort, 10 s, exit
-        except subprocess.TimeoutExpired:
-            hung += 1
+    deadline, hung = time.monotonic() + 15, 0
+    try:
+        for proc in procs:
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                hung += 1
+    finally:
+        for proc in procs:
             proc.kill()
             proc.wait()
     return hung

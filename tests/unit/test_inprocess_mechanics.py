@@ -180,13 +180,16 @@ def test_a_shut_down_connection_stays_open_until_released() -> None:
     try:
         assert _sockets.shutdown_new_connections() == 2
         ours.close()  # as gloo does at the end-of-file
-        # held open: the peer's sends still land (gloo fails a send refused meanwhile
-        # only after the group's timeout: see _sockets)
-        peer.sendall(b"x")
-        _sockets.release_held()  # the last reference: unread data, so a reset
+        # held open: the peer's sends still land (closed, the second would meet the
+        # reset; gloo fails a send refused so only after the group's timeout: _sockets)
+        for _ in range(3):
+            peer.sendall(b"x")
+            time.sleep(0.01)
+        _sockets.release_held()
         with pytest.raises(OSError):
             for _ in range(100):
                 peer.sendall(b"y")
+                time.sleep(0.01)
     finally:
         _sockets.clear_baseline()
         for s in (listener, ours, peer):

@@ -38,8 +38,8 @@ class AbortTorchDistributed(Abort):
     NCCL communicators are aborted. For Gloo (and for a rendezvous still waiting on
     the store), the read side of the TCP connections opened by this iteration is shut
     down, which makes a pending collective fail at once (measured: ~2 ms); the
-    connections close for the peers once this rank's function has left (see
-    ``_core/_sockets.py`` for why not at once). Gloo backends get a 1 ms timeout
+    connections close for the peers once they have aborted too (the restart's
+    termination barrier, or 0.2 s; see ``_core/_sockets.py`` for why not at once). Gloo backends get a 1 ms timeout
     first, so a collective started after the abort fails too. Connections opened
     before the iteration (the wrapper's own store clients) are kept; other sockets the
     function opened in this iteration are shut down too.

@@ -272,12 +272,16 @@ class CoordinationStore:
         timeout: float,
         poll: float,
         last_call_wait: float,
+        waiting: Callable[[set[int]], None] | None = None,
     ) -> set[int]:
-        """Every member arrives or is dead; return the frozen set of terminated members."""
+        """Every member arrives or is dead; return the frozen set of terminated members.
+        ``waiting`` is called at every poll with the members arrived or dead so far."""
         barrier = f"it{iteration}/termination"
         self.arrive(barrier, initial_rank)
 
         def check(arrived: set[int], dead: set[int], _: list[InterruptionRecord]) -> str | None:
+            if waiting is not None:
+                waiting(arrived | dead)
             return COMPLETE if members <= arrived | dead else None
 
         self._wait(barrier, members, timeout, poll, check, None)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import time
 from typing import Any
 
 from relaunch.inprocess._core import _params, _sockets
@@ -18,9 +19,14 @@ from relaunch.inprocess._core._groups import release_frames
 from relaunch.inprocess._core._logs import get_logger
 from relaunch.inprocess._core._records import Interruption
 
-__all__ = ["restart"]
+__all__ = ["HOLD", "restart"]
 
 log = get_logger(__name__)
+
+HOLD = 0.2
+"""Seconds (from the restart) the connections of an aborted iteration stay held open at
+most while members have not reached the termination barrier (at least four monitor
+thread intervals)."""
 
 
 def restart(call: RankCall, cause: Any, members: set[int]) -> set[int]:
@@ -46,18 +52,29 @@ def restart(call: RankCall, cause: Any, members: set[int]) -> set[int]:
     release_frames(train_ex)
     gc.collect(1)
     call.groups.release()  # the last references: groups are destroyed without the GIL
-    # The abort's connections close only now: by this time the peers have aborted
-    # theirs (a close that reaches a peer's gloo mid-send can hang it: see _sockets).
-    _sockets.release_held()
     call.shared.iteration = it + 1  # a death from now on interrupts the next iteration
-    terminated = call.coord.termination_barrier(
-        it,
-        me,
-        members,
-        cfg.seconds("barrier_timeout"),
-        POLL,
-        cfg.seconds("last_call_wait"),
-    )
+    # The abort's connections close once every member reached this barrier (each has
+    # aborted its own: a close that reaches a peer's gloo mid-send can hang it, see
+    # _sockets), or after a hold at most (a peer blocked in a collective inside
+    # atomic() cannot abort: the close releases it).
+    hold_until = time.monotonic() + max(HOLD, 4 * cfg.seconds("monitor_thread_interval"))
+
+    def release_when(present: set[int]) -> None:
+        if members <= present or time.monotonic() >= hold_until:
+            _sockets.release_held()
+
+    try:
+        terminated = call.coord.termination_barrier(
+            it,
+            me,
+            members,
+            cfg.seconds("barrier_timeout"),
+            POLL,
+            cfg.seconds("last_call_wait"),
+            waiting=release_when,
+        )
+    finally:
+        _sockets.release_held()
     log.info("rank %s: iteration %s ends; terminated ranks %s", me, it, sorted(terminated))
     if me in terminated:
         raise RestartAbort(f"rank {me} was declared terminated")

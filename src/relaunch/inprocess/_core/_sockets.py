@@ -18,9 +18,10 @@ has seen the pair fail:
 - only the read side is shut down (with the write side too, every send posted between
   the shutdown and the loop thread's end-of-file fails so);
 - a duplicate of each connection shut down is held open until :func:`release_held`,
-  which the wrapper calls once this rank's function has left: gloo's close is not the
-  last one, so a peer that has not aborted yet is not sent the close (a ``FIN`` or
-  ``RST`` that its next send meets); by the release, the peers have aborted theirs.
+  which the wrapper's restart calls once every member reached the termination barrier
+  (each aborted its own connections by then) or after a hold (``_restart.HOLD``): gloo's
+  close is not the last one, so a peer that has not aborted yet is not sent the close
+  (a ``FIN`` or ``RST`` that its next send meets).
 
 Two gloo ranks in an allreduce loop, each aborting itself at a random moment within
 30 ms of the other, then releasing 50 ms later (``inprocess/NOTES.md``): 14 of 60
@@ -34,6 +35,7 @@ blocked in ``send``): that call shuts down its write side too.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import threading
@@ -80,7 +82,8 @@ def socket_inodes() -> frozenset[str]:
 
 
 def clear_baseline() -> None:
-    """Forget the baseline: :func:`shutdown_new_connections` does nothing until the next mark."""
+    """Forget the baseline (:func:`shutdown_new_connections` does nothing until the
+    next mark) and release the connections held."""
     global _baseline
     with _lock:
         _baseline = None
@@ -88,7 +91,8 @@ def clear_baseline() -> None:
 
 
 def mark_baseline() -> None:
-    """Remember the sockets open now; :func:`shutdown_new_connections` spares them."""
+    """Remember the sockets open now (:func:`shutdown_new_connections` spares them),
+    having released the connections held."""
     global _baseline
     with _lock:
         _release()
@@ -106,11 +110,12 @@ def shutdown_new_connections() -> int:
         if _baseline is None:
             return 0
         ours = {sock.fileno() for sock in _held.values()}
+        before = set(_held)  # a socket with two descriptors is shut down once a call
         count = 0
         for fd, target in _socket_fds().items():
-            if target in _baseline or fd in ours:
+            if target in _baseline or fd in ours or (target in _held and target not in before):
                 continue
-            again = target in _held
+            again = target in before
             sock = _shutdown(fd, socket.SHUT_RDWR if again else socket.SHUT_RD)
             if sock is None:
                 continue
@@ -123,14 +128,17 @@ def shutdown_new_connections() -> int:
 
 
 def release_held() -> None:
-    """Close the connections :func:`shutdown_new_connections` held open (once this
-    rank's function has left: a peer that has not aborted yet sees them close)."""
+    """Close the connections :func:`shutdown_new_connections` held open: both sides
+    are shut down first, so the peers see them close even where another descriptor
+    still refers to one (a group still referenced, a child forked meanwhile)."""
     with _lock:
         _release()
 
 
 def _release() -> None:
     for sock in _held.values():
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)
         sock.close()
     _held.clear()
 
