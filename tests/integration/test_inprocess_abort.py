@@ -15,11 +15,13 @@ so). The second test aborts an allreduce loop at 16 moments.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
 import subprocess
 import sys
+from collections.abc import Iterator
 
 import pytest
 
@@ -54,40 +56,48 @@ os._exit(0)
 """
 
 
-@pytest.mark.timeout(60)
-def test_collective_started_after_abort_fails_at_once() -> None:
+@contextlib.contextmanager
+def two_ranks(script: str, **env: str) -> Iterator[list[subprocess.Popen[str]]]:
+    """Ranks 0 and 1 of a gloo job running ``script`` (``env`` added to theirs); killed
+    if still running on the way out."""
     port = _free_port()
-    procs = []
+    procs: list[subprocess.Popen[str]] = []
     try:
         for rank in (0, 1):
-            env = dict(
-                os.environ,
-                RANK=str(rank),
-                WORLD_SIZE="2",
-                MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=str(port),
-                OMP_NUM_THREADS="1",
-            )
             procs.append(
                 subprocess.Popen(
-                    [sys.executable, "-c", RANK],
-                    env=env,
+                    [sys.executable, "-c", script],
+                    env=dict(
+                        os.environ,
+                        RANK=str(rank),
+                        WORLD_SIZE="2",
+                        MASTER_ADDR="127.0.0.1",
+                        MASTER_PORT=str(port),
+                        OMP_NUM_THREADS="1",
+                        **env,
+                    ),
                     stdin=subprocess.PIPE,
                     stdout=subprocess.PIPE,
                     stderr=subprocess.PIPE,
                     text=True,
                 )
             )
-        out, err = procs[0].communicate(timeout=45)
-        assert procs[0].returncode == 0, err[-3000:]
-        result = json.loads(out.strip().splitlines()[-1])
-        assert result["outcome"] == "failed", result
-        assert result["gloo_timeout"] <= 0.01, result  # was 120 s before the abort
+        yield procs
     finally:
         for proc in procs:
             if proc.poll() is None:
                 proc.kill()
             proc.communicate()
+
+
+@pytest.mark.timeout(60)
+def test_collective_started_after_abort_fails_at_once() -> None:
+    with two_ranks(RANK) as procs:
+        out, err = procs[0].communicate(timeout=45)
+        assert procs[0].returncode == 0, err[-3000:]
+        result = json.loads(out.strip().splitlines()[-1])
+        assert result["outcome"] == "failed", result
+        assert result["gloo_timeout"] <= 0.01, result  # was 120 s before the abort
 
 
 LOOP = r"""
@@ -122,7 +132,7 @@ for trial, ms in enumerate(os.environ["ABORT_AT_MS"].split(",")):
     aborter.cancel()
     if rank == 0:
         aborter.join()
-        _sockets.release_held()  # as the wrapper does once the function has left
+        _sockets.release_held()  # as the wrapper's restart does
     dist.destroy_process_group()
 os._exit(0)
 """
@@ -131,26 +141,7 @@ os._exit(0)
 @pytest.mark.timeout(180)
 def test_an_allreduce_loop_aborted_at_any_moment_fails() -> None:
     moments = random.Random(7).sample(range(20, 200), 16)  # ms after the first allreduce
-    port = _free_port()
-    procs = []
-    try:
-        for rank in (0, 1):
-            env = dict(
-                os.environ,
-                RANK=str(rank),
-                MASTER_PORT=str(port),
-                OMP_NUM_THREADS="1",
-                ABORT_AT_MS=",".join(map(str, moments)),
-            )
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, "-c", LOOP],
-                    env=env,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE,
-                    text=True,
-                )
-            )
+    with two_ranks(LOOP, ABORT_AT_MS=",".join(map(str, moments))) as procs:
         expected = [w for ms in moments for w in (str(ms), "failed")]
         for rank, proc in enumerate(procs):  # the peer's loop fails too, by its timeout at worst
             try:
@@ -160,8 +151,3 @@ def test_an_allreduce_loop_aborted_at_any_moment_fails() -> None:
                 out, err = proc.communicate()
                 raise AssertionError(f"rank {rank}: an allreduce hung after: {out}") from None
             assert out.split() == expected, (rank, err[-3000:])
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-            proc.communicate()
