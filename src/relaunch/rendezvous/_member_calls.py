@@ -80,12 +80,15 @@ def promote_when_in_sync(store: EtcdStore, learner: Member, timeout: float) -> b
             time.sleep(0.1)
 
 
-def remove_member(store: EtcdStore, member_id: str, name: str) -> None:
-    """Remove a member; one that is gone already (another node removed it) is fine."""
+def remove_member(store: EtcdStore, member_id: str, name: str) -> bool:
+    """Remove a member; whether the cluster removed it now. One that is gone already
+    (another node removed it) is fine."""
     try:
         store.request("/cluster/member/remove", {"ID": member_id})
+        return True
     except StoreError as exc:
         log.info("embedded store: member %s not removed: %s", name, exc)
+        return False
 
 
 def leave_cluster(store: EtcdStore, name: str) -> None:

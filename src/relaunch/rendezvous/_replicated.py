@@ -288,9 +288,9 @@ class EmbeddedStore:
             name = next(
                 (m.name or "(never started)" for m in self._members if m.id == member_id), ""
             )
-            remove_member(self._store, member_id, name)
-            why = "its port refuses" if member_id in self._refused else "down past the grace"
-            log.warning("embedded store: member %s removed (%s)", name, why)
+            if remove_member(self._store, member_id, name):
+                why = "its port refuses" if member_id in self._refused else "down past the grace"
+                log.warning("embedded store: member %s removed (%s)", name, why)
         if decided.remove:  # wake the nodes that wait for a seat (they watch this key)
             with contextlib.suppress(StoreError):
                 self._store.set(self._seats_key, repr(time.time()).encode())
