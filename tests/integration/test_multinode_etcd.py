@@ -4,6 +4,11 @@
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -92,4 +97,52 @@ def test_cluster_member_killed_mid_job(etcd_cluster: list[Member], tmp_path: Pat
         assert {r.world for r in rows} == {2}
         assert {r.restart for r in rows} == {0}  # the loss of a member cost no restart
     finally:
+        cluster.close()
+
+
+GHOST = r"""
+import json, sys, time
+from relaunch.rendezvous.api import RendezvousParameters
+from relaunch.rendezvous.registry import create_handler
+params = RendezvousParameters(backend="etcd", endpoint=sys.argv[1], run_id="job", min_nodes=2,
+                              max_nodes=3, local_addr="127.0.0.1",
+                              conf={"join_timeout": "60", "last_call_timeout": "1"})
+info = create_handler(params).next_rendezvous()
+print(json.dumps({"rank": info.rank, "world": info.world_size}), flush=True)
+time.sleep(600)  # never says where its workers' store is: an agent lost right after the round
+"""
+
+
+def test_rank_zero_lost_before_it_said_where_its_workers_store_is(
+    etcd: list[Member], tmp_path: Path
+) -> None:
+    """The others leave the round for the next one, not wait for the address."""
+    go = tmp_path / "go"
+    cluster = agents(tmp_path, etcd)
+    ghost = subprocess.Popen(
+        [sys.executable, "-c", GHOST, etcd[0].endpoint],
+        stdout=subprocess.PIPE,
+        start_new_session=True,
+    )
+    try:
+        for node in ("2", "3"):  # after 127.0.0.1 in the rank order: the ghost is rank 0
+            cluster.start(node, f"go={go}", nnodes="2:3", nproc=1, local_addr=f"127.0.0.{node}")
+        assert ghost.stdout is not None
+        assert json.loads(ghost.stdout.readline()) == {"rank": 0, "world": 3}
+        os.killpg(ghost.pid, signal.SIGKILL)
+        ghost.wait(timeout=10)
+        cluster.wait_for(
+            "the two agents training on their own",
+            lambda: {r.node for r in cluster.steps() if r.world == 2} == {"2", "3"},
+        )
+        go.touch()
+        assert cluster.wait_exit("2") == 0, cluster.outputs()
+        assert cluster.wait_exit("3") == 0, cluster.outputs()
+        assert "ended before its rank 0 said where" in cluster.output("2") + cluster.output("3")
+    finally:
+        if ghost.poll() is None:
+            os.killpg(ghost.pid, signal.SIGKILL)
+            ghost.wait(timeout=10)
+        assert ghost.stdout is not None
+        ghost.stdout.close()
         cluster.close()

@@ -61,9 +61,29 @@ def publish_worker_store(info: RendezvousInfo, addr: str, port: int) -> None:
     info.store.set(_WORKER_STORE_KEY, json.dumps({"addr": addr, "port": port}).encode())
 
 
-def read_worker_store(info: RendezvousInfo, timeout: float) -> tuple[str, int]:
-    """Wait for rank 0's worker store address. Raises RendezvousError on a corrupt record."""
-    info.store.wait([_WORKER_STORE_KEY], timeout=timeout)
+_MOVED_ON_EVERY = 1.0
+"""Seconds between the looks, while waiting for rank 0's address, at whether the round
+moved on (its rank 0 lost before it said where, say)."""
+
+
+def read_worker_store(
+    info: RendezvousInfo, timeout: float, moved_on: Callable[[], bool] = lambda: False
+) -> tuple[str, int] | None:
+    """Wait for rank 0's worker store address; None once ``moved_on()`` says the round
+    is over without it (asked every second while it is missing: rank 0 says where within
+    milliseconds of the round, so a look is only made when something went wrong).
+    Raises StoreTimeoutError after ``timeout`` s, RendezvousError on a corrupt record."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            info.store.wait([_WORKER_STORE_KEY], timeout=max(min(_MOVED_ON_EVERY, left), 0.001))
+            break
+        except StoreTimeoutError:
+            if moved_on():
+                return None
+            if time.monotonic() >= deadline:
+                raise
     raw = info.store.get(_WORKER_STORE_KEY)
     try:
         data = json.loads(raw or b"")
@@ -205,16 +225,20 @@ class WorkerStore:
         self._host = host
         self._server: TCPStoreServer | None = None
 
-    def open(self, info: RendezvousInfo) -> tuple[str, int]:
+    def open(
+        self, info: RendezvousInfo, moved_on: Callable[[], bool] = lambda: False
+    ) -> tuple[str, int] | None:
         """The round's store address; rank 0 closes the last round's server, starts one
-        and publishes its address."""
+        and publishes its address. None when ``moved_on()`` says the round is over
+        before rank 0 said where (:func:`read_worker_store`)."""
         self.close()
         spec = self._spec
         if info.rank != 0:
-            return read_worker_store(info, timeout=max(60.0, spec.exit_barrier_timeout))
+            timeout = max(60.0, spec.exit_barrier_timeout)
+            return read_worker_store(info, timeout=timeout, moved_on=moved_on)
         local = "127.0.0.1" if info.world_size == 1 else self._host
         addr = spec.master_addr or spec.local_addr or local
-        bind = "127.0.0.1" if addr.startswith("127.") else "0.0.0.0"
+        bind = addr if addr.startswith("127.") else "0.0.0.0"  # (127.0.0.2 too)
         port = spec.master_port if info.world_size == 1 and spec.master_port else 0
         server = TCPStoreServer(host=bind, port=port, allowed=info.peers)
         server.start()

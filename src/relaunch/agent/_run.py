@@ -12,9 +12,9 @@ import logging
 import os
 import signal
 import time
-from typing import assert_never
 
 from relaunch import events
+from relaunch._never import assert_never
 from relaunch.agent._attempt import Slot, return_values
 from relaunch.agent._core import (
     Action,
@@ -326,13 +326,8 @@ class AgentRun:
     def _rendezvous_and_start(self) -> None:
         self._publish_status(force=True)  # what happened shows while the rendezvous waits
         t0 = time.monotonic()
-        prewarm = self._attempt < 0 and self._wants_fork_server()
-        info = next_round(self._handler, self._workers, prewarm=prewarm)
-        self._info = info
-        self._restart_count = self._handler.restart_count()
+        info = self._join_round()
         group = self._group
-        group.place(info.rank, info.world_size, info.store)
-        group.master_addr, group.master_port = self._worker_store.open(info)
         self._membership.new_round(info.rank, info.incarnation)
         replacing = bool(info.incarnation)
         self._emit(
@@ -367,6 +362,27 @@ class AgentRun:
             run_id=self._run_id,
             incarnation=info.incarnation,
         )
+
+    def _join_round(self) -> RendezvousInfo:
+        """The next complete round whose rank 0 said where its workers' store is (a
+        round whose rank 0 is lost before it said so is left for the next one)."""
+        prewarm = self._attempt < 0 and self._wants_fork_server()
+        while True:
+            info = next_round(self._handler, self._workers, prewarm=prewarm)
+            self._info = info
+            self._restart_count = self._handler.restart_count()
+            self._group.place(info.rank, info.world_size, info.store)
+            where = self._worker_store.open(info, moved_on=self._round_moved_on)
+            if where is not None:
+                self._group.master_addr, self._group.master_port = where
+                return info
+            log.warning("rendezvous round %d ended before its rank 0 said where its "
+                        "workers' store is (the node lost?): joining the next round",
+                        info.round)  # fmt: skip
+
+    def _round_moved_on(self) -> bool:
+        """Whether this node's round is over (a newer round, nodes waiting, closed)."""
+        return self._handler.num_nodes_waiting() > 0 or self._handler.is_closed()
 
     def _wants_fork_server(self) -> bool:
         return wants_fork_server(
