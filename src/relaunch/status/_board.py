@@ -15,9 +15,10 @@ import signal
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Any, assert_never
+from typing import Any
 
 from relaunch import events
+from relaunch._never import assert_never
 from relaunch._text import printable
 from relaunch.events import Detail, Event
 from relaunch.status._report import (

@@ -10,7 +10,10 @@ here is the order they are written in.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Literal, NotRequired, TypedDict, cast
+from typing import TYPE_CHECKING, Literal, TypedDict, cast
+
+if TYPE_CHECKING:  # (in typing from Python 3.11; a string here, never evaluated)
+    from typing_extensions import NotRequired
 
 __all__ = [
     "FailureDoc",
