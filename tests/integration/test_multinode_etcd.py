@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -106,7 +107,7 @@ from relaunch.rendezvous.api import RendezvousParameters
 from relaunch.rendezvous.registry import create_handler
 params = RendezvousParameters(backend="etcd", endpoint=sys.argv[1], run_id="job", min_nodes=2,
                               max_nodes=3, local_addr="127.0.0.1",
-                              conf={"join_timeout": "60", "last_call_timeout": "1"})
+                              conf={"join_timeout": "60", "last_call_timeout": "5"})
 info = create_handler(params).next_rendezvous()
 print(json.dumps({"rank": info.rank, "world": info.world_size}), flush=True)
 time.sleep(600)  # never says where its workers' store is: an agent lost right after the round
@@ -126,8 +127,11 @@ def test_rank_zero_lost_before_it_said_where_its_workers_store_is(
     )
     try:
         for node in ("2", "3"):  # after 127.0.0.1 in the rank order: the ghost is rank 0
-            cluster.start(node, f"go={go}", nnodes="2:3", nproc=1, local_addr=f"127.0.0.{node}")
+            # a last call long enough for all three to join however slow the start
+            cluster.start(node, f"go={go}", nnodes="2:3", nproc=1, local_addr=f"127.0.0.{node}",
+                          conf="last_call_timeout=5")  # fmt: skip
         assert ghost.stdout is not None
+        assert select.select([ghost.stdout], [], [], 60)[0], "the ghost's round did not complete"
         assert json.loads(ghost.stdout.readline()) == {"rank": 0, "world": 3}
         os.killpg(ghost.pid, signal.SIGKILL)
         ghost.wait(timeout=10)

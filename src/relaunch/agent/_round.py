@@ -79,11 +79,14 @@ def read_worker_store(
         try:
             info.store.wait([_WORKER_STORE_KEY], timeout=max(min(_MOVED_ON_EVERY, left), 0.001))
             break
-        except StoreTimeoutError:
+        except StoreTimeoutError as exc:
             if moved_on():
                 return None
             if time.monotonic() >= deadline:
-                raise
+                raise StoreTimeoutError(
+                    f"rank 0 did not say where its workers' store is within {timeout:g} s "
+                    f"({_WORKER_STORE_KEY!r} not set)"
+                ) from exc
     raw = info.store.get(_WORKER_STORE_KEY)
     try:
         data = json.loads(raw or b"")

@@ -381,7 +381,10 @@ class AgentRun:
                         info.round)  # fmt: skip
 
     def _round_moved_on(self) -> bool:
-        """Whether this node's round is over (a newer round, nodes waiting, closed)."""
+        """Whether this node's round is over (a newer round, nodes waiting, closed), or
+        this agent is told to stop (the next rendezvous ends at once then)."""
+        if self._stop.signum is not None:
+            return True
         return self._handler.num_nodes_waiting() > 0 or self._handler.is_closed()
 
     def _wants_fork_server(self) -> bool:

@@ -17,7 +17,8 @@ process nor its data outlive the agent, however the agent ends.
 At once matters: a member whose node is gone but which still answers is counted up by
 the members that leave meanwhile (:func:`relaunch.rendezvous._member_calls.leave_cluster`),
 and its death right after their leave costs the others their quorum. The keeper
-sleeps in ``poll`` until something happens (no periodic wake-up: idle CPU).
+sleeps in ``poll`` until something happens (and every 5 s, a safety net: idle CPU
+nil, where the 0.2 s loop cost 0.05% of a core).
 
 Standard library only: it runs beside the agent, never in a worker.
 """
@@ -76,6 +77,8 @@ def main(argv: list[str]) -> int:
     orphaned = False
     try:
         orphaned = _watch(agent, proc, stop)
+        if orphaned:
+            stop.set()  # (the keeper's own end, not etcd's: exit 0)
     finally:
         if proc.poll() is None:
             if orphaned:  # the node is gone: nothing to hand over, no reason to wait
@@ -96,7 +99,8 @@ def _watch(agent: int, proc: subprocess.Popen[bytes], stop: threading.Event) -> 
     the agent is gone."""
     fds: list[int] = []
     try:
-        fds += [os.pidfd_open(agent), os.pidfd_open(proc.pid)]
+        fds.append(os.pidfd_open(agent))
+        fds.append(os.pidfd_open(proc.pid))
     except (AttributeError, OSError):  # no pidfds (kernel < 5.3): look every 0.2 s
         for fd in fds:
             os.close(fd)
