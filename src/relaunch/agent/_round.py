@@ -42,6 +42,7 @@ __all__ = [
     "finish_round",
     "gather_failures",
     "leave_rendezvous",
+    "moved_on",
     "publish_failures",
     "publish_worker_store",
     "read_worker_store",
@@ -59,6 +60,11 @@ _EXIT_DONE_KEY = "relaunch/exit_barrier/done"
 def publish_worker_store(info: RendezvousInfo, addr: str, port: int) -> None:
     """Rank 0 tells the others where this round's workers' store is."""
     info.store.set(_WORKER_STORE_KEY, json.dumps({"addr": addr, "port": port}).encode())
+
+
+def moved_on(handler: RendezvousHandler) -> bool:
+    """Whether the node's round is over: a newer round, nodes waiting, or closed."""
+    return handler.num_nodes_waiting() > 0 or handler.is_closed()
 
 
 _MOVED_ON_EVERY = 1.0
@@ -81,6 +87,9 @@ def read_worker_store(
             break
         except StoreTimeoutError as exc:
             if moved_on():
+                log.warning("rendezvous round %d ended before its rank 0 said where its "
+                            "workers' store is (the node lost?): joining the next round",
+                            info.round)  # fmt: skip
                 return None
             if time.monotonic() >= deadline:
                 raise StoreTimeoutError(

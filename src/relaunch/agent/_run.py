@@ -39,6 +39,7 @@ from relaunch.agent._round import (
     finish_round,
     gather_failures,
     leave_rendezvous,
+    moved_on,
     publish_failures,
     store_lost_reason,
 )
@@ -372,20 +373,13 @@ class AgentRun:
             self._info = info
             self._restart_count = self._handler.restart_count()
             self._group.place(info.rank, info.world_size, info.store)
-            where = self._worker_store.open(info, moved_on=self._round_moved_on)
+            # (told to stop: the next rendezvous ends at once)
+            where = self._worker_store.open(
+                info, moved_on=lambda: self._stop.signum is not None or moved_on(self._handler)
+            )
             if where is not None:
                 self._group.master_addr, self._group.master_port = where
                 return info
-            log.warning("rendezvous round %d ended before its rank 0 said where its "
-                        "workers' store is (the node lost?): joining the next round",
-                        info.round)  # fmt: skip
-
-    def _round_moved_on(self) -> bool:
-        """Whether this node's round is over (a newer round, nodes waiting, closed), or
-        this agent is told to stop (the next rendezvous ends at once then)."""
-        if self._stop.signum is not None:
-            return True
-        return self._handler.num_nodes_waiting() > 0 or self._handler.is_closed()
 
     def _wants_fork_server(self) -> bool:
         return wants_fork_server(
