@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -59,6 +60,72 @@ def test_every_supported_value_comes_back_equal() -> None:
     assert back["scalar"].shape == () and back["scalar"].item() == 2.5
     assert back["empty"].shape == (0, 4)
     assert back[7] == state[7] and back["t"] == state["t"]
+
+
+def test_numpy_arrays_and_scalars_come_back_with_their_dtypes() -> None:
+    rng = np.random.RandomState(7)
+    state = {
+        "np_rng": rng.get_state(),  # ("MT19937", uint32[624], int, int, float)
+        "strided": np.arange(12, dtype=np.int16).reshape(3, 4)[:, ::2],
+        "big_endian": np.arange(3, dtype=">f8"),
+        "zero_d": np.array(1 + 2j, dtype=np.complex64),
+        "empty": np.zeros((0, 3), dtype=np.bool_),
+        "scalars": [np.float64(0.1), np.float32(1.5), np.int64(-3), np.uint8(255), np.bool_(True)],
+    }
+    back = _roundtrip(state)
+    for key in ("strided", "big_endian", "zero_d", "empty"):
+        assert type(back[key]) is np.ndarray and back[key].dtype == state[key].dtype
+        assert back[key].shape == state[key].shape and np.array_equal(back[key], state[key])
+    for got, want in zip(back["scalars"], state["scalars"], strict=True):
+        assert type(got) is type(want) and got == want
+    expected = rng.randint(0, 2**31, size=5)
+    restored = np.random.RandomState()
+    restored.set_state(back["np_rng"])
+    assert np.array_equal(restored.randint(0, 2**31, size=5), expected)
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        (np.array(["a"]), "a NumPy array of dtype '<U1'"),
+        (np.array([object()]), "a NumPy array of dtype '|O'"),
+        (np.zeros(2, dtype=[("x", "<i4")]), "a NumPy array of dtype"),
+        (np.ma.masked_array([1, 2], mask=[0, 1]), "MaskedArray; expected a plain numpy.ndarray"),
+        (np.datetime64("2026-01-01"), "a NumPy scalar of dtype '<M8"),
+    ],
+)
+def test_an_unsupported_numpy_value_names_its_key_path_and_dtype(
+    value: object, message: str
+) -> None:
+    with pytest.raises(SnapshotError, match=r"state\['m'\]\[0\]: .*" + message):
+        encode({"m": [value]})
+
+
+@pytest.mark.parametrize(
+    ("tree", "message"),
+    [
+        ({"ndarray": ["<f4", [3], 0, 8]}, "8 bytes for shape"),
+        ({"ndarray": ["|O", [1], 0, 8]}, "unknown NumPy dtype"),
+        ({"ndarray": ["<f4", [-1], 0, 4]}, "expected a shape"),
+        ({"ndarray": ["<f8", [2], 0, 16]}, "past the data's end"),
+        ({"npscalar": ["<f4", "00"]}, "expected 4 bytes of <f4"),
+        ({"npscalar": ["<f4", "zzzzzzzz"]}, "expected 4 bytes"),
+        ({"npscalar": ["nodtype", "00"]}, "unknown NumPy dtype"),
+    ],
+)
+def test_a_corrupt_numpy_node_names_the_node(tree: object, message: str) -> None:
+    with pytest.raises(layout.CorruptSnapshot, match=message):
+        decode({"list": [tree]}, 8, "here")
+
+
+def test_the_saver_writes_and_reads_numpy_arrays(tmp_path: Path) -> None:
+    saver = Saver(_where(tmp_path))
+    state = {"rng": np.random.RandomState(3).get_state(), "x": np.linspace(0, 1, 1000)}
+    saver.save(1, state, blocking=True)
+    saver.wait()
+    back = saver.read(1)
+    assert isinstance(back, dict) and np.array_equal(back["x"], state["x"])
+    assert back["rng"][0] == "MT19937" and np.array_equal(back["rng"][1], state["rng"][1])
 
 
 def test_an_unsupported_value_names_its_key_path_and_type() -> None:

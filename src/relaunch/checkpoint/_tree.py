@@ -2,13 +2,15 @@
 
 A state is what ``state_dict()`` returns: dicts (keys: str, int, float, bool, None),
 lists and tuples of tensors and plain values (int, float, str, bool, None, bytes),
-plus ``torch.dtype``, ``torch.device`` and ``torch.Size``. Anything else is refused
-with its key path and type. Each node is a one-key JSON object::
+plus ``torch.dtype``, ``torch.device`` and ``torch.Size``, and NumPy arrays and scalars
+of bool and numeric dtypes (:mod:`relaunch.checkpoint._numpy`). Anything else is
+refused with its key path and type. Each node is a one-key JSON object::
 
     {"dict": [[key, value], ...]}  {"list": [...]}  {"tuple": [...]}
     {"tensor": [dtype, shape, offset, nbytes, device]}  {"bytes": [offset, nbytes]}
     {"int": "12"}  {"float": "0x1.8p+1"}  {"str": "x"}  {"bool": true}  {"none": null}
     {"dtype": "float32"}  {"device": "cuda:0"}  {"size": [2, 3]}
+    {"ndarray": ["<u4", [624], offset, nbytes]}  {"npscalar": ["<f4", "0000c03f"]}
 
 Tensor data is aligned to 64 bytes. :func:`decode` checks every node against the data
 length and names the path of the first one that is wrong.
@@ -23,6 +25,7 @@ from typing import Any, TypeGuard
 
 import torch
 
+from relaunch.checkpoint import _numpy
 from relaunch.checkpoint._layout import CorruptSnapshot
 from relaunch.errors import SnapshotError
 
@@ -83,6 +86,11 @@ def encode(state: object) -> tuple[Any, list[Leaf], int]:
             return {"dtype": str(obj).removeprefix("torch.")}
         if isinstance(obj, torch.device):
             return {"device": str(obj)}
+        if type(obj).__module__.partition(".")[0] == "numpy":  # before float: np.float64 is one
+            node, data = _numpy.encode_value(obj, path, place)
+            if data is not None:
+                leaves.append(Leaf(node["ndarray"][2], data.numel(), tensor=data))
+            return node
         return _plain(obj, path)
 
     tree = walk(state, "")
@@ -102,7 +110,8 @@ def _plain(obj: object, path: str) -> Any:
         return {"str": obj}
     raise SnapshotError(
         f"state{path}: a value of type {type(obj).__module__}.{type(obj).__qualname__}; "
-        "expected tensors, dicts, lists, tuples, int, float, str, bool, bytes or None"
+        "expected tensors, NumPy arrays, dicts, lists, tuples, int, float, str, bool, bytes "
+        "or None"
     )
 
 
@@ -179,6 +188,13 @@ class _Decoder:
             return items if kind == "list" else tuple(items)
         if kind == "bytes":
             return self.raw(value, path)
+        if kind == "ndarray":
+            array, region = _numpy.decode_array(value, path, self.span, self.bad)
+            if region is not None:
+                self.regions.append(region)
+            return array
+        if kind == "npscalar":
+            return _numpy.decode_scalar(value, path, self.bad)
         return _plain_value(kind, value, path, self.bad)
 
     def tensor(self, value: object, path: str) -> torch.Tensor:
