@@ -98,10 +98,13 @@ class RendezvousHandler(Protocol):
     def num_nodes_waiting(self) -> int:
         """Nodes waiting to join the next round (the agent restarts to admit them).
 
-        Also > 0 when a newer round started without this node, or when the
-        rendezvous was closed: either way the agent must stop its workers and
-        call :meth:`next_rendezvous` (which then raises RendezvousClosedError).
-        The agent calls it every monitor interval: keep it to one cheap read.
+        Also > 0 when a newer round started without this node: the agent must stop
+        its workers and call :meth:`next_rendezvous`. A closed rendezvous is not
+        news here for the dynamic handler (0: its running workers end on their own,
+        and the next :meth:`next_rendezvous` raises RendezvousClosedError); the
+        static ones say 1. A caller that must not wait in a closed round asks
+        :meth:`is_closed` as well. The agent calls it every monitor interval: keep
+        it to one cheap read.
         """
         ...
 
