@@ -75,6 +75,52 @@ def test_full_round_completes_with_distinct_ranks(store: MemoryStore) -> None:
     shut(*hs)
 
 
+class _ReadsRecorded(MemoryStore):
+    """The in-memory store, recording the keys read one at a time."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.read: list[str] = []
+
+    def get(self, key: str) -> bytes | None:
+        self.read.append(key)
+        return super().get(key)
+
+
+def test_nodes_that_start_together_learn_their_places_from_their_acks() -> None:
+    # the node with the first ticket waits (a tenth of a keep-alive interval at a time)
+    # for the requests that come while its batch cannot complete the round: one batch,
+    # whose acks carry every node's place; nobody reads its assignment
+    store = _ReadsRecorded()
+    hs = [make(store, 4, 4, keep_alive_interval=5.0, last_call_timeout=600.0) for _ in range(4)]
+    try:
+        infos = together(*(h.next_rendezvous for h in hs))
+        assert sorted(i.rank for i in infos) == [0, 1, 2, 3]
+        assert [k for k in store.read if "/assign/" in k] == []
+    finally:
+        shut(*hs)
+        store.close()
+
+
+def test_the_applier_writes_a_joining_node_s_heartbeat_before_placing_it(
+    store: MemoryStore,
+) -> None:
+    # on a store without leases a node does not write its heartbeat before it joins:
+    # the applier of its request does, in one call for its batch, before the state
+    # holds it, so a look at the dead between the two never drops it
+    from relaunch.rendezvous._backend import StateBackend
+
+    settings = RendezvousSettings(run_id="job", min_nodes=1, max_nodes=1)
+    backend = StateBackend(store, settings, clock=lambda: 1000.0)
+    backend.announce("n")
+    assert store.get(backend.liveness.hb_key("n")) is None
+    assert backend.request_join("n") is not None
+    state, _ = backend.load()
+    assert list(state.participants) == ["n"]
+    assert store.get(backend.liveness.hb_key("n")) == b"1000000"
+    assert backend.remove_dead(state, 1000.0) == (state, [])
+
+
 def test_late_node_admitted_at_next_round(store: MemoryStore) -> None:
     a, b = make(store, 1, 2), make(store, 1, 2)
     first = a.next_rendezvous()
