@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -71,9 +72,12 @@ def test_numpy_arrays_and_scalars_come_back_with_their_dtypes() -> None:
         "zero_d": np.array(1 + 2j, dtype=np.complex64),
         "empty": np.zeros((0, 3), dtype=np.bool_),
         "scalars": [np.float64(0.1), np.float32(1.5), np.int64(-3), np.uint8(255), np.bool_(True)],
+        "read_only": np.frombuffer(b"\x01\x02\x03\x04", dtype=np.uint16),
+        "np_str": np.str_("a str as well"),
     }
     back = _roundtrip(state)
-    for key in ("strided", "big_endian", "zero_d", "empty"):
+    assert back["np_str"] == "a str as well"
+    for key in ("strided", "big_endian", "zero_d", "empty", "read_only"):
         assert type(back[key]) is np.ndarray and back[key].dtype == state[key].dtype
         assert back[key].shape == state[key].shape and np.array_equal(back[key], state[key])
     for got, want in zip(back["scalars"], state["scalars"], strict=True):
@@ -92,12 +96,13 @@ def test_numpy_arrays_and_scalars_come_back_with_their_dtypes() -> None:
         (np.zeros(2, dtype=[("x", "<i4")]), "a NumPy array of dtype"),
         (np.ma.masked_array([1, 2], mask=[0, 1]), "MaskedArray; expected a plain numpy.ndarray"),
         (np.datetime64("2026-01-01"), "a NumPy scalar of dtype '<M8"),
+        (np.zeros(2, dtype=np.longdouble), "floats of 8 bytes at most"),
     ],
 )
 def test_an_unsupported_numpy_value_names_its_key_path_and_dtype(
     value: object, message: str
 ) -> None:
-    with pytest.raises(SnapshotError, match=r"state\['m'\]\[0\]: .*" + message):
+    with pytest.raises(SnapshotError, match=r"state\['m'\]\[0\]: .*" + re.escape(message)):
         encode({"m": [value]})
 
 
@@ -111,6 +116,10 @@ def test_an_unsupported_numpy_value_names_its_key_path_and_dtype(
         ({"npscalar": ["<f4", "00"]}, "expected 4 bytes of <f4"),
         ({"npscalar": ["<f4", "zzzzzzzz"]}, "expected 4 bytes"),
         ({"npscalar": ["nodtype", "00"]}, "unknown NumPy dtype"),
+        ({"ndarray": ["<f4", [0, 2**70], 0, 0]}, r"shape \[0, 1180591620717411303424\]"),
+        ({"ndarray": ["<f16", [1], 0, 16]}, "unknown NumPy dtype"),
+        ({"tensor": ["float32", [0, 2**70], 0, 0, "cpu"]}, "shape"),
+        ({"dict": [[{"list": []}, {"none": None}]]}, "a key of type list"),
     ],
 )
 def test_a_corrupt_numpy_node_names_the_node(tree: object, message: str) -> None:

@@ -91,15 +91,20 @@ def test_nodes_that_start_together_learn_their_places_from_their_acks() -> None:
     # the node with the first ticket waits (a tenth of a keep-alive interval at a time)
     # for the requests that come while its batch cannot complete the round: one batch,
     # whose acks carry every node's place; nobody reads its assignment
+    # (2 s slices: a thread that starts late on a loaded machine still makes it)
     store = _ReadsRecorded()
-    hs = [make(store, 4, 4, keep_alive_interval=5.0, last_call_timeout=600.0) for _ in range(4)]
+    hs = [make(store, 4, 4, keep_alive_interval=20.0, last_call_timeout=600.0) for _ in range(4)]
     try:
         infos = together(*(h.next_rendezvous for h in hs))
         assert sorted(i.rank for i in infos) == [0, 1, 2, 3]
         assert [k for k in store.read if "/assign/" in k] == []
     finally:
-        shut(*hs)
-        store.close()
+        try:
+            shut(*hs)
+        finally:
+            store.close()
+    leftover = [t.name for t in threading.enumerate() if t.name.startswith("relaunch-rdzv")]
+    assert leftover == []
 
 
 def test_the_applier_writes_a_joining_node_s_heartbeat_before_placing_it(

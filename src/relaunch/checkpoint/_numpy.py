@@ -7,8 +7,10 @@ Nodes (see :mod:`relaunch.checkpoint._tree`)::
 
 ``dtype`` is NumPy's ``dtype.str`` (``"<f8"``, ``"|b1"``, ``">i4"``): the byte order
 is kept, so an array comes back with the dtype it was saved with. Only bool and numeric
-dtypes (kinds ``b i u f c``) are stored; strings, objects, records and dates are
-refused with the value's key path, as other unsupported values are. What this is for:
+dtypes (kinds ``b i u f c``) are stored, floats of 8 bytes at most (``longdouble``'s
+bytes differ between platforms); strings, objects, records and dates are refused with
+the value's key path, as other unsupported values are. A NumPy string scalar is a
+``str`` and is stored as one. What this is for:
 ``np.random.get_state()``, metrics and data-loader positions kept as NumPy values in a
 training state. An array's bytes are copied by the writer thread, as a tensor's are:
 change it in place before :func:`relaunch.checkpoint.wait_copied` and the snapshot may
@@ -51,16 +53,25 @@ def encode_value(obj: object, path: str, place: Place) -> tuple[Any, torch.Tenso
     array: np.ndarray[Any, Any] = obj
     _check_dtype(array.dtype, path, "array")
     flat = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+    if not flat.flags.writeable:  # torch.from_numpy warns of a read-only array
+        flat = flat.copy()
     offset = place(flat.nbytes)
     node = {"ndarray": [array.dtype.str, list(array.shape), offset, flat.nbytes]}
     return node, torch.from_numpy(flat)
 
 
+def _stored(dtype: np.dtype[Any]) -> bool:
+    """Whether values of ``dtype`` are stored: bool and numeric, of a layout that is the
+    same everywhere (not ``longdouble``, whose bytes differ between platforms)."""
+    wide = {"f": 8, "c": 16}.get(dtype.kind, 8)
+    return dtype.kind in _KINDS and dtype.fields is None and dtype.itemsize <= wide
+
+
 def _check_dtype(dtype: np.dtype[Any], path: str, what: str) -> None:
-    if dtype.kind not in _KINDS or dtype.fields is not None:
+    if not _stored(dtype):
         raise SnapshotError(
             f"state{path}: a NumPy {what} of dtype {dtype.str!r}; expected a bool or "
-            "numeric dtype (kinds b, i, u, f, c)"
+            "numeric dtype (kinds b, i, u, f, c; floats of 8 bytes at most)"
         )
 
 
@@ -69,7 +80,7 @@ def _dtype(text: object, path: str, bad: Callable[[str, str], CorruptSnapshot]) 
         dtype = np.dtype(str(text)) if isinstance(text, str) else None
     except (TypeError, ValueError):
         dtype = None
-    if dtype is None or dtype.kind not in _KINDS or dtype.fields is not None:
+    if dtype is None or not _stored(dtype):
         raise bad(path, f"unknown NumPy dtype {text!r:.40}")
     return dtype
 
@@ -94,7 +105,11 @@ def decode_array(
     offset, nbytes = span(value, path, 4)
     if math.prod(shape) * dtype.itemsize != nbytes:
         raise bad(path, f"{nbytes} bytes for shape {shape} of {dtype.str}")
-    array = np.empty(shape, dtype=dtype)
+    try:
+        array = np.empty(shape, dtype=dtype)
+    except (TypeError, ValueError, OverflowError, MemoryError) as exc:  # numpy cannot
+        why = str(exc).partition("\n")[0][:120]
+        raise bad(path, f"shape {shape!r:.80} of {dtype.str} ({why})") from exc
     if not nbytes:
         return array, None
     return array, (offset, nbytes, torch.from_numpy(array.reshape(-1).view(np.uint8)))

@@ -86,6 +86,8 @@ def encode(state: object) -> tuple[Any, list[Leaf], int]:
             return {"dtype": str(obj).removeprefix("torch.")}
         if isinstance(obj, torch.device):
             return {"device": str(obj)}
+        if isinstance(obj, str):  # np.str_ too: a str
+            return {"str": str(obj)}
         if type(obj).__module__.partition(".")[0] == "numpy":  # before float: np.float64 is one
             node, data = _numpy.encode_value(obj, path, place)
             if data is not None:
@@ -213,7 +215,11 @@ class _Decoder:
             count *= d
         if count * dtype.itemsize != nbytes:
             raise self.bad(path, f"{nbytes} bytes for shape {shape} of {value[0]}")
-        tensor = torch.empty(shape, dtype=dtype)
+        try:
+            tensor = torch.empty(shape, dtype=dtype)
+        except (RuntimeError, TypeError, ValueError, OverflowError, MemoryError) as exc:
+            why = str(exc).partition("\n")[0][:120]
+            raise self.bad(path, f"shape {shape!r:.80} of {value[0]} ({why})") from exc
         if nbytes:
             self.regions.append((offset, nbytes, tensor.reshape(-1).view(torch.uint8)))
         return tensor
@@ -222,11 +228,13 @@ class _Decoder:
         """A dict from its ``[key, value]`` pairs (keys are nodes too)."""
         if not isinstance(value, list):
             raise self.bad(path, "expected a list of [key, value] pairs")
-        out = {}
+        out: dict[object, object] = {}
         for pair in value:
             if not isinstance(pair, list) or len(pair) != 2:
                 raise self.bad(path, f"expected a [key, value] pair, got {pair!r:.80}")
             key = self.walk(pair[0], f"{path}.key")
+            if not isinstance(key, (str, int, float, type(None))):  # bool is an int
+                raise self.bad(path, f"a key of type {type(key).__qualname__}")
             out[key] = self.walk(pair[1], f"{path}[{key!r}]")
         return out
 

@@ -281,7 +281,7 @@ class StateBackend:
                 state, raw = self.load()
                 if state.applied >= ticket:
                     return None
-                self._apply_requests(state, raw, skip_missing=stalls > 0)
+                self._apply_requests(state, raw, stalls > 0, interrupted)
                 head = False
             try:
                 self.store.wait([ack_key], timeout)
@@ -299,52 +299,51 @@ class StateBackend:
                 continue
             return ack
 
-    def _read_requests(self, first: int, last: int, *, skip_missing: bool) -> list[str | None]:
+    def _read_requests(
+        self, first: int, last: int, *, skip_missing: bool, until: float
+    ) -> list[str | None]:
         """The node ids of join requests ``first..`` (None: refused): up to ``last``
-        with ``skip_missing`` (a ticket taken but never written, its node gone: skipped),
-        else up to the first ticket whose request is not written yet (its node holds
-        it between two calls; it applies from there, handed the queue).
-
-        Tickets taken and not written yet are waited for first (a keep-alive interval
-        at most): their nodes are a call away from writing them, and one batch that
-        holds them all completes a round that several would only fill (each node of
-        a batch that does not complete it waits for the round and reads its place: two
-        calls more; when 4,096 nodes join at once, most are between the two calls
-        when the first ticket's node applies)."""
+        with ``skip_missing`` (a ticket taken but never written, its node gone: waited
+        for a keep-alive interval, then skipped), else up to the first ticket whose
+        request is not written yet (its node holds it between two calls; it applies
+        from there, handed the queue), once such tickets were waited for until
+        ``until``: their nodes are a call away from writing them, and one batch that
+        holds them all can complete a round that several would only fill."""
         keys = [f"{self.prefix}req/{t}" for t in range(first, last + 1)]
         raws = get_many(self.store, keys)
         missing = [key for key, raw in zip(keys, raws, strict=True) if raw is None]
-        if missing:
+        wait = self.settings.keep_alive_interval if skip_missing else until - self.clock()
+        if missing and wait > 0:
             with contextlib.suppress(StoreTimeoutError):
-                self.store.wait(missing, self.settings.keep_alive_interval)
+                self.store.wait(missing, wait)
             raws = get_many(self.store, keys)
         if None in raws and not skip_missing:
             raws = raws[: raws.index(None)]
         return [self._parse_request(key, raw) for key, raw in zip(keys, raws, strict=False)]
 
     def _latecomers(
-        self, state: RendezvousState, ticket: int, batch: list[str | None]
-    ) -> list[str | None]:
-        """The requests from ``ticket`` on that come while ``batch`` cannot complete the
-        round (fewer than ``min_nodes``), each waited for a tenth of a keep-alive
-        interval, a whole one at most. Nodes that start together (a job's start, every
-        node after a group restart) then land in one batch that completes the round,
-        and each learns its place from its ack, not by waiting for the round and
-        reading it (two calls more each)."""
+        self, state: RendezvousState, batch: list[str | None], first: int, until: float,
+        interrupted: Callable[[], bool],
+    ) -> list[str | None]:  # fmt: skip
+        """The requests from ticket ``first`` on that come while ``batch`` cannot
+        complete the round (fewer than ``min_nodes``), each waited for a tenth of a
+        keep-alive interval, until ``until`` at most. Nodes that start together (a
+        job's start, every node after a group restart) then land in one batch that
+        completes the round, and each learns its place from its ack, not by waiting
+        for the round and reading it (two calls more each)."""
         came: list[str | None] = []
-        interval = self.settings.keep_alive_interval
-        end = self.clock() + interval
+        ticket, slice_ = first, self.settings.keep_alive_interval / 10
         joined = set(state.participants).union(n for n in batch if n is not None)
         while not state.complete and len(joined) < self.settings.min_nodes:
-            left = end - self.clock()
-            if left <= 0:
+            left = until - self.clock()
+            if left <= 0 or interrupted():
                 break
             try:
-                self.store.wait([f"{self.prefix}req/{ticket}"], min(interval / 10, left))
+                self.store.wait([f"{self.prefix}req/{ticket}"], min(slice_, left))
             except StoreTimeoutError:
                 break
             more = self._read_requests(ticket, self.store.add(self.prefix + "req", 0),
-                                       skip_missing=False)  # fmt: skip
+                                       skip_missing=False, until=until)  # fmt: skip
             came += more
             ticket += len(more)
             joined.update(n for n in more if n is not None)
@@ -369,19 +368,22 @@ class StateBackend:
         return node
 
     def _apply_requests(
-        self, state: RendezvousState, raw: bytes | None, *, skip_missing: bool
-    ) -> None:
+        self, state: RendezvousState, raw: bytes | None, skip_missing: bool,
+        interrupted: Callable[[], bool],
+    ) -> None:  # fmt: skip
+        # waits end before the others take a stall for the applier's loss (min(hb, dead))
+        until = self.clock() + min(self.settings.keep_alive_interval, self.settings.dead_after / 2)
         first = state.applied + 1
         nodes = self._read_requests(first, self.store.add(self.prefix + "req", 0),
-                                    skip_missing=skip_missing)  # fmt: skip
-        nodes += self._latecomers(state, first + len(nodes), nodes)
+                                    skip_missing=skip_missing, until=until)  # fmt: skip
+        nodes += self._latecomers(state, nodes, first + len(nodes), until, interrupted)
         last = first + len(nodes) - 1
         now = self.clock()
         new, _ = self.remove_dead(state, now)
         new = new.copy()
         place_all(new, [n for n in nodes if n is not None], now, self.settings)
         new.applied = max(last, state.applied)
-        self.liveness.stamp(n for n in nodes if n is not None)
+        self.liveness.stamp([n for n in nodes if n is not None])
         new, _, written = self.commit(state, raw, new)
         if written:
             acks = {}

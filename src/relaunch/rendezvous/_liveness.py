@@ -72,12 +72,12 @@ class Liveness:
             self.store.set_ephemeral(self._alive_key(node), b"1", self._settings.dead_after)
             self.beat(node)
 
-    def stamp(self, nodes: Iterable[str]) -> None:
+    def stamp(self, nodes: list[str]) -> None:
         """Write the heartbeats of ``nodes`` about to be placed in the state, now (one
         call): a node in the state always has one, or the next look at the dead would
         drop it before its own first beat. Nothing where the store has leases (each
         node announced its lease before it asked to join)."""
-        if isinstance(self.store, LeaseStore):
+        if isinstance(self.store, LeaseStore) or not nodes:
             return
         now = str(round(self._clock() * 1000)).encode()
         set_many(self.store, {self.hb_key(node): now for node in nodes})
