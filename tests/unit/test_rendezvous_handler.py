@@ -205,6 +205,27 @@ def test_corrupt_state_is_a_clear_error(store: MemoryStore) -> None:
     h._keep_alive.stop()
 
 
+def test_a_state_corrupted_while_the_applier_waits_is_said_once_and_refused(
+    store: MemoryStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    # the first node waits for the requests still coming (its batch cannot complete
+    # the round); the state is corrupted meanwhile: its write fails on it, and the
+    # node's patient read (not the queue) says so once and refuses it
+    h = make(store, 2, 2, keep_alive_interval=2.0)
+    try:
+        with ThreadPoolExecutor(1, thread_name_prefix="test-rdzv") as pool:
+            joining = pool.submit(h.next_rendezvous)
+            until(lambda: store.get("relaunch/rdzv/job/req/1") is not None)
+            store.set("relaunch/rdzv/job/state", b"\x00\xffnot json{")
+            with pytest.raises(RendezvousStateError, match="relaunch/rdzv/job/state"):
+                joining.result(timeout=30)
+    finally:
+        h._shut = True
+        h._keep_alive.stop()
+    said = [r for r in caplog.records if "goes on with the last valid state" in r.getMessage()]
+    assert len(said) == 1
+
+
 def test_state_of_another_run_refused(store: MemoryStore) -> None:
     other = make(store, 1, 1)
     other.next_rendezvous()

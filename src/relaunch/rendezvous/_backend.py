@@ -38,7 +38,7 @@ import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from relaunch.errors import StoreTimeoutError
+from relaunch.errors import RendezvousStateError, StoreTimeoutError
 from relaunch.rendezvous._liveness import Liveness
 from relaunch.rendezvous._ops import needs_wake, place_all, remove_dead
 from relaunch.rendezvous._settings import RendezvousSettings
@@ -275,29 +275,32 @@ class StateBackend:
         head = ticket == 1
         seen, stalls = -1, 0
         while True:
-            if interrupted():
-                return None
-            if head:
-                state, raw = self.load()
-                if state.applied >= ticket:
-                    return None
-                self._apply_requests(state, raw, stalls > 0, interrupted)
-                head = False
             try:
-                self.store.wait([ack_key], timeout)
-            except StoreTimeoutError:
-                state, _ = self.load()
-                if state.applied >= ticket:
+                if interrupted():
                     return None
-                stalls = stalls + 1 if state.applied == seen else 0
-                seen = state.applied
-                head = ticket - state.applied <= 1 + stalls
-                continue
-            ack = JoinAck.parse(self.store.get(ack_key) or b"")
-            if ack is None:
-                head = True  # handed over: we hold the oldest unapplied ticket
-                continue
-            return ack
+                if head:
+                    state, raw = self.load()
+                    if state.applied >= ticket:
+                        return None
+                    self._apply_requests(state, raw, stalls > 0, interrupted)
+                    head = False
+                try:
+                    self.store.wait([ack_key], timeout)
+                except StoreTimeoutError:
+                    state, _ = self.load()
+                    if state.applied >= ticket:
+                        return None
+                    stalls = stalls + 1 if state.applied == seen else 0
+                    seen = state.applied
+                    head = ticket - state.applied <= 1 + stalls
+                    continue
+                ack = JoinAck.parse(self.store.get(ack_key) or b"")
+                if ack is None:
+                    head = True  # handed over: we hold the oldest unapplied ticket
+                    continue
+                return ack
+            except RendezvousStateError:
+                return None  # corrupt: the caller's patient read says it once and decides
 
     def _read_requests(
         self, first: int, last: int, *, skip_missing: bool, until: float
@@ -305,10 +308,8 @@ class StateBackend:
         """The node ids of join requests ``first..`` (None: refused): up to ``last``
         with ``skip_missing`` (a ticket taken but never written, its node gone: waited
         for a keep-alive interval, then skipped), else up to the first ticket whose
-        request is not written yet (its node holds it between two calls; it applies
-        from there, handed the queue), once such tickets were waited for until
-        ``until``: their nodes are a call away from writing them, and one batch that
-        holds them all can complete a round that several would only fill."""
+        request is not written once waited for until ``until`` (its node is a call
+        away from writing it; it applies from there, handed the queue)."""
         keys = [f"{self.prefix}req/{t}" for t in range(first, last + 1)]
         raws = get_many(self.store, keys)
         missing = [key for key, raw in zip(keys, raws, strict=True) if raw is None]
@@ -327,10 +328,9 @@ class StateBackend:
     ) -> list[str | None]:  # fmt: skip
         """The requests from ticket ``first`` on that come while ``batch`` cannot
         complete the round (fewer than ``min_nodes``), each waited for a tenth of a
-        keep-alive interval, until ``until`` at most. Nodes that start together (a
-        job's start, every node after a group restart) then land in one batch that
-        completes the round, and each learns its place from its ack, not by waiting
-        for the round and reading it (two calls more each)."""
+        keep-alive interval, until ``until`` at most: nodes that start together (a job,
+        a group restart) land in one batch that completes the round, and each learns
+        its place from its ack, not by waiting for the round and reading it."""
         came: list[str | None] = []
         ticket, slice_ = first, self.settings.keep_alive_interval / 10
         joined = set(state.participants).union(n for n in batch if n is not None)
