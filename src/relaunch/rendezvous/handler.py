@@ -376,8 +376,10 @@ class DynamicRendezvousHandler:
         self._keep_alive.stop()
         ok = True
         try:
-            leave(self._rdzv, self._node, self._settings, self._clock)
+            # the heartbeat first: the state's write is the last a leaving node makes (the
+            # store's host closes its server once the last node's leave has landed)
             self._rdzv.liveness.forget(self._node)
+            leave(self._rdzv, self._node, self._settings, self._clock)
             if self._hosts_store:  # an embedded member leaves its cluster instead
                 wait_for_others(self._rdzv, self._node, self._settings, self._clock)
         except RelaunchError as exc:
