@@ -86,9 +86,8 @@ def encode(state: object) -> tuple[Any, list[Leaf], int]:
             return {"dtype": str(obj).removeprefix("torch.")}
         if isinstance(obj, torch.device):
             return {"device": str(obj)}
-        if isinstance(obj, str):  # np.str_ too: a str
-            return {"str": str(obj)}
-        if type(obj).__module__.partition(".")[0] == "numpy":  # before float: np.float64 is one
+        # before _plain: np.float64 is a float; np.str_ is a str, and _plain's
+        if type(obj).__module__.partition(".")[0] == "numpy" and not isinstance(obj, str):
             node, data = _numpy.encode_value(obj, path, place)
             if data is not None:
                 leaves.append(Leaf(node["ndarray"][2], data.numel(), tensor=data))

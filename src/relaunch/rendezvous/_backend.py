@@ -306,10 +306,9 @@ class StateBackend:
         self, first: int, last: int, *, skip_missing: bool, until: float
     ) -> list[str | None]:
         """The node ids of join requests ``first..`` (None: refused): up to ``last``
-        with ``skip_missing`` (a ticket taken but never written, its node gone: waited
-        for a keep-alive interval, then skipped), else up to the first ticket whose
-        request is not written once waited for until ``until`` (its node is a call
-        away from writing it; it applies from there, handed the queue)."""
+        with ``skip_missing`` (a ticket never written, its node gone: waited for a
+        keep-alive interval, then skipped), else up to the first one not written by
+        ``until`` (its node, a call away from it, applies from there, handed the queue)."""
         keys = [f"{self.prefix}req/{t}" for t in range(first, last + 1)]
         raws = get_many(self.store, keys)
         missing = [key for key, raw in zip(keys, raws, strict=True) if raw is None]
@@ -381,9 +380,10 @@ class StateBackend:
         now = self.clock()
         new, _ = self.remove_dead(state, now)
         new = new.copy()
-        place_all(new, [n for n in nodes if n is not None], now, self.settings)
+        placed = [n for n in nodes if n is not None]
+        place_all(new, placed, now, self.settings)
         new.applied = max(last, state.applied)
-        self.liveness.stamp([n for n in nodes if n is not None])
+        self.liveness.stamp(placed)
         new, _, written = self.commit(state, raw, new)
         if written:
             acks = {}

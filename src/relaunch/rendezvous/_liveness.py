@@ -5,8 +5,9 @@ Keys, under ``relaunch/rdzv/<run_id>/``:
 ``hb/<node>``
     The node's heartbeat: its wall-clock time in milliseconds, written by the node
     itself every keep-alive interval (one small write; the shared state is not
-    rewritten), and first by the applier of its join request, before it places it. A node whose heartbeat is older than the dead-node delay is dead. On a
-    store with leases (etcd) the node's ``alive/<node>`` key, under its lease, decides
+    rewritten), and first by the applier of its join request, before it places it.
+    A node whose heartbeat is older than the dead-node delay is dead. On a store with
+    leases (etcd) the node's ``alive/<node>`` key, under its lease, decides
     instead (etcd's clock, no skew between hosts), and the heartbeat, written once per
     dead-node delay there, only tells ``relaunch status`` how recent the node is.
 ``steward``
@@ -79,7 +80,7 @@ class Liveness:
         node announced its lease before it asked to join)."""
         if isinstance(self.store, LeaseStore) or not nodes:
             return
-        now = str(round(self._clock() * 1000)).encode()
+        now = _millis(self._clock())
         set_many(self.store, {self.hb_key(node): now for node in nodes})
 
     def beat(self, node: str) -> None:
@@ -89,7 +90,7 @@ class Liveness:
         now = self._clock()
         if isinstance(self.store, LeaseStore) and now - self._beaten < self._settings.dead_after:
             return
-        self.store.set(self.hb_key(node), str(round(now * 1000)).encode())
+        self.store.set(self.hb_key(node), _millis(now))
         self._beaten = now
 
     def forget(self, node: str) -> None:
@@ -151,6 +152,11 @@ class Liveness:
         elif self._heard:
             self._heard = False
             watch.ok()
+
+
+def _millis(seconds: float) -> bytes:
+    """A heartbeat's value: the time in whole milliseconds, as digits."""
+    return str(round(seconds * 1000)).encode()
 
 
 def _parse(raw: bytes) -> tuple[str, float, str | None] | None:
