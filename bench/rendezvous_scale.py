@@ -8,8 +8,9 @@ instead). Prints, per N: the seconds from "go" (every node's handler made, its
 connection open) until every node has its rank, the store operations made until then,
 the bytes they moved (keys and values, both ways), and the server's CPU seconds until
 then (the nodes leave the rendezvous after every one has its rank, up to
-:data:`LEAVE_UP_TO` nodes). Each node holds two connections (its calls, its waits):
-N = 16384 needs an open-file limit above 32768 for the server. Run by hand (not in
+:data:`LEAVE_UP_TO` nodes). Each node holds one connection (its calls and its wait)
+and two threads (its own, its keep-alive): N = 16384 needs an open-file limit above
+16,400 for the server and ``kernel.pid_max`` above 33,000. Run by hand (not in
 CI), in a loopback-only network namespace (torch's store looks up each peer's name)::
 
     python bench/rendezvous_scale.py                      # N = 8 64 256 1024

@@ -324,7 +324,7 @@ def test_close_with_connected_clients_leaves_nothing() -> None:
             errors.append(exc)
 
     client.set("k", b"v")
-    client.wait(["k"], timeout=10)  # opens the (validated) wait connection the thread reuses
+    client.wait(["k"], timeout=10)  # (a wait goes on the client's one connection)
     thread = threading.Thread(target=wait, name="test-blocked-waiter")
     thread.start()
     raw = [_raw(server.port) for _ in range(20)]
@@ -389,18 +389,20 @@ def test_killed_waiting_client_is_forgotten(server: TCPStoreServer) -> None:
         "from relaunch.store.tcp import TCPStoreClient\n"
         f"c = TCPStoreClient('127.0.0.1', {server.port}, timeout=30)\n"
         "c.set('ready', b'')\n"
+        "import threading\n"
+        "threading.Thread(target=c.wait, args=(['never'], 60), daemon=True).start()\n"
         "c.wait(['never'], timeout=60)\n"
     )
     proc = subprocess.Popen([sys.executable, "-c", code])
     try:
         with TCPStoreClient("127.0.0.1", server.port, timeout=30) as store:
             store.wait(["ready"], timeout=60)
-            # ours: main + wait connection; the child's: main + wait connection
-            while server.connection_count < 4 and proc.poll() is None:
+            # ours; the child's: one wait on its connection, the other on a second one
+            while server.connection_count < 3 and proc.poll() is None:
                 threading.Event().wait(0.01)
             proc.send_signal(signal.SIGKILL)
             assert proc.wait(30) == -signal.SIGKILL
-            while server.connection_count > 2:
+            while server.connection_count > 1:
                 threading.Event().wait(0.01)
             store.set("never", b"")  # releases nobody; the dead waiter is gone
             assert store.get("never") == b""
@@ -437,7 +439,8 @@ def test_concurrent_waits_of_one_client(server: TCPStoreServer) -> None:
         for thread in threads:
             thread.start()
         store.multi_set({f"key{i}": b"" for i in range(16)})
-        while server.connection_count < 17:  # every wait has its own connection
+        # one wait is in flight on the client's connection, every other one on its own
+        while server.connection_count < 16:
             threading.Event().wait(0.01)
         store.set("all", b"")
         for thread in threads:
@@ -445,6 +448,72 @@ def test_concurrent_waits_of_one_client(server: TCPStoreServer) -> None:
         assert not errors and not any(t.is_alive() for t in threads)
         # idle wait connections are kept for reuse (closing them stalls torch's
         # server): a second wait opens no new connection
-        assert server.connection_count == 1 + 16
+        assert server.connection_count == 16
         store.wait([f"key{i}" for i in range(16)], timeout=60)
-        assert server.connection_count == 1 + 16
+        assert server.connection_count == 16
+
+
+def test_calls_cut_into_a_wait_on_the_client_s_one_connection(server: TCPStoreServer) -> None:
+    with (
+        TCPStoreClient("127.0.0.1", server.port, timeout=10) as node,
+        TCPStoreClient("127.0.0.1", server.port, timeout=10) as writer,
+    ):
+        outcome: list[object] = []
+
+        def wait() -> None:
+            try:
+                node.wait(["x"], timeout=60)
+                outcome.append("set")
+            except BaseException as exc:
+                outcome.append(exc)
+
+        thread = threading.Thread(target=wait, name="test-parked-wait")
+        thread.start()
+        for i in range(100):  # a node's heartbeats and reads while its wait is parked
+            node.set("beat", str(i).encode())
+            assert node.add("beats", 1) == i + 1
+            assert node.get("beat") == str(i).encode()
+        assert server.connection_count == 2  # one connection per client, the wait's too
+        assert thread.is_alive() and not outcome
+        writer.set("x", b"")
+        thread.join(30)
+        assert not thread.is_alive() and outcome == ["set"]
+
+        stop = threading.Event()
+
+        def calls() -> None:
+            while not stop.is_set():
+                node.add("busy", 1)
+
+        busy = threading.Thread(target=calls, name="test-busy-calls")
+        busy.start()
+        try:  # a wait cut into again and again still ends at its timeout, then is usable
+            with pytest.raises(StoreTimeoutError):
+                node.wait(["never"], timeout=0.3)
+            writer.set("y", b"")
+            node.wait(["y"], timeout=30)
+        finally:
+            stop.set()
+            busy.join(30)
+        assert server.connection_count == 2
+
+
+def test_close_ends_a_parked_wait_and_the_calls_behind_it(server: TCPStoreServer) -> None:
+    node = TCPStoreClient("127.0.0.1", server.port, timeout=10)
+    errors: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            node.wait(["never"], timeout=60)
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=wait, name="test-wait-closed")
+    thread.start()
+    node.set("k", b"v")
+    node.close()
+    thread.join(30)
+    assert not thread.is_alive() and len(errors) == 1
+    assert isinstance(errors[0], StoreClosedError)
+    with pytest.raises(StoreClosedError):
+        node.get("k")

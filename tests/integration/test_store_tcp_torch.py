@@ -248,6 +248,10 @@ def test_our_client_against_torch_server() -> None:
             target=lambda: store.wait(["later"], timeout=30), name="test-wait-torch-server"
         )
         thread.start()
+        for i in range(20):  # calls cut into the parked wait: cancelled and sent again
+            store.set("beat", str(i).encode())
+            assert store.get("beat") == str(i).encode()
+        assert thread.is_alive()
         master.set("later", b"")
         thread.join(30)
         assert not thread.is_alive()

@@ -32,6 +32,7 @@ from relaunch.store._tcp_conn import (
     open_connection,
     resolve_host,
 )
+from relaunch.store._tcp_shared import SharedConnection
 
 __all__ = ["TCPStoreClient"]
 
@@ -56,8 +57,10 @@ class TCPStoreClient:
     reconnection (after the server broke a connection) retries for
     ``reconnect_timeout`` seconds (default: ``timeout``): a client that must notice a
     lost server soon sets it short.
-    :meth:`wait` runs on a separate connection, so a long wait never blocks the
-    other calls of other threads.
+    One connection serves every call and one wait at a time: a call made while a wait
+    is in flight cuts in (the wait is cancelled and sent again), so a long wait never
+    blocks the other calls of other threads; a second wait made meanwhile takes a
+    connection of its own, kept for the next such wait.
 
     Every method raises :class:`relaunch.errors.StoreConnectionError` when the
     server cannot be reached or breaks the connection (the next call reconnects),
@@ -100,13 +103,12 @@ class TCPStoreClient:
         self._timeout = float(timeout)
         self._prefix = "/" + prefix + "/" if prefix else "/"
         self._family, self._addr = resolve_host(host, port)
-        self._lock = threading.Lock()  # serialises request/response on the main connection
         self._pool_lock = threading.Lock()
         self._idle_waits: list[Connection] = []
         self._busy_waits: set[Connection] = set()
         self._closed = False
         self._connect_timeout = self._timeout
-        self._main: Connection | None = self._connect()
+        self._main = SharedConnection(self._connect(), self._connect, self._broken, self._timeout)
         self._connect_timeout = float(reconnect_timeout or timeout)
 
     # ------------------------------------------------------------------ public
@@ -250,6 +252,11 @@ class TCPStoreClient:
         if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout < 0:
             raise ConfigError(f"timeout: expected a non-negative number, got {timeout!r}")
         request = keys_request(wire.Query.WAIT, [self._key(k) for k in keys])
+        outcome = self._main.wait(request, float(timeout))
+        if outcome is not None:
+            if not outcome:
+                raise StoreTimeoutError(f"wait for keys {keys} timed out after {timeout}s")
+            return
         conn = self._take_wait_connection()
         timed_out = False
         try:
@@ -284,13 +291,7 @@ class TCPStoreClient:
             self._idle_waits.clear()
         for conn in conns:
             conn.close()
-        main = self._main
-        if main is not None:  # unblock a call waiting for a reply, then take the lock
-            main.shutdown()
-        with self._lock:
-            if self._main is not None:
-                self._main.close()
-                self._main = None
+        self._main.close()
 
     def __enter__(self) -> TCPStoreClient:
         return self
@@ -312,18 +313,7 @@ class TCPStoreClient:
         return StoreConnectionError(f"TCP store {self._host}:{self._port}: {exc}")
 
     def _call(self, request: bytes, parse: Callable[[Connection], T]) -> T:
-        with self._lock:
-            if self._closed:
-                raise StoreClosedError("the TCP store client was closed")
-            conn = self._main if self._main is not None else self._connect()
-            self._main = conn
-            try:
-                conn.send(request)
-                return parse(conn)
-            except OSError as exc:
-                conn.close()
-                self._main = None
-                raise self._broken(exc) from exc
+        return self._main.call(request, parse)
 
     def _call_confirmed(self, request: bytes) -> None:
         nonce = next_nonce()
@@ -332,10 +322,7 @@ class TCPStoreClient:
             lambda conn: conn.u32(self._timeout),
         )
         if reply != nonce:
-            with self._lock:
-                if self._main is not None:
-                    self._main.close()
-                    self._main = None
+            self._main.drop()
             raise StoreConnectionError(
                 f"TCP store {self._host}:{self._port}: ping returned {reply}, expected {nonce}"
             )
