@@ -354,6 +354,15 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _peak_mb(pid: int) -> float:
+    """The process's peak resident memory so far (VmHWM), in MB."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
 SERVER = """
 import sys
 from relaunch.store.tcp import TCPStoreServer
@@ -421,6 +430,7 @@ def main() -> None:
                 theirs = _measure("torch", n, port, args.procs, args.torch_cap, server_pid)
                 capped_at = n if theirs.lstrip().startswith(">") else None
             print(f"{n:>6}           {ours:<36}          {theirs}", flush=True)
+        print(f"the store server's peak memory: {_peak_mb(server_pid):.0f} MB", flush=True)
     finally:
         if proc is not None:
             assert proc.stdin is not None

@@ -491,7 +491,9 @@ def test_calls_cut_into_a_wait_on_the_client_s_one_connection(server: TCPStoreSe
             with pytest.raises(StoreTimeoutError):
                 node.wait(["never"], timeout=0.3)
             writer.set("y", b"")
-            node.wait(["y"], timeout=30)
+            node.wait(["y"], timeout=float("inf"))  # (no socket takes an infinite timeout)
+            with pytest.raises(ConfigError, match="non-negative number"):
+                node.wait(["y"], timeout=float("nan"))
         finally:
             stop.set()
             busy.join(30)

@@ -47,6 +47,8 @@ _CONNECT_BACKOFF_MAX = 0.5
 # torch's libuv server (it then answers nothing for seconds, so concurrent
 # waits time out with their keys set), and torch's own client never churns.
 _MAX_IDLE_WAIT_CONNECTIONS = 64
+# A longer wait (inf included) waits this long: a socket takes no infinite timeout here.
+_LONGEST_WAIT = 1e7
 
 
 class TCPStoreClient:
@@ -249,8 +251,14 @@ class TCPStoreClient:
         Raises :class:`relaunch.errors.StoreTimeoutError` after ``timeout`` seconds
         (the wait is then cancelled on the server; the client stays usable).
         """
-        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout < 0:
+        if (
+            isinstance(timeout, bool)
+            or not isinstance(timeout, int | float)
+            or math.isnan(timeout)
+            or timeout < 0
+        ):
             raise ConfigError(f"timeout: expected a non-negative number, got {timeout!r}")
+        timeout = min(timeout, _LONGEST_WAIT)
         request = keys_request(wire.Query.WAIT, [self._key(k) for k in keys])
         outcome = self._main.wait(request, float(timeout))
         if outcome is not None:

@@ -44,7 +44,12 @@ class Connection:
         self.buf = bytearray()
         self._timeout: float | None = sock.gettimeout()
 
-    def send(self, data: bytes) -> None:
+    def send(self, data: bytes, timeout: float | None = None) -> None:
+        """Send ``data``; with ``timeout``, the socket's timeout is set to it first (a
+        shared connection's last read may have left a short one)."""
+        if timeout is not None and timeout != self._timeout:
+            self.sock.settimeout(timeout)
+            self._timeout = timeout
         self.sock.sendall(data)
 
     def read(self, size: int, timeout: float | None) -> bytes:

@@ -66,7 +66,7 @@ class SharedConnection:
         with self._turn():
             conn = self._open()
             try:
-                conn.send(request)
+                conn.send(request, self._reply_timeout)
                 return parse(conn)
             except OSError as exc:
                 self._drop(conn)
@@ -139,12 +139,12 @@ class SharedConnection:
     def _wait_once(self, request: bytes, deadline: float) -> bool | None:
         """One WAIT in flight: True (keys set), False (deadline), None (a call cut in:
         send it again)."""
-        with self._gate:  # new calls hold back; the ones already in line go first
-            self._parking = True
-            self._gate.wait_for(lambda: not self._pending)
         try:
+            with self._gate:  # new calls hold back; the ones already in line go first
+                self._parking = True
+                self._gate.wait_for(lambda: not self._pending)
             self._lock.acquire()
-        except BaseException:
+        except BaseException:  # (an interrupt) calls must not wait for a park that never comes
             self._done_parking()
             raise
         try:
@@ -161,7 +161,7 @@ class SharedConnection:
                 if self._closed:  # (close then sees this connection, or we see it)
                     raise StoreClosedError("the TCP store client was closed")
                 try:
-                    conn.send(request)
+                    conn.send(request, self._reply_timeout)
                 except OSError as exc:
                     self._drop(conn)
                     raise self._broken(exc) from exc
@@ -195,12 +195,15 @@ class SharedConnection:
                 return True
             if reply != wire.WaitResponse.WAIT_CANCELED or not cancelled:
                 raise ProtocolError(f"unexpected reply {reply} to WAIT")
-            return False if timed_out else None
-        except OSError as exc:
+            # cut into: the WAIT sent has seen its keys unset; past the deadline, that is final
+            return False if timed_out or time.monotonic() >= deadline else None
+        except BaseException as exc:  # a reply may be left unread: the connection goes
             with self._gate:
                 self._parked = self._cancelled = False
             self._drop(conn)
-            raise self._broken(exc) from exc
+            if isinstance(exc, OSError):
+                raise self._broken(exc) from exc
+            raise
 
     def _open(self) -> Connection:
         """The connection, opened again if the last one broke (the turn held)."""
