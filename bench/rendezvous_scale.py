@@ -430,7 +430,8 @@ def main() -> None:
                 theirs = _measure("torch", n, port, args.procs, args.torch_cap, server_pid)
                 capped_at = n if theirs.lstrip().startswith(">") else None
             print(f"{n:>6}           {ours:<36}          {theirs}", flush=True)
-        print(f"the store server's peak memory: {_peak_mb(server_pid):.0f} MB", flush=True)
+        if proc is not None:  # (torch's server runs in this process)
+            print(f"the store server's peak memory (every N above): {_peak_mb(server_pid):.0f} MB")
     finally:
         if proc is not None:
             assert proc.stdin is not None

@@ -447,10 +447,17 @@ def test_concurrent_waits_of_one_client(server: TCPStoreServer) -> None:
             thread.join(60)
         assert not errors and not any(t.is_alive() for t in threads)
         # idle wait connections are kept for reuse (closing them stalls torch's
-        # server): a second wait opens no new connection
+        # server): with a wait parked on the client's connection, a second wait takes
+        # an idle one and opens no new connection
         assert server.connection_count == 16
+        parked = threading.Thread(target=store.wait, args=(["later"], 60), name="test-parked")
+        parked.start()
+        wait_for(lambda: server.waiter_count == 1, timeout=30, what="the parked wait")
         store.wait([f"key{i}" for i in range(16)], timeout=60)
         assert server.connection_count == 16
+        store.set("later", b"")
+        parked.join(60)
+        assert not parked.is_alive()
 
 
 def test_calls_cut_into_a_wait_on_the_client_s_one_connection(server: TCPStoreServer) -> None:
@@ -469,6 +476,7 @@ def test_calls_cut_into_a_wait_on_the_client_s_one_connection(server: TCPStoreSe
 
         thread = threading.Thread(target=wait, name="test-parked-wait")
         thread.start()
+        wait_for(lambda: server.waiter_count == 1, timeout=30, what="the parked wait")
         for i in range(100):  # a node's heartbeats and reads while its wait is parked
             node.set("beat", str(i).encode())
             assert node.add("beats", 1) == i + 1
@@ -480,10 +488,14 @@ def test_calls_cut_into_a_wait_on_the_client_s_one_connection(server: TCPStoreSe
         assert not thread.is_alive() and outcome == ["set"]
 
         stop = threading.Event()
+        failed: list[BaseException] = []
 
         def calls() -> None:
-            while not stop.is_set():
-                node.add("busy", 1)
+            try:
+                while not stop.is_set():
+                    node.add("busy", 1)
+            except BaseException as exc:
+                failed.append(exc)
 
         busy = threading.Thread(target=calls, name="test-busy-calls")
         busy.start()
@@ -497,10 +509,10 @@ def test_calls_cut_into_a_wait_on_the_client_s_one_connection(server: TCPStoreSe
         finally:
             stop.set()
             busy.join(30)
-        assert server.connection_count == 2
+        assert not failed and server.connection_count == 2
 
 
-def test_close_ends_a_parked_wait_and_the_calls_behind_it(server: TCPStoreServer) -> None:
+def test_close_ends_a_parked_wait(server: TCPStoreServer) -> None:
     node = TCPStoreClient("127.0.0.1", server.port, timeout=10)
     errors: list[BaseException] = []
 
@@ -512,7 +524,9 @@ def test_close_ends_a_parked_wait_and_the_calls_behind_it(server: TCPStoreServer
 
     thread = threading.Thread(target=wait, name="test-wait-closed")
     thread.start()
-    node.set("k", b"v")
+    wait_for(lambda: server.waiter_count == 1, timeout=30, what="the parked wait")
+    node.set("k", b"v")  # (cuts in: the wait is parked again)
+    wait_for(lambda: server.waiter_count == 1, timeout=30, what="the wait parked again")
     node.close()
     thread.join(30)
     assert not thread.is_alive() and len(errors) == 1

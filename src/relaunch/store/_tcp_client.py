@@ -268,7 +268,7 @@ class TCPStoreClient:
         conn = self._take_wait_connection()
         timed_out = False
         try:
-            conn.send(request)
+            conn.send(request, self._timeout)
             try:
                 reply = conn.u8(max(float(timeout), 1e-3))
             except TimeoutError:

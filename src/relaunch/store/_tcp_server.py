@@ -108,6 +108,11 @@ class TCPStoreServer:
         """Number of client connections open now (approximate: read without a lock)."""
         return len(self._conns)
 
+    @property
+    def waiter_count(self) -> int:
+        """Number of clients blocked in a wait or barrier now (approximate, as above)."""
+        return self._state.waiter_count()
+
     def start(self) -> TCPStoreServer:
         """Bind (unless given a socket), listen and start serving. Idempotent.
 

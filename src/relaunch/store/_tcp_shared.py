@@ -117,8 +117,9 @@ class SharedConnection:
         with self._gate:
             self._gate.wait_for(lambda: not self._parking)
             self._pending += 1
-            self._cancel_parked()
         try:
+            with self._gate:
+                self._cancel_parked()
             self._lock.acquire()
         finally:
             with self._gate:
