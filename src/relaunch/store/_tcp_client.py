@@ -106,8 +106,8 @@ class TCPStoreClient:
         self._prefix = "/" + prefix + "/" if prefix else "/"
         self._family, self._addr = resolve_host(host, port)
         self._pool_lock = threading.Lock()
-        self._idle_waits: list[Connection] = []
-        self._busy_waits: set[Connection] = set()
+        self._idle_waits: list[SharedConnection] = []
+        self._busy_waits: set[SharedConnection] = set()
         self._closed = False
         self._connect_timeout = self._timeout
         self._main = SharedConnection(self._connect(), self._connect, self._broken, self._timeout)
@@ -261,32 +261,17 @@ class TCPStoreClient:
         timeout = min(timeout, _LONGEST_WAIT)
         request = keys_request(wire.Query.WAIT, [self._key(k) for k in keys])
         outcome = self._main.wait(request, float(timeout))
-        if outcome is not None:
-            if not outcome:
-                raise StoreTimeoutError(f"wait for keys {keys} timed out after {timeout}s")
-            return
-        conn = self._take_wait_connection()
-        timed_out = False
-        try:
-            conn.send(request, self._timeout)
+        if outcome is None:  # the main connection carries another wait: one of the pool's
+            pooled = self._take_wait_connection()
             try:
-                reply = conn.u8(max(float(timeout), 1e-3))
-            except TimeoutError:
-                timed_out = True
-                conn.send(bytes([wire.Query.CANCEL_WAIT]))
-                reply = conn.u8(self._timeout)
-                if reply == wire.WaitResponse.STOP_WAITING:  # set just before the cancel
-                    reply = conn.u8(self._timeout)
-                if reply != wire.WaitResponse.WAIT_CANCELED:
-                    raise ProtocolError(f"unexpected reply {reply} to CANCEL_WAIT") from None
-            else:
-                if reply != wire.WaitResponse.STOP_WAITING:
-                    raise ProtocolError(f"unexpected reply {reply} to WAIT")
-        except OSError as exc:
-            self._discard_wait_connection(conn)
-            raise self._broken(exc) from exc
-        self._return_wait_connection(conn)
-        if timed_out:
+                outcome = pooled.wait(request, float(timeout))
+            except BaseException:
+                self._discard_wait_connection(pooled)
+                raise
+            self._return_wait_connection(pooled)
+            if outcome is None:
+                raise StoreClosedError("the TCP store client was closed")
+        if not outcome:
             raise StoreTimeoutError(f"wait for keys {keys} timed out after {timeout}s")
 
     def close(self) -> None:
@@ -335,32 +320,36 @@ class TCPStoreClient:
                 f"TCP store {self._host}:{self._port}: ping returned {reply}, expected {nonce}"
             )
 
-    def _take_wait_connection(self) -> Connection:
+    def _take_wait_connection(self) -> SharedConnection:
         with self._pool_lock:
             if self._closed:
                 raise StoreClosedError("the TCP store client was closed")
-            conn = self._idle_waits.pop() if self._idle_waits else None
-        if conn is None:
-            conn = self._connect()
+            pooled = self._idle_waits.pop() if self._idle_waits else None
+        if pooled is None:
+            pooled = SharedConnection(self._connect(), self._connect, self._broken, self._timeout)
         with self._pool_lock:
             if self._closed:
-                conn.close()
+                pooled.close()
                 raise StoreClosedError("the TCP store client was closed")
-            self._busy_waits.add(conn)
-        return conn
+            self._busy_waits.add(pooled)
+        return pooled
 
-    def _return_wait_connection(self, conn: Connection) -> None:
+    def _return_wait_connection(self, pooled: SharedConnection) -> None:
         with self._pool_lock:
-            self._busy_waits.discard(conn)
-            if not self._closed and len(self._idle_waits) < _MAX_IDLE_WAIT_CONNECTIONS:
-                self._idle_waits.append(conn)
+            self._busy_waits.discard(pooled)
+            if (
+                not self._closed
+                and pooled.connected
+                and len(self._idle_waits) < _MAX_IDLE_WAIT_CONNECTIONS
+            ):
+                self._idle_waits.append(pooled)
                 return
-        conn.close()
+        pooled.close()
 
-    def _discard_wait_connection(self, conn: Connection) -> None:
+    def _discard_wait_connection(self, pooled: SharedConnection) -> None:
         with self._pool_lock:
-            self._busy_waits.discard(conn)
-        conn.close()
+            self._busy_waits.discard(pooled)
+        pooled.close()
 
     def _connect(self) -> Connection:
         """Connect and validate, retrying for the connect timeout; StoreConnectionError after."""

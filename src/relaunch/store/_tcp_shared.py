@@ -10,7 +10,8 @@ connection; a call that finds it parked there cancels it (CANCEL_WAIT, answered 
 WAIT_CANCELED, after a STOP_WAITING when the keys were set meanwhile), makes its
 request, and the wait is sent again with the time it has left: three more messages
 per call made during a wait (a heartbeat each keep-alive interval). Waits made while
-the main connection already carries one go to the client's pool of wait connections.
+the main connection already carries one go to the client's pool of wait connections,
+each a :class:`SharedConnection` that no call uses.
 """
 
 from __future__ import annotations
@@ -89,6 +90,11 @@ class SharedConnection:
         finally:
             with self._gate:
                 self._seat_taken = False
+
+    @property
+    def connected(self) -> bool:
+        """Whether a connection is open now (False after one broke, until the next call)."""
+        return self._conn is not None and not self._closed
 
     def drop(self) -> None:
         """Close the connection (its replies cannot be trusted); the next call reconnects."""
