@@ -533,3 +533,45 @@ def test_close_ends_a_parked_wait(server: TCPStoreServer) -> None:
     assert isinstance(errors[0], StoreClosedError)
     with pytest.raises(StoreClosedError):
         node.get("k")
+
+
+def _read_exactly(sock: socket.socket, size: int) -> bytes:
+    data = bytearray()
+    while len(data) < size:
+        chunk = sock.recv(min(size - len(data), 1 << 20))
+        assert chunk, "the server closed the connection"
+        data += chunk
+    return bytes(data)
+
+
+def test_a_large_value_read_by_many_slow_clients_is_held_once(server: TCPStoreServer) -> None:
+    """Twenty clients pipeline ten GETs of a 2 MB value each (with a PING between two
+    GETs) and read nothing for a while: the replies wait in the server, which holds the
+    value once (copied per reply, they would take 400 MB); then every byte arrives, in
+    order."""
+    import tracemalloc
+
+    value = os.urandom(2 << 20)
+    with TCPStoreClient("127.0.0.1", server.port, timeout=10) as store:
+        store.set("big", value)
+    get = bytes([wire.Query.GET]) + wire.pack_bytes(b"/big")
+    ping = bytes([wire.Query.PING]) + wire.pack_u32(7)
+    socks = [_raw(server.port) for _ in range(20)]
+    tracemalloc.start()
+    try:
+        for sock in socks:
+            sock.sendall((get + ping) * 10)
+        threading.Event().wait(1.0)  # the server queues what the sockets do not take
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    try:
+        assert peak < 64 << 20, f"the server copied the value per reply: peak {peak >> 20} MiB"
+        for sock in socks:
+            for _ in range(10):
+                assert _read_exactly(sock, 8) == wire.pack_u64(len(value))
+                assert _read_exactly(sock, len(value)) == value
+                assert _read_exactly(sock, 4) == wire.pack_u32(7)
+    finally:
+        for sock in socks:
+            sock.close()

@@ -114,16 +114,43 @@ def test_the_applier_writes_a_joining_node_s_heartbeat_before_placing_it(
     # the applier of its request does, in one call for its batch, before the state
     # holds it, so a look at the dead between the two never drops it
     from relaunch.rendezvous._backend import StateBackend
+    from relaunch.rendezvous._joins import JoinQueue
 
     settings = RendezvousSettings(run_id="job", min_nodes=1, max_nodes=1)
     backend = StateBackend(store, settings, clock=lambda: 1000.0)
     backend.announce("n")
     assert store.get(backend.liveness.hb_key("n")) is None
-    assert backend.request_join("n") is not None
+    assert JoinQueue(backend).request("n") is not None
     state, _ = backend.load()
     assert list(state.participants) == ["n"]
     assert store.get(backend.liveness.hb_key("n")) == b"1000000"
     assert backend.remove_dead(state, 1000.0) == (state, [])
+
+
+def test_a_node_waiting_in_a_stalled_queue_reads_the_applied_hint_not_the_state() -> None:
+    # tickets 1 and 2 were taken by nodes that never wrote their requests (gone): the
+    # node with ticket 3 times out waiting for its ack again and again; each time it
+    # reads the few bytes of the ``applied`` hint, not the state, until the stalls make
+    # it the head, which loads the state once, skips the two requests and places it
+    from relaunch.rendezvous._backend import StateBackend
+    from relaunch.rendezvous._joins import JoinQueue
+
+    store = _ReadsRecorded()
+    try:
+        settings = RendezvousSettings(
+            run_id="job", min_nodes=1, max_nodes=1, heartbeat_timeout=0.05,
+            keep_alive_interval=0.05,
+        )  # fmt: skip
+        backend = StateBackend(store, settings, clock=lambda: 1000.0)
+        store.set(backend.prefix + "applied", b"0")
+        store.add(backend.prefix + "req", 2)
+        ack = JoinQueue(backend).request("n")
+        assert ack is not None and ack.participant and ack.place is not None
+        assert store.read.count(backend.prefix + "applied") >= 2
+        assert store.read.count(backend.state_key) == 1
+        assert store.get(backend.prefix + "applied") == b"3"
+    finally:
+        store.close()
 
 
 def test_late_node_admitted_at_next_round(store: MemoryStore) -> None:
@@ -294,7 +321,7 @@ def test_interrupt_ends_a_blocked_next_rendezvous(store: MemoryStore) -> None:
 
 
 def test_join_acks_and_assignments_round_trip_and_refuse_garbage() -> None:
-    from relaunch.rendezvous._backend import Assignment, JoinAck
+    from relaunch.rendezvous._places import Assignment, JoinAck
 
     place = Assignment(3, 8, 12, "10.0.0.4_7_0")
     for ack in (JoinAck(5, 2, True, False), JoinAck(6, 2, True, True, place)):

@@ -17,10 +17,11 @@ import threading
 from collections.abc import Callable
 
 from relaunch.errors import RelaunchError, RendezvousStateError
-from relaunch.rendezvous._backend import StateBackend, assignment_of
+from relaunch.rendezvous._backend import StateBackend
 from relaunch.rendezvous._corrupt import CorruptWatch
 from relaunch.rendezvous._lifeline import Lifeline, Target, decode_address, encode_address
 from relaunch.rendezvous._ops import remove_lost
+from relaunch.rendezvous._places import assignment_of
 from relaunch.rendezvous._settings import RendezvousSettings
 from relaunch.rendezvous._state import RendezvousState
 

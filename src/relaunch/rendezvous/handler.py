@@ -14,16 +14,12 @@ from relaunch.errors import (
     RendezvousGracefulExitError,
     RendezvousTimeoutError,
 )
-from relaunch.rendezvous._backend import Assignment, StateBackend, assignment_of
+from relaunch.rendezvous._backend import StateBackend
 from relaunch.rendezvous._corrupt import CorruptWatch
+from relaunch.rendezvous._joins import JoinQueue
 from relaunch.rendezvous._keepalive import KeepAlive
-from relaunch.rendezvous._ops import (
-    JOIN_REQUEST_ACTIONS,
-    Action,
-    apply,
-    decide_join,
-    nodes_waiting,
-)
+from relaunch.rendezvous._ops import JOIN_REQUEST_ACTIONS, Action, apply, decide_join, nodes_waiting
+from relaunch.rendezvous._places import Assignment, assignment_of
 from relaunch.rendezvous._polled import PolledState, load_through_corruption
 from relaunch.rendezvous._program import RefusedLog, claim_program
 from relaunch.rendezvous._settings import RendezvousSettings
@@ -91,6 +87,7 @@ class DynamicRendezvousHandler:
         self._clock = clock
         self._node = new_node_id(local_addr)
         self._rdzv = StateBackend(store, settings, clock=clock)
+        self._joins = JoinQueue(self._rdzv)
         self._ka_rdzv = StateBackend(keep_alive_store or store, settings, clock=clock)
         self._round: int | None = None
         self._interrupted = threading.Event()
@@ -212,15 +209,16 @@ class DynamicRendezvousHandler:
     def _request_join(self, now: float, deadline: float) -> RendezvousInfo | None:
         """Ask the applier to place this node; its place once the round it joined is
         complete (within a dead-node timeout), or None to look at the state again."""
-        ack = self._rdzv.request_join(self._node, self._interrupted.is_set)
+        ack = self._joins.request(self._node, self._interrupted.is_set)
         if ack is None or not ack.participant:
             return None
         if ack.place is not None:  # this request completed the round
             return self._info(ack.round, ack.place)
-        timeout = min(self._settings.dead_after, deadline - now)
-        if not ack.complete and not self._rdzv.wait_epoch(ack.epoch, timeout):
-            return None
-        got = self._rdzv.assignment(ack.round, self._node)
+        if ack.complete:
+            got = self._rdzv.assignment(ack.round, self._node)
+        else:
+            timeout = min(self._settings.dead_after, deadline - now)
+            got = self._rdzv.await_place(ack.round, self._node, ack.epoch, timeout, self._interrupted.is_set)  # fmt: skip
         return None if got is None else self._info(ack.round, got)
 
     def _sync(
@@ -235,10 +233,11 @@ class DynamicRendezvousHandler:
         beside = state.complete and self._node not in state.participants  # spare, waiting
         if while_waiting is not None and beside:
             while_waiting()
-        self._rdzv.wait_change(state, self._sync_timeout(state, now, deadline))
+        timeout = self._sync_timeout(state, now, deadline)
         if self._node not in state.participants:
+            self._rdzv.wait_change(state, timeout)
             return None
-        got = self._rdzv.assignment(state.round, self._node)
+        got = self._rdzv.await_place(state.round, self._node, state.epoch, timeout, self._interrupted.is_set)  # fmt: skip
         return None if got is None else self._info(state.round, got)
 
     # -- the program check ----------------------------------------------------------

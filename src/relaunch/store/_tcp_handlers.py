@@ -2,7 +2,7 @@
 
 A handler reads the whole request first (raising :class:`wire.Incomplete` before
 touching anything when bytes are missing), then applies it to the
-:class:`StoreState`, appends its reply to the client's ``wbuf`` and returns the
+:class:`StoreState`, queues its reply with the client's ``reply`` and returns the
 *other* waiters released by the request (they must be sent ``STOP_WAITING``).
 """
 
@@ -23,14 +23,21 @@ _NOT_READY = bytes([wire.CheckResponse.NOT_READY])
 
 
 class Client(Hashable, Protocol):
-    """What a handler needs of a connection: its output buffer."""
+    """What a handler needs of a connection: a way to queue reply bytes."""
 
-    wbuf: bytearray
+    def reply(self, *parts: bytes) -> None:
+        """Queue ``parts`` to be sent in order; a large part may be kept, not copied
+        (a stored value read by many clients is held once)."""
 
 
 _State = StoreState[Client]
 _Handler = Callable[[_State, Client, wire.Reader], list[Client]]
 _NONE: list[Client] = []
+
+
+def _blob(value: bytes) -> tuple[bytes, bytes]:
+    """A value's reply parts: its length, then the value itself (not copied)."""
+    return wire.pack_len(len(value)), value
 
 
 def _keys(r: wire.Reader) -> list[bytes]:
@@ -45,40 +52,40 @@ def _set(s: _State, c: Client, r: wire.Reader) -> list[Client]:
 def _compare_set(s: _State, c: Client, r: wire.Reader) -> list[Client]:
     key, expected, desired = r.key(), r.value(), r.value()
     result, woken = s.compare_set(key, expected, desired)
-    c.wbuf += wire.pack_bytes(result)
+    c.reply(*_blob(result))
     return woken
 
 
 def _get(s: _State, c: Client, r: wire.Reader) -> list[Client]:
-    c.wbuf += wire.pack_bytes(s.get(r.key()))
+    c.reply(*_blob(s.get(r.key())))
     return _NONE
 
 
 def _add(s: _State, c: Client, r: wire.Reader) -> list[Client]:
     key, delta = r.key(), r.i64()
     total, woken = s.add(key, delta)
-    c.wbuf += wire.pack_i64(total)
+    c.reply(wire.pack_i64(total))
     return woken
 
 
 def _check(s: _State, c: Client, r: wire.Reader) -> list[Client]:
-    c.wbuf += _READY if s.check(_keys(r)) else _NOT_READY
+    c.reply(_READY if s.check(_keys(r)) else _NOT_READY)
     return _NONE
 
 
 def _wait(s: _State, c: Client, r: wire.Reader) -> list[Client]:
     if s.wait(_keys(r), c):
-        c.wbuf += STOP
+        c.reply(STOP)
     return _NONE
 
 
 def _num_keys(s: _State, c: Client, r: wire.Reader) -> list[Client]:
-    c.wbuf += wire.pack_i64(s.num_keys())
+    c.reply(wire.pack_i64(s.num_keys()))
     return _NONE
 
 
 def _delete(s: _State, c: Client, r: wire.Reader) -> list[Client]:
-    c.wbuf += wire.pack_i64(s.delete(r.key()))
+    c.reply(wire.pack_i64(s.delete(r.key())))
     return _NONE
 
 
@@ -88,7 +95,7 @@ def _append(s: _State, c: Client, r: wire.Reader) -> list[Client]:
 
 
 def _multi_get(s: _State, c: Client, r: wire.Reader) -> list[Client]:
-    c.wbuf += b"".join(wire.pack_bytes(s.get(key)) for key in _keys(r))
+    c.reply(*(part for key in _keys(r) for part in _blob(s.get(key))))
     return _NONE
 
 
@@ -105,12 +112,12 @@ def _multi_set(s: _State, c: Client, r: wire.Reader) -> list[Client]:
 
 def _cancel_wait(s: _State, c: Client, r: wire.Reader) -> list[Client]:
     s.cancel(c)
-    c.wbuf += _CANCELED
+    c.reply(_CANCELED)
     return _NONE
 
 
 def _ping(s: _State, c: Client, r: wire.Reader) -> list[Client]:
-    c.wbuf += wire.pack_u32(r.u32())
+    c.reply(wire.pack_u32(r.u32()))
     return _NONE
 
 
@@ -121,20 +128,20 @@ def _queue_push(s: _State, c: Client, r: wire.Reader) -> list[Client]:
 
 def _queue_pop(s: _State, c: Client, r: wire.Reader) -> list[Client]:
     length, value = s.queue_pop(r.key())
-    c.wbuf += wire.pack_i64(length)
+    c.reply(wire.pack_i64(length))
     if value is not None:
-        c.wbuf += wire.pack_bytes(value)
+        c.reply(*_blob(value))
     return _NONE
 
 
 def _queue_len(s: _State, c: Client, r: wire.Reader) -> list[Client]:
-    c.wbuf += wire.pack_i64(s.queue_len(r.key()))
+    c.reply(wire.pack_i64(s.queue_len(r.key())))
     return _NONE
 
 
 def _list_keys(s: _State, c: Client, r: wire.Reader) -> list[Client]:
     keys = s.list_keys()
-    c.wbuf += wire.pack_i64(len(keys)) + b"".join(wire.pack_bytes(k) for k in keys)
+    c.reply(wire.pack_i64(len(keys)), *(part for k in keys for part in _blob(k)))
     return _NONE
 
 
@@ -142,7 +149,7 @@ def _barrier(s: _State, c: Client, r: wire.Reader) -> list[Client]:
     key, world_size = r.key(), r.i64()
     ready, woken = s.barrier(key, world_size, c)
     if ready:
-        c.wbuf += STOP
+        c.reply(STOP)
     return woken
 
 

@@ -367,5 +367,5 @@ class TCPStoreServer:
     def _wake(self, waiters: list[Client]) -> None:
         for waiter in waiters:
             assert isinstance(waiter, Peer)
-            waiter.wbuf += handlers.STOP
+            waiter.reply(handlers.STOP)
             self._dirty.add(waiter)

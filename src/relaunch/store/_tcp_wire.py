@@ -45,6 +45,7 @@ __all__ = [
     "WaitResponse",
     "pack_bytes",
     "pack_i64",
+    "pack_len",
     "pack_u32",
     "pack_u64",
 ]
@@ -119,6 +120,11 @@ def pack_u64(value: int) -> bytes:
 def pack_i64(value: int) -> bytes:
     """Encode a signed 64-bit integer."""
     return _I64.pack(value)
+
+
+def pack_len(length: int) -> bytes:
+    """Encode the ``u64`` length that precedes a string or bytes argument."""
+    return _U64.pack(length)
 
 
 def pack_bytes(value: bytes) -> bytes:

@@ -1,0 +1,212 @@
+"""The join queue: N nodes join a round in O(N) store operations.
+
+Keys, under the rendezvous prefix (:func:`relaunch.rendezvous._backend.key_prefix`):
+``req`` (the ticket counter), ``req/<t>`` (ticket ``t``'s request), ``ack/<t>`` (what
+its applier decided, a :class:`JoinAck`), and ``applied`` (the last ticket an applier
+folded into the state: a hint, written with the acks).
+
+A joining node takes ticket ``t`` (atomic add on ``req``) and writes its request at
+``req/<t>``. The node holding the oldest unapplied ticket (the *head*) folds every
+pending request into the state in one compare-and-set, then sets ``ack/<t>`` for each
+and ``ack/<next>`` to ``h`` to hand the head over. A node that is not the head never
+reads the state: while it waits for its ack it reads ``applied`` to tell a queue that
+moves from one that stalled (reading the state instead, every waiting node of a slow
+round of 12,288 read half a megabyte each, every wait timeout).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from relaunch.errors import RendezvousStateError, StoreTimeoutError
+from relaunch.rendezvous._ops import place_all
+from relaunch.rendezvous._places import JoinAck, assignment_of, successors
+from relaunch.rendezvous._state import RendezvousState
+from relaunch.store import get_many, set_many
+
+if TYPE_CHECKING:
+    from relaunch.rendezvous._backend import StateBackend
+
+__all__ = ["REQUEST_VERSION", "JoinQueue"]
+
+logger = logging.getLogger(__name__)
+
+REQUEST_VERSION = 1
+"""Version of the join request JSON."""
+
+_HINT_DIGITS = 20  # an ``applied`` hint longer than this is not a ticket number
+
+
+class JoinQueue:
+    """The join queue of the rendezvous whose state ``backend`` reads and writes."""
+
+    def __init__(self, backend: StateBackend) -> None:
+        self._rdzv = backend
+        self.store = backend.store
+        self.settings = backend.settings
+        self.clock = backend.clock
+        self.prefix = backend.prefix
+        self._hint_key = backend.prefix + "applied"
+
+    def request(self, node: str, interrupted: Callable[[], bool] = lambda: False) -> JoinAck | None:
+        """Queue the join request of ``node``; return once a state includes it.
+
+        Returns what the applier reported (no state read), or None when the
+        caller must read the state to learn more. A node waiting in the queue
+        takes over the head's work only when the queue stalls, and then in
+        ticket order (one more node per stalled period), never all at once.
+        """
+        ticket = self.store.add(self.prefix + "req", 1)
+        request = {"version": REQUEST_VERSION, "run_id": self.settings.run_id, "node": node}
+        self.store.set(f"{self.prefix}req/{ticket}", json.dumps(request).encode())
+        ack_key = f"{self.prefix}ack/{ticket}"
+        timeout = min(self.settings.heartbeat_timeout, self.settings.dead_after)
+        head = ticket == 1
+        seen, stalls = -1, 0
+        while True:
+            try:
+                if interrupted():
+                    return None
+                if head:
+                    state, raw = self._rdzv.load()
+                    if state.applied >= ticket:
+                        return None
+                    self.store.set(self._hint_key, str(state.applied).encode())
+                    self._apply_requests(state, raw, stalls > 0, interrupted)
+                    head = False
+                try:
+                    self.store.wait([ack_key], timeout)
+                except StoreTimeoutError:
+                    applied = self._applied(ticket, ack_key)
+                    if applied is None:
+                        continue  # acked just after the wait ended: read the ack
+                    if applied >= ticket:
+                        return None
+                    stalls = stalls + 1 if applied == seen else 0
+                    seen = applied
+                    head = ticket - applied <= 1 + stalls
+                    continue
+                ack = JoinAck.parse(self.store.get(ack_key) or b"")
+                if ack is None:
+                    head = True  # handed over: we hold the oldest unapplied ticket
+                    continue
+                return ack
+            except RendezvousStateError:
+                return None  # corrupt: the caller's patient read says it once and decides
+
+    def _applied(self, ticket: int, ack_key: str) -> int | None:
+        """The last ticket applied, from the ``applied`` hint (a few bytes), or None
+        when it says ``ticket`` was and its ack is there (written with the hint). From
+        the state when the hint is missing, is not a number, or says ``ticket`` was
+        applied with no ack (the state decides: a hint may survive a state reset)."""
+        raw = self.store.get(self._hint_key)
+        if raw is not None and len(raw) <= _HINT_DIGITS and raw.isdigit():
+            if int(raw) < ticket:
+                return int(raw)
+            if self.store.get(ack_key) is not None:
+                return None
+        elif raw is not None:
+            logger.warning("rendezvous key %s is not a ticket number: %r", self._hint_key, raw[:40])
+        state, _ = self._rdzv.load()
+        return state.applied
+
+    def _read_requests(
+        self, first: int, last: int, *, skip_missing: bool, until: float
+    ) -> list[str | None]:
+        """The node ids of join requests ``first..`` (None: refused): up to ``last``
+        with ``skip_missing`` (a ticket never written, its node gone: waited for a
+        keep-alive interval, then skipped), else up to the first one not written by
+        ``until`` (its node, a call away from it, applies from there, handed the queue)."""
+        keys = [f"{self.prefix}req/{t}" for t in range(first, last + 1)]
+        raws = get_many(self.store, keys)
+        missing = [key for key, raw in zip(keys, raws, strict=True) if raw is None]
+        wait = self.settings.keep_alive_interval if skip_missing else until - self.clock()
+        if missing and wait > 0:
+            with contextlib.suppress(StoreTimeoutError):
+                self.store.wait(missing, wait)
+            raws = get_many(self.store, keys)
+        if None in raws and not skip_missing:
+            raws = raws[: raws.index(None)]
+        return [self._parse_request(key, raw) for key, raw in zip(keys, raws, strict=False)]
+
+    def _latecomers(
+        self, state: RendezvousState, batch: list[str | None], first: int, until: float,
+        interrupted: Callable[[], bool],
+    ) -> list[str | None]:  # fmt: skip
+        """The requests from ticket ``first`` on that come while ``batch`` cannot
+        complete the round (fewer than ``min_nodes``), each waited for a tenth of a
+        keep-alive interval, until ``until`` at most: nodes that start together (a job,
+        a group restart) land in one batch that completes the round, and each learns
+        its place from its ack, not by waiting for the round and reading it."""
+        came: list[str | None] = []
+        ticket, slice_ = first, self.settings.keep_alive_interval / 10
+        joined = set(state.participants).union(n for n in batch if n is not None)
+        while not state.complete and len(joined) < self.settings.min_nodes:
+            left = until - self.clock()
+            if left <= 0 or interrupted():
+                break
+            try:
+                self.store.wait([f"{self.prefix}req/{ticket}"], min(slice_, left))
+            except StoreTimeoutError:
+                break
+            more = self._read_requests(ticket, self.store.add(self.prefix + "req", 0),
+                                       skip_missing=False, until=until)  # fmt: skip
+            came += more
+            ticket += len(more)
+            joined.update(n for n in more if n is not None)
+        return came
+
+    def _parse_request(self, key: str, raw: bytes | None) -> str | None:
+        if raw is None:
+            logger.warning("join request %s never written; skipped", key)
+            return None
+        try:
+            doc = json.loads(raw)
+            if not isinstance(doc, dict) or doc.get("version") != REQUEST_VERSION:
+                raise ValueError("not a version 1 join request")
+            if doc.get("run_id") != self.settings.run_id:
+                raise ValueError(f"request of another run id {doc.get('run_id')!r}")
+            node = doc.get("node")
+            if not isinstance(node, str) or not node:
+                raise ValueError("no node id")
+        except ValueError as exc:
+            logger.warning("join request %s refused: %s", key, exc)
+            return None
+        return node
+
+    def _apply_requests(
+        self, state: RendezvousState, raw: bytes | None, skip_missing: bool,
+        interrupted: Callable[[], bool],
+    ) -> None:  # fmt: skip
+        # waits end before the others take a stall for the applier's loss (min(hb, dead))
+        until = self.clock() + min(self.settings.keep_alive_interval, self.settings.dead_after / 2)
+        first = state.applied + 1
+        nodes = self._read_requests(first, self.store.add(self.prefix + "req", 0),
+                                    skip_missing=skip_missing, until=until)  # fmt: skip
+        nodes += self._latecomers(state, nodes, first + len(nodes), until, interrupted)
+        last = first + len(nodes) - 1
+        now = self.clock()
+        new, _ = self._rdzv.remove_dead(state, now)
+        new = new.copy()
+        placed = [n for n in nodes if n is not None]
+        place_all(new, placed, now, self.settings)
+        new.applied = max(last, state.applied)
+        self._rdzv.liveness.stamp(placed)
+        new, _, written = self._rdzv.commit(state, raw, new)
+        if written:
+            acks = {}
+            ring = successors(new) if new.complete else {}
+            for ticket, node in zip(range(first, last + 1), nodes, strict=True):
+                took = node is not None and node in new.participants
+                place = None
+                if node is not None and took and new.complete:
+                    place = assignment_of(new, node, ring)
+                ack = JoinAck(new.epoch, new.round, took, new.complete, place)
+                acks[f"{self.prefix}ack/{ticket}"] = ack.encode()
+            acks[f"{self.prefix}ack/{last + 1}"] = b"h"
+            acks[self._hint_key] = str(new.applied).encode()
+            set_many(self.store, acks)
