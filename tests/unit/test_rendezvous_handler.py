@@ -153,6 +153,42 @@ def test_a_node_waiting_in_a_stalled_queue_reads_the_applied_hint_not_the_state(
         store.close()
 
 
+def test_the_applied_hint_is_corrected_after_an_applier_lost_before_its_acks() -> None:
+    # the applier of tickets 1-5 commits the state and fails before it writes the acks
+    # and the hint (its node lost): the hint still says 0; the node holding ticket 2 takes
+    # the queue over after a stall, finds its ticket applied and corrects the hint to 5,
+    # so a node that takes ticket 6 later is the head at once (not after five stalls)
+    from relaunch.errors import StoreConnectionError
+    from relaunch.rendezvous._backend import StateBackend
+    from relaunch.rendezvous._joins import JoinQueue
+
+    class LostBeforeAcks(MemoryStore):
+        def set(self, key: str, value: bytes) -> None:
+            if "/ack/" in key:
+                raise StoreConnectionError("the applier's node is lost")
+            super().set(key, value)
+
+    store = LostBeforeAcks()
+    settings = RendezvousSettings(
+        run_id="job", min_nodes=5, max_nodes=5, heartbeat_timeout=0.1,
+        keep_alive_interval=30.0,
+    )  # fmt: skip
+    backend = StateBackend(store, settings, clock=lambda: 1000.0)
+    hint = backend.prefix + "applied"
+    try:
+        with ThreadPoolExecutor(5) as pool:
+            lost = pool.submit(JoinQueue(backend).request, "a")
+            wait_for(lambda: store.get(hint) == b"0", 30, what="the first head")
+            others = [pool.submit(JoinQueue(backend).request, n) for n in "bcde"]
+            with pytest.raises(StoreConnectionError):
+                lost.result(timeout=60)
+            assert [f.result(timeout=60) for f in others] == [None] * 4
+        assert backend.load()[0].applied == 5
+        assert store.get(hint) == b"5"
+    finally:
+        store.close()
+
+
 def test_late_node_admitted_at_next_round(store: MemoryStore) -> None:
     a, b = make(store, 1, 2), make(store, 1, 2)
     first = a.next_rendezvous()

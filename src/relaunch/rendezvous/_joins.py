@@ -73,9 +73,9 @@ class JoinQueue:
                     return None
                 if head:
                     state, raw = self._rdzv.load()
+                    self._correct_hint(state.applied)
                     if state.applied >= ticket:
                         return None
-                    self.store.set(self._hint_key, str(state.applied).encode())
                     self._apply_requests(state, raw, stalls > 0, interrupted)
                     head = False
                 try:
@@ -97,6 +97,16 @@ class JoinQueue:
                 return ack
             except RendezvousStateError:
                 return None  # corrupt: the caller's patient read says it once and decides
+
+    def _correct_hint(self, applied: int) -> None:
+        """Make the hint say ``applied`` (read in the state) where it says less or is
+        not a number: an applier lost between its commit and its acks left it behind,
+        and the nodes it did not ack would count stalls on it one timeout per ticket.
+        A higher hint is left alone (a newer applier's, or one the state's reset left:
+        the ack check in :meth:`_applied` sees through it)."""
+        raw = self.store.get(self._hint_key)
+        if raw is None or not (len(raw) <= _HINT_DIGITS and raw.isdigit()) or int(raw) < applied:
+            self.store.set(self._hint_key, str(applied).encode())
 
     def _applied(self, ticket: int, ack_key: str) -> int | None:
         """The last ticket applied, from the ``applied`` hint (a few bytes), or None
