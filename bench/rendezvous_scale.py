@@ -24,7 +24,8 @@ when both completed the next round.
 
 torch runs are capped (``--torch-cap`` seconds, its join timeout): a capped run
 prints "> cap". Both sides use a 5 s keep-alive interval (torch's fixed value),
-so heartbeats cost both the same during the round.
+so heartbeats cost both the same during the round (``--keep-alive S`` sets relaunch's:
+a job of many thousand nodes beats less often, ``--rdzv-conf keep_alive_interval=S``).
 """
 
 from __future__ import annotations
@@ -140,12 +141,14 @@ def run_threads(n: int, work: Callable[[int], None], cap: float) -> tuple[float,
     return finished[0], failures[0]
 
 
-def bench_relaunch(n: int, total: int, port: int, run_id: str) -> tuple[float, Counter, int]:
+def bench_relaunch(
+    n: int, total: int, port: int, run_id: str, keep_alive: float = 5.0
+) -> tuple[float, Counter, int]:
     settings = RendezvousSettings(
         run_id=run_id,
         min_nodes=total,
         max_nodes=total,
-        keep_alive_interval=5.0,
+        keep_alive_interval=keep_alive,
         keep_alive_max_attempt=3,
     )
     counter = Counter()
@@ -285,14 +288,16 @@ def bench_lost_node() -> None:
                 p.stdout.close()
 
 
-def _measure(kind: str, n: int, port: int, procs: int, cap: float, server: int) -> str:
+def _measure(
+    kind: str, n: int, port: int, procs: int, cap: float, server: int, keep_alive: float = 5.0
+) -> str:
     """One round of ``n`` nodes of ``kind`` spread over ``procs`` processes: the row's
     cells (seconds, ops, bytes, server CPU seconds), or "> cap" when it did not finish."""
     counts = [n // procs + (1 if i < n % procs else 0) for i in range(procs)]
     children = []
     for part in (c for c in counts if c):
         cmd = [sys.executable, __file__, "--part", kind, str(part), str(n), str(port),
-               "--torch-cap", str(cap)]  # fmt: skip
+               "--torch-cap", str(cap), "--keep-alive", str(keep_alive)]  # fmt: skip
         children.append(
             subprocess.Popen(
                 cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True
@@ -379,6 +384,10 @@ def main() -> None:
     parser.add_argument("--procs", type=int, default=1, help="processes the nodes are spread over")
     parser.add_argument("--torch-cap", type=float, default=120.0, help="seconds")
     parser.add_argument("--no-torch", action="store_true")
+    parser.add_argument(
+        "--keep-alive", type=float, default=5.0,
+        help="relaunch's keep_alive_interval, seconds (torch's is fixed at 5)",
+    )  # fmt: skip
     parser.add_argument("--server", choices=["relaunch", "torch"], default="relaunch")
     parser.add_argument("--lost-node", action="store_true")
     parser.add_argument(
@@ -397,7 +406,7 @@ def main() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
         kind, n, total, port = args.part[0], *(int(x) for x in args.part[1:])
         if kind == "relaunch":
-            bench_relaunch(n, total, port, f"relaunch-{total}")
+            bench_relaunch(n, total, port, f"relaunch-{total}", args.keep_alive)
         else:
             bench_torch(n, total, port, f"torch-{total}", args.torch_cap)
         os._exit(0)  # torch's capped handler threads may still be running
@@ -421,7 +430,7 @@ def main() -> None:
     try:
         capped_at = None  # torch is not run past the N where it did not finish
         for n in args.sizes:
-            ours = _measure("relaunch", n, port, args.procs, 600.0, server_pid)
+            ours = _measure("relaunch", n, port, args.procs, 600.0, server_pid, args.keep_alive)
             if args.no_torch:
                 theirs = ""
             elif capped_at is not None:
