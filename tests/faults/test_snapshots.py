@@ -267,13 +267,16 @@ def test_every_node_lost_resumes_from_the_checkpoint_dir(job: Job, tmp_path: Pat
     flags = ("--checkpoint-dir", str(durable))
     for node in ("a", "b"):
         job.start(node, "--sleep", "0.2", nproc=1, flags=flags)
-    ranks = [durable / "snap" / f"rank-0000{r}" for r in (0, 1)]
+    marks = durable / "snap" / ".complete"
 
-    def copied() -> bool:  # a step every rank can restore (pruning keeps such a step)
-        steps = [{p.name for p in c.glob("step-*")} for c in ranks]
-        return any(int(name[5:]) >= 15 for name in set.intersection(*steps))
+    def copied() -> bool:  # a whole step: every rank's copy finished, its marker left
+        # (a copy's folder is renamed into place before its marker is written: a kill
+        # between the two leaves the step not whole, and the job restores the one before)
+        return any(
+            int(d.name[5:]) >= 15 and len(list(d.glob("rank-*"))) == 2 for d in marks.glob("step-*")
+        )
 
-    wait_for(copied, 120, what="durable copies of step 15 by every rank", detail=job.output)
+    wait_for(copied, 120, what="a whole durable copy of step 15", detail=job.output)
     for node in ("a", "b"):
         job.kill_agent(node)  # every machine gone, node memory included
     lost_at = max(r["step"] for r in job.rows() if "step" in r)
