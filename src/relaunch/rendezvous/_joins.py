@@ -104,23 +104,30 @@ class JoinQueue:
         and the nodes it did not ack would count stalls on it one timeout per ticket.
         A higher hint is left alone (a newer applier's, or one the state's reset left:
         the ack check in :meth:`_applied` sees through it)."""
-        raw = self.store.get(self._hint_key)
-        if raw is None or not (len(raw) <= _HINT_DIGITS and raw.isdigit()) or int(raw) < applied:
+        hint = self._read_hint()
+        if hint is None or hint < applied:
             self.store.set(self._hint_key, str(applied).encode())
+
+    def _read_hint(self) -> int | None:
+        """The ``applied`` hint; None when it is missing or not a ticket number (said)."""
+        raw = self.store.get(self._hint_key)
+        if raw is not None and len(raw) <= _HINT_DIGITS and raw.isdigit():
+            return int(raw)
+        if raw is not None:
+            logger.warning("rendezvous key %s is not a ticket number: %r", self._hint_key, raw[:40])
+        return None
 
     def _applied(self, ticket: int, ack_key: str) -> int | None:
         """The last ticket applied, from the ``applied`` hint (a few bytes), or None
         when it says ``ticket`` was and its ack is there (written with the hint). From
         the state when the hint is missing, is not a number, or says ``ticket`` was
         applied with no ack (the state decides: a hint may survive a state reset)."""
-        raw = self.store.get(self._hint_key)
-        if raw is not None and len(raw) <= _HINT_DIGITS and raw.isdigit():
-            if int(raw) < ticket:
-                return int(raw)
+        hint = self._read_hint()
+        if hint is not None:
+            if hint < ticket:
+                return hint
             if self.store.get(ack_key) is not None:
                 return None
-        elif raw is not None:
-            logger.warning("rendezvous key %s is not a ticket number: %r", self._hint_key, raw[:40])
         state, _ = self._rdzv.load()
         return state.applied
 
