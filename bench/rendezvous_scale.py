@@ -7,8 +7,9 @@ its own, so it costs both sides the same (``--server torch`` uses torch's C++ se
 instead). Prints, per N: the seconds from "go" (every node's handler made, its
 connection open) until every node has its rank, the store operations made until then,
 the bytes they moved (keys and values, both ways), and the server's CPU seconds until
-then (the nodes leave the rendezvous after every one has its rank, up to
-:data:`LEAVE_UP_TO` nodes). Each node holds one connection (its calls and its wait)
+then; and, in "leave s", the seconds until every node left the rendezvous, all at
+once after every one has its rank (as at a job's end; torch's nodes do not leave,
+its shutdown closes the rendezvous). Each node holds one connection (its calls and its wait)
 and two threads (its own, its keep-alive): N = 16384 needs an open-file limit above
 16,400 for the server and ``kernel.pid_max`` above 33,000. Run by hand (not in
 CI), in a loopback-only network namespace (torch's store looks up each peer's name)::
@@ -97,12 +98,6 @@ class CountingStore:
         return call
 
 
-LEAVE_UP_TO = 4096
-"""Rounds of at most this many nodes leave the rendezvous afterwards; in bigger ones the
-nodes end without leaving (a mass leave is O(N^2) today: each leaving node rewrites the
-state; the next N runs under another run id)."""
-
-
 def _told() -> None:
     """Wait for the parent's next word; end at once when it is gone (its end of the
     pipe closed: a killed bench leaves no part running)."""
@@ -171,15 +166,18 @@ def bench_relaunch(
     # the round's traffic; the nodes leave once every process has its ranks
     print(done, counter.ops, counter.bytes, failures, flush=True)
     _told()
-    if total <= LEAVE_UP_TO:
-        closers = [
-            threading.Thread(target=h.shutdown, name=f"bench-shutdown-{i}")
-            for i, h in enumerate(handlers)
-        ]
-        for t in closers:
-            t.start()
-        for t in closers:
-            t.join(timeout=120)
+    # then every node leaves at once (as at a job's end): when the last one was out
+    left = [True] * n
+
+    def bye(i: int) -> None:
+        left[i] = handlers[i].shutdown()
+
+    closers = [threading.Thread(target=bye, args=(i,), name=f"bench-bye-{i}") for i in range(n)]
+    for t in closers:
+        t.start()
+    for t in closers:
+        t.join(timeout=settings.close_timeout + 60)
+    print(time.time(), left.count(False) + sum(t.is_alive() for t in closers), flush=True)
     return done, counter, failures
 
 
@@ -327,10 +325,17 @@ def _measure(
                 failures + int(f),
             )
         cpu = _cpu_seconds(server) - cpu0
+        bye = time.time()
         for child in children:  # every node has its rank: they may leave now
             assert child.stdin is not None
             child.stdin.write(b"bye\n")
             child.stdin.flush()
+        left, stuck = bye, 0
+        if kind == "relaunch":
+            for child in children:
+                assert child.stdout is not None
+                t, f = _line(child.stdout, end + 120 - time.monotonic()).split()
+                left, stuck = max(left, float(t)), stuck + int(f)
         for child in children:
             child.communicate(timeout=cap + 120)
     except (subprocess.TimeoutExpired, ValueError):
@@ -342,7 +347,9 @@ def _measure(
                 child.communicate(timeout=30)
     if failures:
         return f"> {cap:.0f} s ({failures} failed)"
-    return f"{done - go:>8.2f} {ops:>9} {moved / 1e6:>9.1f} {cpu:>7.1f}"
+    out = f" {left - bye:>7.2f}" if kind == "relaunch" else ""
+    out += f" ({stuck} failed)" if stuck else ""
+    return f"{done - go:>8.2f} {ops:>9} {moved / 1e6:>9.1f} {cpu:>7.1f}{out}"
 
 
 def _line(stream: Any, timeout: float) -> bytes:
@@ -426,7 +433,7 @@ def main() -> None:
     print(f"TCP store ({args.server} server) on 127.0.0.1:{port}; nodes in {args.procs} "
           "process(es)", flush=True)  # fmt: skip
     head = f"{'s':>8} {'ops':>9} {'MB':>9} {'cpu s':>7}"
-    print(f"{'N':>6} relaunch: {head}   torch: {head}", flush=True)
+    print(f"{'N':>6} relaunch: {head} {'leave s':>7}   torch: {head}", flush=True)
     try:
         capped_at = None  # torch is not run past the N where it did not finish
         for n in args.sizes:
@@ -438,7 +445,7 @@ def main() -> None:
             else:
                 theirs = _measure("torch", n, port, args.procs, args.torch_cap, server_pid)
                 capped_at = n if theirs.lstrip().startswith(">") else None
-            print(f"{n:>6}           {ours:<36}          {theirs}", flush=True)
+            print(f"{n:>6}           {ours:<44}          {theirs}", flush=True)
         if proc is not None:  # (torch's server runs in this process)
             print(f"the store server's peak memory (every N above): {_peak_mb(server_pid):.0f} MB")
     finally:

@@ -16,6 +16,7 @@ from relaunch.rendezvous._ops import (
     decide_leave,
     needs_wake,
     nodes_waiting,
+    perform_requests,
     place,
     record_failure,
     remove_dead,
@@ -180,6 +181,24 @@ def test_leave_keeps_complete_round_for_the_others() -> None:
     assert state3.round == 1 and not state3.complete
     assert decide_leave(state3, "b_1_0", T0, FAR) is Action.FINISH
     assert decide_exit(state3, "b_1_0", T0, FAR) is Action.FINISH
+
+
+def test_a_batch_of_requests_is_performed_in_ticket_order() -> None:
+    # one batch (the queue's head folds every pending request into one copy): a node
+    # that asked to join then to leave is gone, leaves of participants keep the round
+    # complete for the one left, and a node joining after them waits for the next round
+    s = settings(1, 3)
+    state = joined(["a_1_0", "b_1_0", "c_1_0"], s)
+    new = state.copy()
+    batch = [("a_1_0", True), ("d_1_0", False), ("d_1_0", True), ("b_1_0", True)]
+    perform_requests(new, batch, T0, s)
+    assert new.complete and new.participants == {"c_1_0": 2}
+    assert not new.knows("a_1_0") and not new.knows("b_1_0") and not new.knows("d_1_0")
+    assert state.participants == {"a_1_0": 0, "b_1_0": 1, "c_1_0": 2}  # the copy only
+    perform_requests(new, [("e_1_0", False), ("e_1_0", True), ("e_1_0", False)], T0, s)
+    assert new.wait_list == {"e_1_0"} and nodes_waiting(new, my_round=0) == 1
+    perform_requests(new, [("c_1_0", True), ("f_1_0", True)], T0, s)  # f: never there
+    assert not new.knows("c_1_0") and not new.complete and new.round == 1
 
 
 def test_failure_restarts_are_counted_once_per_round() -> None:

@@ -9,8 +9,9 @@ Keys, under ``relaunch/rdzv/<run_id>/``:
     Set after the write that raised the state's ``epoch`` to ``n``. A node
     waiting for a change waits on ``epoch/<epoch + 1>``: the store wakes it.
 ``req``, ``req/<t>``, ``ack/<t>``, ``applied``
-    The join queue (:mod:`relaunch.rendezvous._joins`): N nodes joining at once cost
-    O(N) store operations, and a node that is not the queue's head never reads the state.
+    The request queue (:mod:`relaunch.rendezvous._queue`): N nodes joining (or leaving)
+    at once cost O(N) store operations, and a node that is not the queue's head never
+    reads the state.
 ``assign/<r>/<node>``
     ``"<rank> <world_size> <incarnation> <successor>"``, written (before the epoch
     key) by whoever completes round ``r`` (or fills a vacancy of it): a participant
@@ -29,7 +30,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 
 from relaunch.errors import StoreTimeoutError
 from relaunch.rendezvous._liveness import Liveness
@@ -69,13 +70,17 @@ class StateBackend:
         """Write ``node``'s liveness keys where they come before it joins (a lease's)."""
         self.liveness.announce(node)
 
-    def remove_dead(self, state: RendezvousState, now: float) -> tuple[RendezvousState, list[str]]:
+    def remove_dead(
+        self, state: RendezvousState, now: float, leaving: Collection[str] = ()
+    ) -> tuple[RendezvousState, list[str]]:
         """:func:`remove_dead` of the nodes the state knows, by their liveness keys (one
         read of O(N) bytes: only the steward, a join's applier and a waiting node call
-        it, never every node at every beat)."""
+        it, never every node at every beat). The ``leaving`` nodes (their heartbeats
+        deleted before they asked to leave) count as alive: they leave, not die, so a
+        complete round stays complete for the others."""
         if not state.last_heartbeats:
             return state, []
-        alive = self.liveness.alive(state.last_heartbeats)
+        alive = self.liveness.alive(state.last_heartbeats) | set(leaving)
         return remove_dead(state, now, self.settings, alive)
 
     def fresh(self) -> RendezvousState:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
 
 from relaunch.rendezvous._news import needs_wake, nodes_waiting
 from relaunch.rendezvous._settings import RendezvousSettings
@@ -28,8 +28,8 @@ __all__ = [
     "incarnation_base",
     "needs_wake",
     "nodes_waiting",
+    "perform_requests",
     "place",
-    "place_all",
     "record_failure",
     "remove_dead",
     "remove_lost",
@@ -65,7 +65,7 @@ JOIN_REQUEST_ACTIONS = frozenset({
     Action.ADD_TO_PARTICIPANTS, Action.ADD_TO_WAIT_LIST, Action.ADD_TO_REDUNDANCY_LIST,
     Action.REMOVE_FROM_REDUNDANCY_LIST, Action.FILL_VACANCY,
 })  # fmt: skip
-"""Placements of a joining node; they go through the join queue, applied in batches."""
+"""Placements of a joining node; they go through the request queue, applied in batches."""
 
 
 def can_complete(state: RendezvousState, now: float, settings: RendezvousSettings) -> bool:
@@ -289,13 +289,9 @@ def _keeps_round(state: RendezvousState, lost: dict[str, int]) -> bool:
 
 
 def _forget(
-    state: RendezvousState,
-    nodes: list[str],
-    settings: RendezvousSettings,
-    *,
-    dead: bool,
+    state: RendezvousState, nodes: list[str], settings: RendezvousSettings, *, dead: bool,
     now: float,
-) -> None:
+) -> None:  # fmt: skip
     """Remove ``nodes`` everywhere.
 
     A complete round that lost a participant to death is reopened at once, so the
@@ -371,16 +367,21 @@ def place(
 ) -> RendezvousState:
     """Perform the join request of ``node``: its placement actions, without a deadline."""
     new = state.copy()
-    place_all(new, [node], now, settings)
+    perform_requests(new, [(node, False)], now, settings)
     return new
 
 
-def place_all(
-    state: RendezvousState, nodes: Collection[str], now: float, settings: RendezvousSettings
-) -> None:
-    """Perform the join requests of ``nodes`` in order on ``state`` itself (one copy for
-    a whole batch of requests, not one per request: a batch of N is O(N))."""
-    for node in nodes:
+def perform_requests(
+    state: RendezvousState, requests: Iterable[tuple[str, bool]], now: float,
+    settings: RendezvousSettings,
+) -> None:  # fmt: skip
+    """Perform join ``(node, False)`` and leave ``(node, True)`` requests in order on
+    ``state`` itself (one copy for a batch, not one per request: a batch of N is O(N))."""
+    for node, leaving in requests:
+        if leaving:
+            if decide_leave(state, node, now, math.inf) is Action.LEAVE:
+                _perform(Action.LEAVE, state, node, now, settings)
+            continue
         for _ in range(3):
             action = decide_join(state, node, now, settings, math.inf)
             if action not in JOIN_REQUEST_ACTIONS:

@@ -4,9 +4,16 @@ store) wait until every other node is gone."""
 
 from __future__ import annotations
 
+import contextlib
+import logging
 from collections.abc import Callable
 
-from relaunch.errors import RendezvousError, RendezvousTimeoutError
+from relaunch.errors import (
+    RendezvousError,
+    RendezvousTimeoutError,
+    StoreConnectionError,
+    StoreTimeoutError,
+)
 from relaunch.rendezvous._backend import StateBackend
 from relaunch.rendezvous._ops import (
     Action,
@@ -16,6 +23,7 @@ from relaunch.rendezvous._ops import (
     decide_leave,
     record_failure,
 )
+from relaunch.rendezvous._queue import RequestQueue
 from relaunch.rendezvous._settings import RendezvousSettings
 from relaunch.rendezvous._state import RendezvousState
 
@@ -28,6 +36,8 @@ __all__ = [
     "mark_inprocess",
     "wait_for_others",
 ]
+
+logger = logging.getLogger(__name__)
 
 
 def claim_store_host(
@@ -119,16 +129,38 @@ def mark_inprocess(
 
 
 def leave(
-    rdzv: StateBackend, node: str, settings: RendezvousSettings, clock: Callable[[], float]
+    queue: RequestQueue,
+    node: str,
+    settings: RendezvousSettings,
+    clock: Callable[[], float],
+    stop_beating: Callable[[], None],
 ) -> None:
-    """Drop every trace of ``node`` from the state (within ``close_timeout``)."""
+    """Drop every trace of ``node`` from the state (within ``close_timeout``), then stop
+    its heartbeats (``stop_beating``) and delete its heartbeat key.
+
+    A leave request in the queue: nodes leaving together, at a job's end, cost one
+    write of the state per batch, not one each; the state itself only where the
+    queue could not say the request was applied. The node beats until its leave has
+    landed: one whose heartbeat stopped is dead, and a dead participant reopens the
+    round for the others. A store that went away meanwhile (its host closes it once
+    every other node left, or this node lost it) leaves nothing to leave: said, not
+    raised."""
+    deadline = clock() + settings.close_timeout
 
     def decide(state: RendezvousState, now: float, until: float) -> Action:
         return decide_leave(state, node, now, until)
 
-    deadline = clock() + settings.close_timeout
-    late = f"node {node} could not leave in time"
-    _drive(rdzv, node, settings, clock, decide, deadline, late)
+    try:
+        if queue.request(node, lambda: clock() > deadline, leave=True) is None:
+            late = f"node {node} could not leave in time"
+            _drive(queue.backend, node, settings, clock, decide, deadline, late)
+    except StoreConnectionError as exc:
+        logger.info("the rendezvous store went away while node %s left (%s): its "
+                    "heartbeat has stopped, the others drop it", node, exc)  # fmt: skip
+    finally:
+        stop_beating()
+        with contextlib.suppress(StoreConnectionError):
+            queue.backend.liveness.forget(node)
 
 
 def wait_for_others(
@@ -147,10 +179,17 @@ def wait_for_others(
         others = set(state.last_heartbeats) | set(state.participants) | state.wait_list
         others.discard(node)
         if not others:
-            # The last node to leave wrote the state, then sets ``epoch/<n>`` to
-            # wake waiters: let that write land before the server goes away.
+            # The last node to leave wrote the state, then sets ``epoch/<n>`` to wake
+            # waiters, and the acks of its batch of requests with the handover of the
+            # queue's next ticket: let those land before the server goes away.
             if state.epoch > 0:
                 rdzv.wait_epoch(state.epoch - 1, max(deadline - now, 0.0))
+            if state.applied > 0:
+                with contextlib.suppress(StoreTimeoutError):
+                    handover = f"{rdzv.prefix}ack/{state.applied + 1}"
+                    rdzv.store.wait(
+                        [handover], max(min(settings.dead_after, deadline - now), 0.001)
+                    )
             return
         if now >= deadline:
             raise RendezvousError(

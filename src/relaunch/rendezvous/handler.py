@@ -16,12 +16,12 @@ from relaunch.errors import (
 )
 from relaunch.rendezvous._backend import StateBackend
 from relaunch.rendezvous._corrupt import CorruptWatch
-from relaunch.rendezvous._joins import JoinQueue
 from relaunch.rendezvous._keepalive import KeepAlive
 from relaunch.rendezvous._ops import JOIN_REQUEST_ACTIONS, Action, apply, decide_join, nodes_waiting
 from relaunch.rendezvous._places import Assignment, assignment_of
 from relaunch.rendezvous._polled import PolledState, load_through_corruption
 from relaunch.rendezvous._program import RefusedLog, claim_program
+from relaunch.rendezvous._queue import RequestQueue
 from relaunch.rendezvous._settings import RendezvousSettings
 from relaunch.rendezvous._state import RendezvousState, new_node_id, peer_addresses
 from relaunch.rendezvous._writes import (
@@ -87,7 +87,7 @@ class DynamicRendezvousHandler:
         self._clock = clock
         self._node = new_node_id(local_addr)
         self._rdzv = StateBackend(store, settings, clock=clock)
-        self._joins = JoinQueue(self._rdzv)
+        self._queue = RequestQueue(self._rdzv)
         self._ka_rdzv = StateBackend(keep_alive_store or store, settings, clock=clock)
         self._round: int | None = None
         self._interrupted = threading.Event()
@@ -209,7 +209,7 @@ class DynamicRendezvousHandler:
     def _request_join(self, now: float, deadline: float) -> RendezvousInfo | None:
         """Ask the applier to place this node; its place once the round it joined is
         complete (within a dead-node timeout), or None to look at the state again."""
-        ack = self._joins.request(self._node, self._interrupted.is_set)
+        ack = self._queue.request(self._node, self._interrupted.is_set)
         if ack is None or not ack.participant:
             return None
         if ack.place is not None:  # this request completed the round
@@ -372,19 +372,17 @@ class DynamicRendezvousHandler:
         if self._shut:
             return True
         self._shut = True
-        self._keep_alive.stop()
         ok = True
         try:
-            # the heartbeat first: the state's write is the last a leaving node makes (the
-            # store's host closes its server once the last node's leave has landed)
-            self._rdzv.liveness.forget(self._node)
-            leave(self._rdzv, self._node, self._settings, self._clock)
+            # beating until the leave landed: a node that stopped is dead, not leaving
+            leave(self._queue, self._node, self._settings, self._clock, self._keep_alive.stop)
             if self._hosts_store:  # an embedded member leaves its cluster instead
                 wait_for_others(self._rdzv, self._node, self._settings, self._clock)
         except RelaunchError as exc:
             logger.warning("node %s could not leave the rendezvous cleanly: %s", self._node, exc)
             ok = False
         finally:
+            self._keep_alive.stop()
             self._keep_alive.close_lifeline()  # after the leave: nothing left to report
             owned = (self._keep_alive_store, self._store) if self._owns_store else ()
             for closeable in (*owned, self._server):
