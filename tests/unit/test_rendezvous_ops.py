@@ -21,7 +21,12 @@ from relaunch.rendezvous._ops import (
     record_failure,
     remove_dead,
 )
-from relaunch.rendezvous._settings import RendezvousSettings, check_conf_keys, settings_from_conf
+from relaunch.rendezvous._settings import (
+    BEATS_PER_SECOND,
+    RendezvousSettings,
+    check_conf_keys,
+    settings_from_conf,
+)
 from relaunch.rendezvous._state import (
     RendezvousState,
     decode_state,
@@ -269,6 +274,19 @@ def test_settings_validation_names_the_parameter() -> None:
         run_id="j", min_nodes=1, max_nodes=2, conf={"last_call_timeout": "1.5"}
     )
     assert got.last_call_timeout == 1.5 and got.dead_after == 2.0
+
+
+def test_a_big_job_beats_less_often_unless_told() -> None:
+    # the store takes at most BEATS_PER_SECOND heartbeats a second by default; a job's
+    # own keep_alive_interval is kept whatever its size
+    def interval(max_nodes: int, **conf: str) -> float:
+        got = settings_from_conf(run_id="j", min_nodes=1, max_nodes=max_nodes, conf=conf)
+        return got.keep_alive_interval
+
+    assert interval(1) == interval(2048) == 0.5
+    assert interval(4096) == 1.0 and interval(16384) == 4.0
+    assert 16384 / interval(16384) == BEATS_PER_SECOND
+    assert interval(16384, keep_alive_interval="0.5") == 0.5
 
 
 def test_store_liveness_replaces_heartbeat_times() -> None:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from relaunch.errors import ConfigError
 
 __all__ = [
+    "BEATS_PER_SECOND",
     "COMMON_CONF_KEYS",
     "RendezvousSettings",
     "check_conf_keys",
@@ -34,7 +35,8 @@ class RendezvousSettings:
     The defaults are tuned for fast failure handling: a node whose heartbeat is
     older than ``keep_alive_interval * keep_alive_max_attempt`` (2 s) is dead, and
     every live node checks every ``keep_alive_interval`` (0.5 s), so a lost node
-    is noticed within 2.5 s while a node stalled for up to 1.5 s survives.
+    is noticed within 2.5 s while a node stalled for up to 1.5 s survives (a job of
+    more than 2,048 nodes beats less often: :data:`BEATS_PER_SECOND`).
     """
 
     run_id: str
@@ -117,15 +119,28 @@ def conf_seconds(conf: Mapping[str, str], key: str, default: float) -> float:
     return default if value is None else value
 
 
+BEATS_PER_SECOND = 4096
+"""The heartbeats a second the store takes at most from a job whose ``--rdzv-conf``
+leaves ``keep_alive_interval`` out: up to 2,048 nodes beat every 0.5 s; a bigger job
+every ``max_nodes / 4096`` s (16,384 nodes: every 4 s, so a silent machine is dropped
+after 16 s; a node whose processes die is still noticed by its lifeline at once). At
+0.5 s, 16,384 nodes would send the store 32,768 heartbeats a second, about 74,000
+calls with the steward's key: more than one store host serves."""
+
+
 def settings_from_conf(
     *, run_id: str, min_nodes: int, max_nodes: int, conf: Mapping[str, str]
 ) -> RendezvousSettings:
-    """Build settings from ``--rdzv-conf`` values (only the common keys are read here)."""
+    """Build settings from ``--rdzv-conf`` values (only the common keys are read here);
+    without ``keep_alive_interval``, one that keeps a big job's heartbeats within
+    :data:`BEATS_PER_SECOND`."""
     values: dict[str, float | int] = {}
     for key in _SECONDS:
         number = _number(conf, key)
         if number is not None:
             values[key] = number
+    if "keep_alive_interval" not in values and isinstance(max_nodes, int):
+        values["keep_alive_interval"] = max(0.5, max_nodes / BEATS_PER_SECOND)
     raw = conf.get("keep_alive_max_attempt")
     if raw is not None:
         try:
