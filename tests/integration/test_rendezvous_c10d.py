@@ -61,11 +61,14 @@ CONF = "last_call_timeout=0.5,keep_alive_interval=0.2,keep_alive_max_attempt=5,r
 
 
 class Node:
-    def __init__(self, endpoint: str, lo: int, hi: int, conf: str = CONF) -> None:
+    def __init__(
+        self, endpoint: str, lo: int, hi: int, conf: str = CONF, *, stderr: bool = False
+    ) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, "-c", NODE, endpoint, str(lo), str(hi), conf],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE if stderr else None,
             start_new_session=True,
         )
         assert self.next(timeout=60)["event"] == "ready"
@@ -103,7 +106,7 @@ class Node:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(timeout=5)
-        for stream in (self.proc.stdin, self.proc.stdout):
+        for stream in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
             if stream is not None:
                 stream.close()
 
@@ -126,6 +129,25 @@ def test_two_nodes_on_the_tcp_store(nodes: list[Node]) -> None:
     nodes[0].send_exit()
     assert nodes[1].exit() == {"event": "bye", "ok": True}
     assert nodes[0].exit(sent=True) == {"event": "bye", "ok": True}
+
+
+def test_a_job_s_nodes_leave_together_and_the_host_closes_after_their_last_call(
+    nodes: list[Node],
+) -> None:
+    # a job's end: every node leaves at once, the store's host among them; the leaves
+    # are applied in batches, each node reads its ack and deletes its heartbeat, and
+    # the host closes the server only after those last calls: every node says it left,
+    # none warns (a call that met the closed server would retry, then warn)
+    endpoint = f"127.0.0.1:{free_port()}"
+    nodes += [Node(endpoint, 6, 6, CONF + ",store_members=0", stderr=True) for _ in range(6)]
+    assert {(r["round"], r["world"]) for r in (n.next() for n in nodes)} == {(0, 6)}
+    for node in nodes:
+        node.send_exit()
+    assert [n.exit(sent=True) for n in nodes] == [{"event": "bye", "ok": True}] * 6
+    for node in nodes:
+        assert node.proc.stderr is not None
+        said = node.proc.stderr.read().decode()
+        assert not any(w in said for w in ("WARNING", "failed", "could not")), said
 
 
 def test_late_node_admitted_at_next_round(nodes: list[Node]) -> None:

@@ -210,8 +210,9 @@ def test_nodes_leaving_at_once_leave_in_one_write_of_the_state() -> None:
     # 1,024 nodes leaving at once had not left after 30 s), and each learns it from its
     # ack. They beat until then: none is taken for dead, and the eighth node's round
     # stays complete (it trains on)
-    store = _StateWrites()
-    hs = [make(store, 8, 8, last_call_timeout=600.0) for _ in range(8)]
+    store = _StateWrites()  # (a 0.5 s wait for an ack; dead after 5 s: slow threads live)
+    kw = {"last_call_timeout": 600.0, "heartbeat_timeout": 0.5, "keep_alive_max_attempt": 50}
+    hs = [make(store, 8, 8, **kw) for _ in range(8)]
     try:
         together(*(h.next_rendezvous for h in hs))
         store.add("relaunch/rdzv/job/req", 1)
@@ -228,6 +229,32 @@ def test_nodes_leaving_at_once_leave_in_one_write_of_the_state() -> None:
             shut(hs[0])
         finally:
             store.close()
+
+
+def test_a_leave_the_queue_does_not_confirm_is_made_on_the_state(store: MemoryStore) -> None:
+    # an applier of an older version refuses the leave request (version 2) and acks it
+    # as "not a participant"; the node then leaves by compare-and-set on the state
+    # itself: it is gone, and its round stays complete for the other node
+    from relaunch.rendezvous import _queue
+
+    a, b = make(store, 2, 2), make(store, 2, 2)
+    together(a.next_rendezvous, b.next_rendezvous)
+    real = _queue.RequestQueue._parse_request
+
+    def older(self: _queue.RequestQueue, key: str, raw: bytes | None) -> _queue.Request | None:
+        if raw is not None and json.loads(raw).get("version") != 1:
+            return None  # what an older applier makes of it: refused, acked
+        return real(self, key, raw)
+
+    try:
+        _queue.RequestQueue._parse_request = older  # type: ignore[method-assign]
+        assert a.shutdown()
+    finally:
+        _queue.RequestQueue._parse_request = real  # type: ignore[method-assign]
+    state = json.loads(store.get("relaunch/rdzv/job/state") or b"")
+    assert state["complete"] and list(state["participants"]) == [b.node_id]
+    assert b.num_nodes_waiting() == 0
+    shut(b)
 
 
 def test_late_node_admitted_at_next_round(store: MemoryStore) -> None:
@@ -401,8 +428,10 @@ def test_join_acks_and_assignments_round_trip_and_refuse_garbage() -> None:
     from relaunch.rendezvous._places import Assignment, JoinAck
 
     place = Assignment(3, 8, 12, "10.0.0.4_7_0")
-    for ack in (JoinAck(5, 2, True, False), JoinAck(6, 2, True, True, place)):
+    left = JoinAck(7, 2, False, True, left=True)
+    for ack in (JoinAck(5, 2, True, False), JoinAck(6, 2, True, True, place), left):
         assert JoinAck.parse(ack.encode()) == ack
+    assert left.encode() == b"a 7 2 l c"  # an older node reads "not a participant"
     assert Assignment.parse(Assignment(0, 1).encode()) == Assignment(0, 1, 0, None)
     assert Assignment.parse(b"3 8") == Assignment(3, 8)  # a record of an older agent
     for bad in (b"", b"h", b"a 1 2 p", b"a 1 2 p c 3 x 0 -", b"a x 2 p c", b"x 1 2 p c"):

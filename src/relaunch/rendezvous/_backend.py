@@ -75,9 +75,9 @@ class StateBackend:
     ) -> tuple[RendezvousState, list[str]]:
         """:func:`remove_dead` of the nodes the state knows, by their liveness keys (one
         read of O(N) bytes: only the steward, a join's applier and a waiting node call
-        it, never every node at every beat). The ``leaving`` nodes (their heartbeats
-        deleted before they asked to leave) count as alive: they leave, not die, so a
-        complete round stays complete for the others."""
+        it, never every node at every beat). The ``leaving`` nodes (a batch of leave
+        requests) count as alive: they leave, not die, so a complete round stays
+        complete for the others."""
         if not state.last_heartbeats:
             return state, []
         alive = self.liveness.alive(state.last_heartbeats) | set(leaving)

@@ -45,7 +45,7 @@ class Assignment:
 
 @dataclass(frozen=True)
 class JoinAck:
-    """What the applier of a join request tells its node, at ``ack/<t>``."""
+    """What the applier of a request tells its node, at ``ack/<t>``."""
 
     epoch: int
     round: int
@@ -55,9 +55,11 @@ class JoinAck:
     """Whether ``round`` was complete in the state that took the node in."""
     place: Assignment | None = None
     """The node's place when its request completed the round (no more reads)."""
+    left: bool = False
+    """A leave request applied: the state no longer knows the node."""
 
     def encode(self) -> bytes:
-        where = "p" if self.participant else "-"
+        where = "p" if self.participant else "l" if self.left else "-"
         head = f"a {self.epoch} {self.round} {where} {'c' if self.complete else 'o'}".encode()
         return head if self.place is None else head + b" " + self.place.encode()
 
@@ -71,7 +73,7 @@ class JoinAck:
             return None
         try:
             flags = parts[3] == b"p", parts[4] == b"c"
-            return cls(int(parts[1]), int(parts[2]), *flags, place)
+            return cls(int(parts[1]), int(parts[2]), *flags, place, left=parts[3] == b"l")
         except ValueError:
             return None
 

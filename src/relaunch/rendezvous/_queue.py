@@ -40,7 +40,8 @@ __all__ = ["REQUEST_VERSION", "Request", "RequestQueue"]
 logger = logging.getLogger(__name__)
 
 REQUEST_VERSION = 2
-"""Version of the request JSON (2 added ``leave``; a version 1 request is a join)."""
+"""Version of a leave request's JSON (2 added ``leave``); a join is still written as
+version 1, which appliers of every version read."""
 
 _HINT_DIGITS = 20  # an ``applied`` hint longer than this is not a ticket number
 
@@ -75,8 +76,9 @@ class RequestQueue:
         ticket order (one more node per stalled period), never all at once.
         """
         ticket = self.store.add(self.prefix + "req", 1)
-        request = {"version": REQUEST_VERSION, "run_id": self.settings.run_id, "node": node,
-                   "leave": leave}  # fmt: skip
+        request: dict[str, object] = {"version": 1, "run_id": self.settings.run_id, "node": node}
+        if leave:
+            request.update(version=REQUEST_VERSION, leave=True)
         self.store.set(f"{self.prefix}req/{ticket}", json.dumps(request).encode())
         ack_key = f"{self.prefix}ack/{ticket}"
         timeout = min(self.settings.heartbeat_timeout, self.settings.dead_after)
@@ -85,6 +87,8 @@ class RequestQueue:
         while True:
             try:
                 if interrupted():
+                    if head:  # hand the queue over, as an applier does: no stall
+                        self.store.set(f"{self.prefix}ack/{ticket + 1}", b"h")
                     return None
                 if head:
                     state, raw = self.backend.load()
@@ -244,7 +248,8 @@ class RequestQueue:
                 place = None
                 if node is not None and took and new.complete:
                     place = assignment_of(new, node, ring)
-                ack = JoinAck(new.epoch, new.round, took, new.complete, place)
+                left = request is not None and request.leave and not new.knows(request.node)
+                ack = JoinAck(new.epoch, new.round, took, new.complete, place, left)
                 acks[f"{self.prefix}ack/{ticket}"] = ack.encode()
             acks[f"{self.prefix}ack/{last + 1}"] = b"h"
             acks[self._hint_key] = str(new.applied).encode()

@@ -130,6 +130,11 @@ class RendezvousState:
             or node in self.last_heartbeats
         )
 
+    def known(self) -> set[str]:
+        """Every node that appears in the state."""
+        return {*self.participants, *self.wait_list, *self.redundancy_list,
+                *self.last_heartbeats}  # fmt: skip
+
 
 def round_size(state: RendezvousState) -> int:
     """Nodes of the round: its participants and its vacancies (``GROUP_WORLD_SIZE``)."""

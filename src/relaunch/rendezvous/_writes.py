@@ -5,8 +5,8 @@ store) wait until every other node is gone."""
 from __future__ import annotations
 
 import contextlib
-import logging
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterable
 
 from relaunch.errors import (
     RendezvousError,
@@ -37,7 +37,8 @@ __all__ = [
     "wait_for_others",
 ]
 
-logger = logging.getLogger(__name__)
+_LAST_CALL_POLL = 0.02
+"""Seconds between two looks at the heartbeats of the nodes the store's host waits for."""
 
 
 def claim_store_host(
@@ -136,27 +137,26 @@ def leave(
     stop_beating: Callable[[], None],
 ) -> None:
     """Drop every trace of ``node`` from the state (within ``close_timeout``), then stop
-    its heartbeats (``stop_beating``) and delete its heartbeat key.
+    its heartbeats (``stop_beating``) and delete its heartbeat key, its last call.
 
-    A leave request in the queue: nodes leaving together, at a job's end, cost one
-    write of the state per batch, not one each; the state itself only where the
-    queue could not say the request was applied. The node beats until its leave has
-    landed: one whose heartbeat stopped is dead, and a dead participant reopens the
-    round for the others. A store that went away meanwhile (its host closes it once
-    every other node left, or this node lost it) leaves nothing to leave: said, not
-    raised."""
-    deadline = clock() + settings.close_timeout
+    A leave request in the queue (nodes leaving together, at a job's end, cost one
+    write of the state per batch, not one each), for half the time at most; the state
+    itself where the queue did not confirm the leave (a stalled queue, an applier of
+    an older version). The node beats until its leave has landed: one whose
+    heartbeat stopped is dead, and a dead participant reopens the round for the
+    others."""
+    start = clock()
+    deadline = start + settings.close_timeout
+    queue_until = start + settings.close_timeout / 2
 
     def decide(state: RendezvousState, now: float, until: float) -> Action:
         return decide_leave(state, node, now, until)
 
     try:
-        if queue.request(node, lambda: clock() > deadline, leave=True) is None:
+        ack = queue.request(node, lambda: clock() > queue_until, leave=True)
+        if ack is None or not ack.left:
             late = f"node {node} could not leave in time"
             _drive(queue.backend, node, settings, clock, decide, deadline, late)
-    except StoreConnectionError as exc:
-        logger.info("the rendezvous store went away while node %s left (%s): its "
-                    "heartbeat has stopped, the others drop it", node, exc)  # fmt: skip
     finally:
         stop_beating()
         with contextlib.suppress(StoreConnectionError):
@@ -164,12 +164,19 @@ def leave(
 
 
 def wait_for_others(
-    rdzv: StateBackend, node: str, settings: RendezvousSettings, clock: Callable[[], float]
+    rdzv: StateBackend,
+    node: str,
+    settings: RendezvousSettings,
+    clock: Callable[[], float],
+    known: Iterable[str] = (),
 ) -> None:
-    """Wait (up to ``close_timeout``) until every other node left or died: the node
-    hosting the store closes it afterwards, and no node restarting is stranded."""
+    """Wait (up to ``close_timeout``) until every other node left or died, and made
+    its last call: the node hosting the store closes it afterwards, and no node
+    restarting is stranded. ``known``: the nodes of the state before this node left
+    (the others of its own batch of leaves are out of the state already)."""
     deadline = clock() + settings.close_timeout
     state, raw = rdzv.load()
+    seen = set(known)
     while True:
         now = clock()
         new, dead = rdzv.remove_dead(state, now)
@@ -178,6 +185,7 @@ def wait_for_others(
             continue
         others = set(state.last_heartbeats) | set(state.participants) | state.wait_list
         others.discard(node)
+        seen |= others
         if not others:
             # The last node to leave wrote the state, then sets ``epoch/<n>`` to wake
             # waiters, and the acks of its batch of requests with the handover of the
@@ -190,6 +198,8 @@ def wait_for_others(
                     rdzv.store.wait(
                         [handover], max(min(settings.dead_after, deadline - now), 0.001)
                     )
+            seen.discard(node)
+            _await_last_calls(rdzv, seen, settings, clock, min(deadline - now, settings.dead_after))
             return
         if now >= deadline:
             raise RendezvousError(
@@ -197,3 +207,18 @@ def wait_for_others(
             )
         rdzv.wait_change(state, min(settings.keep_alive_interval, deadline - now))
         state, raw = rdzv.load()
+
+
+def _await_last_calls(
+    rdzv: StateBackend, nodes: set[str], settings: RendezvousSettings,
+    clock: Callable[[], float], seconds: float,
+) -> None:  # fmt: skip
+    """Until each of ``nodes`` deleted its heartbeat (a leaving node's last call, after
+    it read its ack) or let it go stale (a dead one), for ``seconds`` at most: a node
+    whose call met the closed server would retry its connection for seconds."""
+    end = time.monotonic() + seconds
+    while nodes and time.monotonic() < end:
+        beats = rdzv.liveness.heartbeats(nodes)
+        nodes = {n for n, t in beats.items() if t >= clock() - settings.dead_after}
+        if nodes:  # (a look reads every heartbeat still there: longer gaps for more)
+            time.sleep(_LAST_CALL_POLL + len(nodes) * 1e-5)

@@ -372,12 +372,14 @@ class DynamicRendezvousHandler:
         if self._shut:
             return True
         self._shut = True
+        self._keep_alive.follow(None)  # a leaving successor is not a lost one
         ok = True
         try:
-            # beating until the leave landed: a node that stopped is dead, not leaving
-            leave(self._queue, self._node, self._settings, self._clock, self._keep_alive.stop)
+            known = self._rdzv.load()[0].known() if self._hosts_store else set()
+            if self._joined:  # beating until the leave landed: one that stops is dead
+                leave(self._queue, self._node, self._settings, self._clock, self._keep_alive.stop)
             if self._hosts_store:  # an embedded member leaves its cluster instead
-                wait_for_others(self._rdzv, self._node, self._settings, self._clock)
+                wait_for_others(self._rdzv, self._node, self._settings, self._clock, known)
         except RelaunchError as exc:
             logger.warning("node %s could not leave the rendezvous cleanly: %s", self._node, exc)
             ok = False
