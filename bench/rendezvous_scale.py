@@ -338,7 +338,8 @@ def _measure(
                 left, stuck = max(left, float(t)), stuck + int(f)
         for child in children:
             child.communicate(timeout=cap + 120)
-    except (subprocess.TimeoutExpired, ValueError):
+    except (subprocess.TimeoutExpired, ValueError) as exc:
+        print(f"    {kind} N={n}: {type(exc).__name__}: {exc}"[:300], file=sys.stderr)
         return f"> {cap:.0f} s"
     finally:
         for child in children:
