@@ -32,6 +32,9 @@ class PolledState:
         self._rdzv = backend
         self._corrupt = corrupt
         self._cached: RendezvousState | None = None
+        self.seen: set[str] = set()
+        """Every node a state read here named (the store's host waits for their last
+        calls before it closes: those that left before it may still be making them)."""
         self._watch = (
             EpochWatch(backend.store, backend.epoch_key, node)
             if isinstance(backend.store, LeaseStore)
@@ -76,6 +79,7 @@ class PolledState:
             return cached
         self._cached, _ = self._rdzv.load()
         self._corrupt.ok()
+        self.seen = self.seen | self._cached.known()  # (a new set: read from other threads)
         return self._cached
 
     def _changed(self, state: RendezvousState) -> bool:

@@ -171,8 +171,8 @@ def wait_for_others(
 ) -> None:
     """Wait (up to ``close_timeout``) until every other node left or died, and made
     its last call: the node hosting the store closes it afterwards, and no node
-    restarting is stranded. ``known``: the nodes of the state before this node left
-    (the others of its own batch of leaves are out of the state already)."""
+    restarting is stranded. ``known``: nodes that this node saw in the state (those
+    that left before it, or in its own batch of leaves, are out of it already)."""
     deadline = clock() + settings.close_timeout
     state, raw = rdzv.load()
     seen = set(known)
@@ -198,7 +198,9 @@ def wait_for_others(
                         [handover], max(min(settings.dead_after, deadline - now), 0.001)
                     )
             seen.discard(node)
-            _await_last_calls(rdzv, seen, settings, clock, min(deadline - now, settings.dead_after))
+            _await_last_calls(
+                rdzv, seen, settings, clock, min(deadline - clock(), settings.dead_after)
+            )
             return
         if now >= deadline:
             raise RendezvousError(

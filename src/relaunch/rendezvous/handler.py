@@ -375,7 +375,7 @@ class DynamicRendezvousHandler:
         self._keep_alive.follow(None)  # a leaving successor is not a lost one
         ok = True
         try:
-            known = self._rdzv.load()[0].known() if self._hosts_store else set()
+            known = self._rdzv.load()[0].known() | self._polled.seen if self._hosts_store else ()
             if self._joined:  # beating until the leave landed: one that stops is dead
                 leave(self._queue, self._node, self._settings, self._clock, self._keep_alive.stop)
             if self._hosts_store:  # an embedded member leaves its cluster instead
