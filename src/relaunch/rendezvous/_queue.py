@@ -180,7 +180,7 @@ class RequestQueue:
         its place from its ack, not by waiting for the round and reading it."""
         came: list[Request | None] = []
         ticket, slice_ = first, self.settings.keep_alive_interval / 10
-        joined = set(state.participants).union(_joining(batch))
+        joined = set(state.participants).union(_asking(batch))
         while not state.complete and len(joined) < self.settings.min_nodes:
             left = until - self.clock()
             if left <= 0 or interrupted():
@@ -193,7 +193,7 @@ class RequestQueue:
                                        skip_missing=False, until=until)  # fmt: skip
             came += more
             ticket += len(more)
-            joined.update(_joining(more))
+            joined.update(_asking(more))
         return came
 
     def _parse_request(self, key: str, raw: bytes | None) -> Request | None:
@@ -227,17 +227,16 @@ class RequestQueue:
         first = state.applied + 1
         requests = self._read_requests(first, self.store.add(self.prefix + "req", 0),
                                        skip_missing=skip_missing, until=until)  # fmt: skip
-        if _joining(requests):  # (a batch of leaves waits for no one)
+        if _asking(requests):  # (a batch of leaves waits for no one)
             requests += self._latecomers(state, requests, first + len(requests), until,
                                          interrupted)  # fmt: skip
         last = first + len(requests) - 1
         now = self.clock()
-        leaving = [r.node for r in requests if r is not None and r.leave]
-        new, _ = self.backend.remove_dead(state, now, leaving)
+        new, _ = self.backend.remove_dead(state, now, _asking(requests, leave=True))
         new = new.copy()
         perform_requests(new, [r for r in requests if r is not None], now, self.settings)
         new.applied = max(last, state.applied)
-        self.backend.liveness.stamp(_joining(requests))
+        self.backend.liveness.stamp(_asking(requests))
         new, _, written = self.backend.commit(state, raw, new)
         if written:
             acks = {}
@@ -256,6 +255,6 @@ class RequestQueue:
             set_many(self.store, acks)
 
 
-def _joining(requests: list[Request | None]) -> list[str]:
-    """The nodes that ``requests`` ask to join."""
-    return [r.node for r in requests if r is not None and not r.leave]
+def _asking(requests: list[Request | None], *, leave: bool = False) -> list[str]:
+    """The nodes that ``requests`` ask to join (with ``leave``: to leave)."""
+    return [r.node for r in requests if r is not None and r.leave == leave]
