@@ -141,27 +141,35 @@ class CudaStager:
                 self._pinned = PinnedBuffer(end, self._filler)
             buffer = target = self._pinned.tensor
         staged = Staged(leaves=leaves, buffer=buffer, copies=[])
-        groups: dict[torch.device, _Group] = {}
+        by_device: dict[torch.device, list[Leaf]] = {}
         for leaf in leaves:
-            src = leaf.tensor
-            assert src is not None
-            group = groups.get(src.device)
-            if group is None:
-                group = groups[src.device] = _Group(self._copy_stream(src.device))
-                group.stream.wait_stream(torch.cuda.current_stream(src.device))
-            with torch.cuda.stream(group.stream):
-                flat = src.detach().contiguous().reshape(-1).view(torch.uint8)
-                for lo in range(0, leaf.nbytes, GROUP):  # slices: the writer starts sooner
-                    hi = min(leaf.nbytes, lo + GROUP)
-                    dst = target[leaf.offset + lo : leaf.offset + hi]
-                    dst.copy_(flat[lo:hi], non_blocking=True)
-                    group.add(leaf.offset + lo, leaf.offset + hi, staged.ready)
-            flat.record_stream(group.stream)  # its memory is not reused before the copy is done
-            leaf.tensor = None
-        for group in groups.values():
+            assert leaf.tensor is not None
+            by_device.setdefault(leaf.tensor.device, []).append(leaf)
+        for device, on_device in by_device.items():
+            group = _Group(self._copy_stream(device))
+            group.stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(group.stream):  # once per device: entering costs 30 us
+                for leaf in on_device:
+                    self._queue(leaf, target, group, staged.ready)
             staged.copies.append((group.stream, group.close(staged.ready)))
         staged.sort()
         return staged
+
+    @staticmethod
+    def _queue(
+        leaf: Leaf, target: torch.Tensor, group: _Group, ready: list[tuple[int, int, Any]]
+    ) -> None:
+        """Queue ``leaf``'s copy into ``target`` at its offset, in slices (the writer
+        starts on the first ones sooner), on ``group``'s stream (the current one)."""
+        src = leaf.tensor
+        assert src is not None
+        flat = src.detach().contiguous().reshape(-1).view(torch.uint8)
+        for lo in range(0, leaf.nbytes, GROUP):
+            hi = min(leaf.nbytes, lo + GROUP)
+            target[leaf.offset + lo : leaf.offset + hi].copy_(flat[lo:hi], non_blocking=True)
+            group.add(leaf.offset + lo, leaf.offset + hi, ready)
+        flat.record_stream(group.stream)  # its memory is not reused before the copy is done
+        leaf.tensor = None
 
     def unlock(self, mapping: mmap.mmap) -> None:
         """Unlock ``mapping`` if it was locked here (before it is unmapped; no copy into
