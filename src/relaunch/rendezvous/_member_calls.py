@@ -7,8 +7,10 @@ tolerant of the member list having changed under it (another node acted first).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from collections.abc import Callable
 
 from relaunch.errors import StoreConnectionError, StoreError
 from relaunch.rendezvous._seats import Member, parse_members
@@ -19,6 +21,7 @@ __all__ = [
     "answers",
     "client_endpoints",
     "leave_cluster",
+    "leave_in_turn",
     "list_members",
     "member_endpoints",
     "promote_once",
@@ -91,30 +94,85 @@ def remove_member(store: EtcdStore, member_id: str, name: str) -> bool:
         return False
 
 
-def leave_cluster(store: EtcdStore, name: str) -> None:
+def leave_cluster(
+    store: EtcdStore, name: str, known: Callable[[Member], bool] = lambda m: True
+) -> bool:
     """Remove the members down now, then member ``name`` (a member leaving while a
     dead one stays listed could leave the others without a quorum); a learner up
-    first takes the vote it leaves."""
+    first takes the vote it leaves. Whether ``name`` is out of the cluster: not while
+    no other member up is ``known`` (one that every node's client surely knows of): it
+    is then the member the others reach, and stays (the caller stops it when they are
+    done)."""
     try:
         members = list_members(store)
     except StoreError as exc:
         log.warning("embedded store: member %s did not leave the cluster (%s); the "
                     "others remove it when it is gone", name, exc)  # fmt: skip
-        return
+        return True
     mine = [m for m in members if m.name == name]
     others = [m for m in members if m.name != name]
     # down: twice no healthy answer in 2 s (a member that is only slow, on a loaded
-    # machine, must not be removed: that could cost the others their quorum)
+    # machine, must not be removed: that could cost the others their quorum); one
+    # not started yet is a node's joining member, which that node removes if it fails
     up = [m for m in others if m.started and answers(m.client_urls)]
     for m in others:
-        if m not in up:
-            remove_member(store, m.id, m.name or "(joining)")
+        if m.started and m not in up:
+            remove_member(store, m.id, m.name)
     if not mine:
-        return
+        return True
     # the host leaving (scaled down) with a learner beside it leaves a store of one
-    voting = [m for m in up if not m.learner or (not mine[0].learner and promote_once(store, m))]
-    if voting:
+    voting = [
+        m
+        for m in up
+        if known(m) and (not m.learner or (not mine[0].learner and promote_once(store, m)))
+    ]
+    # a member joining (added, not started) counts in the quorum: with it, the others
+    # may have none until it runs (and its node may be leaving too: it never runs)
+    if voting and all(m.started for m in others):
         remove_member(store, mine[0].id, name)
+        return True
+    return False
+
+
+def leave_in_turn(
+    store: EtcdStore,
+    keys: tuple[str, str],
+    name: str,
+    wait: float,
+    known: Callable[[Member], bool] = lambda m: True,
+) -> bool:
+    """:func:`leave_cluster` holding the members' lock (``keys``: the lock's, then the
+    staying member's), waited for up to ``wait`` seconds (a joining node holds it while
+    its member starts): members that leave together decide one after the other, so the
+    last one up sees that it is the last (the three of a store leaving at once would
+    each see two others up and remove itself: no member left). A member that stays
+    (no other ``known`` member up) is named in the staying key (under its lease): the
+    member that the others' last calls go to, whom the next leaver may leave to."""
+    lock_key, staying_key = keys
+    deadline = time.monotonic() + wait
+    held = False
+    while True:
+        try:
+            held = store.claim_ephemeral(lock_key, name.encode(), wait)
+        except StoreError:
+            break  # (the leave itself says what is wrong)
+        if held or time.monotonic() >= deadline:
+            break
+        time.sleep(0.05)
+    try:
+        try:
+            staying = (store.get(staying_key) or b"").decode(errors="replace")
+        except StoreError:
+            staying = ""
+        out = leave_cluster(store, name, lambda m: m.name == staying or known(m))
+        if not out and not staying:
+            with contextlib.suppress(StoreError):
+                store.set_ephemeral(staying_key, name.encode(), wait)
+        return out
+    finally:
+        if held:
+            with contextlib.suppress(StoreError):
+                store.delete(lock_key)
 
 
 def answers(urls: tuple[str, ...]) -> bool:

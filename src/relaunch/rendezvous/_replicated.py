@@ -39,17 +39,22 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass
 
 from relaunch.errors import StoreConnectionError, StoreError
 from relaunch.rendezvous._member_calls import (
     client_endpoints,
-    leave_cluster,
+    leave_in_turn,
     list_members,
     promote_once,
     promote_when_in_sync,
     quorum_lost_line,
     remove_member,
+)
+from relaunch.rendezvous._member_specs import (
+    EmbeddedSettings,
+    bind_address,
+    first_member,
+    joining_member,
 )
 from relaunch.rendezvous._seats import Member, join_steps, parse_members, plan
 from relaunch.store._etcd_member import (
@@ -70,31 +75,6 @@ _JOIN_TIMEOUT = 30.0
 """Seconds a new member may take to become healthy."""
 
 
-@dataclass(frozen=True, kw_only=True)
-class EmbeddedSettings:
-    """What one node's part of the embedded store is given."""
-
-    binary: str
-    """The etcd binary."""
-    run_id: str
-    endpoint: tuple[str, int]
-    """Where a node first asks (the c10d endpoint)."""
-    address: str
-    """This node's address, where its member listens."""
-    target: int
-    """How many voting members the store grows to."""
-    hosts: bool
-    """Whether this node hosts the endpoint (starts the first member)."""
-    grace: float
-    """Seconds a member may be down before it is replaced."""
-    lease_ttl: float
-    read_timeout: float
-    log_dir: str | None = None
-    """Where the members' logs go (None: nowhere)."""
-    interval: float = 2.0
-    """Seconds between the member checks."""
-
-
 class EmbeddedStore:
     """This node's part of the embedded store: a client of the cluster, maybe a
     member, and the thread that keeps the members whole. :meth:`close` ends both."""
@@ -103,10 +83,19 @@ class EmbeddedStore:
         self._cfg = settings
         self._name = f"{settings.address}-{os.getpid()}-{settings.run_id}"
         self._lock_key = f"relaunch/embedded/{settings.run_id}/joining"
+        self._staying_key = f"relaunch/embedded/{settings.run_id}/staying"
+        self._clients = f"relaunch/embedded/{settings.run_id}/clients/"
+        """Each node's key, under its client's lease: gone once its client closed."""
         self._seats_key = f"relaunch/embedded/{settings.run_id}/seats"  # set: a seat is free
         self._member: EtcdMember | None = None
         self._members: list[Member] = []
         self._down: dict[str, float] = {}
+        self._up_since: dict[str, float] = {}
+        """When this node first saw each member started (monotonic)."""
+        self._left = False
+        self._staying = False
+        """This node's member leaves last: the others' last calls come here."""
+        self._leaving = False
         self._refused: set[str] = set()
         self._store: EtcdStore | None = None
         self._stop = threading.Event()
@@ -122,9 +111,9 @@ class EmbeddedStore:
         thread; returns the client the rendezvous uses (closed by :meth:`close`)."""
         host, port = self._cfg.endpoint
         try:
-            if self._cfg.hosts and port_free(self._bind_address(), port):
+            if self._cfg.hosts and port_free(bind_address(self._cfg), port):
                 try:
-                    self._start_member(port, initial=None)
+                    self._launch(first_member(self._cfg, self._name, port))
                 except StoreConnectionError as exc:  # another agent here took the port first
                     log.info("embedded store: not the first member (%s); joining", exc)
             # as patient as a member's start: while a voting member added to a pair
@@ -133,6 +122,7 @@ class EmbeddedStore:
             self._store = store
             self._reach()
             self._refresh()
+            store.set_ephemeral(self._clients + self._name, b"1", self._cfg.lease_ttl)
         except BaseException:
             self.close()
             raise
@@ -141,9 +131,6 @@ class EmbeddedStore:
         )
         self._thread.start()
         return store
-
-    def _bind_address(self) -> str:
-        return self._cfg.address if self._cfg.address.startswith("127.") else "0.0.0.0"
 
     def _reach(self) -> None:
         """Wait (up to ``read_timeout``) until the endpoint's cluster answers."""
@@ -162,25 +149,6 @@ class EmbeddedStore:
                         f"there? ({exc})"
                     ) from exc
                 time.sleep(0.2)
-
-    def _start_member(self, client_port: int | None, initial: str | None) -> None:
-        """Start this node's member: a new cluster (``initial`` None) or one joining."""
-        address = self._cfg.address
-        port = client_port
-        if port is None:
-            wanted = self._cfg.endpoint[1]
-            port = wanted if port_free(self._bind_address(), wanted) else free_port(address)
-        peer = free_port(address)
-        spec = MemberSpec(
-            name=self._name,
-            address=address,
-            client_port=port,
-            peer_port=peer,
-            initial_cluster=initial or f"{self._name}=http://{bracket(address)}:{peer}",
-            new_cluster=initial is None,
-            token=f"relaunch-{self._cfg.run_id}",
-        )
-        self._launch(spec)
 
     def _launch(self, spec: MemberSpec) -> None:
         """Start this node's member; return once it answers healthy (it has a leader)."""
@@ -218,7 +186,8 @@ class EmbeddedStore:
         until the seat is filled again, a second member's loss takes the quorum."""
         pace, store = self._pace(), self._store
         # (while seats are free, it looks every 0.5 s anyway)
-        if store is not None and self._member is None and self._admitted and pace > 1.0:
+        seating = self._member is None and self._admitted and not self._leaving
+        if store is not None and seating and pace > 1.0:
             began, changed = time.monotonic(), False
             with contextlib.suppress(StoreError):  # (its look finds out what went wrong)
                 changed = store.watch(self._seats_key, pace, cancel=self._stop)
@@ -257,8 +226,10 @@ class EmbeddedStore:
                 if seen == "refused":
                     refused.add(m.id)
         self._refused = refused
-        for gone in set(self._down) - {m.id for m in members}:
+        listed = {m.id for m in members}
+        for gone in set(self._down) - listed:
             del self._down[gone]
+        self._up_since = {m.id: self._up_since.get(m.id, now) for m in members if m.started}
         with self._view_lock:
             self._members = members
         urls = client_endpoints(members)
@@ -296,7 +267,7 @@ class EmbeddedStore:
                 self._store.set(self._seats_key, repr(time.time()).encode())
         for learner in (m for m in self._members if m.id == decided.promote):
             promote_once(self._store, learner)  # else tried again next time
-        if decided.join and self._admitted:
+        if decided.join and self._admitted and not self._leaving:
             self._join()
 
     def _join(self) -> None:
@@ -327,9 +298,10 @@ class EmbeddedStore:
                 "/cluster/member/add", {"peerURLs": [peer_url], "isLearner": not steps.voting}
             )
             added = str(int(reply["member"]["ID"]))
-            spec = self._joining_spec(peer, added, parse_members(reply))
+            spec = joining_member(self._cfg, self._name, peer, added, parse_members(reply))
             self._launch(spec)
             added = None  # a member now (voting, or a learner waiting for a pair): it stays
+            self._refresh()  # the client knows this member now: it may outlive the others
         except (StoreError, OSError, KeyError, TypeError, ValueError) as exc:
             log.warning("embedded store: this node could not become a member (%s); "
                         "another node may take the seat", exc)  # fmt: skip
@@ -338,25 +310,6 @@ class EmbeddedStore:
                 remove_member(store, added, self._name)
             with contextlib.suppress(StoreError):
                 store.delete(self._lock_key)
-
-    def _joining_spec(self, peer: int, added: str, members: list[Member]) -> MemberSpec:
-        """How this node's member starts once added as ``added`` to ``members``."""
-        cluster = [
-            f"{m.name if m.id != added else self._name}={m.peer_urls[0]}"
-            for m in members
-            if m.peer_urls
-        ]
-        wanted = self._cfg.endpoint[1]
-        port = wanted if port_free(self._bind_address(), wanted) else free_port(self._cfg.address)
-        return MemberSpec(
-            name=self._name,
-            address=self._cfg.address,
-            client_port=port,
-            peer_port=peer,
-            initial_cluster=",".join(cluster),
-            new_cluster=False,
-            token=f"relaunch-{self._cfg.run_id}",
-        )
 
     # -- what the others read --------------------------------------------------------------
 
@@ -374,6 +327,48 @@ class EmbeddedStore:
 
     # -- stopping ----------------------------------------------------------------------
 
+    def leaving(self) -> None:
+        """This node is leaving the job: it takes no seat from now on (one freed by a
+        member leaving with it), and its client is pointed at every member now (those
+        it last saw may leave meanwhile; one started since may be the one that stays)."""
+        self._leaving = True
+        store = self._store
+        with contextlib.suppress(StoreError):
+            urls = client_endpoints(list_members(store)) if store is not None else []
+            if store is not None and urls:
+                store.use_endpoints(urls)
+
+    def leave(self) -> bool:
+        """Leave the cluster (this node is leaving the job) unless this node's member
+        is the one the others reach: no other member up that every node's client
+        surely knows of (up for longer than the clients' look, ``3 * interval``, or
+        staying itself). True when out (or never a member); False: the member stays
+        until the other nodes' clients are closed (:meth:`close` waits for that)."""
+        store = self._store
+        if self._member is None or store is None or self._left:
+            return True
+        settled = time.monotonic() - 3 * self._cfg.interval - 1.0
+        with self._view_lock:
+            since = dict(self._up_since)
+        known = lambda m: since.get(m.id, settled + 1.0) <= settled  # noqa: E731
+        keys = (self._lock_key, self._staying_key)
+        self._left = leave_in_turn(store, keys, self._name, self._cfg.lease_ttl, known)
+        self._staying = not self._left
+        return self._left
+
+    def _await_clients(self, store: EtcdStore) -> None:
+        """Until every other node's client is closed (its key gone with its lease: its
+        last call made), ``lease_ttl`` at most (a crashed one's lease expires)."""
+        deadline = time.monotonic() + self._cfg.lease_ttl + 1.0
+        mine = self._clients + self._name
+        while time.monotonic() < deadline:
+            try:
+                if not [k for k in store.keys_with_prefix(self._clients) if k != mine]:
+                    return
+            except StoreError:
+                return
+            time.sleep(0.05)
+
     def close(self) -> None:
         """Stop tending; leave the cluster (while other members stay, so that the nodes
         still running keep their quorum without this one); close the client; stop
@@ -388,8 +383,11 @@ class EmbeddedStore:
             thread.join(timeout=self._cfg.read_timeout + 15)
         store, self._store = self._store, None
         if store is not None:
-            if self._member is not None:
-                leave_cluster(store, self._name)
+            if self._member is not None and not self._left:
+                if self._staying:
+                    self._await_clients(store)
+                keys = (self._lock_key, self._staying_key)
+                leave_in_turn(store, keys, self._name, self._cfg.lease_ttl)
             store.close()
         member, self._member = self._member, None
         if member is not None:

@@ -365,9 +365,9 @@ class DynamicRendezvousHandler:
     def shutdown(self) -> bool:
         """Leave the rendezvous for good, without closing it; release threads and connections.
 
-        A node hosting the store waits (up to ``close_timeout``) until every other
-        node left or died before it closes the server. Returns False when leaving
-        failed (the node's heartbeat then expires on its own). Idempotent.
+        The store's host (the TCP server's; the embedded member the others reach last)
+        waits up to ``close_timeout`` until every other node left or died, then closes
+        it. False when leaving failed (the heartbeat then expires on its own). Idempotent.
         """
         if self._shut:
             return True
@@ -375,10 +375,13 @@ class DynamicRendezvousHandler:
         self._keep_alive.follow(None)  # a leaving successor is not a lost one
         ok = True
         try:
-            known = self._rdzv.load()[0].known() | self._polled.seen if self._hosts_store else ()
+            embedded, serving = self._embedded, self._hosts_store or self._embedded is not None
+            known = self._rdzv.load()[0].known() | self._polled.seen if serving else ()
+            if embedded is not None:  # no seat taken from now on
+                embedded.leaving()
             if self._joined:  # beating until the leave landed: one that stops is dead
                 leave(self._queue, self._node, self._settings, self._clock, self._keep_alive.stop)
-            if self._hosts_store:  # an embedded member leaves its cluster instead
+            if serving and (embedded is None or not embedded.leave()):
                 wait_for_others(self._rdzv, self._node, self._settings, self._clock, known)
         except RelaunchError as exc:
             logger.warning("node %s could not leave the rendezvous cleanly: %s", self._node, exc)
