@@ -19,6 +19,7 @@ from relaunch.store.etcd import EtcdStore
 
 __all__ = [
     "answers",
+    "await_others",
     "client_endpoints",
     "leave_cluster",
     "leave_in_turn",
@@ -95,84 +96,104 @@ def remove_member(store: EtcdStore, member_id: str, name: str) -> bool:
 
 
 def leave_cluster(
-    store: EtcdStore, name: str, known: Callable[[Member], bool] = lambda m: True
-) -> bool:
+    store: EtcdStore,
+    name: str,
+    known: Callable[[Member], bool] = lambda m: True,
+    *,
+    locked: bool = True,
+) -> tuple[bool, set[str]]:
     """Remove the members down now, then member ``name`` (a member leaving while a
     dead one stays listed could leave the others without a quorum); a learner up
-    first takes the vote it leaves. Whether ``name`` is out of the cluster: not while
-    no other member up is ``known`` (one that every node's client surely knows of): it
-    is then the member the others reach, and stays (the caller stops it when they are
-    done)."""
+    first takes the vote it leaves. Not while no other member up is ``known`` (one that
+    every node's client surely knows of): ``name`` is then the member the others
+    reach, and stays (the caller stops it when they are done). With the members' lock
+    held (``locked``) no member is joining: one listed but not started is a join that
+    failed (its node died while the member started), removed with the members down;
+    without it, one not started may be joining and counts in the quorum (with it, the
+    others may have none until it runs): it stays, and so does ``name``. Whether
+    ``name`` is out of the cluster, and the names of the other members up."""
     try:
         members = list_members(store)
     except StoreError as exc:
         log.warning("embedded store: member %s did not leave the cluster (%s); the "
                     "others remove it when it is gone", name, exc)  # fmt: skip
-        return True
+        return True, set()
     mine = [m for m in members if m.name == name]
     others = [m for m in members if m.name != name]
     # down: twice no healthy answer in 2 s (a member that is only slow, on a loaded
-    # machine, must not be removed: that could cost the others their quorum); one
-    # not started yet is a node's joining member, which that node removes if it fails
+    # machine, must not be removed: that could cost the others their quorum)
     up = [m for m in others if m.started and answers(m.client_urls)]
     for m in others:
-        if m.started and m not in up:
-            remove_member(store, m.id, m.name)
+        if m not in up and (m.started or locked):
+            remove_member(store, m.id, m.name or "(never started)")
+    names = {m.name for m in up}
     if not mine:
-        return True
+        return True, names
     # the host leaving (scaled down) with a learner beside it leaves a store of one
     voting = [
         m
         for m in up
         if known(m) and (not m.learner or (not mine[0].learner and promote_once(store, m)))
     ]
-    # a member joining (added, not started) counts in the quorum: with it, the others
-    # may have none until it runs (and its node may be leaving too: it never runs)
-    if voting and all(m.started for m in others):
+    if voting and (locked or all(m.started for m in others)):
         remove_member(store, mine[0].id, name)
-        return True
-    return False
+        store.use_endpoints(client_endpoints(up))  # its last calls go to those that stay
+        return True, names
+    return False, names
 
 
 def leave_in_turn(
     store: EtcdStore,
     keys: tuple[str, str],
     name: str,
+    *,
+    ttl: float,
     wait: float,
     known: Callable[[Member], bool] = lambda m: True,
 ) -> bool:
     """:func:`leave_cluster` holding the members' lock (``keys``: the lock's, then the
     staying member's), waited for up to ``wait`` seconds (a joining node holds it while
-    its member starts): members that leave together decide one after the other, so the
+    its member starts; ``ttl``: the client's lease, where it has none yet): members that leave together decide one after the other, so the
     last one up sees that it is the last (the three of a store leaving at once would
     each see two others up and remove itself: no member left). A member that stays
-    (no other ``known`` member up) is named in the staying key (under its lease): the
-    member that the others' last calls go to, whom the next leaver may leave to."""
+    (no other ``known`` member up) is named in the staying key (under its lease) unless
+    another member up is: the member that the others' last calls go to, whom the next
+    leaver may leave to."""
     lock_key, staying_key = keys
     deadline = time.monotonic() + wait
     held = False
-    while True:
-        try:
-            held = store.claim_ephemeral(lock_key, name.encode(), wait)
-        except StoreError:
-            break  # (the leave itself says what is wrong)
-        if held or time.monotonic() >= deadline:
-            break
-        time.sleep(0.05)
+    while not held and time.monotonic() < deadline:
+        with contextlib.suppress(StoreError):  # (the leave itself says what is wrong)
+            held = store.claim_ephemeral(lock_key, name.encode(), ttl)
+        if not held:
+            time.sleep(0.05)
     try:
         try:
             staying = (store.get(staying_key) or b"").decode(errors="replace")
         except StoreError:
             staying = ""
-        out = leave_cluster(store, name, lambda m: m.name == staying or known(m))
-        if not out and not staying:
+        known_now = lambda m: m.name == staying or known(m)  # noqa: E731
+        out, up = leave_cluster(store, name, known_now, locked=held)
+        if not out and staying not in up:
             with contextlib.suppress(StoreError):
-                store.set_ephemeral(staying_key, name.encode(), wait)
+                store.set_ephemeral(staying_key, name.encode(), ttl)
         return out
     finally:
         if held:
             with contextlib.suppress(StoreError):
                 store.delete(lock_key)
+
+
+def await_others(store: EtcdStore, prefix: str, name: str, seconds: float) -> None:
+    """Until no key under ``prefix`` but ``prefix + name`` is left (each node's client
+    keeps one under its lease: gone when it closed, its last call made), ``seconds``
+    at most (a crashed node's lease expires)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        with contextlib.suppress(StoreError):  # (an election: it answers again)
+            if not [k for k in store.keys_with_prefix(prefix) if k != prefix + name]:
+                return
+        time.sleep(0.05)
 
 
 def answers(urls: tuple[str, ...]) -> bool:

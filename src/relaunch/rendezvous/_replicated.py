@@ -26,7 +26,10 @@ state lives in etcd, not in a TCP store on one node:
   the job with one line naming the members and their health.
 - A member that leaves with its node removes the members down now, then itself, so
   the nodes still running keep their quorum (etcd's own reconfiguration check is off:
-  it refuses any removal in a cluster younger than 5 s).
+  it refuses any removal in a cluster younger than 5 s). The members leave one at a
+  time (under the lock the joiners take), and only to a member up that every node's
+  client knows of; the last one stays until the other nodes' clients have closed
+  (a job's end: every node leaves at once, and their last calls need a member).
 
 The members' decisions are pure (:mod:`relaunch.rendezvous._seats`); this module is
 their I/O: the member list, health checks, the etcd process (through its keeper).
@@ -42,6 +45,7 @@ import time
 
 from relaunch.errors import StoreConnectionError, StoreError
 from relaunch.rendezvous._member_calls import (
+    await_others,
     client_endpoints,
     leave_in_turn,
     list_members,
@@ -73,6 +77,9 @@ log = logging.getLogger(__name__)
 
 _JOIN_TIMEOUT = 30.0
 """Seconds a new member may take to become healthy."""
+_LOCK_WAIT = _JOIN_TIMEOUT + 5.0
+"""Seconds a leaving member waits for the members' lock (a joiner holds it while its
+member starts); without it, it leaves no member that may be joining."""
 
 
 class EmbeddedStore:
@@ -83,7 +90,8 @@ class EmbeddedStore:
         self._cfg = settings
         self._name = f"{settings.address}-{os.getpid()}-{settings.run_id}"
         self._lock_key = f"relaunch/embedded/{settings.run_id}/joining"
-        self._staying_key = f"relaunch/embedded/{settings.run_id}/staying"
+        self._keys = (self._lock_key, f"relaunch/embedded/{settings.run_id}/staying")
+        """The members' lock, and the key that names the member that leaves last."""
         self._clients = f"relaunch/embedded/{settings.run_id}/clients/"
         """Each node's key, under its client's lease: gone once its client closed."""
         self._seats_key = f"relaunch/embedded/{settings.run_id}/seats"  # set: a seat is free
@@ -236,7 +244,8 @@ class EmbeddedStore:
         if urls:
             self._store.use_endpoints(urls)
         if self._member is not None and not self._member.running():
-            log.warning("embedded store: this node's etcd member stopped; it may join again")
+            if not self._leaving:  # (else: it left the cluster, it does not come back)
+                log.warning("embedded store: this node's etcd member stopped; it may join again")
             self._member.stop()
             self._member = None
 
@@ -281,7 +290,7 @@ class EmbeddedStore:
         try:
             members = list_members(store)
             steps = join_steps(members, self._cfg.target)
-            if steps is None or self._stop.is_set():  # (stop: the node leaves)
+            if steps is None or self._stop.is_set() or self._leaving:  # (the node leaves)
                 return
             learner = next((m for m in members if m.id == steps.promote_first), None)
             if learner is not None and not promote_when_in_sync(store, learner, 5.0):
@@ -301,7 +310,6 @@ class EmbeddedStore:
             spec = joining_member(self._cfg, self._name, peer, added, parse_members(reply))
             self._launch(spec)
             added = None  # a member now (voting, or a learner waiting for a pair): it stays
-            self._refresh()  # the client knows this member now: it may outlive the others
         except (StoreError, OSError, KeyError, TypeError, ValueError) as exc:
             log.warning("embedded store: this node could not become a member (%s); "
                         "another node may take the seat", exc)  # fmt: skip
@@ -310,6 +318,8 @@ class EmbeddedStore:
                 remove_member(store, added, self._name)
             with contextlib.suppress(StoreError):
                 store.delete(self._lock_key)
+        if self._member is not None:  # the client knows its own member now: it may stay last
+            self._refresh()
 
     # -- what the others read --------------------------------------------------------------
 
@@ -351,23 +361,15 @@ class EmbeddedStore:
         with self._view_lock:
             since = dict(self._up_since)
         known = lambda m: since.get(m.id, settled + 1.0) <= settled  # noqa: E731
-        keys = (self._lock_key, self._staying_key)
-        self._left = leave_in_turn(store, keys, self._name, self._cfg.lease_ttl, known)
+        self._left = leave_in_turn(store, self._keys, self._name, ttl=self._cfg.lease_ttl,
+                                   wait=_LOCK_WAIT, known=known)  # fmt: skip
         self._staying = not self._left
         return self._left
 
-    def _await_clients(self, store: EtcdStore) -> None:
-        """Until every other node's client is closed (its key gone with its lease: its
-        last call made), ``lease_ttl`` at most (a crashed one's lease expires)."""
-        deadline = time.monotonic() + self._cfg.lease_ttl + 1.0
-        mine = self._clients + self._name
-        while time.monotonic() < deadline:
-            try:
-                if not [k for k in store.keys_with_prefix(self._clients) if k != mine]:
-                    return
-            except StoreError:
-                return
-            time.sleep(0.05)
+    @property
+    def is_member(self) -> bool:
+        """Whether this node runs a member of the cluster now."""
+        return self._member is not None
 
     def close(self) -> None:
         """Stop tending; leave the cluster (while other members stay, so that the nodes
@@ -384,10 +386,10 @@ class EmbeddedStore:
         store, self._store = self._store, None
         if store is not None:
             if self._member is not None and not self._left:
-                if self._staying:
-                    self._await_clients(store)
-                keys = (self._lock_key, self._staying_key)
-                leave_in_turn(store, keys, self._name, self._cfg.lease_ttl)
+                if self._staying:  # the others' last calls come here
+                    await_others(store, self._clients, self._name, self._cfg.lease_ttl + 1.0)
+                leave_in_turn(store, self._keys, self._name, ttl=self._cfg.lease_ttl,
+                              wait=_LOCK_WAIT)  # fmt: skip
             store.close()
         member, self._member = self._member, None
         if member is not None:

@@ -366,22 +366,22 @@ class DynamicRendezvousHandler:
         """Leave the rendezvous for good, without closing it; release threads and connections.
 
         The store's host (the TCP server's; the embedded member the others reach last)
-        waits up to ``close_timeout`` until every other node left or died, then closes
-        it. False when leaving failed (the heartbeat then expires on its own). Idempotent.
-        """
+        waits up to ``close_timeout`` until every other node left or died. False when
+        leaving failed (the heartbeat then expires on its own). Idempotent."""
         if self._shut:
             return True
         self._shut = True
         self._keep_alive.follow(None)  # a leaving successor is not a lost one
         ok = True
         try:
-            embedded, serving = self._embedded, self._hosts_store or self._embedded is not None
+            embedded = self._embedded
+            serving = self._hosts_store or (embedded is not None and embedded.is_member)
             known = self._rdzv.load()[0].known() | self._polled.seen if serving else ()
             if embedded is not None:  # no seat taken from now on
                 embedded.leaving()
             if self._joined:  # beating until the leave landed: one that stops is dead
                 leave(self._queue, self._node, self._settings, self._clock, self._keep_alive.stop)
-            if serving and (embedded is None or not embedded.leave()):
+            if (embedded is None or not embedded.leave()) and serving:
                 wait_for_others(self._rdzv, self._node, self._settings, self._clock, known)
         except RelaunchError as exc:
             logger.warning("node %s could not leave the rendezvous cleanly: %s", self._node, exc)
