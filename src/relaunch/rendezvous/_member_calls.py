@@ -137,7 +137,8 @@ def leave_cluster(
     ]
     if voting and (locked or all(m.started for m in others)):
         remove_member(store, mine[0].id, name)
-        store.use_endpoints(client_endpoints(up))  # its last calls go to those that stay
+        if urls := client_endpoints(up):  # its last calls go to those that stay
+            store.use_endpoints(urls)
         return True, names
     return False, names
 
@@ -163,8 +164,10 @@ def leave_in_turn(
     deadline = time.monotonic() + wait
     held = False
     while not held and time.monotonic() < deadline:
-        with contextlib.suppress(StoreError):  # (the leave itself says what is wrong)
+        try:
             held = store.claim_ephemeral(lock_key, name.encode(), ttl)
+        except StoreError:
+            break  # (the store cannot be reached: the leave itself says so)
         if not held:
             time.sleep(0.05)
     try:

@@ -77,9 +77,8 @@ log = logging.getLogger(__name__)
 
 _JOIN_TIMEOUT = 30.0
 """Seconds a new member may take to become healthy."""
-_LOCK_WAIT = _JOIN_TIMEOUT + 5.0
-"""Seconds a leaving member waits for the members' lock (a joiner holds it while its
-member starts); without it, it leaves no member that may be joining."""
+_LOCK_WAIT = _JOIN_TIMEOUT + 15.0
+"""Seconds a leaving member waits for the members' lock (a joiner holds it meanwhile)."""
 
 
 class EmbeddedStore:
@@ -91,7 +90,6 @@ class EmbeddedStore:
         self._name = f"{settings.address}-{os.getpid()}-{settings.run_id}"
         self._lock_key = f"relaunch/embedded/{settings.run_id}/joining"
         self._keys = (self._lock_key, f"relaunch/embedded/{settings.run_id}/staying")
-        """The members' lock, and the key that names the member that leaves last."""
         self._clients = f"relaunch/embedded/{settings.run_id}/clients/"
         """Each node's key, under its client's lease: gone once its client closed."""
         self._seats_key = f"relaunch/embedded/{settings.run_id}/seats"  # set: a seat is free
@@ -354,9 +352,9 @@ class EmbeddedStore:
         surely knows of (up for longer than the clients' look, ``3 * interval``, or
         staying itself). True when out (or never a member); False: the member stays
         until the other nodes' clients are closed (:meth:`close` waits for that)."""
-        store = self._store
-        if self._member is None or store is None or self._left:
-            return True
+        store, member = self._store, self._member
+        if member is None or not member.running() or store is None or self._left:
+            return True  # (a member whose process ended was removed, or is removed)
         settled = time.monotonic() - 3 * self._cfg.interval - 1.0
         with self._view_lock:
             since = dict(self._up_since)
@@ -372,9 +370,8 @@ class EmbeddedStore:
         return self._member is not None
 
     def close(self) -> None:
-        """Stop tending; leave the cluster (while other members stay, so that the nodes
-        still running keep their quorum without this one); close the client; stop
-        this node's member. Idempotent."""
+        """Stop tending; leave the cluster (:meth:`leave`; the last member once the
+        others' clients closed); close the client; stop this node's member. Idempotent."""
         self._stop.set()
         self._wake.set()
         if self._store is not None:
@@ -383,14 +380,20 @@ class EmbeddedStore:
         thread, self._thread = self._thread, None
         if thread is not None:
             thread.join(timeout=self._cfg.read_timeout + 15)
-        store, self._store = self._store, None
-        if store is not None:
-            if self._member is not None and not self._left:
-                if self._staying:  # the others' last calls come here
-                    await_others(store, self._clients, self._name, self._cfg.lease_ttl + 1.0)
+        store = self._store
+        try:
+            if store is not None and not self._staying:
+                self.leave()  # (where the node's shutdown did not get to it)
+            if store is not None and self._staying and not self._left:
+                await_others(store, self._clients, self._name, self._cfg.lease_ttl + 1.0)
                 leave_in_turn(store, self._keys, self._name, ttl=self._cfg.lease_ttl,
-                              wait=_LOCK_WAIT)  # fmt: skip
-            store.close()
-        member, self._member = self._member, None
-        if member is not None:
-            member.stop()
+                              wait=_LOCK_WAIT)  # fmt: skip  # (every member known now)
+        finally:
+            self._store = None
+            member, self._member = self._member, None
+            try:
+                if store is not None:
+                    store.close()
+            finally:
+                if member is not None:
+                    member.stop()

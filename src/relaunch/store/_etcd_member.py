@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import http.client
 import logging
 import os
 import shutil
@@ -86,7 +87,7 @@ def health(client_url: str, timeout: float = 1.0, *, local: bool = False) -> Hea
         return "refused" if isinstance(exc.reason, ConnectionRefusedError) else "unhealthy"
     except ConnectionRefusedError:
         return "refused"
-    except (OSError, ValueError):
+    except (OSError, ValueError, http.client.HTTPException):  # (one that died mid-reply)
         return "unhealthy"
 
 
