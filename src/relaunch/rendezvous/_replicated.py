@@ -49,6 +49,7 @@ from relaunch.rendezvous._member_calls import (
     client_endpoints,
     leave_in_turn,
     list_members,
+    members_lock,
     promote_once,
     promote_when_in_sync,
     quorum_lost_line,
@@ -278,12 +279,17 @@ class EmbeddedStore:
             self._join()
 
     def _join(self) -> None:
-        """Take the seat lock, add this node as a member and start it; one line and
+        """Take the members' lock, add this node as a member and start it; one line and
         the seat left to another node when the member cannot start."""
         assert self._store is not None
         store = self._store
-        if not store.claim_ephemeral(self._lock_key, self._name.encode(), self._cfg.lease_ttl):
-            return
+        with members_lock(store, self._lock_key, self._name, ttl=self._cfg.lease_ttl) as held:
+            if held:
+                self._add_member(store)
+        if self._member is not None:  # the client knows its own member now: it may stay last
+            self._refresh()
+
+    def _add_member(self, store: EtcdStore) -> None:
         added: str | None = None
         try:
             members = list_members(store)
@@ -309,13 +315,12 @@ class EmbeddedStore:
             self._launch(spec)
             added = None  # a member now (voting, or a learner waiting for a pair): it stays
         except (StoreError, OSError, KeyError, TypeError, ValueError) as exc:
-            log.warning("embedded store: this node could not become a member (%s); "
-                        "another node may take the seat", exc)  # fmt: skip
+            log.log(logging.INFO if self._leaving else logging.WARNING,  # (leaving: cut short)
+                    "embedded store: this node could not become a member (%s); another "
+                    "node may take the seat", exc)  # fmt: skip
         finally:
             if added is not None:
                 remove_member(store, added, self._name)
-            with contextlib.suppress(StoreError):
-                store.delete(self._lock_key)
         if self._member is not None:  # the client knows its own member now: it may stay last
             self._refresh()
 
@@ -340,11 +345,10 @@ class EmbeddedStore:
         member leaving with it), and its client is pointed at every member now (those
         it last saw may leave meanwhile; one started since may be the one that stays)."""
         self._leaving = True
-        store = self._store
-        with contextlib.suppress(StoreError):
-            urls = client_endpoints(list_members(store)) if store is not None else []
-            if store is not None and urls:
-                store.use_endpoints(urls)
+        if (store := self._store) is not None:
+            with contextlib.suppress(StoreError):
+                if urls := client_endpoints(list_members(store)):
+                    store.use_endpoints(urls)
 
     def leave(self) -> bool:
         """Leave the cluster (this node is leaving the job) unless this node's member
@@ -386,8 +390,8 @@ class EmbeddedStore:
                 self.leave()  # (where the node's shutdown did not get to it)
             if store is not None and self._staying and not self._left:
                 await_others(store, self._clients, self._name, self._cfg.lease_ttl + 1.0)
-                leave_in_turn(store, self._keys, self._name, ttl=self._cfg.lease_ttl,
-                              wait=_LOCK_WAIT)  # fmt: skip  # (every member known now)
+                self._left = leave_in_turn(store, self._keys, self._name,
+                                           ttl=self._cfg.lease_ttl, wait=_LOCK_WAIT)  # fmt: skip
         finally:
             self._store = None
             member, self._member = self._member, None
@@ -396,4 +400,4 @@ class EmbeddedStore:
                     store.close()
             finally:
                 if member is not None:
-                    member.stop()
+                    member.stop(at_once=self._left)

@@ -9,7 +9,8 @@ a SIGKILL of the agent's whole process group, which does not reach this session,
 seen at once; without pidfds, its parent changing, checked every 0.2 s; a
 parent-death signal would not do, as it follows the agent's thread that started
 the keeper, not the agent), it stops
-etcd (SIGTERM, then SIGKILL after 5 s; SIGKILL at once when the agent is gone),
+etcd (SIGTERM, then SIGKILL after 5 s; SIGKILL at once when the agent is gone or
+told so by SIGUSR1: a member that left the cluster),
 removes DATA_DIR and exits. When etcd exits
 by itself, the keeper removes DATA_DIR and exits with etcd's code. So neither an etcd
 process nor its data outlive the agent, however the agent ends.
@@ -54,12 +55,14 @@ def main(argv: list[str]) -> int:
               file=sys.stderr)  # fmt: skip
         return 2
     agent, data_dir, binary, args = int(argv[0]), argv[1], argv[2], argv[3:]
-    stop = threading.Event()
+    stop, at_once = threading.Event(), threading.Event()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
+        if signum == signal.SIGUSR1:
+            at_once.set()
         stop.set()
 
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1):
         signal.signal(sig, on_signal)
     me = os.getpid()
     if os.getppid() != agent:  # the agent died before this process got here
@@ -81,7 +84,10 @@ def main(argv: list[str]) -> int:
             stop.set()  # (the keeper's own end, not etcd's: exit 0)
     finally:
         if proc.poll() is None:
-            if orphaned:  # the node is gone: nothing to hand over, no reason to wait
+            # the node is gone, or the member left the cluster: nothing to hand over, no
+            # reason to wait (a member's graceful stop waits up to 1 s for its peers'
+            # connections to close)
+            if orphaned or at_once.is_set():
                 proc.kill()
             else:
                 proc.terminate()

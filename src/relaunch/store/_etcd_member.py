@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import http.client
+import json
 import logging
 import os
 import shutil
@@ -39,6 +40,7 @@ __all__ = [
     "endpoint_of",
     "find_etcd",
     "free_port",
+    "hand_over",
     "health",
     "healthy",
     "is_etcd",
@@ -94,6 +96,37 @@ def health(client_url: str, timeout: float = 1.0, *, local: bool = False) -> Hea
 def healthy(client_url: str, timeout: float = 1.0, *, local: bool = False) -> bool:
     """Whether the member at ``client_url`` says it is healthy (it has a leader)."""
     return health(client_url, timeout, local=local) == "healthy"
+
+
+def hand_over(client_url: str, to: str, timeout: float = 2.0) -> bool:
+    """If the member at ``client_url`` leads the cluster, make member ``to`` (its id)
+    the leader; whether it did. A leader that removes itself leaves the others with no
+    leader until they elect one (an election timeout and more), and etcd holds every
+    write sent meanwhile for its request timeout (about 6 s) before it fails; after a
+    hand-over the removal of the old leader is an ordinary one. Any failure is False
+    (the removal goes on without it)."""
+    try:
+        status = _post_json(client_url + "/v3/maintenance/status", {}, timeout)
+        header = status.get("header")
+        me = header.get("member_id") if isinstance(header, dict) else None
+        if me is None or str(me) != str(status.get("leader")):
+            return False
+        _post_json(client_url + "/v3/maintenance/transfer-leadership", {"targetID": to}, timeout)
+    except (OSError, ValueError, http.client.HTTPException):  # (incl. URLError, JSON)
+        return False
+    return True
+
+
+def _post_json(url: str, body: dict[str, object], timeout: float) -> dict[str, object]:
+    """POST ``body`` to ``url`` as JSON; the reply's JSON object (ValueError: not one)."""
+    request = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=timeout) as reply:
+        doc = json.loads(reply.read(1 << 16))
+    if not isinstance(doc, dict):
+        raise ValueError(f"{url}: expected a JSON object, got {type(doc).__name__}")
+    return doc
 
 
 def is_etcd(client_url: str, timeout: float) -> bool:
@@ -205,6 +238,11 @@ class EtcdMember:
             "--heartbeat-interval", "100",
             "--election-timeout", "500",
         ]  # fmt: skip
+        # one Go scheduler thread: etcd serves a few requests a second here, and each
+        # idle P costs timer wakeups (a 3-member cluster at idle, 2 cores: 1.3% of a
+        # core per member against 1.65% with GOMAXPROCS=2; a node of 100+ cores would
+        # run as many Ps). A GOMAXPROCS the user set is kept.
+        env = {**os.environ, "GOMAXPROCS": os.environ.get("GOMAXPROCS", "1")}
         out: int | BinaryIO = subprocess.DEVNULL
         if log_dir is not None:
             out = open(os.path.join(log_dir, f"etcd-{spec.name}.log"), "ab")  # noqa: SIM115
@@ -222,6 +260,7 @@ class EtcdMember:
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=out,
+                env=env,
                 start_new_session=True,  # a kill of the agent's group leaves it to clean up
             )
         except OSError:
@@ -275,12 +314,15 @@ class EtcdMember:
                 )
             time.sleep(0.05)
 
-    def stop(self, timeout: float = 10.0) -> None:
-        """Stop the keeper (it stops etcd and removes the data). Idempotent."""
+    def stop(self, timeout: float = 10.0, *, at_once: bool = False) -> None:
+        """Stop the keeper (it stops etcd and removes the data). ``at_once``: etcd is
+        killed, not stopped gracefully (a member that left the cluster: its graceful
+        stop would wait up to 1 s for the other members' connections to close).
+        Idempotent."""
         proc = self._proc
         if proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
-                proc.send_signal(signal.SIGTERM)
+                proc.send_signal(signal.SIGUSR1 if at_once else signal.SIGTERM)
             try:
                 proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
