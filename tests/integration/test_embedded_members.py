@@ -104,9 +104,9 @@ def test_a_leader_that_leaves_hands_the_lead_over_first(first: Member) -> None:
         (leader,) = [m for m in list_members(store) if m.name == first.name]
         assert not hand_over(learner.spec.client_url, leader.id)  # a follower has no lead
 
-        out, up = leave_cluster(store, first.name)
+        left = leave_cluster(store, first.name)
 
-        assert out and up == {"learner"}
+        assert left.out and left.gone and left.up == {"learner"}
         assert [m.name for m in list_members(store)] == ["learner"]
         # the member that stays leads at once, with no election in between (a write
         # sent to it meanwhile would wait for etcd's request timeout, ~6 s)

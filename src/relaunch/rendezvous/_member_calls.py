@@ -11,6 +11,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 from relaunch.errors import StoreConnectionError, StoreError
 from relaunch.rendezvous._seats import Member, parse_members
@@ -18,6 +19,7 @@ from relaunch.store._etcd_member import any_healthy, endpoint_of, hand_over
 from relaunch.store.etcd import EtcdStore
 
 __all__ = [
+    "Leave",
     "answers",
     "await_others",
     "client_endpoints",
@@ -33,6 +35,20 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Leave:
+    """What a leave (:func:`leave_cluster`) came to."""
+
+    out: bool
+    """The member is out of the cluster, or taken for out (the store could not be
+    reached: the others remove it once it is gone)."""
+    gone: bool = False
+    """It is in the cluster no more (removed by this call or before): nothing of the
+    cluster is on it, it may be killed at once."""
+    up: frozenset[str] = frozenset()
+    """The other members up, as the leave saw them."""
 
 
 def list_members(store: EtcdStore) -> list[Member]:
@@ -102,7 +118,7 @@ def leave_cluster(
     known: Callable[[Member], bool] = lambda m: True,
     *,
     locked: bool = True,
-) -> tuple[bool, set[str]]:
+) -> Leave:
     """Remove the members down now, then member ``name`` (a member leaving while a
     dead one stays listed could leave the others without a quorum); a learner up
     first takes the vote it leaves. Not while no other member up is ``known`` (one that
@@ -111,14 +127,13 @@ def leave_cluster(
     held (``locked``) no member is joining: one listed but not started is a join that
     failed (its node died while the member started), removed with the members down;
     without it, one not started may be joining and counts in the quorum (with it, the
-    others may have none until it runs): it stays, and so does ``name``. Whether
-    ``name`` is out of the cluster, and the names of the other members up."""
+    others may have none until it runs): it stays, and so does ``name``."""
     try:
         members = list_members(store)
     except StoreError as exc:
         log.warning("embedded store: member %s did not leave the cluster (%s); the "
                     "others remove it when it is gone", name, exc)  # fmt: skip
-        return True, set()
+        return Leave(out=True)
     mine = [m for m in members if m.name == name]
     others = [m for m in members if m.name != name]
     # down: twice no healthy answer in 2 s (a member that is only slow, on a loaded
@@ -127,26 +142,28 @@ def leave_cluster(
     for m in others:
         if m not in up and (m.started or locked):
             remove_member(store, m.id, m.name or "(never started)")
-    names = {m.name for m in up}
+    names = frozenset(m.name for m in up)
     if not mine:
-        return True, names
+        return Leave(out=True, gone=True, up=names)
     # the host leaving (scaled down) with a learner beside it leaves a store of one
     voting = [
         m
         for m in up
         if known(m) and (not m.learner or (not mine[0].learner and promote_once(store, m)))
     ]
-    if voting and (locked or all(m.started for m in others)):
-        # (the others elect no leader then: the writes sent meanwhile wait 6 s)
-        for url in mine[0].client_urls:
-            if hand_over(url, voting[0].id):
-                log.debug("embedded store: leadership handed to %s", voting[0].name)
-                break
-        remove_member(store, mine[0].id, name)
-        if urls := client_endpoints(up):  # its last calls go to those that stay
-            store.use_endpoints(urls)
-        return True, names
-    return False, names
+    if not voting or not (locked or all(m.started for m in others)):
+        return Leave(out=False, up=names)
+    # a leader's removal would leave the others none until they elect one, and etcd
+    # holds the writes sent meanwhile for its request timeout (6 s)
+    if mine[0].client_urls and hand_over(mine[0].client_urls[0], voting[0].id):
+        log.debug("embedded store: leadership handed to %s", voting[0].name)
+    gone = remove_member(store, mine[0].id, name)
+    if not gone:  # (a hand-over that timed out may still be under way: once more after it)
+        time.sleep(0.5)
+        gone = remove_member(store, mine[0].id, name)
+    if urls := client_endpoints(up):  # its last calls go to those that stay
+        store.use_endpoints(urls)
+    return Leave(out=True, gone=gone, up=names)
 
 
 def leave_in_turn(
@@ -157,7 +174,7 @@ def leave_in_turn(
     ttl: float,
     wait: float,
     known: Callable[[Member], bool] = lambda m: True,
-) -> bool:
+) -> Leave:
     """:func:`leave_cluster` holding the members' lock (``keys``: the lock's, then the
     staying member's; :func:`members_lock`, ``wait`` and ``ttl``): members that leave
     together decide one after the other, so the last one up sees that it is the last (the three of a store leaving at once would
@@ -172,11 +189,11 @@ def leave_in_turn(
         except StoreError:
             staying = ""
         known_now = lambda m: m.name == staying or known(m)  # noqa: E731
-        out, up = leave_cluster(store, name, known_now, locked=held)
-        if not out and staying not in up:
+        left = leave_cluster(store, name, known_now, locked=held)
+        if not left.out and staying not in left.up:
             with contextlib.suppress(StoreError):
                 store.set_ephemeral(staying_key, name.encode(), ttl)
-        return out
+        return left
 
 
 @contextlib.contextmanager

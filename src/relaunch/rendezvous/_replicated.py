@@ -45,6 +45,7 @@ import time
 
 from relaunch.errors import StoreConnectionError, StoreError
 from relaunch.rendezvous._member_calls import (
+    Leave,
     await_others,
     client_endpoints,
     leave_in_turn,
@@ -99,7 +100,7 @@ class EmbeddedStore:
         self._down: dict[str, float] = {}
         self._up_since: dict[str, float] = {}
         """When this node first saw each member started (monotonic)."""
-        self._left = False
+        self._left = Leave(out=False)
         self._staying = False
         """This node's member leaves last: the others' last calls come here."""
         self._leaving = False
@@ -321,8 +322,6 @@ class EmbeddedStore:
         finally:
             if added is not None:
                 remove_member(store, added, self._name)
-        if self._member is not None:  # the client knows its own member now: it may stay last
-            self._refresh()
 
     # -- what the others read --------------------------------------------------------------
 
@@ -357,7 +356,7 @@ class EmbeddedStore:
         staying itself). True when out (or never a member); False: the member stays
         until the other nodes' clients are closed (:meth:`close` waits for that)."""
         store, member = self._store, self._member
-        if member is None or not member.running() or store is None or self._left:
+        if member is None or not member.running() or store is None or self._left.out:
             return True  # (a member whose process ended was removed, or is removed)
         settled = time.monotonic() - 3 * self._cfg.interval - 1.0
         with self._view_lock:
@@ -365,8 +364,8 @@ class EmbeddedStore:
         known = lambda m: since.get(m.id, settled + 1.0) <= settled  # noqa: E731
         self._left = leave_in_turn(store, self._keys, self._name, ttl=self._cfg.lease_ttl,
                                    wait=_LOCK_WAIT, known=known)  # fmt: skip
-        self._staying = not self._left
-        return self._left
+        self._staying = not self._left.out
+        return self._left.out
 
     @property
     def is_member(self) -> bool:
@@ -388,7 +387,7 @@ class EmbeddedStore:
         try:
             if store is not None and not self._staying:
                 self.leave()  # (where the node's shutdown did not get to it)
-            if store is not None and self._staying and not self._left:
+            if store is not None and self._staying and not self._left.out:
                 await_others(store, self._clients, self._name, self._cfg.lease_ttl + 1.0)
                 self._left = leave_in_turn(store, self._keys, self._name,
                                            ttl=self._cfg.lease_ttl, wait=_LOCK_WAIT)  # fmt: skip
@@ -400,4 +399,4 @@ class EmbeddedStore:
                     store.close()
             finally:
                 if member is not None:
-                    member.stop(at_once=self._left)
+                    member.stop(at_once=self._left.gone)

@@ -238,11 +238,6 @@ class EtcdMember:
             "--heartbeat-interval", "100",
             "--election-timeout", "500",
         ]  # fmt: skip
-        # one Go scheduler thread: etcd serves a few requests a second here, and each
-        # idle P costs timer wakeups (a 3-member cluster at idle, 2 cores: 1.3% of a
-        # core per member against 1.65% with GOMAXPROCS=2; a node of 100+ cores would
-        # run as many Ps). A GOMAXPROCS the user set is kept.
-        env = {**os.environ, "GOMAXPROCS": os.environ.get("GOMAXPROCS", "1")}
         out: int | BinaryIO = subprocess.DEVNULL
         if log_dir is not None:
             out = open(os.path.join(log_dir, f"etcd-{spec.name}.log"), "ab")  # noqa: SIM115
@@ -260,7 +255,6 @@ class EtcdMember:
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=out,
-                env=env,
                 start_new_session=True,  # a kill of the agent's group leaves it to clean up
             )
         except OSError:
