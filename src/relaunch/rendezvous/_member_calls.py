@@ -158,12 +158,20 @@ def leave_cluster(
     if mine[0].client_urls and hand_over(mine[0].client_urls[0], voting[0].id):
         log.debug("embedded store: leadership handed to %s", voting[0].name)
     gone = remove_member(store, mine[0].id, name)
-    if not gone:  # (a hand-over that timed out may still be under way: once more after it)
-        time.sleep(0.5)
-        gone = remove_member(store, mine[0].id, name)
     if urls := client_endpoints(up):  # its last calls go to those that stay
         store.use_endpoints(urls)
+    if not gone:  # its reply lost as it left, or a hand-over that timed out under way
+        time.sleep(0.5)
+        gone = remove_member(store, mine[0].id, name) or not _listed(store, mine[0].id)
     return Leave(out=True, gone=gone, up=names)
+
+
+def _listed(store: EtcdStore, member_id: str) -> bool:
+    """Whether the cluster lists the member (True when it cannot be asked)."""
+    try:
+        return any(m.id == member_id for m in list_members(store))
+    except StoreError:
+        return True
 
 
 def leave_in_turn(
@@ -177,8 +185,9 @@ def leave_in_turn(
 ) -> Leave:
     """:func:`leave_cluster` holding the members' lock (``keys``: the lock's, then the
     staying member's; :func:`members_lock`, ``wait`` and ``ttl``): members that leave
-    together decide one after the other, so the last one up sees that it is the last (the three of a store leaving at once would
-    each see two others up and remove itself: no member left). A member that stays
+    together decide one after the other, so the last one up sees that it is the last
+    (the three of a store leaving at once would each see two others up and remove
+    itself: no member left). A member that stays
     (no other ``known`` member up) is named in the staying key (under its lease) unless
     another member up is: the member that the others' last calls go to, whom the next
     leaver may leave to."""
