@@ -77,10 +77,8 @@ __all__ = ["EmbeddedSettings", "EmbeddedStore"]
 
 log = logging.getLogger(__name__)
 
-_JOIN_TIMEOUT = 30.0
-"""Seconds a new member may take to become healthy."""
-_LOCK_WAIT = _JOIN_TIMEOUT + 15.0
-"""Seconds a leaving member waits for the members' lock (a joiner holds it meanwhile)."""
+_JOIN_TIMEOUT = 30.0  # seconds a new member may take to become healthy
+_LOCK_WAIT = _JOIN_TIMEOUT + 15.0  # a leaver's wait for the members' lock (a joiner's hold)
 
 
 class EmbeddedStore:
@@ -280,8 +278,7 @@ class EmbeddedStore:
             self._join()
 
     def _join(self) -> None:
-        """Take the members' lock, add this node as a member and start it; one line and
-        the seat left to another node when the member cannot start."""
+        """Under the members' lock, add this node's member (:meth:`_add_member`)."""
         assert self._store is not None
         store = self._store
         with members_lock(store, self._lock_key, self._name, ttl=self._cfg.lease_ttl) as held:
@@ -291,6 +288,8 @@ class EmbeddedStore:
             self._refresh()
 
     def _add_member(self, store: EtcdStore) -> None:
+        """Add this node as a member and start it; one line and the seat left to another
+        node when the member cannot start."""
         added: str | None = None
         try:
             members = list_members(store)
@@ -350,11 +349,9 @@ class EmbeddedStore:
                     store.use_endpoints(urls)
 
     def leave(self) -> bool:
-        """Leave the cluster (this node is leaving the job) unless this node's member
-        is the one the others reach: no other member up that every node's client
-        surely knows of (up for longer than the clients' look, ``3 * interval``, or
-        staying itself). True when out (or never a member); False: the member stays
-        until the other nodes' clients are closed (:meth:`close` waits for that)."""
+        """Leave the cluster (the node leaves the job) unless no other member up is one
+        every client surely knows (up longer than their look, ``3 * interval``, or
+        staying). True when out (or never a member); False: it stays (:meth:`close`)."""
         store, member = self._store, self._member
         if member is None or not member.running() or store is None or self._left.out:
             return True  # (a member whose process ended was removed, or is removed)
