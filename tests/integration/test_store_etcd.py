@@ -94,6 +94,28 @@ def test_store_operations(etcd: Member) -> None:
         store.close()
 
 
+def test_a_key_set_under_a_lease_etcd_dropped_gets_a_new_lease(etcd: Member) -> None:
+    """A stalled node's lease expires before its refresh thread sees it: its next
+    write under the lease is not refused (etcd: "requested lease not found"), it
+    takes a new lease."""
+    store, other = store_for(etcd), store_for(etcd)
+    try:
+        store.set_ephemeral("alive/a", b"1", 60.0)  # refreshed every 20 s: not before the end
+        for lease in other.request("/lease/leases", {})["leases"]:
+            other.request("/kv/lease/revoke", {"ID": lease["ID"]})  # as if it expired
+        assert store.get("alive/a") is None
+        store.set_ephemeral("alive/b", b"1", 60.0)
+        assert store.claim_ephemeral("alive/c", b"1", 60.0) is True
+        assert store.get("alive/b") == b"1" and store.get("alive/c") == b"1"
+        (lease,) = other.request("/lease/leases", {})["leases"]
+        store.close()  # revokes the new lease: its keys go with it
+        assert other.get("alive/b") is None and other.get("alive/c") is None
+        assert other.request("/lease/leases", {}).get("leases", []) == []
+    finally:
+        store.close()
+        other.close()
+
+
 def test_a_wait_in_flight_ends_when_the_store_is_closed(etcd: Member) -> None:
     store = store_for(etcd)
     with ThreadPoolExecutor(1, thread_name_prefix="test-etcd") as pool:

@@ -17,7 +17,7 @@ import math
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from relaunch.errors import (
@@ -35,6 +35,9 @@ logger = logging.getLogger(__name__)
 _CONNECT = 3.0
 """Seconds a watch may take to connect (a member on a lost host never answers; the
 caller's next read fails over)."""
+
+_LEASE_NOT_FOUND = "requested lease not found"
+"""etcd's error for a write under a lease it no longer knows (gRPC NOT_FOUND)."""
 
 
 def _b64(data: bytes | str) -> str:
@@ -265,38 +268,45 @@ class EtcdStore:
         which revokes it: the key vanishes at once on a clean exit and ``ttl``
         seconds after a crash, as judged by etcd (no clock of ours involved).
         """
-        lease = self._own_lease(ttl)
-        self._http.post(
-            "/kv/put", {"key": self._key(key), "value": _b64(value), "lease": str(lease)}
+        self._under_lease(
+            ttl,
+            lambda lease: self._http.post(
+                "/kv/put", {"key": self._key(key), "value": _b64(value), "lease": str(lease)}
+            ),
         )
 
     def claim_ephemeral(self, key: str, value: bytes, ttl: float) -> bool:
         """Create ``key`` under this store's lease unless it exists (as
         :meth:`set_ephemeral`); whether this call created it."""
-        lease = self._own_lease(ttl)
-        reply = self._http.post(
-            "/kv/txn",
-            {
-                "compare": [
-                    {
-                        "key": self._key(key),
-                        "result": "EQUAL",
-                        "target": "CREATE",
-                        "create_revision": "0",
-                    }
-                ],
-                "success": [
-                    {
-                        "request_put": {
-                            "key": self._key(key),
-                            "value": _b64(value),
-                            "lease": str(lease),
-                        }
-                    }
-                ],
-            },
-        )
+
+        def create(lease: int) -> dict[str, Any]:
+            put = {"key": self._key(key), "value": _b64(value), "lease": str(lease)}
+            absent = {"key": self._key(key), "result": "EQUAL", "target": "CREATE",
+                      "create_revision": "0"}  # fmt: skip
+            return self._http.post(
+                "/kv/txn", {"compare": [absent], "success": [{"request_put": put}]}
+            )
+
+        reply = self._under_lease(ttl, create)
         return bool(reply.get("succeeded", False))
+
+    def _under_lease(self, ttl: float, call: Callable[[int], dict[str, Any]]) -> dict[str, Any]:
+        """``call(lease)`` with this store's lease; once more with a new lease when etcd
+        no longer knows it: it expired before the refresh thread saw it (this process
+        was silent past ``ttl``, a stalled machine), and etcd dropped the keys under it.
+        Raised to the caller instead, the writer of a node's liveness key would fail
+        its rendezvous over a stall it has survived."""
+        lease = self._own_lease(ttl)
+        try:
+            return call(lease)
+        except StoreError as exc:
+            if _LEASE_NOT_FOUND not in str(exc):
+                raise
+            logger.warning("etcd lease %x expired; a new one is granted", lease)
+            with self._lock:
+                if self._lease == lease:
+                    self._lease = None
+        return call(self._own_lease(ttl))
 
     def _own_lease(self, ttl: float) -> int:
         """This store's lease, granted at first use and refreshed by a named thread."""
