@@ -131,16 +131,19 @@ class Job:
         for path in glob.glob(f"/dev/shm/relaunch-*-{proc.pid}-*"):
             shutil.rmtree(path, ignore_errors=True)
 
-    def etcd_cpu(self) -> float:
-        """CPU seconds used so far by the embedded store's processes (etcd, keepers)."""
+    def etcd_cpu(self) -> dict[str, float]:
+        """CPU seconds used so far by each of the embedded store's processes (etcd and
+        its keeper), by ``pid:name``."""
         found = subprocess.run(["pgrep", "-f", "relaunch.store._etcd_keeper|etcdbin/etcd"],
                                capture_output=True, text=True, check=False).stdout.split()  # fmt: skip
-        total = 0.0
+        used = {}
         for pid in found:
             with contextlib.suppress(OSError):
-                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-                total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-        return total
+                name, rest = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)
+                fields = rest.split()
+                clock = os.sysconf("SC_CLK_TCK")
+                used[f"{pid}:{name.split('(')[-1]}"] = (int(fields[11]) + int(fields[12])) / clock
+        return used
 
     def close(self) -> None:
         """Stop every agent as a scheduler would (SIGTERM, then SIGKILL after 30 s)."""
@@ -167,7 +170,12 @@ def one(
         if launcher == "relaunch" and idle > 0:
             before = job.etcd_cpu()
             time.sleep(idle)
-            cpu = (job.etcd_cpu() - before) / idle / nodes * 100
+            after = job.etcd_cpu()
+            used = {p: after[p] - before.get(p, 0.0) for p in after}
+            cpu = sum(used.values()) / idle / nodes * 100
+            members = sorted((u / idle * 100 for p, u in used.items() if p.endswith(":etcd")),
+                             reverse=True)  # fmt: skip
+            print("    etcd members: " + ", ".join(f"{u:.2f}%" for u in members) + " of a core")
         members = list(job.members()) if launcher == "relaunch" else [0]
         if kind == "host":
             victim = 0

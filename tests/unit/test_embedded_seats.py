@@ -129,3 +129,19 @@ def test_a_member_list_reply_is_never_trusted(caplog: pytest.LogCaptureFixture) 
     ]
     assert caplog.text.count("not a member") == 3
     assert parse_members({"members": "x"}) == [] and parse_members({}) == []
+
+
+def test_the_clients_spread_over_the_voting_members() -> None:
+    from relaunch.rendezvous._member_calls import client_endpoints
+
+    learner, starting = _m("d", learner=True), _m("e", started=False)
+    members = [A, B, C, learner, starting]
+    hosts = lambda eps: [h for h, _ in eps]  # noqa: E731
+    assert hosts(client_endpoints(members)) == ["a", "b", "c", "d"]
+    assert hosts(client_endpoints(members, spread="b")) == ["b", "c", "a", "d"]  # its own
+    firsts = {hosts(client_endpoints(members, spread=f"node-{i}"))[0] for i in range(30)}
+    assert firsts == {"a", "b", "c"}  # every voting member serves some nodes, never the learner
+    for i in range(30):  # a node's choice is its own, and each list holds every member
+        name = f"node-{i}"
+        assert client_endpoints(members, spread=name) == client_endpoints(members, spread=name)
+        assert sorted(hosts(client_endpoints(members, spread=name))) == ["a", "b", "c", "d"]

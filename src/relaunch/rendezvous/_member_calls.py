@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -31,6 +32,7 @@ __all__ = [
     "promote_once",
     "promote_when_in_sync",
     "quorum_lost_line",
+    "reach",
     "remove_member",
 ]
 
@@ -55,11 +57,39 @@ def list_members(store: EtcdStore) -> list[Member]:
     return parse_members(store.request("/cluster/member/list", {}))
 
 
-def client_endpoints(members: list[Member]) -> list[tuple[str, int]]:
+def reach(store: EtcdStore, endpoint: tuple[str, int], read_timeout: float) -> None:
+    """Wait (up to ``read_timeout``) until the cluster at ``endpoint`` answers."""
+    deadline = time.monotonic() + read_timeout
+    while True:
+        try:
+            store.request("/cluster/member/list", {})
+            return
+        except StoreConnectionError as exc:
+            if time.monotonic() >= deadline:
+                host, port = endpoint
+                raise StoreConnectionError(
+                    f"cannot reach the embedded rendezvous store at {host}:{port} within "
+                    f"read_timeout={read_timeout:g} s: is a node of the job up there? ({exc})"
+                ) from exc
+            time.sleep(0.2)
+
+
+def client_endpoints(members: list[Member], spread: str | None = None) -> list[tuple[str, int]]:
     """The started members' client endpoints, the voting ones first: a learner refuses
     the rendezvous' calls (the client fails over), but may have been promoted since
-    the list was read, and be all that answers once the others are lost."""
+    the list was read, and be all that answers once the others are lost.
+
+    With ``spread`` (this node's member name), the voting members come in turn from
+    this node's own member, or else from the one its name hashes to: the clients of a
+    job spread over the members (each member's JSON gateway serves its share of the
+    beats, the costliest part of etcd's work at idle), not all on the first one.
+    """
     started = sorted((m for m in members if m.started), key=lambda m: m.learner)
+    voting = [m for m in started if not m.learner]
+    if spread is not None and voting:
+        own = [i for i, m in enumerate(voting) if m.name == spread]
+        k = own[0] if own else zlib.crc32(spread.encode()) % len(voting)
+        started = voting[k:] + voting[:k] + started[len(voting) :]
     return [e for m in started for u in m.client_urls if (e := endpoint_of(u))]
 
 

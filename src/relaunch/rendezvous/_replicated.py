@@ -54,6 +54,7 @@ from relaunch.rendezvous._member_calls import (
     promote_once,
     promote_when_in_sync,
     quorum_lost_line,
+    reach,
     remove_member,
 )
 from relaunch.rendezvous._member_specs import (
@@ -96,6 +97,7 @@ class EmbeddedStore:
         self._member: EtcdMember | None = None
         self._members: list[Member] = []
         self._down: dict[str, float] = {}
+        self._preferred: tuple[str, int] | None = None  # where the client was last moved
         self._up_since: dict[str, float] = {}
         """When this node first saw each member started (monotonic)."""
         self._left = Leave(out=False)
@@ -126,7 +128,7 @@ class EmbeddedStore:
             # starts, the loss of one of the pair leaves no quorum until it runs
             store = EtcdStore([(host, port)], timeout=_JOIN_TIMEOUT)
             self._store = store
-            self._reach()
+            reach(store, self._cfg.endpoint, self._cfg.read_timeout)
             self._refresh()
             store.set_ephemeral(self._clients + self._name, b"1", self._cfg.lease_ttl)
         except BaseException:
@@ -137,24 +139,6 @@ class EmbeddedStore:
         )
         self._thread.start()
         return store
-
-    def _reach(self) -> None:
-        """Wait (up to ``read_timeout``) until the endpoint's cluster answers."""
-        assert self._store is not None
-        deadline = time.monotonic() + self._cfg.read_timeout
-        while True:
-            try:
-                self._store.request("/cluster/member/list", {})
-                return
-            except StoreConnectionError as exc:
-                if time.monotonic() >= deadline:
-                    host, port = self._cfg.endpoint
-                    raise StoreConnectionError(
-                        f"cannot reach the embedded rendezvous store at {host}:{port} within "
-                        f"read_timeout={self._cfg.read_timeout:g} s: is a node of the job up "
-                        f"there? ({exc})"
-                    ) from exc
-                time.sleep(0.2)
 
     def _launch(self, spec: MemberSpec) -> None:
         """Start this node's member; return once it answers healthy (it has a leader)."""
@@ -238,9 +222,10 @@ class EmbeddedStore:
         self._up_since = {m.id: self._up_since.get(m.id, now) for m in members if m.started}
         with self._view_lock:
             self._members = members
-        urls = client_endpoints(members)
-        if urls:
-            self._store.use_endpoints(urls)
+        urls = client_endpoints(members, spread=self._name)
+        if urls:  # moved to the member it prefers when that one changed (else: failed over)
+            self._store.use_endpoints(urls, move=urls[0] != self._preferred)
+            self._preferred = urls[0]
         if self._member is not None and not self._member.running():
             if not self._leaving:  # (else: it left the cluster, it does not come back)
                 log.warning("embedded store: this node's etcd member stopped; it may join again")

@@ -82,15 +82,16 @@ class EtcdEndpoints:
         ]
         self._names = [f"{host}:{port}" for host, port in endpoints]
 
-    def use(self, endpoints: Sequence[tuple[str, int]]) -> None:
-        """Try these endpoints from now on; the one in use stays first when still there."""
+    def use(self, endpoints: Sequence[tuple[str, int]], *, move: bool = False) -> None:
+        """Try these endpoints from now on; the one in use stays first when still there,
+        unless ``move``: then the first one given is."""
         if not endpoints:
             raise ConfigError("endpoints: expected at least one (host, port)")
         with self._lock:
             wanted = [f"{host}:{port}" for host, port in endpoints]
-            if wanted == self._names:
+            if wanted == self._names and not move:
                 return
-            current = self._names[self._current] if self._names else None
+            current = self._names[self._current] if self._names and not move else None
             # closed at close(): a call in another thread may be using one now
             self._retired.extend(self._clients)
             self._set(endpoints)

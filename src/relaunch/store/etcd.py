@@ -90,10 +90,11 @@ class EtcdStore:
         """The watch streams in flight: :meth:`close` ends them (their threads wake)."""
         self._closing = False
 
-    def use_endpoints(self, endpoints: Sequence[tuple[str, int]]) -> None:
+    def use_endpoints(self, endpoints: Sequence[tuple[str, int]], *, move: bool = False) -> None:
         """Try these endpoints from now on (a cluster whose members changed); the one
-        in use stays first when it is still among them."""
-        self._http.use(endpoints)
+        in use stays first when it is still among them, unless ``move``: then the first
+        one given is."""
+        self._http.use(endpoints, move=move)
 
     def hurry(self) -> None:
         """From now on each call waits a moment (2 s), not the whole timeout, for an
