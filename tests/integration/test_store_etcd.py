@@ -101,13 +101,19 @@ def test_a_key_set_under_a_lease_etcd_dropped_gets_a_new_lease(etcd: Member) -> 
     store, other = store_for(etcd), store_for(etcd)
     try:
         store.set_ephemeral("alive/a", b"1", 60.0)  # refreshed every 20 s: not before the end
-        for lease in other.request("/lease/leases", {})["leases"]:
-            other.request("/kv/lease/revoke", {"ID": lease["ID"]})  # as if it expired
+
+        def expire() -> None:  # as if each lease expired
+            for lease in other.request("/lease/leases", {})["leases"]:
+                other.request("/kv/lease/revoke", {"ID": lease["ID"]})
+
+        expire()
         assert store.get("alive/a") is None
         store.set_ephemeral("alive/b", b"1", 60.0)
+        expire()
         assert store.claim_ephemeral("alive/c", b"1", 60.0) is True
+        store.set_ephemeral("alive/b", b"1", 60.0)
         assert store.get("alive/b") == b"1" and store.get("alive/c") == b"1"
-        (lease,) = other.request("/lease/leases", {})["leases"]
+        assert len(other.request("/lease/leases", {})["leases"]) == 1  # the new one alone
         store.close()  # revokes the new lease: its keys go with it
         assert other.get("alive/b") is None and other.get("alive/c") is None
         assert other.request("/lease/leases", {}).get("leases", []) == []

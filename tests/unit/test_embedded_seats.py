@@ -137,11 +137,42 @@ def test_the_clients_spread_over_the_voting_members() -> None:
     learner, starting = _m("d", learner=True), _m("e", started=False)
     members = [A, B, C, learner, starting]
     hosts = lambda eps: [h for h, _ in eps]  # noqa: E731
+    first = lambda name, ms=members, down=(): hosts(client_endpoints(ms, name, down))[0]  # noqa: E731
     assert hosts(client_endpoints(members)) == ["a", "b", "c", "d"]
-    assert hosts(client_endpoints(members, spread="b")) == ["b", "c", "a", "d"]  # its own
-    firsts = {hosts(client_endpoints(members, spread=f"node-{i}"))[0] for i in range(30)}
-    assert firsts == {"a", "b", "c"}  # every voting member serves some nodes, never the learner
-    for i in range(30):  # a node's choice is its own, and each list holds every member
-        name = f"node-{i}"
-        assert client_endpoints(members, spread=name) == client_endpoints(members, spread=name)
-        assert sorted(hosts(client_endpoints(members, spread=name))) == ["a", "b", "c", "d"]
+    assert hosts(client_endpoints(members, spread="b")) == ["b", "a", "c", "d"]  # its own
+    names = [f"node-{i}" for i in range(60)]
+    assert {first(n) for n in names} == {"a", "b", "c"}  # each serves some, a learner none
+    assert first("d") in {"a", "b", "c"}  # a node whose member is still a learner
+    for name in names:  # a node's choice is its own; each list holds every member
+        assert client_endpoints(members, name) == client_endpoints(members, name)
+        assert sorted(hosts(client_endpoints(members, name))) == ["a", "b", "c", "d"]
+        mine = next(m for m in (A, B, C) if m.name == first(name))
+        assert first(name, down={mine.id}) != mine.name  # never a member seen down
+    # a member removed moves its own clients only
+    moved = [n for n in names if first(n) != "c" and first(n, [A, B]) != first(n)]
+    assert moved == []
+
+
+def test_a_client_moves_to_the_member_it_prefers_and_keeps_a_failover() -> None:
+    pytest.importorskip("etcd3gw")
+    from relaunch.store._etcd_http import EtcdEndpoints
+
+    calls = EtcdEndpoints(
+        [("a", 1), ("b", 2), ("c", 3)], protocol="http", ca_cert=None, cert=None, key=None,
+        user=None, password=None, timeout=1.0,
+    )  # fmt: skip
+    try:
+        assert calls.current()[1] == "a:1"
+        calls.current()[2]()  # a failed over to b
+        calls.use([("a", 1), ("b", 2), ("c", 3)])
+        assert calls.current()[1] == "b:2"  # a refresh keeps the failover
+        calls.use([("c", 3), ("a", 1), ("b", 2)])
+        assert calls.current()[1] == "b:2"  # the one in use stays while listed
+        calls.use([("c", 3), ("a", 1), ("b", 2)], move=True)
+        assert calls.current()[1] == "c:3"  # moved: the first one given
+        stale_skip = calls.current()[2]
+        calls.use([("a", 1), ("b", 2)], move=True)
+        stale_skip()  # a failover on the endpoints before the move does not undo it
+        assert calls.current()[1] == "a:1"
+    finally:
+        calls.close()

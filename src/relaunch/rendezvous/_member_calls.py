@@ -11,7 +11,7 @@ import contextlib
 import logging
 import time
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 
 from relaunch.errors import StoreConnectionError, StoreError
@@ -74,22 +74,26 @@ def reach(store: EtcdStore, endpoint: tuple[str, int], read_timeout: float) -> N
             time.sleep(0.2)
 
 
-def client_endpoints(members: list[Member], spread: str | None = None) -> list[tuple[str, int]]:
+def client_endpoints(
+    members: list[Member], spread: str | None = None, down: Collection[str] = ()
+) -> list[tuple[str, int]]:
     """The started members' client endpoints, the voting ones first: a learner refuses
     the rendezvous' calls (the client fails over), but may have been promoted since
     the list was read, and be all that answers once the others are lost.
 
-    With ``spread`` (this node's member name), the voting members come in turn from
-    this node's own member, or else from the one its name hashes to: the clients of a
-    job spread over the members (each member's JSON gateway serves its share of the
-    beats, the costliest part of etcd's work at idle), not all on the first one.
+    With ``spread`` (this node's member name), the voting member first is this node's
+    own, else the one its name ranks highest (rendezvous hashing: a member's removal
+    moves only its own clients), a member ``down`` (ids) never: the clients of a job
+    spread over the members (each member's JSON gateway serves its share of the beats,
+    the costliest part of etcd's work at idle), not all on the first one.
     """
     started = sorted((m for m in members if m.started), key=lambda m: m.learner)
     voting = [m for m in started if not m.learner]
-    if spread is not None and voting:
-        own = [i for i, m in enumerate(voting) if m.name == spread]
-        k = own[0] if own else zlib.crc32(spread.encode()) % len(voting)
-        started = voting[k:] + voting[:k] + started[len(voting) :]
+    up = [m for m in voting if m.id not in down]
+    if spread is not None and up:
+        rank = lambda m: (m.name == spread, zlib.crc32(f"{spread}/{m.id}".encode()))  # noqa: E731
+        first = max(up, key=rank)
+        started = [first, *(m for m in started if m is not first)]
     return [e for m in started for u in m.client_urls if (e := endpoint_of(u))]
 
 

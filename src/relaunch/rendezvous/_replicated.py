@@ -222,7 +222,7 @@ class EmbeddedStore:
         self._up_since = {m.id: self._up_since.get(m.id, now) for m in members if m.started}
         with self._view_lock:
             self._members = members
-        urls = client_endpoints(members, spread=self._name)
+        urls = client_endpoints(members, spread=self._name, down=self._down)
         if urls:  # moved to the member it prefers when that one changed (else: failed over)
             self._store.use_endpoints(urls, move=urls[0] != self._preferred)
             self._preferred = urls[0]

@@ -66,8 +66,7 @@ class EtcdEndpoints:
         self._user = user
         self._password = password
         self._lock = threading.Lock()
-        self._clients: list[Any] = []
-        self._names: list[str] = []
+        self._view: tuple[list[Any], list[str]] = ([], [])
         self._current = 0
         self._authed: set[int] = set()
         self._retired: list[Any] = []
@@ -76,11 +75,25 @@ class EtcdEndpoints:
         self._set(endpoints)
 
     def _set(self, endpoints: Sequence[tuple[str, int]]) -> None:
-        self._clients = [
+        clients = [
             self._etcd3gw.client(host=host, port=port, **self._client_options)
             for host, port in endpoints
         ]
-        self._names = [f"{host}:{port}" for host, port in endpoints]
+        # one tuple, swapped whole: a call in another thread reads a list and its names
+        self._view = (clients, [f"{host}:{port}" for host, port in endpoints])
+
+    @property
+    def _clients(self) -> list[Any]:
+        return self._view[0]
+
+    def _settle(self, clients: list[Any], index: int) -> bool:
+        """Make ``index`` of ``clients`` the endpoint in use, unless the endpoints were
+        swapped meanwhile (:meth:`use`: its choice stands); whether it was."""
+        with self._lock:
+            if clients is not self._clients:
+                return False
+            self._current = index
+            return True
 
     def use(self, endpoints: Sequence[tuple[str, int]], *, move: bool = False) -> None:
         """Try these endpoints from now on; the one in use stays first when still there,
@@ -89,9 +102,10 @@ class EtcdEndpoints:
             raise ConfigError("endpoints: expected at least one (host, port)")
         with self._lock:
             wanted = [f"{host}:{port}" for host, port in endpoints]
-            if wanted == self._names and not move:
+            names = self._view[1]
+            if wanted == names and not move:
                 return
-            current = self._names[self._current] if self._names and not move else None
+            current = names[self._current] if names and not move else None
             # closed at close(): a call in another thread may be using one now
             self._retired.extend(self._clients)
             self._set(endpoints)
@@ -104,14 +118,13 @@ class EtcdEndpoints:
 
     def current(self) -> tuple[Any, str, Callable[[], None]]:
         """The client in use, its name, and a call that moves on to the next one."""
-        clients = self._clients
+        clients, names = self._view
         index = self._current % len(clients)
 
         def skip() -> None:
-            if clients is self._clients:
-                self._current = (index + 1) % len(clients)
+            self._settle(clients, (index + 1) % len(clients))
 
-        return clients[index], self._names[index], skip
+        return clients[index], names[index], skip
 
     def _authenticate(self, index: int, client: Any) -> None:
         if self._user is None or index in self._authed:
@@ -154,7 +167,7 @@ class EtcdEndpoints:
         if self.closed:
             raise StoreClosedError("the etcd store is closed")
         errors = []
-        clients, names = self._clients, self._names  # use() may swap them
+        clients, names = self._view  # use() may swap it
         start = self._current % len(clients)
         for step in range(len(clients)):
             index = (start + step) % len(clients)
@@ -183,9 +196,8 @@ class EtcdEndpoints:
                 continue
             if resp.status_code != 200:
                 raise StoreError(f"etcd {path} failed ({resp.status_code}): {resp.text.strip()}")
-            if index != self._current and clients is self._clients:
+            if index != self._current and self._settle(clients, index):
                 logger.info("etcd store: failed over to %s", names[index])
-                self._current = index
             result: dict[str, Any] = resp.json()
             return result, errors
         return None, errors
