@@ -8,7 +8,8 @@ state lives in etcd, not in a TCP store on one node:
   host name, or ``is_host=1``) starts the first member, its client port on the
   endpoint's port. Every other node first asks the endpoint, then knows every
   member: the endpoint's node can go, and any member's ``address:port`` works as the
-  endpoint of a node that joins later.
+  endpoint of a node that joins later. Its calls go to its own member, or to the one
+  its name picks (:func:`client_endpoints`), and fail over to the others.
 - The next nodes let into the job (their program and secret checked) join as
   members, one at a time (a lock key under the node's lease), each first a learner
   (no vote: a member that never starts cannot cost the quorum), until there are
