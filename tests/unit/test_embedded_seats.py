@@ -166,6 +166,9 @@ def test_a_client_moves_to_the_member_it_prefers_and_keeps_a_failover() -> None:
         calls.current()[2]()  # a failed over to b
         calls.use([("a", 1), ("b", 2), ("c", 3)])
         assert calls.current()[1] == "b:2"  # a refresh keeps the failover
+        calls.use([("a", 1), ("b", 2), ("c", 3)], move=True)
+        assert calls.current()[1] == "a:1"  # moved back to the first, the same list
+        calls.current()[2]()
         calls.use([("c", 3), ("a", 1), ("b", 2)])
         assert calls.current()[1] == "b:2"  # the one in use stays while listed
         calls.use([("c", 3), ("a", 1), ("b", 2)], move=True)
