@@ -122,6 +122,33 @@ def test_a_key_set_under_a_lease_etcd_dropped_gets_a_new_lease(etcd: Member) -> 
         other.close()
 
 
+def test_keys_set_under_a_lease_etcd_dropped_are_written_again(etcd: Member) -> None:
+    """After a stall past the lease (etcd dropped it, and the keys under it), the
+    refresh thread grants a new lease and sets the node's keys again; a key it
+    deleted, or one it claimed (a lock: another node may hold it now), it does not."""
+    store, other = store_for(etcd), store_for(etcd)
+    try:
+        store.set_ephemeral("alive/a", b"1", 1.0)  # refreshed every 1/3 s
+        store.set_ephemeral("gone", b"1", 1.0)
+        store.delete("gone")
+        assert store.claim_ephemeral("lock", b"1", 1.0)
+        (old,) = other.request("/lease/leases", {})["leases"]
+        other.request("/kv/lease/revoke", {"ID": old["ID"]})  # as if it expired
+        deadline = time.monotonic() + 20
+        while other.get("alive/a") is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert other.get("alive/a") == b"1"
+        assert other.get("gone") is None and other.get("lock") is None
+        (new,) = other.request("/lease/leases", {})["leases"]
+        assert new["ID"] != old["ID"]
+        store.close()  # the new lease revoked: its keys go with it
+        assert other.get("alive/a") is None
+        assert other.request("/lease/leases", {}).get("leases", []) == []
+    finally:
+        store.close()
+        other.close()
+
+
 def test_a_wait_in_flight_ends_when_the_store_is_closed(etcd: Member) -> None:
     store = store_for(etcd)
     with ThreadPoolExecutor(1, thread_name_prefix="test-etcd") as pool:

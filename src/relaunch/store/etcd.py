@@ -13,11 +13,10 @@ import base64
 import contextlib
 import json
 import logging
-import math
 import socket
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from relaunch.errors import (
@@ -27,6 +26,7 @@ from relaunch.errors import (
     StoreTimeoutError,
 )
 from relaunch.store._etcd_http import EtcdEndpoints
+from relaunch.store._etcd_lease import OwnLease
 
 __all__ = ["EtcdStore"]
 
@@ -35,9 +35,6 @@ logger = logging.getLogger(__name__)
 _CONNECT = 3.0
 """Seconds a watch may take to connect (a member on a lost host never answers; the
 caller's next read fails over)."""
-
-_LEASE_NOT_FOUND = "requested lease not found"
-"""etcd's error for a write under a lease it no longer knows (gRPC NOT_FOUND)."""
 
 
 def _b64(data: bytes | str) -> str:
@@ -83,9 +80,7 @@ class EtcdStore:
         self._timeout = self._http.timeout
         self._prefix = prefix
         self._lock = threading.Lock()
-        self._lease: int | None = None
-        self._lease_stop = threading.Event()
-        self._lease_thread: threading.Thread | None = None
+        self._lease = OwnLease(self._http.post)
         self._streams: set[Any] = set()
         """The watch streams in flight: :meth:`close` ends them (their threads wake)."""
         self._closing = False
@@ -179,6 +174,7 @@ class EtcdStore:
                 return current + amount
 
     def delete(self, key: str) -> bool:
+        self._lease.forget(self._key(key))
         reply = self._http.post("/kv/deleterange", {"key": self._key(key)})
         return int(reply.get("deleted", 0)) > 0
 
@@ -267,18 +263,16 @@ class EtcdStore:
 
         A named thread refreshes the lease every ``ttl / 3`` s until :meth:`close`,
         which revokes it: the key vanishes at once on a clean exit and ``ttl``
-        seconds after a crash, as judged by etcd (no clock of ours involved).
+        seconds after a crash, as judged by etcd (no clock of ours involved). After a
+        stall past ``ttl`` (etcd dropped the lease), it is written again under a new
+        lease (:mod:`relaunch.store._etcd_lease`).
         """
-        self._under_lease(
-            ttl,
-            lambda lease: self._http.post(
-                "/kv/put", {"key": self._key(key), "value": _b64(value), "lease": str(lease)}
-            ),
-        )
+        self._lease.put(self._key(key), _b64(value), ttl)
 
     def claim_ephemeral(self, key: str, value: bytes, ttl: float) -> bool:
         """Create ``key`` under this store's lease unless it exists (as
-        :meth:`set_ephemeral`); whether this call created it."""
+        :meth:`set_ephemeral`, but not written again after a stall: another node may
+        hold it by then); whether this call created it."""
 
         def create(lease: int) -> dict[str, Any]:
             put = {"key": self._key(key), "value": _b64(value), "lease": str(lease)}
@@ -288,59 +282,8 @@ class EtcdStore:
                 "/kv/txn", {"compare": [absent], "success": [{"request_put": put}]}
             )
 
-        reply = self._under_lease(ttl, create)
+        reply = self._lease.under(ttl, create)
         return bool(reply.get("succeeded", False))
-
-    def _under_lease(self, ttl: float, call: Callable[[int], dict[str, Any]]) -> dict[str, Any]:
-        """``call(lease)`` with this store's lease; once more with a new lease when etcd
-        no longer knows it: it expired before the refresh thread saw it (this process
-        was silent past ``ttl``, a stalled machine), and etcd dropped the keys under it.
-        Raised to the caller instead, the writer of a node's liveness key would fail
-        its rendezvous over a stall it has survived."""
-        lease = self._own_lease(ttl)
-        try:
-            return call(lease)
-        except StoreError as exc:
-            if _LEASE_NOT_FOUND not in str(exc):
-                raise
-            logger.warning("etcd lease %x expired; a new one is granted", lease)
-            with self._lock:
-                if self._lease == lease:
-                    self._lease = None
-        return call(self._own_lease(ttl))
-
-    def _own_lease(self, ttl: float) -> int:
-        """This store's lease, granted at first use and refreshed by a named thread."""
-        with self._lock:
-            if self._lease is None:
-                reply = self._http.post("/lease/grant", {"TTL": max(1, math.ceil(ttl)), "ID": 0})
-                self._lease = int(reply["ID"])
-            lease = self._lease
-            if self._lease_thread is None:
-                self._lease_thread = threading.Thread(
-                    target=self._refresh_lease,
-                    args=(max(ttl / 3, 0.1),),
-                    name=f"relaunch-etcd-lease-{lease:x}",
-                    daemon=True,
-                )
-                self._lease_thread.start()
-        return lease
-
-    def _refresh_lease(self, interval: float) -> None:
-        while not self._lease_stop.wait(interval):
-            lease = self._lease
-            if lease is None:
-                continue
-            try:
-                reply = self._http.post("/lease/keepalive", {"ID": str(lease)})
-            except StoreError as exc:
-                logger.warning("etcd lease %x not refreshed: %s", lease, exc)
-                continue
-            if int(reply.get("result", {}).get("TTL", 0)) <= 0:
-                logger.warning("etcd lease %x expired; a new one is granted at next use", lease)
-                with self._lock:
-                    if self._lease == lease:
-                        self._lease = None
 
     def keys_with_prefix(self, prefix: str) -> list[str]:
         """The keys that start with ``prefix`` (one range request)."""
@@ -368,18 +311,9 @@ class EtcdStore:
         with self._lock:
             if self._http.closed:
                 return
-            thread, self._lease_thread = self._lease_thread, None
-            lease = self._lease
             self._closing = True  # no watch starts from now on
-        self._lease_stop.set()
         self.end_watches()
-        if thread is not None:
-            thread.join(timeout=self._timeout + 1)
-        if lease is not None:
-            try:
-                self._http.post("/kv/lease/revoke", {"ID": str(lease)})
-            except StoreError as exc:
-                logger.warning("etcd lease %x not revoked (it expires on its own): %s", lease, exc)
+        self._lease.close(self._timeout + 1)
         self._http.close()
 
     def end_watches(self) -> None:

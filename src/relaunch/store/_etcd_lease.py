@@ -1,0 +1,142 @@
+"""One etcd store's lease: granted at first use, refreshed by a named thread, revoked
+at close; the keys written under it are written again when etcd dropped it.
+
+A lease ends on its own ``ttl`` seconds after its last refresh: a node that crashed
+leaves its keys for that long, no clock of ours involved. A node that was only silent
+past ``ttl`` (a stalled machine) finds its lease gone when it comes back: its keys
+vanished meanwhile (the others saw it dead), and they are put again under a new lease
+(its liveness key: it is seen alive again, and its rendezvous, which may have dropped
+it, takes it back in the next round).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from relaunch.errors import StoreClosedError, StoreError
+
+__all__ = ["LEASE_NOT_FOUND", "OwnLease"]
+
+logger = logging.getLogger("relaunch.store.etcd")
+
+LEASE_NOT_FOUND = "requested lease not found"
+"""etcd's error for a write under a lease it no longer knows (gRPC NOT_FOUND)."""
+
+Post = Callable[[str, dict[str, Any]], dict[str, Any]]
+
+
+class OwnLease:
+    """The lease of one store (``post``: its JSON calls). Thread-safe."""
+
+    def __init__(self, post: Post) -> None:
+        self._post = post
+        self._lock = threading.Lock()
+        self._id: int | None = None
+        self._ttl = 0.0
+        self._kept: dict[str, str] = {}
+        """What :meth:`put` wrote (base64 key -> base64 value): written again under a
+        new lease when etcd dropped the old one."""
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def put(self, key: str, value: str, ttl: float) -> None:
+        """Set ``key`` (base64) to ``value`` (base64) under the lease, and keep it
+        there: it is written again under a new lease if etcd drops this one."""
+        self.under(ttl, functools.partial(self._write, key, value))
+        with self._lock:
+            self._kept[key] = value
+
+    def _write(self, key: str, value: str, lease: int) -> dict[str, Any]:
+        return self._post("/kv/put", {"key": key, "value": value, "lease": str(lease)})
+
+    def forget(self, key: str) -> None:
+        """``key`` (base64) was deleted: it is not written again."""
+        with self._lock:
+            self._kept.pop(key, None)
+
+    def under(self, ttl: float, call: Callable[[int], dict[str, Any]]) -> dict[str, Any]:
+        """``call(lease)`` with the lease (granted now with ``ttl`` seconds if there is
+        none); once more with a new lease when etcd no longer knows it: it expired
+        before the refresh thread saw it. Raised to the caller instead, the writer of a
+        node's liveness key would fail its rendezvous over a stall it has survived."""
+        lease = self._own(ttl)
+        try:
+            return call(lease)
+        except StoreError as exc:
+            if LEASE_NOT_FOUND not in str(exc):
+                raise
+            logger.warning("etcd lease %x expired; a new one is granted", lease)
+            self._drop(lease)
+        return call(self._own(ttl))
+
+    def _own(self, ttl: float) -> int:
+        with self._lock:
+            if self._stop.is_set():
+                raise StoreClosedError("the etcd store is closed")
+            if self._id is None:
+                reply = self._post("/lease/grant", {"TTL": max(1, math.ceil(ttl)), "ID": 0})
+                self._id, self._ttl = int(reply["ID"]), ttl
+            lease = self._id
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._refresh,
+                    args=(max(ttl / 3, 0.1),),
+                    name=f"relaunch-etcd-lease-{lease:x}",
+                    daemon=True,
+                )
+                self._thread.start()
+        return lease
+
+    def _drop(self, lease: int) -> dict[str, str]:
+        """Forget ``lease`` (etcd did); what was kept under it."""
+        with self._lock:
+            if self._id == lease:
+                self._id = None
+            return dict(self._kept)
+
+    def _refresh(self, interval: float) -> None:
+        while not self._stop.wait(interval):
+            lease = self._id
+            if lease is None:
+                continue
+            try:
+                reply = self._post("/lease/keepalive", {"ID": str(lease)})
+            except StoreError as exc:
+                logger.warning("etcd lease %x not refreshed: %s", lease, exc)
+                continue
+            if int(reply.get("result", {}).get("TTL", 0)) <= 0:
+                kept = self._drop(lease)
+                logger.warning("etcd lease %x expired; a new one is granted, %d key(s) "
+                               "written again under it", lease, len(kept))  # fmt: skip
+                self._put_again(kept)
+
+    def _put_again(self, kept: dict[str, str]) -> None:
+        for key, value in kept.items():
+            if key not in self._kept:  # deleted meanwhile
+                continue
+            try:
+                self.under(self._ttl, functools.partial(self._write, key, value))
+            except StoreError as exc:  # (closed meanwhile, or the store is unreachable)
+                logger.warning("etcd lease: a key not written again: %s", exc)
+                return
+
+    def close(self, timeout: float) -> None:
+        """Stop refreshing (the thread joined within ``timeout``), then revoke the
+        lease: its keys vanish at once. Idempotent."""
+        with self._lock:
+            self._stop.set()
+            thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join(timeout=timeout)
+        with self._lock:
+            lease, self._id = self._id, None
+        if lease is not None:
+            try:
+                self._post("/kv/lease/revoke", {"ID": str(lease)})
+            except StoreError as exc:
+                logger.warning("etcd lease %x not revoked (it expires on its own): %s", lease, exc)
