@@ -62,7 +62,7 @@ def reach(store: EtcdStore, endpoint: tuple[str, int], read_timeout: float) -> N
     deadline = time.monotonic() + read_timeout
     while True:
         try:
-            store.request("/cluster/member/list", {})
+            list_members(store)
             return
         except StoreConnectionError as exc:
             if time.monotonic() >= deadline:

@@ -104,7 +104,8 @@ class EtcdEndpoints:
             wanted = [f"{host}:{port}" for host, port in endpoints]
             names = self._view[1]
             if wanted == names:
-                self._current = 0 if move else self._current
+                if move:
+                    self._current = 0
                 return
             current = names[self._current] if names and not move else None
             # closed at close(): a call in another thread may be using one now

@@ -20,11 +20,11 @@ from typing import Any
 
 from relaunch.errors import StoreClosedError, StoreError
 
-__all__ = ["LEASE_NOT_FOUND", "OwnLease"]
+__all__ = ["OwnLease"]
 
 logger = logging.getLogger("relaunch.store.etcd")
 
-LEASE_NOT_FOUND = "requested lease not found"
+_LEASE_NOT_FOUND = "requested lease not found"
 """etcd's error for a write under a lease it no longer knows (gRPC NOT_FOUND)."""
 
 Post = Callable[[str, dict[str, Any]], dict[str, Any]]
@@ -68,10 +68,9 @@ class OwnLease:
         try:
             return call(lease)
         except StoreError as exc:
-            if LEASE_NOT_FOUND not in str(exc):
+            if _LEASE_NOT_FOUND not in str(exc):
                 raise
-            logger.warning("etcd lease %x expired; a new one is granted", lease)
-            self._drop(lease)
+            self._replace(lease)
         return call(self._own(ttl))
 
     def _own(self, ttl: float) -> int:
@@ -92,12 +91,24 @@ class OwnLease:
                 self._thread.start()
         return lease
 
-    def _drop(self, lease: int) -> dict[str, str]:
-        """Forget ``lease`` (etcd did); what was kept under it."""
+    def _replace(self, lease: int) -> None:
+        """etcd dropped ``lease``: grant a new one and write what was kept under it
+        again (once each; a key not written now is logged)."""
         with self._lock:
-            if self._id == lease:
-                self._id = None
-            return dict(self._kept)
+            if self._id != lease:
+                return  # (another thread replaced it already)
+            self._id = None
+            kept = dict(self._kept)
+        logger.warning("etcd lease %x expired; a new one is granted, %d key(s) written "
+                       "again under it", lease, len(kept))  # fmt: skip
+        for key, value in kept.items():
+            if key not in self._kept:  # deleted meanwhile
+                continue
+            try:
+                self._write(key, value, self._own(self._ttl))
+            except StoreError as exc:  # (closed meanwhile, or the store is unreachable)
+                logger.warning("etcd lease: a key not written again: %s", exc)
+                return
 
     def _refresh(self, interval: float) -> None:
         while not self._stop.wait(interval):
@@ -110,20 +121,7 @@ class OwnLease:
                 logger.warning("etcd lease %x not refreshed: %s", lease, exc)
                 continue
             if int(reply.get("result", {}).get("TTL", 0)) <= 0:
-                kept = self._drop(lease)
-                logger.warning("etcd lease %x expired; a new one is granted, %d key(s) "
-                               "written again under it", lease, len(kept))  # fmt: skip
-                self._put_again(kept)
-
-    def _put_again(self, kept: dict[str, str]) -> None:
-        for key, value in kept.items():
-            if key not in self._kept:  # deleted meanwhile
-                continue
-            try:
-                self.under(self._ttl, functools.partial(self._write, key, value))
-            except StoreError as exc:  # (closed meanwhile, or the store is unreachable)
-                logger.warning("etcd lease: a key not written again: %s", exc)
-                return
+                self._replace(lease)
 
     def close(self, timeout: float) -> None:
         """Stop refreshing (the thread joined within ``timeout``), then revoke the
