@@ -34,7 +34,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from relaunch.checkpoint import _layout as layout
-from relaunch.checkpoint import _wire as wire
+from relaunch.checkpoint._ack import PeerAck
 from relaunch.checkpoint._durable import discard_newer as discard_copies_newer
 from relaunch.checkpoint._fill import Filler, Part
 from relaunch.checkpoint._layout import Where
@@ -82,10 +82,7 @@ class Saver:
         self._staged: Staged | None = None
         """The CUDA copies of the save in flight (the optimizer's stream waits for them)."""
         self._copied = threading.Event()
-        self._peer = False
-        """Whether the last snapshot had a peer copy made (the node keeps one more)."""
-        self._exiting = threading.Event()
-        self._warned_peer = False
+        self._ack = PeerAck(where)
         self._prefetch: Prefetch | None = None
         """A read of the newest snapshot started before the script ran (``prefetch``)."""
         self.read_ahead = False
@@ -95,7 +92,7 @@ class Saver:
         self._hook = register_optimizer_step_pre_hook(self._before_optimizer_step)
 
     def _at_exit(self) -> None:
-        self._exiting.set()  # the last snapshot waits for no copy: the peers may be gone
+        self._ack.exiting()
         try:
             self.wait(120.0)
         finally:
@@ -126,7 +123,7 @@ class Saver:
     def window(self) -> int:
         """Complete snapshots this rank keeps: ``keep``, and one more while a peer copy
         is made (so the step every rank's copy holds is still in every rank's memory)."""
-        return self.where.keep + (1 if self._peer else 0)
+        return self.where.keep + (1 if self._ack.peer else 0)
 
     def _before_optimizer_step(self, *_: object) -> None:
         self.wait_copied()
@@ -292,7 +289,7 @@ class Saver:
             os.rename(p.folder, p.final)
             layout.prune(self.rank_root, self.window)
             self._keep_live_maps()
-            self._replicate(p.step, crc)
+            self._ack.after_save(p.step, crc)
             if p.lockable:
                 self._lock_next()
         except BaseException as exc:
@@ -312,27 +309,6 @@ class Saver:
         root = self.rank_root
         steps = layout.complete_steps(root)
         self._maps.keep_only(os.path.join(layout.step_dir(root, s), layout.DATA) for s in steps)
-
-    def _replicate(self, step: int, crc: int) -> None:
-        """Tell the agent of this snapshot and wait until its ring successor holds a
-        copy (the next save waits for this one: the copy's pace is the snapshots'
-        pace). No agent, no successor, an agent that cannot be reached, or the process
-        exiting: no wait."""
-        agent = self.where.agent
-        if agent is None:
-            return
-        base = {"job": self.where.job, "rank": self.where.rank, "step": step}
-        try:
-            self._peer = wire.flag(wire.ask(*agent, {**base, "op": "saved"}, 10.0), "peer")
-            while self._peer and not self._exiting.is_set():
-                raw = wire.ask(*agent, {**base, "op": "wait_ack", "crc": crc}, 10.0)
-                if wire.flag(raw, "acked"):
-                    return
-                self._peer = wire.flag(raw, "peer")
-        except (OSError, wire.WireError) as exc:
-            if not self._warned_peer:
-                log.warning("rank %s: no peer copy of the snapshots: %s", self.where.rank, exc)
-                self._warned_peer = True
 
     def wait(self, timeout: float | None = None) -> None:
         """Wait until the save in flight is complete; raise what it failed with."""

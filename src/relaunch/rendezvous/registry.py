@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import ipaddress
 import logging
-import math
 import socket
 import time
 from collections.abc import Mapping, Sequence
@@ -33,11 +32,12 @@ from typing import TYPE_CHECKING
 
 from relaunch._endpoint import C10D_PORT, ETCD_PORT, own_address, split_endpoint
 from relaunch.errors import ConfigError, RendezvousError, StoreConnectionError
-from relaunch.rendezvous._embedded_setup import embedded_client, members_wanted
+from relaunch.rendezvous._embedded_setup import embedded_client, members_wanted, start_embedded
 from relaunch.rendezvous._settings import (
     COMMON_CONF_KEYS,
     RendezvousSettings,
     check_conf_keys,
+    conf_seconds,
     settings_from_conf,
 )
 from relaunch.rendezvous.api import RendezvousHandler, RendezvousParameters
@@ -78,19 +78,6 @@ def _flag(conf: Mapping[str, str], key: str) -> bool | None:
     if lowered in ("0", "false", "no", "n", "off"):
         return False
     raise ConfigError(f"--rdzv-conf {key}: expected 1/0 or true/false, got {raw!r}")
-
-
-def _seconds(conf: Mapping[str, str], key: str, default: float) -> float:
-    raw = conf.get(key)
-    if raw is None:
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        value = math.nan
-    if not math.isfinite(value) or value <= 0:
-        raise ConfigError(f"--rdzv-conf {key}: expected a positive number of seconds, got {raw!r}")
-    return value
 
 
 def _is_local_address(host: str, local_addr: str | None) -> bool:
@@ -167,20 +154,6 @@ def _listening(host: str, port: int) -> bool:
     return True
 
 
-def _create_embedded(
-    params: RendezvousParameters,
-    settings: RendezvousSettings,
-    endpoint: tuple[str, int],
-    is_host: bool,
-    members: tuple[int, str],
-) -> DynamicRendezvousHandler:
-    from relaunch.rendezvous._embedded_setup import start_embedded
-
-    read_timeout = _seconds(params.conf, "read_timeout", 60.0)
-    embedded, store = start_embedded(params, settings, endpoint, is_host, members, read_timeout)
-    return _c10d_handler(params, settings, store, endpoint, embedded=embedded)
-
-
 def _create_c10d(params: RendezvousParameters) -> DynamicRendezvousHandler:
     from relaunch.store.tcp import TCPStoreClient
 
@@ -190,12 +163,15 @@ def _create_c10d(params: RendezvousParameters) -> DynamicRendezvousHandler:
         run_id=params.run_id, min_nodes=params.min_nodes, max_nodes=params.max_nodes, conf=conf
     )
     host, port = split_endpoint(params.endpoint, DEFAULT_PORT, min_port=1)
-    read_timeout = _seconds(conf, "read_timeout", 60.0)
+    read_timeout = conf_seconds(conf, "read_timeout", 60.0)
     explicit = _flag(conf, "is_host")
     is_host = _is_local_address(host, params.local_addr) if explicit is None else explicit
     target, binary = members_wanted(conf, params.max_nodes)
     if target and binary is not None:
-        return _create_embedded(params, settings, (host, port), is_host, (target, binary))
+        embedded, replicated = start_embedded(
+            params, settings, (host, port), is_host, (target, binary), read_timeout
+        )
+        return _c10d_handler(params, settings, replicated, (host, port), embedded=embedded)
     server = _tcp_server(host, port, explicit, read_timeout) if is_host else None
     is_host = server is not None
     try:
@@ -290,7 +266,7 @@ def _etcd_store(params: RendezvousParameters, timeout: float | None = None) -> S
         key=conf.get("key"),
         user=conf.get("user"),
         password=conf.get("password"),
-        timeout=timeout or _seconds(conf, "read_timeout", 10.0),
+        timeout=timeout or conf_seconds(conf, "read_timeout", 10.0),
     )
 
 
