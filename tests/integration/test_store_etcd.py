@@ -94,6 +94,33 @@ def test_store_operations(etcd: Member) -> None:
         store.close()
 
 
+def test_tickets_are_each_handed_out_once_and_batches_keep_their_order(etcd: Member) -> None:
+    """Many nodes take tickets at once (a round's joins): 1..N, each once, through the
+    prefixed and signed views too; many keys read and written in transactions of a
+    bounded size, in order, a missing key as None."""
+    from relaunch.store import TicketStore, get_many, set_many, take_ticket, tickets_taken
+
+    stores = [store_for(etcd) for _ in range(4)]
+    try:
+        assert isinstance(stores[0], TicketStore) and tickets_taken(stores[0], "q") == 0
+        views = [stores[0], PrefixStore(stores[1], ""), SignedStore.over(stores[2], b"s"),
+                 PrefixStore.over(SignedStore.over(stores[3], b"s"), "")]  # fmt: skip
+        with ThreadPoolExecutor(8, thread_name_prefix="test-etcd") as pool:
+            taken = list(pool.map(lambda i: take_ticket(views[i % 4], "q"), range(80)))
+        assert sorted(taken) == list(range(1, 81))
+        assert tickets_taken(views[2], "q") == 80 and stores[1].tickets("q") == 80
+        items = {f"k/{i}": str(i).encode() * (i % 3) for i in range(150)}  # 3 transactions
+        set_many(stores[0], items)
+        keys = [f"k/{i}" for i in reversed(range(150))] + ["k/none"]
+        assert get_many(stores[1], keys) == [items[k] for k in keys[:-1]] + [None]
+        signed = SignedStore.over(stores[2], b"s")
+        set_many(signed, {"s/a": b"1", "s/b": b"2"})
+        assert get_many(signed, ["s/b", "s/a", "s/c"]) == [b"2", b"1", None]
+    finally:
+        for store in stores:
+            store.close()
+
+
 def test_a_key_set_under_a_lease_etcd_dropped_gets_a_new_lease(etcd: Member) -> None:
     """A stalled node's lease expires before its refresh thread sees it: its next
     write under the lease is not refused (etcd: "requested lease not found"), it

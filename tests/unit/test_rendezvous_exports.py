@@ -60,9 +60,12 @@ def test_store_exports() -> None:
         "Store",
         "TCPStoreClient",
         "TCPStoreServer",
+        "TicketStore",
         "get_many",
         "peek",
         "set_many",
+        "take_ticket",
+        "tickets_taken",
     ]
 
 

@@ -6,7 +6,8 @@ Keys, under the rendezvous prefix (:func:`relaunch.rendezvous._backend.key_prefi
 its applier decided, a :class:`JoinAck`), and ``applied`` (the last ticket an applier
 folded into the state: a hint, written with the acks).
 
-A joining (or leaving) node takes ticket ``t`` (atomic add on ``req``) and writes its
+A joining (or leaving) node takes ticket ``t`` (:func:`~relaunch.store.take_ticket` on
+``req``: an atomic add, or etcd's version of the key) and writes its
 request at ``req/<t>``. The node holding the oldest unapplied ticket (the *head*) folds
 every pending request into the state in one compare-and-set, in ticket order, then
 sets ``ack/<t>`` for each and ``ack/<next>`` to ``h`` to hand the head over. A node
@@ -30,7 +31,7 @@ from relaunch.errors import RendezvousStateError, StoreTimeoutError
 from relaunch.rendezvous._ops import perform_requests
 from relaunch.rendezvous._places import JoinAck, assignment_of, successors
 from relaunch.rendezvous._state import RendezvousState
-from relaunch.store import get_many, set_many
+from relaunch.store import get_many, set_many, take_ticket, tickets_taken
 
 if TYPE_CHECKING:
     from relaunch.rendezvous._backend import StateBackend
@@ -75,7 +76,7 @@ class RequestQueue:
         in the queue takes over the head's work only when the queue stalls, and then in
         ticket order (one more node per stalled period), never all at once.
         """
-        ticket = self.store.add(self.prefix + "req", 1)
+        ticket = take_ticket(self.store, self.prefix + "req")
         request: dict[str, object] = {"version": 1, "run_id": self.settings.run_id, "node": node}
         if leave:
             request.update(version=REQUEST_VERSION, leave=True)
@@ -189,7 +190,7 @@ class RequestQueue:
                 self.store.wait([f"{self.prefix}req/{ticket}"], min(slice_, left))
             except StoreTimeoutError:
                 break
-            more = self._read_requests(ticket, self.store.add(self.prefix + "req", 0),
+            more = self._read_requests(ticket, tickets_taken(self.store, self.prefix + "req"),
                                        skip_missing=False, until=until)  # fmt: skip
             came += more
             ticket += len(more)
@@ -225,7 +226,7 @@ class RequestQueue:
         # waits end before the others take a stall for the applier's loss (min(hb, dead))
         until = self.clock() + min(self.settings.keep_alive_interval, self.settings.dead_after / 2)
         first = state.applied + 1
-        requests = self._read_requests(first, self.store.add(self.prefix + "req", 0),
+        requests = self._read_requests(first, tickets_taken(self.store, self.prefix + "req"),
                                        skip_missing=skip_missing, until=until)  # fmt: skip
         if _asking(requests):  # (a batch of leaves waits for no one)
             requests += self._latecomers(state, requests, first + len(requests), until,

@@ -10,9 +10,12 @@ from relaunch.store._protocol import (
     PeekStore,
     ScanStore,
     Store,
+    TicketStore,
     get_many,
     peek,
     set_many,
+    take_ticket,
+    tickets_taken,
 )
 from relaunch.store.etcd import EtcdStore
 from relaunch.store.memory import MemoryStore
@@ -31,7 +34,10 @@ __all__ = [
     "Store",
     "TCPStoreClient",
     "TCPStoreServer",
+    "TicketStore",
     "get_many",
     "peek",
     "set_many",
+    "take_ticket",
+    "tickets_taken",
 ]

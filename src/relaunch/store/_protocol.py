@@ -10,9 +10,12 @@ __all__ = [
     "PeekStore",
     "ScanStore",
     "Store",
+    "TicketStore",
     "get_many",
     "peek",
     "set_many",
+    "take_ticket",
+    "tickets_taken",
 ]
 
 
@@ -107,6 +110,36 @@ class PeekStore(Store, Protocol):
     def peek(self, key: str) -> bytes | None:
         """The value of ``key`` as the member asked has it (None when unset)."""
         ...
+
+
+@runtime_checkable
+class TicketStore(Store, Protocol):
+    """A store that hands out tickets 1, 2, 3... from a counter key in one round trip
+    with no retries, where its ``add`` would compare-and-set (etcd: a put's new version
+    of the key). Many nodes taking tickets at once then cost O(N) calls, not O(N^2)."""
+
+    def take_ticket(self, key: str) -> int:
+        """The next ticket of the counter at ``key`` (the first is 1); each once."""
+        ...
+
+    def tickets(self, key: str) -> int:
+        """How many tickets of the counter at ``key`` were taken so far."""
+        ...
+
+
+def take_ticket(store: Store, key: str) -> int:
+    """The next ticket of the counter at ``key``: :class:`TicketStore`'s, else ``add``.
+    A counter is taken with one of the two only (the keys differ in meaning)."""
+    if isinstance(store, TicketStore):
+        return store.take_ticket(key)
+    return store.add(key, 1)
+
+
+def tickets_taken(store: Store, key: str) -> int:
+    """How many tickets of the counter at ``key`` were taken (see :func:`take_ticket`)."""
+    if isinstance(store, TicketStore):
+        return store.tickets(key)
+    return store.add(key, 0)
 
 
 def peek(store: Store, key: str) -> bytes | None:

@@ -37,6 +37,15 @@ _CONNECT = 3.0
 caller's next read fails over)."""
 
 
+_TXN_OPS = 64
+"""Operations in one transaction of :meth:`EtcdStore.multi_get` and ``multi_set``
+(etcd's ``--max-txn-ops`` is 128 unless a cluster lowers it)."""
+
+
+def _chunks(keys: list[str]) -> list[list[str]]:
+    return [keys[i : i + _TXN_OPS] for i in range(0, len(keys), _TXN_OPS)]
+
+
 def _b64(data: bytes | str) -> str:
     raw = data.encode() if isinstance(data, str) else data
     return base64.b64encode(raw).decode("ascii")
@@ -172,6 +181,38 @@ class EtcdStore:
             written, _ = self._txn(key, compare, str(current + amount).encode())
             if written:
                 return current + amount
+
+    def take_ticket(self, key: str) -> int:
+        """The next ticket of the counter at ``key``: the key's version after one put
+        (etcd counts each put of a key; :class:`~relaunch.store.TicketStore`), so many
+        nodes taking tickets at once do not retry each other's compare-and-sets."""
+        reply = self._http.post("/kv/put", {"key": self._key(key), "prev_kv": True})
+        return int((reply.get("prev_kv") or {}).get("version", 0)) + 1
+
+    def tickets(self, key: str) -> int:
+        """How many tickets of the counter at ``key`` were taken (its version)."""
+        kv, _ = self._range(key)
+        return 0 if kv is None else int(kv.get("version", 0))
+
+    def multi_get(self, keys: list[str]) -> list[bytes | None]:
+        """The value of each key now, in order: one read-only transaction per
+        :data:`_TXN_OPS` keys (:class:`~relaunch.store.BatchStore`)."""
+        found: list[bytes | None] = []
+        for chunk in _chunks(keys):
+            ops = [{"request_range": {"key": self._key(key)}} for key in chunk]
+            reply = self._http.post("/kv/txn", {"success": ops})
+            for answer in reply.get("responses") or []:
+                kvs = answer.get("response_range", {}).get("kvs") or []
+                found.append(_unb64(kvs[0].get("value", "")) if kvs else None)
+        if len(found) != len(keys):
+            raise StoreError(f"etcd answered {len(found)} reads for {len(keys)} keys")
+        return found
+
+    def multi_set(self, items: dict[str, bytes]) -> None:
+        """Set every key: one transaction (one raft round) per :data:`_TXN_OPS` keys."""
+        for chunk in _chunks(list(items)):
+            ops = [{"request_put": {"key": self._key(k), "value": _b64(items[k])}} for k in chunk]
+            self._http.post("/kv/txn", {"success": ops})
 
     def delete(self, key: str) -> bool:
         self._lease.forget(self._key(key))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from relaunch.store._protocol import BatchStore, LeaseStore, Store, peek
+from relaunch.store._protocol import BatchStore, LeaseStore, Store, peek, take_ticket, tickets_taken
 
 __all__ = ["LeasePrefixStore", "PrefixStore"]
 
@@ -12,7 +12,8 @@ class PrefixStore:
 
     :meth:`close` does not close the underlying store (its owner does). A PrefixStore
     is a :class:`~relaunch.store.BatchStore` (one round trip when the underlying store
-    batches, one per key otherwise); :meth:`over` keeps leases when the store has them.
+    batches, one per key otherwise) and a :class:`~relaunch.store.TicketStore` (the
+    underlying store's tickets, else its ``add``); :meth:`over` keeps leases when the store has them.
     """
 
     @staticmethod
@@ -40,6 +41,12 @@ class PrefixStore:
 
     def add(self, key: str, amount: int) -> int:
         return self.store.add(self._key(key), amount)
+
+    def take_ticket(self, key: str) -> int:
+        return take_ticket(self.store, self._key(key))
+
+    def tickets(self, key: str) -> int:
+        return tickets_taken(self.store, self._key(key))
 
     def delete(self, key: str) -> bool:
         return self.store.delete(self._key(key))

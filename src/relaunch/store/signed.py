@@ -16,7 +16,7 @@ import hmac
 import os
 
 from relaunch.errors import ConfigError, RendezvousStateError
-from relaunch.store._protocol import BatchStore, LeaseStore, Store, peek
+from relaunch.store._protocol import BatchStore, LeaseStore, Store, peek, take_ticket, tickets_taken
 
 __all__ = ["SUFFIX", "SignedLeaseStore", "SignedStore", "is_signed", "read_secret"]
 
@@ -93,6 +93,12 @@ class SignedStore:
 
     def add(self, key: str, amount: int) -> int:
         return self.store.add(key, amount)
+
+    def take_ticket(self, key: str) -> int:
+        return take_ticket(self.store, key)
+
+    def tickets(self, key: str) -> int:
+        return tickets_taken(self.store, key)
 
     def delete(self, key: str) -> bool:
         return self.store.delete(key)
