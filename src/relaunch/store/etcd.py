@@ -25,6 +25,7 @@ from relaunch.errors import (
     StoreError,
     StoreTimeoutError,
 )
+from relaunch.store import _etcd_tickets as tickets
 from relaunch.store._etcd_http import EtcdEndpoints
 from relaunch.store._etcd_lease import OwnLease
 
@@ -183,16 +184,14 @@ class EtcdStore:
                 return current + amount
 
     def take_ticket(self, key: str) -> int:
-        """The next ticket of the counter at ``key``: the key's version after one put
-        (etcd counts each put of a key; :class:`~relaunch.store.TicketStore`), so many
-        nodes taking tickets at once do not retry each other's compare-and-sets."""
-        reply = self._http.post("/kv/put", {"key": self._key(key), "prev_kv": True})
-        return int((reply.get("prev_kv") or {}).get("version", 0)) + 1
+        """The next ticket of the counter at ``key``, in one call
+        (:class:`~relaunch.store.TicketStore`; :mod:`relaunch.store._etcd_tickets`)."""
+        return tickets.take(self._http.post, key, self._key(key))
 
     def tickets(self, key: str) -> int:
-        """How many tickets of the counter at ``key`` were taken (its version)."""
+        """How many tickets of the counter at ``key`` were taken."""
         kv, _ = self._range(key)
-        return 0 if kv is None else int(kv.get("version", 0))
+        return tickets.count(key, kv)
 
     def multi_get(self, keys: list[str]) -> list[bytes | None]:
         """The value of each key now, in order: one read-only transaction per
