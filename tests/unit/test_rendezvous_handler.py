@@ -202,6 +202,42 @@ class _StateWrites(MemoryStore):
         return super().compare_set(key, expected, desired)
 
 
+class _ResentWrites(MemoryStore):
+    """The in-memory store answering every compare-and-set of the rendezvous state and
+    of the steward's key as one sent again would after its first send was applied (the
+    etcd client resends to another member when one is slow): written, yet "not written"
+    with the key's bytes now, the caller's own."""
+
+    def compare_set(self, key: str, expected: bytes | None, desired: bytes) -> tuple[bytes, bool]:
+        current, written = super().compare_set(key, expected, desired)
+        if written and key.endswith(("/state", "/steward")):
+            return current, False
+        return current, written
+
+
+def test_a_write_applied_before_its_resend_counts_as_written() -> None:
+    from relaunch.rendezvous._corrupt import CorruptWatch
+    from relaunch.rendezvous._liveness import Liveness
+
+    store = _ResentWrites()
+    hs = [make(store, 2, 2, last_call_timeout=600.0) for _ in range(2)]
+    try:
+        infos = together(*(h.next_rendezvous for h in hs))
+        assert sorted(i.rank for i in infos) == [0, 1]
+        # the write that completed the round published each node's place
+        assert all(store.get(f"relaunch/rdzv/job/assign/0/{h.node_id}") for h in hs)
+        now = [1000.0]
+        settings = RendezvousSettings(run_id="job", min_nodes=1, max_nodes=2)
+        a, b = (Liveness(store, "p/", settings, lambda: now[0]) for _ in range(2))
+        watch_a, watch_b = CorruptWatch("job", 3.0), CorruptWatch("job", 3.0)
+        for _ in range(3):  # a holds the role it took, beat after beat; b never takes it
+            assert a.steward("a", watch_a) and not b.steward("b", watch_b)
+            now[0] += 1
+    finally:
+        shut(*hs)
+        store.close()
+
+
 def test_nodes_leaving_at_once_leave_in_one_write_of_the_state() -> None:
     # a job's end: seven of eight nodes shut down at once, behind a ticket whose node is
     # gone (so that every leave request is queued before the queue moves): the node

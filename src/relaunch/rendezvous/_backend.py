@@ -113,7 +113,11 @@ class StateBackend:
         new.epoch = old.epoch + 1 if needs_wake(old, new) else old.epoch
         data = encode_state(new)
         current, written = self.store.compare_set(self.state_key, old_raw, data)
-        if written:
+        # A compare-and-set sent again (the etcd client resends to another member once
+        # one is slow to answer) after its first send was applied answers "not written"
+        # with this write's own bytes: it was written (the same bytes from another node
+        # would be the same step from the same state, whose effects below repeat safely).
+        if written or current == data:
             if new.complete and not (old.complete and old.round == new.round):
                 self._publish_assignments(new, new.participants)
             elif new.complete and new.participants.keys() - old.participants.keys():

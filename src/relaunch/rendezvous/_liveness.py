@@ -135,7 +135,9 @@ class Liveness:
         if mine and said == self._reporting and now - said_at < self._settings.dead_after / 2:
             return True  # said recently, and the same: no write
         doc = {"v": 1, "node": node, "ms": round(now * 1000), "corrupt": self._reporting}
-        current, written = self.store.compare_set(key, raw, json.dumps(doc).encode())
+        data = json.dumps(doc).encode()
+        current, written = self.store.compare_set(key, raw, data)
+        written = written or current == data  # a resent write's own bytes (commit's note)
         self._steward_raw = current if written else None
         self._said = (now, self._reporting) if written else (-math.inf, None)
         return written
