@@ -116,6 +116,44 @@ def test_a_cuda_state_is_snapshotted_bitwise_while_the_optimizer_goes_on(
         assert "cannot be page-locked" not in caplog.text
 
 
+def test_cuda_buffers_the_next_forward_updates_are_snapshotted_as_of_the_save(
+    tmp_path: Path,
+) -> None:
+    """BatchNorm's running statistics, updated by the next forward on the current
+    stream while the copy stream still copies 1 GB of weights before them: cloned in
+    ``save`` on the current stream, so the snapshot holds them as of the save. An
+    average of the weights kept by hand (no optimizer fences it, and it is too large
+    to clone) makes the save order the current stream after the copies instead."""
+    from relaunch.checkpoint._saver import Saver, Where
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(4096, 4096) for _ in range(16)), nn.BatchNorm1d(4096))
+    model = model.cuda()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x = torch.randn(64, 4096, device="cuda")
+    model(x).pow(2).mean().backward()
+    optimizer.step()
+    average = [p.detach().clone() for p in model.parameters()]
+    saver = Saver(Where(str(tmp_path), "job", 0, 1, 2, None, None, threads=4))
+    try:
+        for n in range(1, 4):
+            state = {"model": model.state_dict(), "opt": optimizer.state_dict()}
+            want = _cpu_copy(state)
+            saver.save(n, state)
+            for _ in range(4):
+                model[-1](x * (n + 5))  # the next forwards, at once
+            saver.wait()
+            _assert_bitwise(saver.read(n), want)
+        want = _cpu_copy({"average": average})
+        saver.save(4, {"average": average})
+        for a in average:
+            a.add_(1.0)
+        saver.wait()
+        _assert_bitwise(saver.read(4), want)
+    finally:
+        saver.close()
+
+
 def _run(tmp: Path, name: str, *script: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """A 2-rank relaunch job of the snapshots example on the GPU: its rows and events."""
     out, logs = tmp / f"out-{name}", tmp / f"logs-{name}"

@@ -137,6 +137,43 @@ def test_the_saver_writes_and_reads_numpy_arrays(tmp_path: Path) -> None:
     assert back["rng"][0] == "MT19937" and np.array_equal(back["rng"][1], state["rng"][1])
 
 
+def test_buffers_the_next_forward_updates_are_snapshotted_as_of_the_save(
+    tmp_path: Path,
+) -> None:
+    """BatchNorm's running statistics change in the next step's forward, which no
+    optimizer hook waits for: the snapshot still holds them as of the save (cloned in
+    ``save``; the weights, behind 64 MB of them, are copied beside the next step). A
+    state no optimizer fences (an average of the weights kept by hand) makes the save
+    block instead, with the same result."""
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4096, 4096), nn.BatchNorm1d(4096))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.randn(8, 4096)).sum().backward()
+    optimizer.step()
+    saver = Saver(_where(tmp_path))
+    try:
+        for step in range(1, 4):
+            state = {"model": model.state_dict(), "opt": optimizer.state_dict()}
+            want = {k: v.clone() for k, v in model.state_dict().items()}
+            saver.save(step, state)
+            model[1](torch.randn(8, 4096) * 5)  # the next forward, at once
+            saver.wait()
+            back = saver.read(step)
+            assert isinstance(back, dict)
+            for key, value in want.items():
+                assert torch.equal(back["model"][key], value), key
+        average = {"ema": torch.zeros(1 << 22)}
+        saver.save(4, average)
+        average["ema"].add_(1.0)
+        saver.wait()
+        back = saver.read(4)
+        assert isinstance(back, dict) and not back["ema"].any()
+    finally:
+        saver.close()
+
+
 def test_an_unsupported_value_names_its_key_path_and_type() -> None:
     with pytest.raises(SnapshotError, match=r"state\['opt'\]\['state'\]\[0\]: a value of type"):
         encode({"opt": {"state": [object()]}})

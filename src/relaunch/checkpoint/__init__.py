@@ -60,8 +60,11 @@ def save(step: int, state: object, *, blocking: bool = False) -> None:
     Returns at once: a writer thread copies the tensors into node memory (the copies of
     CUDA ones to the host are queued on a copy stream before this returns). The copy
     is done before any ``torch.optim`` optimizer steps again, before the next ``save``
-    or ``load``, and before this returns with ``blocking=True``; a tensor of the state
-    that you change otherwise (in place, by hand) must wait for :func:`wait_copied`.
+    or ``load``, and before this returns with ``blocking=True``. The tensors that no
+    optimizer which has stepped holds (a module's buffers, such as BatchNorm's running
+    statistics, which the next forward updates in place; an average of the weights) are
+    cloned before this returns, on CUDA on the current stream; where they are more than
+    an eighth of the state's bytes, the save blocks instead (as ``blocking=True``).
     SnapshotError for a value of an unsupported type (naming its key path), a save over
     the node's limit, or a failure of the previous save's writer."""
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:

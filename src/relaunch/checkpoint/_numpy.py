@@ -12,9 +12,8 @@ bytes differ between platforms); strings, objects, records and dates are refused
 the value's key path, as other unsupported values are. A NumPy string scalar is a
 ``str`` and is stored as one. What this is for:
 ``np.random.get_state()``, metrics and data-loader positions kept as NumPy values in a
-training state. An array's bytes are copied by the writer thread, as a tensor's are:
-change it in place before :func:`relaunch.checkpoint.wait_copied` and the snapshot may
-hold the new bytes.
+training state. An array shares no storage with an optimizer, so ``save`` clones it
+(or blocks, for a large one: :mod:`relaunch.checkpoint._fence`) before it returns.
 """
 
 from __future__ import annotations

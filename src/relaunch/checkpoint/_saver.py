@@ -13,9 +13,9 @@ The copy is finished before any ``torch.optim`` optimizer steps again (a global
 pre-step hook waits for the CPU tensors' copy, and makes the current CUDA stream wait
 for the copy stream: the GPU orders the optimizer's writes after the copy, the
 training thread does not wait), before the next ``save`` or ``load``, and, with
-``blocking=True``, before ``save`` returns: a tensor of the state changed otherwise in
-between (in place, by hand) must wait for :meth:`Saver.wait_copied` first. One save is
-in flight at a time.
+``blocking=True``, before ``save`` returns. The tensors of the state that no optimizer
+steps (a module's buffers, which its forward updates in place) are cloned in ``save``,
+or the save blocks (``_fence``). One save is in flight at a time.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from relaunch.checkpoint import _layout as layout
 from relaunch.checkpoint._ack import PeerAck
 from relaunch.checkpoint._durable import discard_newer as discard_copies_newer
+from relaunch.checkpoint._fence import Fence
 from relaunch.checkpoint._fill import Filler, Part
 from relaunch.checkpoint._layout import Where
 from relaunch.checkpoint._mapped import MappedFiles
@@ -83,6 +84,8 @@ class Saver:
         """The CUDA copies of the save in flight (the optimizer's stream waits for them)."""
         self._copied = threading.Event()
         self._ack = PeerAck(where)
+        self._fence = Fence()
+        """The optimizers that stepped: their tensors' copies may run beside the next step."""
         self._prefetch: Prefetch | None = None
         """A read of the newest snapshot started before the script ran (``prefetch``)."""
         self.read_ahead = False
@@ -125,7 +128,8 @@ class Saver:
         is made (so the step every rank's copy holds is still in every rank's memory)."""
         return self.where.keep + (1 if self._ack.peer else 0)
 
-    def _before_optimizer_step(self, *_: object) -> None:
+    def _before_optimizer_step(self, optimizer: object, *_: object) -> None:
+        self._fence.saw(optimizer)
         self.wait_copied()
 
     # -- saving --------------------------------------------------------------------------
@@ -133,6 +137,8 @@ class Saver:
         self.wait()
         self._drop_prefetch()
         tree, leaves, nbytes = encode(state)
+        # the tensors no optimizer's hook protects are cloned, or the save blocks
+        blocking = self._fence.secure(leaves, nbytes) or blocking
         # what stays while this one is written: the other ranks' and our newest window-1
         w = self.where
         layout.check_limit(w.root, w.rank, step, nbytes, max(self.window - 1, 1), w.limit)
