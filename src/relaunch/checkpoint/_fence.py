@@ -59,7 +59,7 @@ class Fence:
         with torch.no_grad():
             for leaf in loose:
                 assert leaf.tensor is not None
-                leaf.tensor = leaf.tensor.detach().clone()
+                leaf.tensor = leaf.tensor.detach().clone(memory_format=torch.contiguous_format)
         return False
 
 

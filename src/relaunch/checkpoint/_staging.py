@@ -168,7 +168,10 @@ class CudaStager:
             hi = min(leaf.nbytes, lo + GROUP)
             target[leaf.offset + lo : leaf.offset + hi].copy_(flat[lo:hi], non_blocking=True)
             group.add(leaf.offset + lo, leaf.offset + hi, ready)
-        flat.record_stream(group.stream)  # its memory is not reused before the copy is done
+        # neither its memory nor the source's (a clone ``save`` made, and dropped once
+        # queued: ``_fence``) is reused before the copy is done
+        flat.record_stream(group.stream)
+        src.record_stream(group.stream)
         leaf.tensor = None
 
     def unlock(self, mapping: mmap.mmap) -> None:
