@@ -148,6 +148,37 @@ def test_failed_worker_is_restarted_and_job_succeeds(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(90)
+def test_a_worker_s_exit_is_acted_on_without_waiting_for_the_monitor_interval(
+    tmp_path: Path,
+) -> None:
+    """With an hour between the agent's looks, the job still restarts at rank 1's exit
+    and ends at the workers' success: a worker's exit wakes the agent (a pidfd for a
+    worker it started, the fork server's word for a forked one)."""
+    s = script(
+        tmp_path,
+        "exits.py",
+        """
+        import os, sys, time
+        if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+            if os.environ["RANK"] == "1":
+                sys.exit(7)
+            time.sleep(600)
+        """,
+    )
+    logs = tmp_path / "logs"
+    r = relaunch(
+        "--standalone", "--nproc-per-node=2", "--max-restarts=1", "--monitor-interval=3600",
+        "--log-dir", str(logs), s, timeout=80,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    names = [e["name"] for e in events(logs)]
+    assert names.count("workers_started") == 2 and names[-2:] == [
+        "workers_succeeded",
+        "workers_stopped",
+    ], names
+
+
+@pytest.mark.timeout(90)
 def test_exhausted_restarts_report_names_the_first_failure(tmp_path: Path) -> None:
     s = script(
         tmp_path,

@@ -201,7 +201,8 @@ class AgentRun:
     def _loop_once_started(self) -> RunResult:
         self._rendezvous_and_start()
         while True:
-            self._stop.wake.wait(self._spec.monitor_interval)
+            # a worker's exit ends the wait: a fault is acted on at once
+            self._workers.sleep(self._spec.monitor_interval, self._stop.wake)
             obs = self._observe()
             action = decide(obs, self._policy)
             try:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 from relaunch.errors import ConfigError, WorkerError
-from relaunch.procs._forkserver import ForkServer
+from relaunch.procs._forkserver import ForkedProcess, ForkServer
 from relaunch.procs._logs import TeeTailer, TeeTarget
 from relaunch.procs._standby import Standby
 from relaunch.procs._sys import (
@@ -116,6 +116,7 @@ class _Process(Protocol):
     """What the agent needs of a worker process: a ``Popen`` or a forked worker."""
 
     pid: int
+    returncode: int | None
 
     def poll(self) -> int | None: ...
 
@@ -171,6 +172,8 @@ class WorkerProcesses:
         self._closed = False
         self._retired: list[int] = []
         """Sessions of processes that died and were replaced (see :meth:`replace`)."""
+        self._pidfds: dict[int, int] = {}
+        """A pidfd per running worker this process started itself (:meth:`exit_fds`)."""
         self.forked: list[int] = []
         """Local ranks whose worker was forked from the fork server."""
         self.fork_refused: str | None = None
@@ -262,6 +265,29 @@ class WorkerProcesses:
             result[rank] = code
         return result
 
+    def exit_fds(self) -> list[int]:
+        """Descriptors that become readable when a worker still running exits: a pidfd
+        of each worker started here, the fork server's socket for forked ones (a caller
+        polls them, then :meth:`poll` drains them). A worker with neither (no pidfds on
+        this kernel; the fork server gone) is seen at the caller's next look."""
+        running = {p.pid: p for p in self._procs.values() if p.returncode is None}
+        for pid in [pid for pid in self._pidfds if pid not in running]:
+            os.close(self._pidfds.pop(pid))
+        fds: set[int] = set()
+        for pid, proc in running.items():
+            if isinstance(proc, ForkedProcess):
+                server = proc.exit_fd()
+                if server is not None:
+                    fds.add(server)
+                continue
+            if pid not in self._pidfds:
+                try:
+                    self._pidfds[pid] = os.pidfd_open(pid)
+                except (OSError, AttributeError):  # gone already, or no pidfds here
+                    continue
+            fds.add(self._pidfds[pid])
+        return sorted(fds)
+
     # -- stopping ---------------------------------------------------------------
     def close(self, sig: int = signal.SIGTERM, grace: float = 30.0) -> dict[int, int]:
         """Stop every worker and its descendants; return the exit codes. Idempotent."""
@@ -295,5 +321,8 @@ class WorkerProcesses:
             except subprocess.TimeoutExpired:  # pragma: no cover - unkillable (D state)
                 log.error("worker %s survived SIGKILL", proc.pid)
         reap_orphans(owned=set())
+        for fd in self._pidfds.values():
+            os.close(fd)
+        self._pidfds.clear()
         self._tailer.close()
         return dict(self._exitcodes)

@@ -37,6 +37,10 @@ class ForkedProcess:
         self.pid = pid
         self.returncode: int | None = None
 
+    def exit_fd(self) -> int | None:
+        """What becomes readable when it exits: the server's socket (None: it is gone)."""
+        return self._server.fileno()
+
     def poll(self) -> int | None:
         if self.returncode is None:
             self._server.pump(0.0)
@@ -100,6 +104,11 @@ class ForkServer:
 
     def alive(self) -> bool:
         return not self._dead and self._proc is not None and self._proc.poll() is None
+
+    def fileno(self) -> int | None:
+        """The control socket: readable when the server says something (a forked
+        worker's exit), drained by :meth:`pump`; None once the server is gone."""
+        return None if self._dead else self._sock.fileno()
 
     # -- messages -----------------------------------------------------------------
     def pump(self, timeout: float) -> None:
