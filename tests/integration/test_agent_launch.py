@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -152,8 +154,9 @@ def test_a_worker_s_exit_is_acted_on_without_waiting_for_the_monitor_interval(
     tmp_path: Path,
 ) -> None:
     """With an hour between the agent's looks, the job still restarts at rank 1's exit
-    and ends at the workers' success: a worker's exit wakes the agent (a pidfd for a
-    worker it started, the fork server's word for a forked one)."""
+    and ends at the workers' success: a worker's exit wakes the agent (here the pidfds
+    of workers it started: the fork server starts at a look, after its delay), and so
+    does a SIGTERM while the workers of the next job run on."""
     s = script(
         tmp_path,
         "exits.py",
@@ -176,6 +179,22 @@ def test_a_worker_s_exit_is_acted_on_without_waiting_for_the_monitor_interval(
         "workers_succeeded",
         "workers_stopped",
     ], names
+    ready = tmp_path / "ready"
+    s = script(
+        tmp_path, "waits.py", f"import time; open({str(ready)!r}, 'w').close(); time.sleep(600)"
+    )
+    proc = subprocess.Popen(
+        [PY, "-m", "relaunch", "--standalone", "--nproc-per-node=1", "--monitor-interval=3600", s],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        while not ready.exists() and proc.poll() is None:
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=40)
+    finally:
+        proc.kill()
+    assert proc.returncode != 0 and "SIGTERM" in err, err[-2000:]
 
 
 @pytest.mark.timeout(90)

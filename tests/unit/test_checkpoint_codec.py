@@ -174,6 +174,39 @@ def test_buffers_the_next_forward_updates_are_snapshotted_as_of_the_save(
         saver.close()
 
 
+def test_the_fence_clones_only_what_no_optimizer_holds() -> None:
+    """The parameters and the state of an optimizer that stepped are left for the copy
+    beside the next step (views of them too); a buffer is cloned; before any step,
+    or beyond an eighth of the state's bytes, nothing is cloned and the save blocks."""
+    from torch import nn
+
+    from relaunch.checkpoint._fence import Fence
+
+    model = nn.Sequential(nn.Linear(64, 64), nn.BatchNorm1d(64))
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.randn(4, 64)).sum().backward()
+    fence = Fence()
+    state = {"model": model.state_dict(), "view": model[0].weight.detach()[:2]}
+    _, leaves, nbytes = encode(state)
+    assert fence.secure(leaves, nbytes)  # no optimizer has stepped: block
+    fence.saw(optimizer)
+    optimizer.step()
+    state = {"model": model.state_dict(), "opt": optimizer.state_dict(),
+             "view": model[0].weight.detach()[:2]}  # fmt: skip
+    _, leaves, nbytes = encode(state)
+    before = [leaf.tensor for leaf in leaves]
+    assert not fence.secure(leaves, nbytes)
+    buffers = {id(b) for b in state["model"].values() if b.data_ptr() in
+               {x.data_ptr() for x in model[1].buffers()}}  # fmt: skip
+    for old, leaf in zip(before, leaves, strict=True):
+        if old is None or not leaf.nbytes:
+            continue
+        assert (leaf.tensor is not old) == (id(old) in buffers)
+        assert leaf.tensor is not None and torch.equal(leaf.tensor, old)
+    _, leaves, _ = encode({"ema": torch.zeros(1 << 16), "model": model.state_dict()})
+    assert fence.secure(leaves, sum(leaf.nbytes for leaf in leaves))  # too large: block
+
+
 def test_an_unsupported_value_names_its_key_path_and_type() -> None:
     with pytest.raises(SnapshotError, match=r"state\['opt'\]\['state'\]\[0\]: a value of type"):
         encode({"opt": {"state": [object()]}})

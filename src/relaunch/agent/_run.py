@@ -122,7 +122,8 @@ class AgentRun:
         StoreError when the job cannot continue."""
         keep = True  # a run that fails keeps its temporary log dir (the error files)
         try:
-            result = self._run()
+            with self._stop.armed():
+                result = self._run()
             keep = result.state == WorkerState.FAILED
             return result
         finally:
@@ -201,8 +202,7 @@ class AgentRun:
     def _loop_once_started(self) -> RunResult:
         self._rendezvous_and_start()
         while True:
-            # a worker's exit ends the wait: a fault is acted on at once
-            self._workers.sleep(self._spec.monitor_interval, self._stop.wake)
+            self._stop.wait(self._spec.monitor_interval, self._workers.exit_fds())
             obs = self._observe()
             action = decide(obs, self._policy)
             try:

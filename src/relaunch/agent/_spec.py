@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import enum
+import os
+import select
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -32,14 +35,46 @@ __all__ = [
 
 @dataclass
 class StopRequest:
-    """A stop asked for (by a signal): the signal, and the event that wakes the loop."""
+    """A stop asked for (by a signal): the signal, and what wakes the agent's loop."""
 
     signum: int | None = None
     wake: threading.Event = field(default_factory=threading.Event)
+    _pipe: tuple[int, int] | None = field(default=None, init=False, repr=False)
 
     def set(self, signum: int) -> None:
+        """Safe in a signal handler: flags, and one byte into the armed pipe."""
         self.signum = signum
         self.wake.set()
+        pipe = self._pipe
+        if pipe is not None:
+            with contextlib.suppress(OSError):  # full: a byte is there already
+                os.write(pipe[1], b"\0")
+
+    @contextlib.contextmanager
+    def armed(self) -> Iterator[None]:
+        """For the block's length, :meth:`wait` also ends at a stop asked for while it
+        polls (a pipe :meth:`set` writes to; closed after the block)."""
+        read, write = os.pipe()
+        os.set_blocking(write, False)
+        self._pipe = (read, write)
+        try:
+            yield
+        finally:
+            self._pipe = None
+            os.close(write)
+            os.close(read)
+
+    def wait(self, seconds: float, fds: Sequence[int] = ()) -> None:
+        """Wait ``seconds``, less when a stop is asked for or one of ``fds`` becomes
+        readable (a worker's exit)."""
+        pipe = self._pipe
+        if not fds or pipe is None or self.wake.is_set():
+            self.wake.wait(seconds)
+            return
+        poller = select.poll()
+        for fd in (pipe[0], *fds):
+            poller.register(fd, select.POLLIN)
+        poller.poll(seconds * 1000)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-import select
-import threading
 import time
 
 from relaunch._contract import JOIN_WAIT, JOIN_WAIT_ENV, PRELOAD_ENV
@@ -198,17 +196,9 @@ class NodeWorkers:
         assert self._procs is not None
         return self._procs.pids()
 
-    def sleep(self, seconds: float, stop: threading.Event) -> None:
-        """Wait ``seconds``, less when a running worker exits (its pidfd, or the fork
-        server's word) or ``stop`` is set before the wait begins."""
-        fds = self._procs.exit_fds() if self._procs is not None else []
-        if not fds or stop.is_set():
-            stop.wait(seconds)
-            return
-        poller = select.poll()
-        for fd in fds:
-            poller.register(fd, select.POLLIN)
-        poller.poll(seconds * 1000)
+    def exit_fds(self) -> list[int]:
+        """What becomes readable when a running worker exits (see ``WorkerProcesses``)."""
+        return self._procs.exit_fds() if self._procs is not None else []
 
     def prewarm(self, shared: list[str]) -> None:
         """Start the fork server before any worker (a spare waiting in the rendezvous),

@@ -19,8 +19,10 @@ snapshot file, or a pinned buffer, are queued on a copy stream); a writer thread
 node's snapshot directory (the agent's ``--snapshot-dir``, by default a folder under
 /dev/shm removed when the job ends), then checksums them, writes the manifest and
 renames the folder, which makes the snapshot complete. The copy is finished before any
-optimizer steps again (a ``torch.optim`` pre-step hook waits for it); a tensor of the
-state that you change otherwise must wait for ``wait_copied()``. The node keeps each rank's newest ``--snapshot-keep`` snapshots: they
+optimizer steps again (a ``torch.optim`` pre-step hook waits for it); the state's
+tensors no optimizer holds (a module's buffers, which the next forward updates) are
+cloned in ``save`` (or it blocks, for many bytes of them); a tensor an optimizer holds
+that you change outside its ``step`` must wait for ``wait_copied()``. The node keeps each rank's newest ``--snapshot-keep`` snapshots: they
 survive the worker's death and the group's restart. ``load()`` returns
 ``(step, state)`` for the newest step that every rank of the current world can
 restore, the same on every rank (ranks compare what they have over the default process
@@ -64,7 +66,9 @@ def save(step: int, state: object, *, blocking: bool = False) -> None:
     optimizer which has stepped holds (a module's buffers, such as BatchNorm's running
     statistics, which the next forward updates in place; an average of the weights) are
     cloned before this returns, on CUDA on the current stream; where they are more than
-    an eighth of the state's bytes, the save blocks instead (as ``blocking=True``).
+    an eighth of the state's bytes, the save blocks instead (as ``blocking=True``). A
+    tensor an optimizer holds that you change outside its ``step`` (in place, by hand)
+    must wait for :func:`wait_copied` first.
     SnapshotError for a value of an unsupported type (naming its key path), a save over
     the node's limit, or a failure of the previous save's writer."""
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:

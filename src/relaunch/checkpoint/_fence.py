@@ -13,9 +13,16 @@ kept by hand. So at ``save``:
 - the others are cloned there and then (a CUDA clone on the current stream, so
   before the next step's kernels; the copy is taken of the clone), while they are at
   most :data:`CLONE_SHARE` of the state's bytes;
-- beyond that (no optimizer has stepped yet, a large average of the weights) the
-  save is made blocking instead (it returns once the CPU tensors are copied, and the
-  current CUDA stream waits for the CUDA copies): slower, never more memory.
+- beyond that (no optimizer has stepped yet, a large average of the weights), or
+  when a CUDA clone finds no memory, the save is made blocking instead (it returns
+  once the CPU tensors are copied, and the current CUDA stream waits for the CUDA
+  copies): slower, never more memory.
+
+A DTensor (or another wrapper subclass) is compared by the tensors it wraps, so a
+sharded optimizer's local shards, which a ``torch.distributed.checkpoint`` save hands
+over, are fenced. A tensor an optimizer holds but that is changed outside its
+``step`` (parameters perturbed by hand, as SAM does; weights clamped; an average
+swapped in for evaluation) is still the caller's: wait for ``wait_copied`` first.
 """
 
 from __future__ import annotations
@@ -46,39 +53,67 @@ class Fence:
 
     def secure(self, leaves: list[Leaf], nbytes: int) -> bool:
         """Clone the tensors of ``leaves`` that no optimizer fences (each leaf then
-        holds its clone); True when they are too many bytes to clone and the save
-        must block instead (nothing is cloned then)."""
-        fenced = {at for at in _storages(self._optimizers) if at is not None}
+        holds its clone); True when they are too many bytes to clone, or a CUDA clone
+        finds no memory, and the save must block instead (then no leaf keeps a clone)."""
+        fenced = {at for at in _storages(list(self._optimizers)) if at is not None}
         loose = [
             leaf
             for leaf in leaves
-            if leaf.tensor is not None and leaf.nbytes and _storage(leaf.tensor) not in fenced
+            if leaf.tensor is not None
+            and leaf.nbytes
+            and not (set(_tensor_storages(leaf.tensor)) <= fenced)
         ]
         if sum(leaf.nbytes for leaf in loose) > nbytes * CLONE_SHARE:
             return True
-        with torch.no_grad():
-            for leaf in loose:
-                assert leaf.tensor is not None
-                leaf.tensor = leaf.tensor.detach().clone(memory_format=torch.contiguous_format)
+        clones: list[tuple[Leaf, torch.Tensor]] = []
+        try:
+            with torch.no_grad():
+                for leaf in loose:
+                    assert leaf.tensor is not None
+                    clone = leaf.tensor.detach().clone(memory_format=torch.contiguous_format)
+                    clones.append((leaf, clone))
+        except torch.cuda.OutOfMemoryError:
+            return True  # the clones made so far go with this frame
+        for leaf, clone in clones:
+            leaf.tensor = clone
         return False
 
 
-def _storages(optimizers: weakref.WeakSet[torch.optim.Optimizer]) -> Iterator[int | None]:
-    for optimizer in list(optimizers):
+def _storages(optimizers: list[torch.optim.Optimizer]) -> Iterator[int | None]:
+    """The storages of every tensor the optimizers hold: their parameters and their
+    state (nested in dicts and lists too)."""
+    for optimizer in optimizers:
         for group in optimizer.param_groups:
-            for param in group.get("params", ()):
-                if isinstance(param, torch.Tensor):
-                    yield _storage(param)
-        for per_param in optimizer.state.values():
-            values = per_param.values() if isinstance(per_param, dict) else (per_param,)
-            for value in values:
-                if isinstance(value, torch.Tensor):
-                    yield _storage(value)
+            yield from _within(group.get("params", ()))
+        yield from _within(list(optimizer.state.values()))
 
 
-def _storage(tensor: torch.Tensor) -> int | None:
-    """Where ``tensor``'s storage is (its views share it); None where it has none."""
+def _within(value: object) -> Iterator[int | None]:
+    if isinstance(value, torch.Tensor):
+        yield from _tensor_storages(value)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _within(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _within(item)
+
+
+def _tensor_storages(tensor: torch.Tensor) -> Iterator[int | None]:
+    """Where ``tensor``'s bytes are (views share their base's storage): a plain
+    tensor's storage, or those of the tensors a wrapper subclass holds (a DTensor's
+    local shard, which is what a ``torch.distributed.checkpoint`` save hands over);
+    None where there is none to compare."""
+    if type(tensor) is not torch.Tensor and type(tensor) is not torch.nn.Parameter:
+        flatten = getattr(tensor, "__tensor_flatten__", None)
+        if flatten is not None:
+            names, _ = flatten()
+            for name in names:
+                inner = getattr(tensor, name, None)
+                if isinstance(inner, torch.Tensor):
+                    yield from _tensor_storages(inner)
+            return
     try:
-        return int(tensor.untyped_storage().data_ptr()) or None
-    except (RuntimeError, NotImplementedError):  # a tensor subclass without one
-        return None
+        yield int(tensor.untyped_storage().data_ptr()) or None
+    except (RuntimeError, NotImplementedError):  # a subclass without one
+        yield None

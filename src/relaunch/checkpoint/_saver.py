@@ -138,7 +138,7 @@ class Saver:
         self._drop_prefetch()
         tree, leaves, nbytes = encode(state)
         # the tensors no optimizer's hook protects are cloned, or the save blocks
-        blocking = self._fence.secure(leaves, nbytes) or blocking
+        blocking = blocking or self._fence.secure(leaves, nbytes)
         # what stays while this one is written: the other ranks' and our newest window-1
         w = self.where
         layout.check_limit(w.root, w.rank, step, nbytes, max(self.window - 1, 1), w.limit)

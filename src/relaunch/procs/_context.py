@@ -172,8 +172,11 @@ class WorkerProcesses:
         self._closed = False
         self._retired: list[int] = []
         """Sessions of processes that died and were replaced (see :meth:`replace`)."""
-        self._pidfds: dict[int, int] = {}
-        """A pidfd per running worker this process started itself (:meth:`exit_fds`)."""
+        self._pidfds: list[tuple[_Process, int]] = []
+        """A pidfd per running worker this process started itself (:meth:`exit_fds`),
+        beside its process (not its pid: a replacement may get a dead worker's pid)."""
+        self._no_pidfds = False
+        """This kernel (or a seccomp filter) refuses pidfds."""
         self.forked: list[int] = []
         """Local ranks whose worker was forked from the fork server."""
         self.fork_refused: str | None = None
@@ -270,22 +273,30 @@ class WorkerProcesses:
         of each worker started here, the fork server's socket for forked ones (a caller
         polls them, then :meth:`poll` drains them). A worker with neither (no pidfds on
         this kernel; the fork server gone) is seen at the caller's next look."""
-        running = {p.pid: p for p in self._procs.values() if p.returncode is None}
-        for pid in [pid for pid in self._pidfds if pid not in running]:
-            os.close(self._pidfds.pop(pid))
-        fds: set[int] = set()
-        for pid, proc in running.items():
+        running = [p for p in self._procs.values() if p.returncode is None]
+        kept = []
+        for proc, fd in self._pidfds:
+            if any(proc is p for p in running):
+                kept.append((proc, fd))
+            else:
+                os.close(fd)
+        self._pidfds = kept
+        fds = {fd for _, fd in kept}
+        for proc in running:
             if isinstance(proc, ForkedProcess):
                 server = proc.exit_fd()
                 if server is not None:
                     fds.add(server)
-                continue
-            if pid not in self._pidfds:
+            elif not self._no_pidfds and not any(proc is p for p, _ in kept):
                 try:
-                    self._pidfds[pid] = os.pidfd_open(pid)
-                except (OSError, AttributeError):  # gone already, or no pidfds here
+                    fd = os.pidfd_open(proc.pid)
+                except ProcessLookupError:  # gone already: the next poll sees it
                     continue
-            fds.add(self._pidfds[pid])
+                except (OSError, AttributeError):  # no pidfds here: looked at each interval
+                    self._no_pidfds = True
+                    continue
+                self._pidfds.append((proc, fd))
+                fds.add(fd)
         return sorted(fds)
 
     # -- stopping ---------------------------------------------------------------
@@ -321,8 +332,8 @@ class WorkerProcesses:
             except subprocess.TimeoutExpired:  # pragma: no cover - unkillable (D state)
                 log.error("worker %s survived SIGKILL", proc.pid)
         reap_orphans(owned=set())
-        for fd in self._pidfds.values():
+        for _, fd in self._pidfds:
             os.close(fd)
-        self._pidfds.clear()
+        self._pidfds = []
         self._tailer.close()
         return dict(self._exitcodes)
