@@ -212,7 +212,9 @@ def test_python_hang_without_ping_restarts_at_soft_timeout() -> None:
         assert rank.proc.returncode == 0, report  # soft timeout: nobody was killed
         assert [s[0] for s in starts(rank)] == [0, 1], report
         assert_clean(rank)
-    assert "soft timeout" in ranks[1].stderr, report
+    # rank 0, in its all-reduce, stopped pinging when rank 1 did (both pinged last after
+    # step 1): either rank's monitor may see its soft timeout first (under load rank 0's)
+    assert any("soft timeout" in rank.stderr for rank in ranks), report
 
 
 @pytest.mark.timeout(90)
