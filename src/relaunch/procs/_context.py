@@ -305,6 +305,9 @@ class WorkerProcesses:
         if self._closed:
             return dict(self._exitcodes)
         self._closed = True
+        for _, fd in self._pidfds:  # not waited on from here
+            os.close(fd)
+        self._pidfds = []
         sessions = {p.pid for p in self._procs.values()} | set(self._retired)
         strays = {d for pid in sessions for d in descendants(pid)}
         live = [p for p in self._procs.values() if p.poll() is None]
@@ -332,8 +335,5 @@ class WorkerProcesses:
             except subprocess.TimeoutExpired:  # pragma: no cover - unkillable (D state)
                 log.error("worker %s survived SIGKILL", proc.pid)
         reap_orphans(owned=set())
-        for _, fd in self._pidfds:
-            os.close(fd)
-        self._pidfds = []
         self._tailer.close()
         return dict(self._exitcodes)
