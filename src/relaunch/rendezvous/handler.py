@@ -8,18 +8,14 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
-from relaunch.errors import (
-    RelaunchError,
-    RendezvousClosedError,
-    RendezvousGracefulExitError,
-    RendezvousTimeoutError,
-)
+from relaunch.errors import RelaunchError, RendezvousClosedError
 from relaunch.rendezvous._backend import StateBackend
 from relaunch.rendezvous._corrupt import CorruptWatch
+from relaunch.rendezvous._join import RoundJoin
 from relaunch.rendezvous._keepalive import KeepAlive
-from relaunch.rendezvous._ops import JOIN_REQUEST_ACTIONS, Action, apply, decide_join, nodes_waiting
-from relaunch.rendezvous._places import Assignment, assignment_of
-from relaunch.rendezvous._polled import PolledState, load_through_corruption
+from relaunch.rendezvous._ops import nodes_waiting
+from relaunch.rendezvous._places import Assignment
+from relaunch.rendezvous._polled import PolledState
 from relaunch.rendezvous._program import RefusedLog, claim_program
 from relaunch.rendezvous._queue import RequestQueue
 from relaunch.rendezvous._settings import RendezvousSettings
@@ -87,17 +83,21 @@ class DynamicRendezvousHandler:
         self._clock = clock
         self._node = new_node_id(local_addr)
         self._rdzv = StateBackend(store, settings, clock=clock)
-        self._queue = RequestQueue(self._rdzv)
         self._ka_rdzv = StateBackend(keep_alive_store or store, settings, clock=clock)
         self._round: int | None = None
         self._interrupted = threading.Event()
         self._shut = False
         self._joined = False
         self._program: str | None = None
+        self._queue = RequestQueue(self._rdzv)
         self._corrupt = CorruptWatch(settings.run_id, settings.dead_after)
+        self._join = RoundJoin(
+            self._node, self._rdzv, self._queue, settings, self._corrupt, self._interrupted, clock
+        )
         self._polled = PolledState(self._rdzv, self._corrupt, self._node)
-        refused = RefusedLog(self._ka_rdzv.store, self._rdzv.prefix, settings.run_id,
-                             settings.dead_after, clock)  # fmt: skip
+        refused = RefusedLog(
+            self._ka_rdzv.store, self._rdzv.prefix, settings.run_id, settings.dead_after, clock
+        )
         self._keep_alive = KeepAlive(
             node=self._node,
             backend=self._ka_rdzv,
@@ -158,87 +158,8 @@ class DynamicRendezvousHandler:
         if self._joined:
             state, raw = leave_round(self._rdzv, self._node, settings, self._clock, deadline)
         self._joined = True
-        while True:
-            if self._interrupted.is_set():
-                raise RendezvousClosedError(f"node {self._node}: next_rendezvous interrupted")
-            now = self._clock()
-            if state is None:
-                # First call: queue the request at once; its applier decides the placement.
-                action = Action.ADD_TO_PARTICIPANTS
-            else:
-                cleaned, dead = self._rdzv.remove_dead(state, now)
-                if dead:
-                    logger.info("rendezvous %s: removing dead nodes %s", settings.run_id, dead)
-                    state, raw, _ = self._rdzv.commit(state, raw, cleaned)
-                    continue
-                action = decide_join(state, self._node, now, settings, deadline)
-            self._raise_if_ended(action)
-            info: RendezvousInfo | None = None
-            if action is Action.FINISH:
-                assert state is not None
-                info = self._info(state.round, assignment_of(state, self._node), state)
-            elif action in JOIN_REQUEST_ACTIONS:
-                if action is Action.REMOVE_FROM_REDUNDANCY_LIST:
-                    deadline = now + settings.join_timeout
-                info = self._request_join(now, deadline)
-            elif action is Action.SYNC:
-                assert state is not None
-                info = self._sync(state, now, deadline, while_waiting)
-            else:
-                assert state is not None
-                new = apply(action, state, self._node, now, settings)
-                state, raw, _ = self._rdzv.commit(state, raw, new)
-                continue
-            if info is not None:
-                return info
-            state, raw = load_through_corruption(
-                self._rdzv, self._corrupt, self._interrupted, patient=state is not None
-            )
-
-    def _raise_if_ended(self, action: Action) -> None:
-        """Raise what ends next_rendezvous for ``action``, if it is one of the ends."""
-        run_id, node = self._settings.run_id, self._node
-        if action is Action.ERROR_CLOSED:
-            raise RendezvousClosedError(f"the rendezvous {run_id!r} is closed")
-        if action is Action.EXIT_GRACEFULLY:
-            raise RendezvousGracefulExitError(f"the rendezvous {run_id!r} is closed; spare {node} leaves")  # fmt: skip
-        if action is Action.ERROR_TIMEOUT:
-            raise RendezvousTimeoutError(f"node {node} did not join a complete round of {run_id!r} "
-                                         f"within join_timeout={self._settings.join_timeout} s")  # fmt: skip
-
-    def _request_join(self, now: float, deadline: float) -> RendezvousInfo | None:
-        """Ask the applier to place this node; its place once the round it joined is
-        complete (within a dead-node timeout), or None to look at the state again."""
-        ack = self._queue.request(self._node, self._interrupted.is_set)
-        if ack is None or not ack.participant:
-            return None
-        if ack.place is not None:  # this request completed the round
-            return self._info(ack.round, ack.place)
-        if ack.complete:
-            got = self._rdzv.assignment(ack.round, self._node)
-        else:
-            timeout = min(self._settings.dead_after, deadline - now)
-            got = self._rdzv.await_place(ack.round, self._node, ack.epoch, timeout, self._interrupted.is_set)  # fmt: skip
-        return None if got is None else self._info(ack.round, got)
-
-    def _sync(
-        self,
-        state: RendezvousState,
-        now: float,
-        deadline: float,
-        while_waiting: Callable[[], None] | None,
-    ) -> RendezvousInfo | None:
-        """Wait for the state to change (running ``while_waiting`` beside a running
-        round); this node's place when its round completed meanwhile, else None."""
-        beside = state.complete and self._node not in state.participants  # spare, waiting
-        if while_waiting is not None and beside:
-            while_waiting()
-        timeout = self._sync_timeout(state, now, deadline)
-        if self._node not in state.participants:
-            self._rdzv.wait_change(state, timeout)
-            return None
-        got = self._rdzv.await_place(state.round, self._node, state.epoch, timeout, self._interrupted.is_set)  # fmt: skip
-        return None if got is None else self._info(state.round, got)
+        placed = self._join.run(state, raw, deadline, while_waiting)
+        return self._info(placed.round, placed.place, placed.state)
 
     # -- the program check ----------------------------------------------------------
 
@@ -274,11 +195,20 @@ class DynamicRendezvousHandler:
                 state = self._rdzv.load()[0]
             peers = peer_addresses(state.participants)  # IP literals: no DNS lookups
             if peers is None:
-                logger.warning("the workers' store admits every address: the nodes' addresses"
-                               " %s are not all IP literals (give --local-addr as an IP to "
-                               "restrict it)", sorted(state.participants))  # fmt: skip
-        logger.info("rendezvous %s round %d complete: node %s has rank %d of %d",
-                    self._settings.run_id, round_, self._node, rank, world_size)  # fmt: skip
+                logger.warning(
+                    "the workers' store admits every address: the nodes' addresses"
+                    " %s are not all IP literals (give --local-addr as an IP to "
+                    "restrict it)",
+                    sorted(state.participants),
+                )
+        logger.info(
+            "rendezvous %s round %d complete: node %s has rank %d of %d",
+            self._settings.run_id,
+            round_,
+            self._node,
+            rank,
+            world_size,
+        )
         return RendezvousInfo(
             store=PrefixStore.over(self._store, f"{self._rdzv.prefix}round/{round_}/"),
             rank=rank,
@@ -287,14 +217,6 @@ class DynamicRendezvousHandler:
             peers=peers,
             incarnation=place.incarnation,
         )
-
-    def _sync_timeout(self, state: RendezvousState, now: float, deadline: float) -> float:
-        timeout = self._settings.dead_after
-        if state.deadline is not None and self._node in state.participants:
-            timeout = min(timeout, state.deadline - now)
-        if self._node not in state.redundancy_list:
-            timeout = min(timeout, deadline - now + 0.01)
-        return max(timeout, 0.001)
 
     def is_closed(self) -> bool:
         """Whether the rendezvous is closed for good (one small store read when unchanged)."""
@@ -380,7 +302,9 @@ class DynamicRendezvousHandler:
             if embedded is not None:  # no seat taken from now on
                 embedded.leaving()
             if self._joined:  # beating until the leave landed: one that stops is dead
-                leave(self._queue, self._node, self._settings, self._clock, self._keep_alive.stop)
+                leave(
+                    self._join.queue, self._node, self._settings, self._clock, self._keep_alive.stop
+                )
             if (embedded is None or not embedded.leave()) and serving:
                 wait_for_others(self._rdzv, self._node, self._settings, self._clock, known)
         except RelaunchError as exc:

@@ -4,20 +4,6 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
-__all__ = [
-    "BatchStore",
-    "LeaseStore",
-    "PeekStore",
-    "ScanStore",
-    "Store",
-    "TicketStore",
-    "get_many",
-    "peek",
-    "set_many",
-    "take_ticket",
-    "tickets_taken",
-]
-
 
 @runtime_checkable
 class Store(Protocol):
