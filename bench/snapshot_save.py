@@ -1,8 +1,10 @@
 """The pause a snapshot costs a training step: ``relaunch.checkpoint.save`` (node memory,
 /dev/shm) beside ``torch.save`` to a file, for models of about 10M and 100M parameters
-with Adam (state: weights + two moments, 3x the parameters), on the CPU or a GPU.
+with Adam (state: weights + two moments, 3x the parameters), on the CPU or a GPU: square
+layers of ``--width`` (2048: a few large tensors; 256: thousands of small ones, whose
+count, not their bytes, is what a save pays for).
 
-    python bench/snapshot_save.py [--sizes 10,100] [--reps 5] [--rounds 4]
+    python bench/snapshot_save.py [--sizes 10,100] [--reps 5] [--rounds 4] [--width 2048]
                                   [--device cuda --batch 8192] [--no-torch-save]
 
 Prints, per size: one training step (forward, backward, Adam) without snapshots, the
@@ -44,8 +46,9 @@ import torch
 from torch import nn
 
 
-def build(million: int, device: torch.device) -> tuple[nn.Module, torch.optim.Optimizer, int]:
-    width = 2048
+def build(
+    million: int, device: torch.device, width: int = 2048
+) -> tuple[nn.Module, torch.optim.Optimizer, int]:
     layers = max(1, round(million * 1e6 / (width * width)))
     model = nn.Sequential(*(nn.Linear(width, width) for _ in range(layers))).to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
@@ -180,7 +183,10 @@ def main() -> None:
     parser.add_argument("--sizes", default="10,100", help="millions of parameters")
     parser.add_argument("--reps", type=int, default=5, help="steps per block")
     parser.add_argument("--rounds", type=int, default=4, help="blocks per mode, in turn")
-    parser.add_argument("--batch", type=int, default=64, help="rows per step (2048 wide)")
+    parser.add_argument("--batch", type=int, default=64, help="rows per step")
+    parser.add_argument(
+        "--width", type=int, default=2048, help="the layers' width (256: thousands of tensors)"
+    )
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--no-torch-save", action="store_true", help="skip torch.save")
     args = parser.parse_args()
@@ -200,7 +206,7 @@ def main() -> None:
           f"{'torch.save ms':>14}")  # fmt: skip
     try:
         for million in (int(x) for x in args.sizes.split(",")):
-            model, optimizer, width = build(million, device)
+            model, optimizer, width = build(million, device, args.width)
             x = torch.randn(args.batch, width, device=device)
 
             blocks = in_turn(model, optimizer, x, args.reps, args.rounds)

@@ -174,6 +174,58 @@ def test_buffers_the_next_forward_updates_are_snapshotted_as_of_the_save(
         saver.close()
 
 
+def _bytes(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.contiguous().reshape(-1).view(torch.uint8)
+
+
+def test_thousands_of_small_values_are_copied_in_save_as_of_the_save(tmp_path: Path) -> None:
+    """A model's many small values (biases, norms, small convolutions) are copied in
+    ``save`` itself, runs of neighbours of one dtype joined with the alignment's zeros
+    between them: whatever changes after ``save`` returns, every value comes back
+    bitwise as it was, whatever its dtype, layout or neighbours."""
+    torch.manual_seed(1)
+    state: dict[str, Any] = {f"w{i}": torch.randn(16, 16) for i in range(2000)}
+    state.update(
+        f64=torch.randn(3, dtype=torch.float64),
+        bf16=torch.randn(5, dtype=torch.bfloat16),
+        mask=torch.rand(9) > 0.5,
+        ints=torch.arange(7),
+        strided=torch.randn(6, 4).t(),
+        f8=torch.randn(4, 4).to(torch.float8_e4m3fn),
+        raw=b"\x01\x02\x03",
+        empty=torch.empty(0),
+        big=torch.randn(1 << 19),  # 2 MB: copied by the writer (cloned in save: no optimizer)
+        grad=torch.randn(3, requires_grad=True),
+        scalar=torch.tensor(2.5),
+        lone_int=torch.tensor(7),
+    )
+    want = {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+    saver = Saver(_where(tmp_path))
+    try:
+        for step in (1, 2):  # the second save reuses the first one's buffer
+            saver.save(step, state)
+            with torch.no_grad():
+                for value in state.values():
+                    if isinstance(value, torch.Tensor):
+                        value.fill_(step % 2)
+            saver.wait()
+            back = saver.read(step)
+            assert isinstance(back, dict)
+            for key, value in want.items():
+                if isinstance(value, torch.Tensor):
+                    got = back[key]
+                    assert got.dtype == value.dtype and got.shape == value.shape, key
+                    assert torch.equal(_bytes(got), _bytes(value)), key
+                else:
+                    assert back[key] == value, key
+            want = {
+                k: v.detach().clone() if isinstance(v, torch.Tensor) else v
+                for k, v in state.items()
+            }
+    finally:
+        saver.close()
+
+
 def test_the_fence_clones_only_what_no_optimizer_holds() -> None:
     """The parameters and the state of an optimizer that stepped are left for the copy
     beside the next step (views of them too); a buffer is cloned; before any step,

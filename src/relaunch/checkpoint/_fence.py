@@ -28,7 +28,6 @@ swapped in for evaluation) is still the caller's: wait for ``wait_copied`` first
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterator
 
 import torch
 
@@ -55,13 +54,12 @@ class Fence:
         """Clone the tensors of ``leaves`` that no optimizer fences (each leaf then
         holds its clone); True when they are too many bytes to clone, or a CUDA clone
         finds no memory, and the save must block instead (then no leaf keeps a clone)."""
-        fenced = {at for at in _storages(list(self._optimizers)) if at is not None}
+        tensors = [leaf for leaf in leaves if leaf.tensor is not None and leaf.nbytes]
+        if not tensors:
+            return False
+        held = _Held(list(self._optimizers))
         loose = [
-            leaf
-            for leaf in leaves
-            if leaf.tensor is not None
-            and leaf.nbytes
-            and not (set(_tensor_storages(leaf.tensor)) <= fenced)
+            leaf for leaf in tensors if leaf.tensor is not None and not held.fences(leaf.tensor)
         ]
         if sum(leaf.nbytes for leaf in loose) > nbytes * CLONE_SHARE:
             return True
@@ -79,41 +77,68 @@ class Fence:
         return False
 
 
-def _storages(optimizers: list[torch.optim.Optimizer]) -> Iterator[int | None]:
-    """The storages of every tensor the optimizers hold: their parameters and their
-    state (nested in dicts and lists too)."""
-    for optimizer in optimizers:
-        for group in optimizer.param_groups:
-            yield from _within(group.get("params", ()))
-        yield from _within(list(optimizer.state.values()))
+class _Held:
+    """The tensors the optimizers hold: their parameters and their state (nested in
+    dicts and lists too). Plain loops, and the state's storages read only when a
+    tensor is neither held itself nor over a parameter's storage: a save asks about
+    thousands of tensors on the training thread."""
+
+    def __init__(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        params: list[torch.Tensor] = []
+        self._state: list[torch.Tensor] = []
+        for optimizer in optimizers:
+            for group in optimizer.param_groups:
+                _gather(group.get("params", ()), params)
+            for state in optimizer.state.values():
+                _gather(state, self._state)
+        self._ids = {id(t) for t in params} | {id(t) for t in self._state}
+        self._storages = _storages_of(params)
+        self._all = False
+
+    def fences(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` is held, or its bytes are all in held tensors' storages."""
+        if id(tensor) in self._ids:  # the optimizer's state, as its state_dict gives it
+            return True
+        storages = _tensor_storages(tensor)
+        if all(at in self._storages for at in storages):
+            return True
+        if not self._all:
+            self._all = True
+            self._storages |= _storages_of(self._state)
+            return all(at in self._storages for at in storages)
+        return False
 
 
-def _within(value: object) -> Iterator[int | None]:
+def _gather(value: object, into: list[torch.Tensor]) -> None:
     if isinstance(value, torch.Tensor):
-        yield from _tensor_storages(value)
+        into.append(value)
     elif isinstance(value, dict):
         for item in value.values():
-            yield from _within(item)
+            _gather(item, into)
     elif isinstance(value, (list, tuple)):
         for item in value:
-            yield from _within(item)
+            _gather(item, into)
 
 
-def _tensor_storages(tensor: torch.Tensor) -> Iterator[int | None]:
+def _storages_of(tensors: list[torch.Tensor]) -> set[int]:
+    storages = {at for tensor in tensors for at in _tensor_storages(tensor)}
+    storages.discard(0)  # none to compare: never fences
+    return storages
+
+
+def _tensor_storages(tensor: torch.Tensor) -> list[int]:
     """Where ``tensor``'s bytes are (views share their base's storage): a plain
     tensor's storage, or those of the tensors a wrapper subclass holds (a DTensor's
     local shard, which is what a ``torch.distributed.checkpoint`` save hands over);
-    None where there is none to compare."""
-    if type(tensor) is not torch.Tensor and type(tensor) is not torch.nn.Parameter:
+    0 where there is none to compare."""
+    cls = type(tensor)
+    if cls is not torch.Tensor and cls is not torch.nn.Parameter:
         flatten = getattr(tensor, "__tensor_flatten__", None)
         if flatten is not None:
             names, _ = flatten()
-            for name in names:
-                inner = getattr(tensor, name, None)
-                if isinstance(inner, torch.Tensor):
-                    yield from _tensor_storages(inner)
-            return
+            inner = (getattr(tensor, name, None) for name in names)
+            return [at for t in inner if isinstance(t, torch.Tensor) for at in _tensor_storages(t)]
     try:
-        yield int(tensor.untyped_storage().data_ptr()) or None
+        return [int(tensor.untyped_storage().data_ptr())]
     except (RuntimeError, NotImplementedError):  # a subclass without one
-        yield None
+        return [0]

@@ -37,11 +37,11 @@ from relaunch.checkpoint import _layout as layout
 from relaunch.checkpoint._ack import PeerAck
 from relaunch.checkpoint._durable import discard_newer as discard_copies_newer
 from relaunch.checkpoint._fence import Fence
-from relaunch.checkpoint._fill import Filler, Part
+from relaunch.checkpoint._fill import SMALL, Filler, Part, Run, runs_of
 from relaunch.checkpoint._layout import Where
 from relaunch.checkpoint._mapped import MappedFiles
 from relaunch.checkpoint._readback import Prefetch, offered_steps, read_step
-from relaunch.checkpoint._staging import CudaStager, Staged, on_cuda, page_lockable
+from relaunch.checkpoint._staging import CudaStager, Staged, page_lockable
 from relaunch.checkpoint._tree import Leaf, encode, flat_bytes
 from relaunch.errors import SnapshotError
 
@@ -58,7 +58,9 @@ class _Pending:
     manifest_tree: Any
     nbytes: int
     host: list[Leaf]
-    """The values the writer copies itself: CPU tensors and bytes."""
+    """The values the writer copies itself: CPU tensors of :data:`SMALL` bytes or more."""
+    runs: list[Run]
+    """The smaller CPU values and bytes, a run of neighbours at a time."""
     staged: Staged | None = None
     file: Any = None
     """The data file, when ``save`` took it."""
@@ -139,6 +141,7 @@ class Saver:
         tree, leaves, nbytes = encode(state)
         # the tensors no optimizer's hook protects are cloned, or the save blocks
         blocking = blocking or self._fence.secure(leaves, nbytes)
+        host = [leaf for leaf in leaves if leaf.nbytes and not leaf.cuda]
         # what stays while this one is written: the other ranks' and our newest window-1
         w = self.where
         layout.check_limit(w.root, w.rank, step, nbytes, max(self.window - 1, 1), w.limit)
@@ -152,9 +155,10 @@ class Saver:
             step=step,
             manifest_tree=tree,
             nbytes=nbytes,
-            host=[leaf for leaf in leaves if leaf.nbytes and not on_cuda(leaf)],
+            host=[leaf for leaf in host if leaf.nbytes >= SMALL],
+            runs=runs_of([leaf for leaf in host if leaf.nbytes < SMALL]),
         )
-        self._stage([leaf for leaf in leaves if leaf.nbytes and on_cuda(leaf)], pending)
+        self._stage([leaf for leaf in leaves if leaf.nbytes and leaf.cuda], pending)
         self._staged = pending.staged
         self._copied = threading.Event()
         self._thread = threading.Thread(
@@ -208,7 +212,9 @@ class Saver:
         target = torch.frombuffer(mapping, dtype=torch.uint8)
         staged, parts = p.staged, []
         try:
-            self._filler.copy(target, [Part(leaf.offset, flat_bytes(leaf)) for leaf in p.host])
+            self._filler.copy(
+                target, [Part(leaf.offset, flat_bytes(leaf)) for leaf in p.host], p.runs
+            )
             self._copied.set()
             if staged is not None and staged.buffer is not None:
                 parts = [
@@ -222,7 +228,7 @@ class Saver:
             del target, parts
             if staged is not None:
                 staged.synchronize()  # the file may be dropped once nothing lands in it
-            p.host = []  # the caller's tensors are no longer needed
+            p.host, p.runs = [], []  # the caller's tensors are no longer needed
             p.staged = None
 
     def _data_file(self, p: _Pending) -> tuple[Any, bool]:

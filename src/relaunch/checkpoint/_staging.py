@@ -41,7 +41,7 @@ import torch
 from relaunch.checkpoint._fill import Filler
 from relaunch.checkpoint._tree import Leaf
 
-__all__ = ["GROUP", "CudaStager", "PinnedBuffer", "Staged", "on_cuda", "page_lockable"]
+__all__ = ["GROUP", "CudaStager", "PinnedBuffer", "Staged", "page_lockable"]
 
 log = logging.getLogger("relaunch.checkpoint")
 
@@ -281,10 +281,6 @@ class PinnedBuffer:
     def close(self) -> None:
         if self._unlock is not None:
             self._unlock()
-
-
-def on_cuda(leaf: Leaf) -> bool:
-    return leaf.tensor is not None and leaf.tensor.device.type == "cuda"
 
 
 def page_lockable(path: str) -> bool:

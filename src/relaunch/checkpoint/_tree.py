@@ -18,6 +18,7 @@ length and names the path of the first one that is wrong.
 
 from __future__ import annotations
 
+import gc
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,12 +30,12 @@ from relaunch.checkpoint import _numpy
 from relaunch.checkpoint._layout import CorruptSnapshot
 from relaunch.errors import SnapshotError
 
-__all__ = ["Leaf", "decode", "encode", "flat_bytes"]
+__all__ = ["ALIGN", "Leaf", "decode", "encode", "flat_bytes"]
 
-_ALIGN = 64
+ALIGN = 64
 
 
-@dataclass
+@dataclass(slots=True)
 class Leaf:
     """A byte range of the data file and what fills it."""
 
@@ -42,42 +43,91 @@ class Leaf:
     nbytes: int
     tensor: torch.Tensor | None = None
     raw: bytes | None = None
+    cuda: bool = False
+    """Whether ``tensor`` is a CUDA tensor (copied through pinned memory)."""
+
+
+At = tuple["At", object] | None
+"""Where a value is in the state: ``(where its container is, its key or index)``;
+None for the state itself. Made a text only for an error (a save's walk of thousands
+of tensors spends no time on paths)."""
+
+
+def _path(at: At) -> str:
+    keys: list[object] = []
+    while at is not None:
+        at, key = at
+        keys.append(key)
+    return "".join(f"[{key!r}]" for key in reversed(keys))
+
+
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
+    return name
 
 
 def encode(state: object) -> tuple[Any, list[Leaf], int]:
-    """(tree, leaves, data length) of ``state``; SnapshotError for an unsupported value."""
+    """(tree, leaves, data length) of ``state``; SnapshotError for an unsupported value.
+
+    It runs on the training thread at each save, so its cost per value is kept low:
+    no key path's text unless a value is refused, a tensor's attributes read once,
+    ints and strs by their exact type first, and the garbage collector held off
+    meanwhile (the walk makes thousands of small containers that all live until the
+    snapshot is written: collecting them on the way was wasted work, 1-6 ms of a
+    35-43 ms save of 3,200 tensors)."""
     leaves: list[Leaf] = []
-    end = [0]
+    end = 0
 
     def place(nbytes: int) -> int:
-        offset = -(-end[0] // _ALIGN) * _ALIGN
-        end[0] = offset + nbytes
+        nonlocal end
+        offset = -(-end // ALIGN) * ALIGN
+        end = offset + nbytes
         return offset
 
-    def walk(obj: object, path: str) -> Any:
+    def walk(obj: object, at: At) -> Any:
+        cls = type(obj)  # ints and strs by their exact type first: a state has thousands
+        if cls is int:
+            return {"int": str(obj)}
+        if cls is str:
+            return {"str": obj}
         if isinstance(obj, torch.Tensor):
-            if obj.is_sparse or obj.layout is not torch.strided:
-                raise SnapshotError(f"state{path}: a {obj.layout} tensor; expected a dense one")
+            if obj.layout is not torch.strided:
+                raise SnapshotError(
+                    f"state{_path(at)}: a {obj.layout} tensor; expected a dense one"
+                )
             nbytes = obj.numel() * obj.element_size()
             offset = place(nbytes)
-            leaves.append(Leaf(offset, nbytes, tensor=obj))
-            dtype = str(obj.dtype).removeprefix("torch.")
-            return {"tensor": [dtype, list(obj.shape), offset, nbytes, str(obj.device)]}
+            cuda = obj.is_cuda
+            leaves.append(Leaf(offset, nbytes, obj, None, cuda))
+            device = "cpu" if obj.is_cpu else str(obj.device)
+            return {"tensor": [_dtype_name(obj.dtype), list(obj.shape), offset, nbytes, device]}
         if isinstance(obj, dict):
             items = []
             for key, value in obj.items():
-                if not (key is None or isinstance(key, (str, int, float))):
+                key_type = type(key)
+                if key_type is str:
+                    node = {"str": key}
+                elif key_type is int:
+                    node = {"int": str(key)}
+                elif key is None or isinstance(key, (str, int, float)):
+                    node = _plain(key, at)
+                else:
                     raise SnapshotError(
-                        f"state{path}: a key of type {type(key).__qualname__}; "
+                        f"state{_path(at)}: a key of type {type(key).__qualname__}; "
                         "expected str, int, float, bool or None"
                     )
-                items.append([_plain(key, path), walk(value, f"{path}[{key!r}]")])
+                items.append([node, walk(value, (at, key))])
             return {"dict": items}
         if isinstance(obj, torch.Size):
             return {"size": list(obj)}
         if isinstance(obj, (list, tuple)):
             kind = "list" if isinstance(obj, list) else "tuple"
-            return {kind: [walk(v, f"{path}[{i}]") for i, v in enumerate(obj)]}
+            return {kind: [walk(v, (at, i)) for i, v in enumerate(obj)]}
         if isinstance(obj, (bytes, bytearray)):
             offset = place(len(obj))
             leaves.append(Leaf(offset, len(obj), raw=bytes(obj)))
@@ -88,17 +138,23 @@ def encode(state: object) -> tuple[Any, list[Leaf], int]:
             return {"device": str(obj)}
         # before _plain: np.float64 is a float; np.str_ is a str, and _plain's
         if type(obj).__module__.partition(".")[0] == "numpy" and not isinstance(obj, str):
-            node, data = _numpy.encode_value(obj, path, place)
+            node, data = _numpy.encode_value(obj, _path(at), place)
             if data is not None:
                 leaves.append(Leaf(node["ndarray"][2], data.numel(), tensor=data))
             return node
-        return _plain(obj, path)
+        return _plain(obj, at)
 
-    tree = walk(state, "")
-    return tree, leaves, end[0]
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        tree = walk(state, None)
+    finally:
+        if collecting:
+            gc.enable()
+    return tree, leaves, end
 
 
-def _plain(obj: object, path: str) -> Any:
+def _plain(obj: object, at: At) -> Any:
     if obj is None:
         return {"none": None}
     if isinstance(obj, bool):
@@ -110,7 +166,7 @@ def _plain(obj: object, path: str) -> Any:
     if isinstance(obj, str):
         return {"str": obj}
     raise SnapshotError(
-        f"state{path}: a value of type {type(obj).__module__}.{type(obj).__qualname__}; "
+        f"state{_path(at)}: a value of type {type(obj).__module__}.{type(obj).__qualname__}; "
         "expected tensors, NumPy arrays, dicts, lists, tuples, int, float, str, bool, bytes "
         "or None"
     )
@@ -129,8 +185,11 @@ def flat_bytes(leaf: Leaf) -> torch.Tensor:
     """A CPU leaf's bytes, flat uint8."""
     if leaf.raw is not None:
         return torch.frombuffer(bytearray(leaf.raw), dtype=torch.uint8)
-    assert leaf.tensor is not None
-    return leaf.tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+    tensor = leaf.tensor
+    assert tensor is not None
+    if tensor.requires_grad:
+        tensor = tensor.detach()
+    return tensor.contiguous().reshape(-1).view(torch.uint8)
 
 
 def decode(tree: object, size: int, where: str) -> tuple[object, list[Region]]:
