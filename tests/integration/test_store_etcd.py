@@ -94,6 +94,73 @@ def test_store_operations(etcd: Member) -> None:
         store.close()
 
 
+class _SilentMember:
+    """An endpoint listed before the real member: it passes a transaction on to etcd
+    (when ``forward``), lets another node's write of the key land after it, and never
+    answers, as a member that applied a call and then fell silent; the client sends the
+    call again to the next endpoint."""
+
+    def __init__(self, member: Member, key: str, *, forward: bool) -> None:
+        import http.server
+
+        self.done = threading.Event()
+        other = store_for(member)
+        silent = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                if forward:
+                    request = urllib.request.Request(
+                        f"http://{member.endpoint}{self.path}", data=body, method="POST"
+                    )
+                    urllib.request.urlopen(request, timeout=5).read()
+                other.set(key, b"another node's")
+                silent.done.wait(10)  # no answer: the client moves on
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self._other = other
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._thread = threading.Thread(target=self.server.serve_forever, name="test-silent")
+        self._thread.start()
+
+    def close(self) -> None:
+        self.done.set()
+        self.server.shutdown()
+        self.server.server_close()  # joins the handler threads
+        self._thread.join(10)
+        self._other.close()
+
+
+@pytest.mark.parametrize("forward", [True, False])
+@pytest.mark.parametrize("old", [b"old", None])
+def test_a_compare_and_set_applied_by_a_send_never_answered_counts_as_written(
+    etcd: Member, forward: bool, old: bytes | None
+) -> None:
+    """The first endpoint applies the compare-and-set (or the create) and falls
+    silent; another node's write lands; the call sent again to the next endpoint is
+    refused. It was written: the key's history says so (the rendezvous then publishes
+    what follows its write). One the silent endpoint never passed on was not."""
+    setup = store_for(etcd)
+    if old is not None:
+        setup.set("state", old)
+    silent = _SilentMember(etcd, "state", forward=forward)
+    port = silent.server.server_address[1]
+    store = EtcdStore([("127.0.0.1", port), ("127.0.0.1", etcd.client_port)], prefix="t/")
+    try:
+        got = store.compare_set("state", old, b"mine")
+        assert got == ((b"mine", True) if forward else (b"another node's", False))
+        assert setup.get("state") == b"another node's"
+        created = store.compare_set("fresh", None, b"first")  # (the silent one is skipped now)
+        assert created == (b"first", True)
+    finally:
+        silent.close()
+        store.close()
+        setup.close()
+
+
 def test_tickets_are_each_handed_out_once_and_batches_keep_their_order(etcd: Member) -> None:
     """Many nodes take tickets at once (a round's joins): 1..N, each once, through the
     prefixed and signed views too; many keys read and written in transactions of a

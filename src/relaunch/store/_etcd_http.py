@@ -13,7 +13,7 @@ from typing import Any
 
 from relaunch.errors import ConfigError, StoreClosedError, StoreConnectionError, StoreError
 
-__all__ = ["EtcdEndpoints"]
+__all__ = ["EtcdEndpoints", "first_kv"]
 
 logger = logging.getLogger("relaunch.store.etcd")
 
@@ -145,6 +145,12 @@ class EtcdEndpoints:
     def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         """POST to the first endpoint that answers; sweep again (backing off) while the
         cluster has no leader or no endpoint answers, for up to ``timeout`` seconds."""
+        return self.post_sent(path, body)[0]
+
+    def post_sent(self, path: str, body: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+        """:meth:`post`, and whether the call was sent more than once: an endpoint that
+        did not answer (in time) may still have applied it."""
+        tries = 0
         # once a call found no endpoint for its whole timeout, the store is taken for
         # lost until one answers: the calls after it (an agent saying why it stops, and
         # leaving) each wait a moment, not the whole timeout again
@@ -154,9 +160,10 @@ class EtcdEndpoints:
         delay, patience = 0.05, _ATTEMPT
         while True:
             result, errors = self._sweep(path, body, deadline, patience)
+            tries += len(errors)
             if result is not None:
                 self._answered = True
-                return result
+                return result, tries > 0
             if time.monotonic() + delay > deadline:
                 self._answered = False
                 raise StoreConnectionError("no etcd endpoint answered: " + "; ".join(errors))
@@ -209,6 +216,13 @@ class EtcdEndpoints:
         self.closed = True
         for client in (*self._clients, *self._retired):
             client.session.close()
+
+
+def first_kv(range_reply: dict[str, Any]) -> dict[str, Any] | None:
+    """The first key of a range's answer (a range call's, or a transaction's
+    ``response_range``), as etcd's JSON has it; None when there is none."""
+    kvs = range_reply.get("kvs") or []
+    return kvs[0] if kvs else None
 
 
 _ATTEMPT = 1.0

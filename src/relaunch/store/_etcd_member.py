@@ -237,6 +237,12 @@ class EtcdMember:
             # live leader
             "--heartbeat-interval", "100",
             "--election-timeout", "500",
+            # keep 5 minutes of history: every write keeps a revision (~120 bytes of
+            # the database, in node memory), and a 1,024-node job's heartbeats alone
+            # (one per node per dead-node delay) passed etcd's 2 GB quota in ~9 hours,
+            # after which etcd refuses every write and the job loses its store
+            "--auto-compaction-mode", "periodic",
+            "--auto-compaction-retention", "5m",
         ]  # fmt: skip
         out: int | BinaryIO = subprocess.DEVNULL
         if log_dir is not None:

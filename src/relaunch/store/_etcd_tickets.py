@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from relaunch.errors import StoreError
+from relaunch.store._etcd_http import first_kv
 
 __all__ = ["MARK", "count", "take"]
 
@@ -41,9 +42,9 @@ def take(post: Callable[[str, dict[str, Any]], dict[str, Any]], key: str, raw_ke
         if reply.get("succeeded"):
             prev = answer.get("response_put", {}).get("prev_kv") or {}
             return int(prev.get("version", 0)) + 1
-        kvs = answer.get("response_range", {}).get("kvs") or []
-        if kvs:
-            count(key, kvs[0])  # raises unless it is a counter (created meanwhile): again
+        kv = first_kv(answer.get("response_range", {}))
+        if kv is not None:
+            count(key, kv)  # raises unless it is a counter (created meanwhile): again
             continue
         if post("/kv/txn", {"compare": [absent], "success": [put]}).get("succeeded"):
             return 1

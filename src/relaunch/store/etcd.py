@@ -26,7 +26,8 @@ from relaunch.errors import (
     StoreTimeoutError,
 )
 from relaunch.store import _etcd_tickets as tickets
-from relaunch.store._etcd_http import EtcdEndpoints
+from relaunch.store._etcd_history import applied_earlier
+from relaunch.store._etcd_http import EtcdEndpoints, first_kv
 from relaunch.store._etcd_lease import OwnLease
 
 __all__ = ["EtcdStore"]
@@ -122,9 +123,7 @@ class EtcdStore:
         if serializable:
             body["serializable"] = True
         reply = self._http.post("/kv/range", body)
-        kvs = reply.get("kvs") or []
-        revision = int(reply.get("header", {}).get("revision", 0))
-        return (kvs[0] if kvs else None), revision
+        return first_kv(reply), int(reply.get("header", {}).get("revision", 0))
 
     def _value(self, key: str, *, serializable: bool = False) -> bytes | None:
         kv, _ = self._range(key, serializable=serializable)
@@ -143,8 +142,12 @@ class EtcdStore:
     def set(self, key: str, value: bytes) -> None:
         self._http.post("/kv/put", {"key": self._key(key), "value": _b64(value)})
 
-    def _txn(self, key: str, compare: dict[str, Any], value: bytes) -> tuple[bool, dict[str, Any]]:
-        reply = self._http.post(
+    def _txn(
+        self, key: str, compare: dict[str, Any], value: bytes
+    ) -> tuple[bool, dict[str, Any] | None, bool]:
+        """Put ``value`` if ``compare`` holds: whether it did, the key when it did not
+        (as etcd's JSON has it), and whether the call was sent more than once."""
+        reply, resent = self._http.post_sent(
             "/kv/txn",
             {
                 "compare": [{"key": self._key(key), "result": "EQUAL", **compare}],
@@ -152,19 +155,30 @@ class EtcdStore:
                 "failure": [{"request_range": {"key": self._key(key)}}],
             },
         )
-        return bool(reply.get("succeeded", False)), reply
+        if reply.get("succeeded", False):
+            return True, None, resent
+        answer = (reply.get("responses") or [{}])[0]
+        return False, first_kv(answer.get("response_range", {})), resent
 
     def compare_set(self, key: str, expected: bytes | None, desired: bytes) -> tuple[bytes, bool]:
         if expected is None:
             compare: dict[str, Any] = {"target": "CREATE", "create_revision": "0"}
         else:
             compare = {"target": "VALUE", "value": _b64(expected)}
-        written, reply = self._txn(key, compare, desired)
+        written, kv, resent = self._txn(key, compare, desired)
         if written:
             return desired, True
-        responses = reply.get("responses") or [{}]
-        kvs = responses[0].get("response_range", {}).get("kvs") or []
-        return (_unb64(kvs[0].get("value", "")) if kvs else b""), False
+        current = b"" if kv is None else _unb64(kv.get("value", ""))
+        # sent again after a member did not answer: its first send may have been
+        # applied, and another write may have landed since (_etcd_history)
+        if (
+            resent
+            and kv is not None
+            and current != desired
+            and applied_earlier(self._http.post, self._key(key), expected, desired, kv)
+        ):
+            return desired, True
+        return current, False
 
     def add(self, key: str, amount: int) -> int:
         while True:
@@ -179,7 +193,7 @@ class EtcdStore:
                 except ValueError as exc:
                     raise StoreError(f"key {key!r} does not hold an integer: {raw!r}") from exc
                 compare = {"target": "MOD", "mod_revision": kv["mod_revision"]}
-            written, _ = self._txn(key, compare, str(current + amount).encode())
+            written, _, _ = self._txn(key, compare, str(current + amount).encode())
             if written:
                 return current + amount
 
@@ -201,8 +215,8 @@ class EtcdStore:
             ops = [{"request_range": {"key": self._key(key)}} for key in chunk]
             reply = self._http.post("/kv/txn", {"success": ops})
             for answer in reply.get("responses") or []:
-                kvs = answer.get("response_range", {}).get("kvs") or []
-                found.append(_unb64(kvs[0].get("value", "")) if kvs else None)
+                kv = first_kv(answer.get("response_range", {}))
+                found.append(None if kv is None else _unb64(kv.get("value", "")))
         if len(found) != len(keys):
             raise StoreError(f"etcd answered {len(found)} reads for {len(keys)} keys")
         return found
