@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import http.server
 import json
 import os
 import subprocess
@@ -96,38 +97,45 @@ def test_store_operations(etcd: Member) -> None:
 
 class _SilentMember:
     """An endpoint listed before the real member: it passes a transaction on to etcd
-    (when ``forward``), lets another node's write of the key land after it, and never
-    answers, as a member that applied a call and then fell silent; the client sends the
-    call again to the next endpoint."""
+    (when ``forward``), lets another node's write of the key land after it, and hangs
+    up without an answer, as a member that applied a call and then fell silent; the
+    client sends the call again to the next endpoint (only then: no race). Other calls
+    it passes on and answers."""
 
-    def __init__(self, member: Member, key: str, *, forward: bool) -> None:
-        import http.server
-
-        self.done = threading.Event()
+    def __init__(
+        self, member: Member, key: str, *, forward: bool, then: bytes = b"another node's"
+    ) -> None:
         other = store_for(member)
-        silent = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_POST(self) -> None:
                 body = self.rfile.read(int(self.headers["Content-Length"]))
-                if forward:
+                txn = self.path.endswith("/kv/txn")
+                if forward or not txn:
                     request = urllib.request.Request(
                         f"http://{member.endpoint}{self.path}", data=body, method="POST"
                     )
-                    urllib.request.urlopen(request, timeout=5).read()
-                other.set(key, b"another node's")
-                silent.done.wait(10)  # no answer: the client moves on
+                    answer = urllib.request.urlopen(request, timeout=5).read()
+                if not txn:  # a read: answered as the member would
+                    self.send_response(200)
+                    self.send_header("Content-Length", str(len(answer)))
+                    self.end_headers()
+                    self.wfile.write(answer)
+                    return
+                other.set(key, then)
+                self.close_connection = True  # no answer at all
 
             def log_message(self, *args: object) -> None:
                 pass
 
         self._other = other
         self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._thread = threading.Thread(target=self.server.serve_forever, name="test-silent")
+        self._thread = threading.Thread(
+            target=self.server.serve_forever, name="test-silent", daemon=True
+        )
         self._thread.start()
 
     def close(self) -> None:
-        self.done.set()
         self.server.shutdown()
         self.server.server_close()  # joins the handler threads
         self._thread.join(10)
@@ -139,26 +147,43 @@ class _SilentMember:
 def test_a_compare_and_set_applied_by_a_send_never_answered_counts_as_written(
     etcd: Member, forward: bool, old: bytes | None
 ) -> None:
-    """The first endpoint applies the compare-and-set (or the create) and falls
-    silent; another node's write lands; the call sent again to the next endpoint is
-    refused. It was written: the key's history says so (the rendezvous then publishes
-    what follows its write). One the silent endpoint never passed on was not."""
-    setup = store_for(etcd)
-    if old is not None:
-        setup.set("state", old)
-    silent = _SilentMember(etcd, "state", forward=forward)
-    port = silent.server.server_address[1]
-    store = EtcdStore([("127.0.0.1", port), ("127.0.0.1", etcd.client_port)], prefix="t/")
-    try:
+    """The first endpoint applies the compare-and-set (or the create) and hangs up;
+    another node's write lands; the call sent again to the next endpoint is refused.
+    It was written: the key's history says so (the rendezvous then publishes what
+    follows its write). One the silent endpoint never passed on was not."""
+    with contextlib.ExitStack() as stack:
+        setup = store_for(etcd)
+        stack.callback(setup.close)
+        if old is not None:
+            setup.set("state", old)
+        silent = _SilentMember(etcd, "state", forward=forward)
+        stack.callback(silent.close)
+        port = silent.server.server_address[1]
+        endpoints = [("127.0.0.1", port), ("127.0.0.1", etcd.client_port)]
+        store = EtcdStore(endpoints, prefix="t/")
+        stack.callback(store.close)
         got = store.compare_set("state", old, b"mine")
         assert got == ((b"mine", True) if forward else (b"another node's", False))
         assert setup.get("state") == b"another node's"
         created = store.compare_set("fresh", None, b"first")  # (the silent one is skipped now)
         assert created == (b"first", True)
-    finally:
-        silent.close()
-        store.close()
-        setup.close()
+
+
+def test_an_add_applied_by_a_send_never_answered_is_not_added_again(etcd: Member) -> None:
+    """5 + 2 applied by the silent endpoint, another node's + 1 after it: the add is
+    not made again (the job's counts, the restarts among them, would count it twice)."""
+    with contextlib.ExitStack() as stack:
+        setup = store_for(etcd)
+        stack.callback(setup.close)
+        setup.set("n", b"5")
+        silent = _SilentMember(etcd, "n", forward=True, then=b"8")
+        stack.callback(silent.close)
+        port = silent.server.server_address[1]
+        endpoints = [("127.0.0.1", port), ("127.0.0.1", etcd.client_port)]
+        store = EtcdStore(endpoints, prefix="t/")
+        stack.callback(store.close)
+        assert store.add("n", 2) == 7
+        assert setup.get("n") == b"8"
 
 
 def test_tickets_are_each_handed_out_once_and_batches_keep_their_order(etcd: Member) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -178,51 +179,74 @@ def _bytes(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.contiguous().reshape(-1).view(torch.uint8)
 
 
-def test_thousands_of_small_values_are_copied_in_save_as_of_the_save(tmp_path: Path) -> None:
-    """A model's many small values (biases, norms, small convolutions) are copied in
-    ``save`` itself, runs of neighbours of one dtype joined with the alignment's zeros
-    between them: whatever changes after ``save`` returns, every value comes back
-    bitwise as it was, whatever its dtype, layout or neighbours."""
+def test_small_values_are_joined_in_runs_and_snapshotted_as_of_the_save(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A model's many small values go to the data file a run of neighbours of one
+    dtype at a time (the alignment's zeros between them; a run up to 8 MiB), copied by
+    the writer beside the next step. Held back until every value has changed, the
+    writer still writes each as it was at ``save``: the optimizer's (its pre-step hook
+    waits), and the others, cloned in ``save``, whatever their dtype, layout or
+    neighbours."""
+    from torch import nn
+
+    from relaunch.checkpoint import _fill
+
     torch.manual_seed(1)
-    state: dict[str, Any] = {f"w{i}": torch.randn(16, 16) for i in range(2000)}
-    state.update(
-        f64=torch.randn(3, dtype=torch.float64),
-        bf16=torch.randn(5, dtype=torch.bfloat16),
-        mask=torch.rand(9) > 0.5,
-        ints=torch.arange(7),
-        strided=torch.randn(6, 4).t(),
-        f8=torch.randn(4, 4).to(torch.float8_e4m3fn),
-        raw=b"\x01\x02\x03",
-        empty=torch.empty(0),
-        big=torch.randn(1 << 19),  # 2 MB: copied by the writer (cloned in save: no optimizer)
-        grad=torch.randn(3, requires_grad=True),
-        scalar=torch.tensor(2.5),
-        lone_int=torch.tensor(7),
-    )
-    want = {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
-    saver = Saver(_where(tmp_path))
+    saver = Saver(_where(tmp_path))  # its hook sees the optimizer step
+    release = threading.Event()
     try:
-        for step in (1, 2):  # the second save reuses the first one's buffer
+        params = nn.ParameterList(nn.Parameter(torch.randn(64, 64)) for _ in range(1000))  # 16 MB
+        optimizer = torch.optim.SGD(params, lr=0.1)
+        sum(p.sum() for p in params).backward()
+        optimizer.step()
+        loose: dict[str, Any] = {f"v{i}": torch.randn(16, 16) for i in range(200)}
+        loose.update(
+            f64=torch.randn(3, dtype=torch.float64),
+            bf16=torch.randn(5, dtype=torch.bfloat16),
+            mask=torch.rand(9) > 0.5,
+            ints=torch.arange(7),
+            strided=torch.randn(6, 4).t(),
+            f8=torch.randn(4, 4).to(torch.float8_e4m3fn),
+            empty=torch.empty(0),
+            scalar=torch.tensor(2.5),
+            grad=torch.randn(3, requires_grad=True),
+            big=torch.randn(3 << 17),  # 1.5 MB: copied alone, cloned in save too
+        )
+        state = {"params": list(params), "loose": loose, "raw": b"\x01\x02\x03"}
+        want = {k: v.detach().clone() for k, v in loose.items()}
+        want_params = [p.detach().clone() for p in params]
+        joined: list[int] = []
+        join = _fill._join
+
+        def held_join(pieces: list[torch.Tensor], out: torch.Tensor) -> None:
+            release.wait(10)  # a save that blocked waits for this one: then it passes first
+            joined.append(out.numel() * out.element_size())
+            join(pieces, out)
+
+        monkeypatch.setattr(_fill, "_join", held_join)
+        for step in (1, 2):  # the second reuses the first's file
+            joined.clear()
             saver.save(step, state)
+            assert not joined  # not a blocking save: it returned while the writer is held
             with torch.no_grad():
-                for value in state.values():
-                    if isinstance(value, torch.Tensor):
-                        value.fill_(step % 2)
+                for value in loose.values():
+                    value.fill_(step % 2)
+            release.set()
             saver.wait()
+            release.clear()
+            assert len(joined) > 3 and max(joined) <= 8 << 20  # runs, split at 8 MiB
             back = saver.read(step)
-            assert isinstance(back, dict)
+            assert isinstance(back, dict) and back["raw"] == b"\x01\x02\x03"
             for key, value in want.items():
-                if isinstance(value, torch.Tensor):
-                    got = back[key]
-                    assert got.dtype == value.dtype and got.shape == value.shape, key
-                    assert torch.equal(_bytes(got), _bytes(value)), key
-                else:
-                    assert back[key] == value, key
-            want = {
-                k: v.detach().clone() if isinstance(v, torch.Tensor) else v
-                for k, v in state.items()
-            }
+                got = back["loose"][key]
+                assert got.dtype == value.dtype and got.shape == value.shape, key
+                assert torch.equal(_bytes(got), _bytes(value)), key
+            for got, value in zip(back["params"], want_params, strict=True):
+                assert torch.equal(got, value)
+            want = {k: v.detach().clone() for k, v in loose.items()}
     finally:
+        release.set()
         saver.close()
 
 

@@ -79,9 +79,11 @@ class Run:
     pieces: list[torch.Tensor]
 
 
-def runs_of(leaves: Sequence[Leaf]) -> list[Run]:
-    """The runs of ``leaves`` (CPU values under :data:`SMALL` bytes, in the order of
-    their offsets), each up to :data:`CHUNK` bytes.
+def runs_of(leaves: Sequence[Leaf]) -> tuple[list[Run], list[Leaf]]:
+    """The runs of the CPU values under :data:`SMALL` bytes of ``leaves`` (in the order
+    of their offsets), each up to :data:`CHUNK` bytes, and the other leaves (copied
+    one by one: large ones in chunks; a value on another device, XPU or MPS, with the
+    copy that brings it to the host).
 
     Made in ``save``, without a torch call per value. A model's thousands of biases and
     norms (a ResNet's convolutions too) were each a copy of its own on the writer's
@@ -89,10 +91,14 @@ def runs_of(leaves: Sequence[Leaf]) -> list[Run]:
     thread, a few times per value (3,200 values of 16 KB: a 75 ms step took 400 ms
     with a snapshot every step); the writer now makes two calls per run."""
     runs: list[Run] = []
+    others: list[Leaf] = []
     pieces: list[torch.Tensor] = []
     start = end = 0
     kind = torch.uint8
     for leaf in leaves:
+        if leaf.nbytes >= SMALL or (leaf.tensor is not None and not leaf.tensor.is_cpu):
+            others.append(leaf)
+            continue
         flat = _flat(leaf)
         gap = leaf.offset - end
         joins = pieces and flat.dtype == kind and 0 <= gap < ALIGN
@@ -106,7 +112,7 @@ def runs_of(leaves: Sequence[Leaf]) -> list[Run]:
         end = leaf.offset + leaf.nbytes
     if pieces:
         runs.append(Run(start, end - start, kind, pieces))
-    return runs
+    return runs, others
 
 
 def _join(pieces: list[torch.Tensor], out: torch.Tensor) -> None:

@@ -37,7 +37,7 @@ from relaunch.checkpoint import _layout as layout
 from relaunch.checkpoint._ack import PeerAck
 from relaunch.checkpoint._durable import discard_newer as discard_copies_newer
 from relaunch.checkpoint._fence import Fence
-from relaunch.checkpoint._fill import SMALL, Filler, Part, Run, runs_of
+from relaunch.checkpoint._fill import Filler, Part, Run, runs_of
 from relaunch.checkpoint._layout import Where
 from relaunch.checkpoint._mapped import MappedFiles
 from relaunch.checkpoint._readback import Prefetch, offered_steps, read_step
@@ -58,9 +58,11 @@ class _Pending:
     manifest_tree: Any
     nbytes: int
     host: list[Leaf]
-    """The values the writer copies itself: CPU tensors of :data:`SMALL` bytes or more."""
+    """The values the writer copies one by one: of :data:`SMALL` bytes or more, or on a
+    device neither the host's nor CUDA."""
     runs: list[Run]
-    """The smaller CPU values and bytes, a run of neighbours at a time."""
+    """The other values the writer copies (CPU tensors, bytes), a run of neighbours at
+    a time."""
     staged: Staged | None = None
     file: Any = None
     """The data file, when ``save`` took it."""
@@ -141,7 +143,7 @@ class Saver:
         tree, leaves, nbytes = encode(state)
         # the tensors no optimizer's hook protects are cloned, or the save blocks
         blocking = blocking or self._fence.secure(leaves, nbytes)
-        host = [leaf for leaf in leaves if leaf.nbytes and not leaf.cuda]
+        runs, host = runs_of([leaf for leaf in leaves if leaf.nbytes and not leaf.cuda])
         # what stays while this one is written: the other ranks' and our newest window-1
         w = self.where
         layout.check_limit(w.root, w.rank, step, nbytes, max(self.window - 1, 1), w.limit)
@@ -155,8 +157,8 @@ class Saver:
             step=step,
             manifest_tree=tree,
             nbytes=nbytes,
-            host=[leaf for leaf in host if leaf.nbytes >= SMALL],
-            runs=runs_of([leaf for leaf in host if leaf.nbytes < SMALL]),
+            host=host,
+            runs=runs,
         )
         self._stage([leaf for leaf in leaves if leaf.nbytes and leaf.cuda], pending)
         self._staged = pending.staged

@@ -302,9 +302,7 @@ class DynamicRendezvousHandler:
             if embedded is not None:  # no seat taken from now on
                 embedded.leaving()
             if self._joined:  # beating until the leave landed: one that stops is dead
-                leave(
-                    self._join.queue, self._node, self._settings, self._clock, self._keep_alive.stop
-                )
+                leave(self._queue, self._node, self._settings, self._clock, self._keep_alive.stop)
             if (embedded is None or not embedded.leave()) and serving:
                 wait_for_others(self._rdzv, self._node, self._settings, self._clock, known)
         except RelaunchError as exc:

@@ -8,7 +8,7 @@ caller would take its applied write for a lost one (the rendezvous then skipped 
 follows a write: the round's places, the epoch key that wakes the waiting nodes).
 The key's history tells: etcd keeps every value of a key since its last compaction
 (five minutes, as the agents start it), and the value that followed ``expected`` in it
-is the caller's exactly when its compare-and-set was applied.
+is the caller's when its compare-and-set was applied.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import base64
 from collections.abc import Callable
 from typing import Any
 
-from relaunch.errors import StoreError
+from relaunch.errors import StoreClosedError, StoreConnectionError, StoreError
 from relaunch.store._etcd_http import first_kv
 
 __all__ = ["applied_earlier"]
@@ -35,9 +35,12 @@ def applied_earlier(
     """Whether ``expected -> desired`` was applied to the key (``raw_key``: base64, as
     etcd's JSON names it) before its value became ``kv`` (the key now, as etcd's JSON
     has it): the value after ``expected`` in its history is ``desired`` (with
-    ``expected`` None: the key's first value since it was created). False when the
-    history does not say (compacted; more than :data:`_STEPS` values back; a value
-    that came back, A B A: taken for not applied, as before this check)."""
+    ``expected`` None: the key's first value since it was created). That another
+    writer put the same bytes there is taken as impossible, as the callers already
+    take it (a rendezvous state's bytes carry its sequence number, a steward's its
+    time). False when the history does not say (compacted; more than :data:`_STEPS`
+    values back; a value that came back, A B A: taken for not applied, as before this
+    check)."""
     try:
         if expected is None:
             first = _at(post, raw_key, int(kv["create_revision"]))
@@ -50,6 +53,8 @@ def applied_earlier(
             if _value(earlier) == expected:
                 return _value(later) == desired
             later = earlier
+    except (StoreClosedError, StoreConnectionError):
+        raise  # the store is gone: not a question of history
     except (StoreError, KeyError, ValueError):  # compacted, or an answer not as expected
         return False
     return False

@@ -150,7 +150,7 @@ class EtcdEndpoints:
     def post_sent(self, path: str, body: dict[str, Any]) -> tuple[dict[str, Any], bool]:
         """:meth:`post`, and whether the call was sent more than once: an endpoint that
         did not answer (in time) may still have applied it."""
-        tries = 0
+        failed = 0
         # once a call found no endpoint for its whole timeout, the store is taken for
         # lost until one answers: the calls after it (an agent saying why it stops, and
         # leaving) each wait a moment, not the whole timeout again
@@ -160,10 +160,10 @@ class EtcdEndpoints:
         delay, patience = 0.05, _ATTEMPT
         while True:
             result, errors = self._sweep(path, body, deadline, patience)
-            tries += len(errors)
+            failed += len(errors)
             if result is not None:
                 self._answered = True
-                return result, tries > 0
+                return result, failed > 0
             if time.monotonic() + delay > deadline:
                 self._answered = False
                 raise StoreConnectionError("no etcd endpoint answered: " + "; ".join(errors))

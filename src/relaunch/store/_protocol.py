@@ -26,7 +26,9 @@ class Store(Protocol):
         """Set ``key`` to ``desired`` only if it currently holds ``expected``.
 
         ``expected=None`` means "only if the key is not set". Returns the value the
-        key holds afterwards and whether this call wrote it.
+        key holds afterwards and whether this call wrote it; except that a call found
+        written by an earlier send of its own (etcd's, sent again after a member fell
+        silent) returns ``(desired, True)`` although another write may have followed.
         """
         ...
 

@@ -183,18 +183,25 @@ class EtcdStore:
     def add(self, key: str, amount: int) -> int:
         while True:
             kv, _ = self._range(key)
-            if kv is None:
+            raw = None if kv is None else _unb64(kv.get("value", ""))
+            if raw is None:
                 current = 0
                 compare: dict[str, Any] = {"target": "CREATE", "create_revision": "0"}
             else:
-                raw = _unb64(kv.get("value", ""))
                 try:
                     current = int(raw) if raw else 0
                 except ValueError as exc:
                     raise StoreError(f"key {key!r} does not hold an integer: {raw!r}") from exc
+                assert kv is not None
                 compare = {"target": "MOD", "mod_revision": kv["mod_revision"]}
-            written, _, _ = self._txn(key, compare, str(current + amount).encode())
-            if written:
+            desired = str(current + amount).encode()
+            written, now, resent = self._txn(key, compare, desired)
+            # a send that got no answer may have added already: adding again would count twice
+            if written or (
+                resent
+                and now is not None
+                and applied_earlier(self._http.post, self._key(key), raw, desired, now)
+            ):
                 return current + amount
 
     def take_ticket(self, key: str) -> int:
