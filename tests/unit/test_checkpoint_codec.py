@@ -7,6 +7,7 @@ import json
 import os
 import re
 import threading
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -290,6 +291,16 @@ def test_an_unsupported_value_names_its_key_path_and_type() -> None:
         encode({(1, 2): 3})
     with pytest.raises(SnapshotError, match="dense"):
         encode({"s": torch.eye(2).to_sparse()})
+    with pytest.raises(SnapshotError, match=r"state\['m'\]: a meta tensor"):
+        encode({"m": torch.empty(3, device="meta")})
+    with warnings.catch_warnings():  # (torch's: a prototype, deprecated)
+        warnings.simplefilter("ignore")
+        nested = torch.nested.nested_tensor([torch.zeros(2), torch.zeros(3)])
+        quantized = torch.quantize_per_tensor(torch.zeros(3), 0.1, 0, torch.qint8)
+    with pytest.raises(SnapshotError, match=r"state\[0\]: a nested tensor"):
+        encode([nested])
+    with pytest.raises(SnapshotError, match=r"state\['q'\]: a quantized tensor"):
+        encode({"q": quantized})
 
 
 @pytest.mark.parametrize(

@@ -100,6 +100,11 @@ def encode(state: object) -> tuple[Any, list[Leaf], int]:
                 raise SnapshotError(
                     f"state{_path(at)}: a {obj.layout} tensor; expected a dense one"
                 )
+            if obj.is_quantized or obj.is_nested or obj.is_meta:
+                kind = "quantized" if obj.is_quantized else "nested" if obj.is_nested else "meta"
+                raise SnapshotError(
+                    f"state{_path(at)}: a {kind} tensor; expected a dense one with its data"
+                )
             nbytes = obj.numel() * obj.element_size()
             offset = place(nbytes)
             cuda = obj.is_cuda
