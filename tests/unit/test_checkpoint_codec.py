@@ -180,18 +180,22 @@ def _bytes(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.contiguous().reshape(-1).view(torch.uint8)
 
 
+@pytest.mark.parametrize("join", ["torch's", "a reshape each"])
 def test_small_values_are_joined_in_runs_and_snapshotted_as_of_the_save(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, join: str
 ) -> None:
     """A model's many small values go to the data file a run of neighbours of one
     dtype at a time (the alignment's zeros between them; a run up to 8 MiB), copied by
     the writer beside the next step. Held back until every value has changed, the
     writer still writes each as it was at ``save``: the optimizer's (its pre-step hook
     waits), and the others, cloned in ``save``, whatever their dtype, layout or
-    neighbours."""
+    neighbours. The same without torch's private join (a release that drops it)."""
     from torch import nn
 
     from relaunch.checkpoint import _fill
+
+    if join == "a reshape each":
+        monkeypatch.setattr(_fill, "_flatten", _fill._flatten_each)
 
     torch.manual_seed(1)
     saver = Saver(_where(tmp_path))  # its hook sees the optimizer step

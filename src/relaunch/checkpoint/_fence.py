@@ -54,13 +54,13 @@ class Fence:
         """Clone the tensors of ``leaves`` that no optimizer fences (each leaf then
         holds its clone); True when they are too many bytes to clone, or a CUDA clone
         finds no memory, and the save must block instead (then no leaf keeps a clone)."""
-        tensors = [leaf for leaf in leaves if leaf.tensor is not None and leaf.nbytes]
+        tensors = [
+            (leaf, leaf.tensor) for leaf in leaves if leaf.tensor is not None and leaf.nbytes
+        ]
         if not tensors:
             return False
         held = _Held(list(self._optimizers))
-        loose = [
-            leaf for leaf in tensors if leaf.tensor is not None and not held.fences(leaf.tensor)
-        ]
+        loose = [leaf for leaf, tensor in tensors if not held.fences(tensor)]
         if sum(leaf.nbytes for leaf in loose) > nbytes * CLONE_SHARE:
             return True
         clones: list[tuple[Leaf, torch.Tensor]] = []

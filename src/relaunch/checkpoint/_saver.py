@@ -143,7 +143,7 @@ class Saver:
         tree, leaves, nbytes = encode(state)
         # the tensors no optimizer's hook protects are cloned, or the save blocks
         blocking = blocking or self._fence.secure(leaves, nbytes)
-        runs, host = runs_of([leaf for leaf in leaves if leaf.nbytes and not leaf.cuda])
+        runs, host = runs_of([leaf for leaf in leaves if leaf.nbytes and leaf.device != "cuda"])
         # what stays while this one is written: the other ranks' and our newest window-1
         w = self.where
         layout.check_limit(w.root, w.rank, step, nbytes, max(self.window - 1, 1), w.limit)
@@ -160,7 +160,7 @@ class Saver:
             host=host,
             runs=runs,
         )
-        self._stage([leaf for leaf in leaves if leaf.nbytes and leaf.cuda], pending)
+        self._stage([leaf for leaf in leaves if leaf.nbytes and leaf.device == "cuda"], pending)
         self._staged = pending.staged
         self._copied = threading.Event()
         self._thread = threading.Thread(

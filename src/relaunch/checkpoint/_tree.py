@@ -43,8 +43,9 @@ class Leaf:
     nbytes: int
     tensor: torch.Tensor | None = None
     raw: bytes | None = None
-    cuda: bool = False
-    """Whether ``tensor`` is a CUDA tensor (copied through pinned memory)."""
+    device: str = "cpu"
+    """Where the value is: ``"cpu"`` (bytes too), ``"cuda"`` (copied through pinned
+    memory) or ``"other"`` (XPU, MPS: brought to the host by a copy of its own)."""
 
 
 At = tuple["At", object] | None
@@ -107,9 +108,11 @@ def encode(state: object) -> tuple[Any, list[Leaf], int]:
                 )
             nbytes = obj.numel() * obj.element_size()
             offset = place(nbytes)
-            cuda = obj.is_cuda
-            leaves.append(Leaf(offset, nbytes, obj, None, cuda))
-            device = "cpu" if obj.is_cpu else str(obj.device)
+            if obj.is_cpu:
+                kind, device = "cpu", "cpu"
+            else:
+                kind, device = "cuda" if obj.is_cuda else "other", str(obj.device)
+            leaves.append(Leaf(offset, nbytes, obj, None, kind))
             return {"tensor": [_dtype_name(obj.dtype), list(obj.shape), offset, nbytes, device]}
         if isinstance(obj, dict):
             items = []

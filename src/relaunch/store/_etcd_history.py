@@ -13,12 +13,11 @@ is the caller's when its compare-and-set was applied.
 
 from __future__ import annotations
 
-import base64
 from collections.abc import Callable
 from typing import Any
 
 from relaunch.errors import StoreClosedError, StoreConnectionError, StoreError
-from relaunch.store._etcd_http import first_kv
+from relaunch.store._etcd_http import first_kv, kv_value
 
 __all__ = ["applied_earlier"]
 
@@ -44,14 +43,14 @@ def applied_earlier(
     try:
         if expected is None:
             first = _at(post, raw_key, int(kv["create_revision"]))
-            return first is not None and _value(first) == desired
+            return first is not None and kv_value(first) == desired
         later = kv
         for _ in range(_STEPS):
             earlier = _at(post, raw_key, int(later["mod_revision"]) - 1)
             if earlier is None:
                 return False
-            if _value(earlier) == expected:
-                return _value(later) == desired
+            if kv_value(earlier) == expected:
+                return kv_value(later) == desired
             later = earlier
     except (StoreClosedError, StoreConnectionError):
         raise  # the store is gone: not a question of history
@@ -65,7 +64,3 @@ def _at(post: Post, raw_key: str, revision: int) -> dict[str, Any] | None:
     if revision <= 0:
         return None
     return first_kv(post("/kv/range", {"key": raw_key, "revision": str(revision)}))
-
-
-def _value(kv: dict[str, Any]) -> bytes:
-    return base64.b64decode(kv.get("value", ""))

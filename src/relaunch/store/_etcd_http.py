@@ -4,6 +4,7 @@ changed while calls run in other threads (a cluster whose members changed)."""
 
 from __future__ import annotations
 
+import base64
 import logging
 import math
 import threading
@@ -13,7 +14,7 @@ from typing import Any
 
 from relaunch.errors import ConfigError, StoreClosedError, StoreConnectionError, StoreError
 
-__all__ = ["EtcdEndpoints", "first_kv"]
+__all__ = ["EtcdEndpoints", "first_kv", "kv_value"]
 
 logger = logging.getLogger("relaunch.store.etcd")
 
@@ -223,6 +224,11 @@ def first_kv(range_reply: dict[str, Any]) -> dict[str, Any] | None:
     ``response_range``), as etcd's JSON has it; None when there is none."""
     kvs = range_reply.get("kvs") or []
     return kvs[0] if kvs else None
+
+
+def kv_value(kv: dict[str, Any]) -> bytes:
+    """The value of a key as etcd's JSON has it (base64; absent when empty)."""
+    return base64.b64decode(kv.get("value", ""))
 
 
 _ATTEMPT = 1.0

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from relaunch.errors import StoreError
-from relaunch.store._etcd_http import first_kv
+from relaunch.store._etcd_http import first_kv, kv_value
 
 __all__ = ["MARK", "count", "take"]
 
@@ -55,7 +55,7 @@ def count(key: str, kv: dict[str, Any] | None) -> int:
     has it (None: no ticket yet); StoreError when it is not a ticket counter."""
     if kv is None:
         return 0
-    raw = base64.b64decode(kv.get("value", ""))
+    raw = kv_value(kv)
     if raw != MARK:
         raise StoreError(
             f"key {key!r} holds {raw[:40]!r}, not a ticket counter: every agent of a job "

@@ -27,7 +27,7 @@ from relaunch.errors import (
 )
 from relaunch.store import _etcd_tickets as tickets
 from relaunch.store._etcd_history import applied_earlier
-from relaunch.store._etcd_http import EtcdEndpoints, first_kv
+from relaunch.store._etcd_http import EtcdEndpoints, first_kv, kv_value
 from relaunch.store._etcd_lease import OwnLease
 
 __all__ = ["EtcdStore"]
@@ -129,7 +129,7 @@ class EtcdStore:
         kv, _ = self._range(key, serializable=serializable)
         if kv is None:
             return None
-        return _unb64(kv.get("value", ""))
+        return kv_value(kv)
 
     def get(self, key: str) -> bytes | None:
         return self._value(key)
@@ -168,7 +168,7 @@ class EtcdStore:
         written, kv, resent = self._txn(key, compare, desired)
         if written:
             return desired, True
-        current = b"" if kv is None else _unb64(kv.get("value", ""))
+        current = b"" if kv is None else kv_value(kv)
         # sent again after a member did not answer: its first send may have been
         # applied, and another write may have landed since (_etcd_history)
         if (
@@ -183,7 +183,7 @@ class EtcdStore:
     def add(self, key: str, amount: int) -> int:
         while True:
             kv, _ = self._range(key)
-            raw = None if kv is None else _unb64(kv.get("value", ""))
+            raw = None if kv is None else kv_value(kv)
             if raw is None:
                 current = 0
                 compare: dict[str, Any] = {"target": "CREATE", "create_revision": "0"}
@@ -223,7 +223,7 @@ class EtcdStore:
             reply = self._http.post("/kv/txn", {"success": ops})
             for answer in reply.get("responses") or []:
                 kv = first_kv(answer.get("response_range", {}))
-                found.append(None if kv is None else _unb64(kv.get("value", "")))
+                found.append(None if kv is None else kv_value(kv))
         if len(found) != len(keys):
             raise StoreError(f"etcd answered {len(found)} reads for {len(keys)} keys")
         return found
@@ -362,10 +362,7 @@ class EtcdStore:
             body["keys_only"] = True
         reply = self._http.post("/kv/range", body)
         cut = len(self._prefix.encode())
-        return {
-            _unb64(kv["key"])[cut:].decode(): _unb64(kv.get("value", ""))
-            for kv in reply.get("kvs") or []
-        }
+        return {_unb64(kv["key"])[cut:].decode(): kv_value(kv) for kv in reply.get("kvs") or []}
 
     def close(self) -> None:
         """Stop refreshing and revoke the lease (its keys vanish), then close. Idempotent."""
