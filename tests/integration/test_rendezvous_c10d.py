@@ -7,6 +7,7 @@ says so, and shuts down when it reads ``exit`` on stdin.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import select
@@ -17,6 +18,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -270,3 +272,39 @@ def test_port_held_by_a_connection_is_hosted_once_it_is_free() -> None:
             releaser.join(timeout=5)
             accepted.close()
             holder.close()
+
+
+def test_rounds_leave_no_request_or_place_keys_behind() -> None:
+    """A node deletes its join request, its ack and its last round's place once it has
+    its place in a later round (its keep-alive thread, after a beat): round after round
+    the store keeps only the live round's keys, not three more per node each round."""
+    from relaunch.store.tcp import TCPStoreClient, TCPStoreServer
+
+    prefix = "relaunch/rdzv/job/"
+    conf = dict(kv.split("=") for kv in CONF.split(",")) | {"is_host": "0"}
+    params = RendezvousParameters(
+        backend="c10d", endpoint="", run_id="job", min_nodes=2, max_nodes=2, conf=conf
+    )
+    with TCPStoreServer(host="127.0.0.1", port=0) as server:
+        params = dataclasses.replace(params, endpoint=f"127.0.0.1:{server.port}")
+        handlers = [create_handler(params) for _ in range(2)]
+        try:
+            with TCPStoreClient("127.0.0.1", server.port, timeout=10) as client:
+                with ThreadPoolExecutor(2, thread_name_prefix="test-rdzv") as pool:
+                    for _ in range(5):  # a group restart each: every node joins again
+                        rounds = [pool.submit(h.next_rendezvous) for h in handlers]
+                        infos = [r.result(timeout=60) for r in rounds]
+                last = infos[0].round
+                assert {i.round for i in infos} == {last} and last >= 4
+                tickets = int(client.get(prefix + "req") or b"0")
+                assert tickets >= 10
+                spent = [
+                    f"{prefix}{kind}/{t}" for t in range(1, tickets + 1) for kind in ("req", "ack")
+                ]
+                spent += [f"{prefix}assign/{r}/{h.node_id}" for r in range(last) for h in handlers]
+                wait_for(lambda: not [k for k in spent if client.get(k) is not None], 30)
+                for h in handlers:  # the live round's places stay
+                    assert client.get(f"{prefix}assign/{last}/{h.node_id}") is not None
+        finally:
+            for h in handlers:
+                h.shutdown()

@@ -24,6 +24,10 @@ Keys, under ``relaunch/rdzv/<run_id>/``:
     heartbeat times in the state are when each node was placed, not heartbeats.
 ``round/<r>/``
     The prefix of the store handed out with round ``r``.
+
+A node deletes its own ``req/<t>``, ``ack/<t>`` and ``assign/<r>/<node>`` once it has
+its place in a later round (:mod:`relaunch.rendezvous._spent`): the store holds the live
+round's keys, not three more per node each round.
 """
 
 from __future__ import annotations
@@ -131,7 +135,7 @@ class StateBackend:
             return self.fresh(), None, False
         return self._decode(current), current, False
 
-    def _assign_key(self, round_: int, node: str) -> str:
+    def assign_key(self, round_: int, node: str) -> str:
         return f"{self.prefix}assign/{round_}/{node}"
 
     def _publish_assignments(self, state: RendezvousState, nodes: Iterable[str]) -> None:
@@ -139,14 +143,14 @@ class StateBackend:
         their place without a state read."""
         ring = successors(state)
         items = {
-            self._assign_key(state.round, node): assignment_of(state, node, ring).encode()
+            self.assign_key(state.round, node): assignment_of(state, node, ring).encode()
             for node in nodes
         }
         set_many(self.store, items)
 
     def assignment(self, round_: int, node: str) -> Assignment | None:
         """``node``'s place in round ``round_`` once it completed, else None."""
-        raw = self.store.get(self._assign_key(round_, node))
+        raw = self.store.get(self.assign_key(round_, node))
         return None if raw is None else Assignment.parse(raw)
 
     def await_place(

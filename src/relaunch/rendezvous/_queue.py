@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, NamedTuple
 from relaunch.errors import RendezvousStateError, StoreTimeoutError
 from relaunch.rendezvous._ops import perform_requests
 from relaunch.rendezvous._places import JoinAck, assignment_of, successors
+from relaunch.rendezvous._spent import SpentKeys
 from relaunch.rendezvous._state import RendezvousState
 from relaunch.store import get_many, set_many, take_ticket, tickets_taken
 
@@ -55,10 +56,12 @@ class Request(NamedTuple):
 
 
 class RequestQueue:
-    """The request queue of the rendezvous whose state ``backend`` reads and writes."""
+    """The request queue of the rendezvous whose state ``backend`` reads and writes.
+    A request's two keys go to ``spent`` once a state includes it."""
 
-    def __init__(self, backend: StateBackend) -> None:
+    def __init__(self, backend: StateBackend, spent: SpentKeys | None = None) -> None:
         self.backend = backend
+        self.spent = SpentKeys() if spent is None else spent
         self.store = backend.store
         self.settings = backend.settings
         self.clock = backend.clock
@@ -80,8 +83,8 @@ class RequestQueue:
         request: dict[str, object] = {"version": 1, "run_id": self.settings.run_id, "node": node}
         if leave:
             request.update(version=REQUEST_VERSION, leave=True)
-        self.store.set(f"{self.prefix}req/{ticket}", json.dumps(request).encode())
-        ack_key = f"{self.prefix}ack/{ticket}"
+        request_key, ack_key = f"{self.prefix}req/{ticket}", f"{self.prefix}ack/{ticket}"
+        self.store.set(request_key, json.dumps(request).encode())
         timeout = min(self.settings.heartbeat_timeout, self.settings.dead_after)
         head = ticket == 1
         seen, stalls = -1, 0
@@ -95,6 +98,7 @@ class RequestQueue:
                     state, raw = self.backend.load()
                     self._correct_hint(state.applied)
                     if state.applied >= ticket:
+                        self.spent.add(request_key, ack_key)
                         return None
                     self._apply_requests(state, raw, stalls > 0, interrupted)
                     head = False
@@ -105,6 +109,7 @@ class RequestQueue:
                     if applied is None:
                         continue  # acked just after the wait ended: read the ack
                     if applied >= ticket:
+                        self.spent.add(request_key, ack_key)
                         return None
                     stalls = stalls + 1 if applied == seen else 0
                     seen = applied
@@ -114,6 +119,7 @@ class RequestQueue:
                 if ack is None:
                     head = True  # handed over: we hold the oldest unapplied ticket
                     continue
+                self.spent.add(request_key, ack_key)
                 return ack
             except RendezvousStateError:
                 return None  # corrupt: the caller's patient read says it once and decides

@@ -19,6 +19,7 @@ from relaunch.rendezvous._polled import PolledState
 from relaunch.rendezvous._program import RefusedLog, claim_program
 from relaunch.rendezvous._queue import RequestQueue
 from relaunch.rendezvous._settings import RendezvousSettings
+from relaunch.rendezvous._spent import SpentKeys
 from relaunch.rendezvous._state import RendezvousState, new_node_id, peer_addresses
 from relaunch.rendezvous._writes import (
     claim_store_host,
@@ -89,7 +90,8 @@ class DynamicRendezvousHandler:
         self._shut = False
         self._joined = False
         self._program: str | None = None
-        self._queue = RequestQueue(self._rdzv)
+        self._spent = SpentKeys()  # deleted by the keep-alive thread after a beat
+        self._queue = RequestQueue(self._rdzv, self._spent)
         self._corrupt = CorruptWatch(settings.run_id, settings.dead_after)
         self._join = RoundJoin(
             self._node, self._rdzv, self._queue, settings, self._corrupt, self._interrupted, clock
@@ -104,9 +106,15 @@ class DynamicRendezvousHandler:
             settings=settings,
             corrupt=self._corrupt,
             clock=clock,
-            after_beat=refused,
+            after_beat=lambda: self._after_beat(refused),
             lifeline_host=lifeline_host,
         )
+
+    def _after_beat(self, refused: RefusedLog) -> None:
+        """The keep-alive thread's, after each beat: the refused nodes' log, and the
+        keys this node is done with deleted."""
+        refused()
+        self._spent.forget(self._ka_rdzv.store)
 
     # -- small accessors ----------------------------------------------------------
 
@@ -185,6 +193,8 @@ class DynamicRendezvousHandler:
     ) -> RendezvousInfo:
         """The round's info for this node at ``place`` (the state is read only for a
         signed store's peers, and only when not given)."""
+        if self._round is not None and self._round != round_:  # the last round's place
+            self._spent.add(self._rdzv.assign_key(self._round, self._node))
         self._round = round_
         self._polled.forget()
         self._keep_alive.follow(place.successor)  # the new round's ring

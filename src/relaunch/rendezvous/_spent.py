@@ -1,0 +1,51 @@
+"""Keys a node wrote for a round and no longer needs, deleted off the round's path.
+
+A node's join writes ``req/<t>`` and ``ack/<t>`` (the request queue's), and a complete
+round ``assign/<r>/<node>`` for each participant: three keys a node a round (about 250
+bytes with real node ids) that nothing reads once the request is in the state and the
+node has its place in a later round. Kept, they grew the store by ~4 MB a round at
+16,384 nodes, round after round: in the TCP store's host's memory, and on etcd against
+its 2 GB quota (compaction drops old revisions, not live keys). Each node forgets its
+own: its keep-alive thread deletes them after its next beat, a few deletes a round and
+none on the way from a fault back to training.
+
+What stays: a dead node's last three keys (a few per fault), and the ``epoch/<n>`` keys,
+one per write that woke the waiting nodes, job-wide (a node behind by many epochs must
+still find the next one; see :meth:`StateBackend.changed_since`).
+"""
+
+from __future__ import annotations
+
+import collections
+
+from relaunch.store import Store
+
+__all__ = ["SpentKeys"]
+
+
+class SpentKeys:
+    """The keys this node is done with, deleted by :meth:`forget` (the keep-alive
+    thread's, after a beat); :meth:`add` is called from the rendezvous caller's thread."""
+
+    def __init__(self) -> None:
+        self._keys: collections.deque[str] = collections.deque()  # append and pop: atomic
+
+    def add(self, *keys: str) -> None:
+        self._keys.extend(keys)
+
+    def forget(self, store: Store) -> None:
+        """Delete the keys added so far; a delete the store refuses (StoreError: the
+        store is lost for now) puts its key back for the next beat's try."""
+        while True:
+            try:
+                key = self._keys.popleft()
+            except IndexError:
+                return
+            try:
+                store.delete(key)
+            except BaseException:
+                self._keys.appendleft(key)
+                raise
+
+    def __len__(self) -> int:
+        return len(self._keys)
