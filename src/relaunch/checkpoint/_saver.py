@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import logging
 import mmap
 import os
@@ -43,6 +44,7 @@ from relaunch.checkpoint._mapped import MappedFiles
 from relaunch.checkpoint._readback import Prefetch, offered_steps, read_step
 from relaunch.checkpoint._staging import CudaStager, Staged, page_lockable
 from relaunch.checkpoint._tree import Leaf, encode, flat_bytes
+from relaunch.checkpoint._writer import Writer
 from relaunch.errors import SnapshotError
 
 __all__ = ["Saver", "Where"]
@@ -77,7 +79,7 @@ class Saver:
     def __init__(self, where: Where) -> None:
         self.where = where
         self.rank_root = layout.rank_dir(where.root, where.rank)
-        self._thread: threading.Thread | None = None
+        self._writer = Writer()
         self._error: BaseException | None = None
         self._filler = Filler(where.threads)
         self._stager = CudaStager(self._filler)
@@ -104,6 +106,8 @@ class Saver:
             self.wait(120.0)
         finally:
             self._drop_prefetch()
+            if not self._writer.busy():
+                self._writer.close()
             self._filler.close()
 
     def close(self) -> None:
@@ -114,7 +118,8 @@ class Saver:
             self.wait()
         finally:
             self._drop_prefetch()
-            if self._thread is None or not self._thread.is_alive():  # nothing copies into them
+            if not self._writer.busy():  # nothing copies into them
+                self._writer.close()
                 self._maps.close()
                 self._stager.close()
             self._filler.close()
@@ -163,10 +168,7 @@ class Saver:
         self._stage([leaf for leaf in leaves if leaf.nbytes and leaf.device == "cuda"], pending)
         self._staged = pending.staged
         self._copied = threading.Event()
-        self._thread = threading.Thread(
-            target=self._finish, args=(pending,), name="relaunch-snapshot-writer", daemon=True
-        )
-        self._thread.start()
+        self._writer.submit(functools.partial(self._finish, pending))
         if blocking:
             self.wait_copied()
 
@@ -198,8 +200,7 @@ class Saver:
         current CUDA stream of each device wait for the copy of its tensors (the caller
         may then change them, on that stream); the rest of the save may still be
         running."""
-        thread = self._thread
-        if thread is not None and thread.is_alive():
+        if self._writer.busy():
             staged = self._staged
             if staged is not None:
                 for stream, _event in staged.copies:
@@ -250,17 +251,17 @@ class Saver:
         f.truncate(p.nbytes)
         return f, fresh
 
-    def _retiring(self, step: int | None) -> list[int]:
-        """The complete snapshots a save of ``step`` retires: beyond the newest keep-1."""
-        return [s for s in layout.complete_steps(self.rank_root) if s != step][
-            max(self.window - 1, 1) :
-        ]
+    def _retiring(self, step: int | None, steps: list[int] | None = None) -> list[int]:
+        """The complete snapshots (``steps``, when just listed) a save of ``step``
+        retires: beyond the newest keep-1."""
+        listed = layout.complete_steps(self.rank_root) if steps is None else steps
+        return [s for s in listed if s != step][max(self.window - 1, 1) :]
 
-    def _lock_next(self) -> None:
+    def _lock_next(self, steps: list[int]) -> None:
         """Page-lock the data file the next save will reuse, here in the writer, not in
         the next ``save`` (a file written through the pinned buffer, a restarted
         worker's second file). Only a speed-up: a failure is left to that save."""
-        retire = self._retiring(None)
+        retire = self._retiring(None, steps)
         if not retire:
             return
         path = os.path.join(layout.step_dir(self.rank_root, retire[0]), layout.DATA)
@@ -301,11 +302,11 @@ class Saver:
             if os.path.exists(p.final):  # the same step again (after a restart)
                 shutil.rmtree(p.final, ignore_errors=True)
             os.rename(p.folder, p.final)
-            layout.prune(self.rank_root, self.window)
-            self._keep_live_maps()
+            kept = layout.prune(self.rank_root, self.window)
+            self._keep_live_maps(kept)
             self._ack.after_save(p.step, crc)
             if p.lockable:
-                self._lock_next()
+                self._lock_next(kept)
         except BaseException as exc:
             self._error = exc
             if p.staged is not None:  # failed before the copy: nothing lands in the file
@@ -318,21 +319,18 @@ class Saver:
             with contextlib.suppress(Exception):
                 self._keep_live_maps()  # the partial file's mapping goes with it
 
-    def _keep_live_maps(self) -> None:
-        """Unmap the data files that are gone (a mapping would keep their memory)."""
+    def _keep_live_maps(self, steps: list[int] | None = None) -> None:
+        """Unmap the data files that are gone (a mapping would keep their memory);
+        ``steps``: the complete ones, when just listed."""
         root = self.rank_root
-        steps = layout.complete_steps(root)
+        steps = layout.complete_steps(root) if steps is None else steps
         self._maps.keep_only(os.path.join(layout.step_dir(root, s), layout.DATA) for s in steps)
 
     def wait(self, timeout: float | None = None) -> None:
         """Wait until the save in flight is complete; raise what it failed with."""
-        thread = self._thread
-        if thread is not None:
-            thread.join(timeout)
-            if thread.is_alive():
-                log.warning("snapshot writer still busy after %s s; its step may be lost", timeout)
-                return
-            self._thread = None
+        if not self._writer.join(timeout):
+            log.warning("snapshot writer still busy after %s s; its step may be lost", timeout)
+            return
         error, self._error = self._error, None
         if error is not None:
             raise SnapshotError(f"the last snapshot could not be written: {error!r}") from error
