@@ -96,3 +96,17 @@ def test_a_forked_child_does_not_wait_for_its_parent_s_job() -> None:
         release.set()
         writer.join(30)
         writer.close()
+
+
+def test_a_job_that_raises_does_not_stop_the_next() -> None:
+    writer = Writer()
+    ran: list[int] = []
+
+    def fails() -> None:
+        raise RuntimeError("a job's own failure")
+
+    writer.submit(fails)
+    assert writer.join(30)
+    writer.submit(lambda: ran.append(1))
+    assert writer.join(30) and ran == [1]
+    writer.close()

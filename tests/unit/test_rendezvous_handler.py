@@ -508,3 +508,18 @@ def test_one_steward_at_a_time_taken_over_when_it_stops(store: MemoryStore) -> N
     assert a.alive(["a", "b", "c"]) == {"a", "b"}
     store.set("p/steward", b"{not json")  # a corrupt key is taken over, not trusted
     assert a.steward("a", watch_a)
+
+
+def test_a_deleted_state_is_started_afresh_past_the_spent_requests(store: MemoryStore) -> None:
+    """Nodes delete their requests once applied; a state key deleted by hand (the
+    ticket counter kept) starts afresh from the tickets after the last one applied,
+    not from ticket 1, whose request no longer exists."""
+    hs = [make(store, 2, 2, join_timeout=10.0) for _ in range(2)]
+    for _ in range(4):
+        together(*(h.next_rendezvous for h in hs))
+    until(lambda: store.get("relaunch/rdzv/job/req/1") is None)  # spent, deleted
+    store.delete("relaunch/rdzv/job/state")
+    infos = together(*(h.next_rendezvous for h in hs))
+    assert sorted(i.rank for i in infos) == [0, 1]
+    assert {i.world_size for i in infos} == {2}
+    shut(*hs)

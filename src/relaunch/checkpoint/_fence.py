@@ -60,15 +60,14 @@ class Fence:
         if not tensors:
             return False
         held = _Held(list(self._optimizers))
-        loose = [leaf for leaf, tensor in tensors if not held.fences(tensor)]
-        if sum(leaf.nbytes for leaf in loose) > nbytes * CLONE_SHARE:
+        loose = [(leaf, tensor) for leaf, tensor in tensors if not held.fences(tensor)]
+        if sum(leaf.nbytes for leaf, _ in loose) > nbytes * CLONE_SHARE:
             return True
         clones: list[tuple[Leaf, torch.Tensor]] = []
         try:
             with torch.no_grad():
-                for leaf in loose:
-                    assert leaf.tensor is not None
-                    clone = leaf.tensor.detach().clone(memory_format=torch.contiguous_format)
+                for leaf, tensor in loose:
+                    clone = tensor.detach().clone(memory_format=torch.contiguous_format)
                     clones.append((leaf, clone))
         except torch.cuda.OutOfMemoryError:
             return True  # the clones made so far go with this frame

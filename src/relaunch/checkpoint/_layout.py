@@ -18,6 +18,7 @@ and names the one that is wrong.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import re
@@ -117,8 +118,8 @@ def complete_steps(rank_root: str) -> list[int]:
 def prune(rank_root: str, keep: int, *, besides: int | None = None) -> list[int]:
     """Keep the ``keep`` newest complete snapshots (``besides``, the step being written
     again, neither counts nor goes); remove the partial folders of processes that are
-    gone (a save that a kill interrupted). Returns the complete steps left, newest
-    first (a save's writer lists them once)."""
+    gone (a save that a kill interrupted). Returns the complete steps kept, newest
+    first (a save's writer lists them once; one whose removal failed is not among them)."""
     steps = complete_steps(rank_root)
     gone = [s for s in steps if s != besides][keep:]
     for step in gone:
@@ -204,10 +205,14 @@ def check_limit(root: str, rank: int, step: int, nbytes: int, keep: int, limit: 
 
 def _fits_whole(root: str, nbytes: int, limit: int) -> bool:
     """Whether ``nbytes`` more fit under ``limit`` even if everything on ``root``'s file
-    system were snapshots: one ``statvfs``, where the walk of every rank's files costs
-    the training thread 0.1-0.5 ms a save. The file system counts the pages written, the
-    walk each file's size: they differ by what other ranks' saves in flight have still
-    to write, as much as the walk misses of a save that starts beside this one."""
+    system were snapshots, for a ``root`` in node memory (tmpfs): one ``statvfs``, where
+    the walk of every rank's files costs the training thread 0.1-0.5 ms a save. tmpfs
+    counts the pages written, the walk each file's size: they differ by what other
+    ranks' saves in flight have still to write, as much as the walk misses of a save
+    that starts beside this one. Elsewhere (a disk that compresses or shares blocks
+    counts less than the files' sizes) the walk decides."""
+    if not _in_memory(root):
+        return False
     try:
         st = os.statvfs(root)
     except OSError:  # not made yet: the walk decides
@@ -215,6 +220,27 @@ def _fits_whole(root: str, nbytes: int, limit: int) -> bool:
     if st.f_blocks <= 0 or st.f_frsize <= 0:  # a file system that counts nothing
         return False
     return (st.f_blocks - st.f_bfree) * st.f_frsize + nbytes <= limit
+
+
+@functools.lru_cache(maxsize=16)
+def _in_memory(root: str) -> bool:
+    """Whether ``root`` is on a tmpfs (the innermost mount that holds it, as
+    ``/proc/self/mounts`` has it; False where that cannot be read)."""
+    path = os.path.realpath(root)
+    mount, kind = "", ""
+    try:
+        with open("/proc/self/mounts", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) < 3:
+                    continue
+                at = fields[1].replace("\\040", " ")
+                inside = path == at or path.startswith(at.rstrip("/") + "/")
+                if inside and len(at) >= len(mount):
+                    mount, kind = at, fields[2]
+    except OSError:
+        return False
+    return kind == "tmpfs"
 
 
 def usage(root: str) -> int:
@@ -283,7 +309,7 @@ class Manifest:
 def write_manifest(folder: str, manifest: Manifest) -> None:
     path = os.path.join(folder, MANIFEST)
     data = manifest.to_json().encode()
-    fd = os.open(path + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    fd = os.open(path + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)  # less umask
     try:
         view = memoryview(data)
         while view:

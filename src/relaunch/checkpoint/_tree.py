@@ -22,7 +22,7 @@ import gc
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeGuard
+from typing import Any, Literal, TypeGuard
 
 import torch
 
@@ -43,7 +43,7 @@ class Leaf:
     nbytes: int
     tensor: torch.Tensor | None = None
     raw: bytes | None = None
-    device: str = "cpu"
+    device: Literal["cpu", "cuda", "other"] = "cpu"
     """Where the value is: ``"cpu"`` (bytes too), ``"cuda"`` (copied through pinned
     memory) or ``"other"`` (XPU, MPS: brought to the host by a copy of its own)."""
 
@@ -109,10 +109,11 @@ def encode(state: object) -> tuple[Any, list[Leaf], int]:
             nbytes = obj.numel() * obj.element_size()
             offset = place(nbytes)
             if obj.is_cpu:
-                kind, device = "cpu", "cpu"
+                leaves.append(Leaf(offset, nbytes, obj, None, "cpu"))
+                device = "cpu"
             else:
-                kind, device = "cuda" if obj.is_cuda else "other", str(obj.device)
-            leaves.append(Leaf(offset, nbytes, obj, None, kind))
+                leaves.append(Leaf(offset, nbytes, obj, None, "cuda" if obj.is_cuda else "other"))
+                device = str(obj.device)
             return {"tensor": [_dtype_name(obj.dtype), list(obj.shape), offset, nbytes, device]}
         if isinstance(obj, dict):
             items = []

@@ -1,4 +1,4 @@
-"""The snapshot writer's thread: one, from a process's first save to its Saver's close.
+"""The snapshot writer's thread: one for the saves in a row, ended when they stop.
 
 A thread started for each save cost the training thread that start at every save
 (``Thread.start`` returns once the new thread runs): 85 us on an idle machine, a median
@@ -24,6 +24,8 @@ log = logging.getLogger(__name__)
 IDLE = 2.0
 """Seconds without a job after which the thread ends (the next job starts another)."""
 
+_Jobs = queue.SimpleQueue[Callable[[], None] | None]
+
 
 class Writer:
     """Runs one job at a time on its thread (``relaunch-snapshot-writer``, started with
@@ -31,19 +33,25 @@ class Writer:
     it never waits for its parent's."""
 
     def __init__(self) -> None:
-        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._reset()
+
+    def _reset(self) -> None:
+        """A writer with no thread (made anew in a forked child: the parent's lock may
+        have been held by its thread at the fork)."""
+        self._pid = os.getpid()
+        self._jobs: _Jobs = queue.SimpleQueue()
         self._idle = threading.Event()
         self._idle.set()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()  # a job is never put where no thread will take it
-        self._pid = os.getpid()
 
     def submit(self, job: Callable[[], None]) -> None:
         """Run ``job`` on the thread; the previous one has ended (:meth:`join`)."""
         if self._pid != os.getpid():  # a forked child: the thread is the parent's
-            self._forked()
+            self._reset()
         with self._lock:
-            if self._thread is None:
+            if self._thread is None or not self._thread.is_alive():
+                self._jobs = queue.SimpleQueue()  # (a dead thread's, with no one to take it)
                 self._thread = threading.Thread(
                     target=self._run,
                     args=(self._jobs,),
@@ -72,20 +80,12 @@ class Writer:
             if thread is None:
                 return
             self._jobs.put(None)
+            self._jobs = queue.SimpleQueue()  # (a job left behind stays with that thread)
         thread.join(timeout)
         if thread.is_alive():
             log.warning("snapshot writer still busy after %s s", timeout)
-        with self._lock:  # (a job left behind stays with that thread)
-            self._jobs = queue.SimpleQueue()
 
-    def _forked(self) -> None:
-        self._pid = os.getpid()
-        self._thread = None
-        self._jobs = queue.SimpleQueue()
-        self._idle = threading.Event()
-        self._idle.set()
-
-    def _run(self, jobs: queue.SimpleQueue[Callable[[], None] | None]) -> None:
+    def _run(self, jobs: _Jobs) -> None:
         while True:
             try:
                 job = jobs.get(timeout=IDLE)
@@ -100,5 +100,8 @@ class Writer:
                 return
             try:
                 job()
+            except BaseException:  # the job's own to report: the thread serves the next
+                log.exception("snapshot writer job failed")
             finally:
+                del job  # (a save's state is not kept while the thread idles)
                 self._idle.set()

@@ -57,11 +57,11 @@ class Request(NamedTuple):
 
 class RequestQueue:
     """The request queue of the rendezvous whose state ``backend`` reads and writes.
-    A request's two keys go to ``spent`` once a state includes it."""
+    A request's two keys go to ``spent`` (when given) once a state includes it."""
 
     def __init__(self, backend: StateBackend, spent: SpentKeys | None = None) -> None:
         self.backend = backend
-        self.spent = SpentKeys() if spent is None else spent
+        self.spent = spent
         self.store = backend.store
         self.settings = backend.settings
         self.clock = backend.clock
@@ -85,6 +85,11 @@ class RequestQueue:
             request.update(version=REQUEST_VERSION, leave=True)
         request_key, ack_key = f"{self.prefix}req/{ticket}", f"{self.prefix}ack/{ticket}"
         self.store.set(request_key, json.dumps(request).encode())
+
+        def applied() -> None:  # the request is in the state: its keys are spent
+            if self.spent is not None:
+                self.spent.add(request_key, ack_key)
+
         timeout = min(self.settings.heartbeat_timeout, self.settings.dead_after)
         head = ticket == 1
         seen, stalls = -1, 0
@@ -98,28 +103,28 @@ class RequestQueue:
                     state, raw = self.backend.load()
                     self._correct_hint(state.applied)
                     if state.applied >= ticket:
-                        self.spent.add(request_key, ack_key)
+                        applied()
                         return None
                     self._apply_requests(state, raw, stalls > 0, interrupted)
                     head = False
                 try:
                     self.store.wait([ack_key], timeout)
                 except StoreTimeoutError:
-                    applied = self._applied(ticket, ack_key)
-                    if applied is None:
+                    last = self._applied(ticket, ack_key)
+                    if last is None:
                         continue  # acked just after the wait ended: read the ack
-                    if applied >= ticket:
-                        self.spent.add(request_key, ack_key)
+                    if last >= ticket:
+                        applied()
                         return None
-                    stalls = stalls + 1 if applied == seen else 0
-                    seen = applied
-                    head = ticket - applied <= 1 + stalls
+                    stalls = stalls + 1 if last == seen else 0
+                    seen = last
+                    head = ticket - last <= 1 + stalls
                     continue
                 ack = JoinAck.parse(self.store.get(ack_key) or b"")
                 if ack is None:
                     head = True  # handed over: we hold the oldest unapplied ticket
                     continue
-                self.spent.add(request_key, ack_key)
+                applied()
                 return ack
             except RendezvousStateError:
                 return None  # corrupt: the caller's patient read says it once and decides
@@ -232,6 +237,10 @@ class RequestQueue:
         # waits end before the others take a stall for the applier's loss (min(hb, dead))
         until = self.clock() + min(self.settings.keep_alive_interval, self.settings.dead_after / 2)
         first = state.applied + 1
+        if raw is None:  # no state, with tickets taken: its key was deleted (by hand)
+            # The requests its last applier applied (the hint says which) are spent, their
+            # keys deleted by their nodes, who ask again once they see a state without them.
+            first = max(first, (self._read_hint() or 0) + 1)
         requests = self._read_requests(first, tickets_taken(self.store, self.prefix + "req"),
                                        skip_missing=skip_missing, until=until)  # fmt: skip
         if _asking(requests):  # (a batch of leaves waits for no one)
