@@ -40,6 +40,7 @@ from relaunch.checkpoint._durable import discard_newer as discard_copies_newer
 from relaunch.checkpoint._fence import Fence
 from relaunch.checkpoint._fill import Filler, Part, Run, runs_of
 from relaunch.checkpoint._layout import Where
+from relaunch.checkpoint._limit import check_limit
 from relaunch.checkpoint._mapped import MappedFiles
 from relaunch.checkpoint._readback import Prefetch, offered_steps, read_step
 from relaunch.checkpoint._staging import CudaStager, Staged, page_lockable
@@ -151,7 +152,7 @@ class Saver:
         runs, host = runs_of([leaf for leaf in leaves if leaf.nbytes and leaf.device != "cuda"])
         # what stays while this one is written: the other ranks' and our newest window-1
         w = self.where
-        layout.check_limit(w.root, w.rank, step, nbytes, max(self.window - 1, 1), w.limit)
+        check_limit(w.root, w.rank, step, nbytes, max(self.window - 1, 1), w.limit)
         os.makedirs(self.rank_root, exist_ok=True)
         folder = layout.partial_dir(self.rank_root, step)
         shutil.rmtree(folder, ignore_errors=True)
