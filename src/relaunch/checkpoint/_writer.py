@@ -60,7 +60,11 @@ class Writer:
                 )
                 self._thread.start()
             self._idle.clear()
-            self._jobs.put(job)
+            try:
+                self._jobs.put(job)
+            except BaseException:  # (an in-process restart's exception, raised in here)
+                self._idle.set()  # no job queued: nothing to wait for
+                raise
 
     def busy(self) -> bool:
         """Whether a job runs (or waits to)."""
