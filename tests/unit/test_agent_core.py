@@ -30,6 +30,7 @@ from relaunch.agent._core import (
     after_failure,
     decide,
     remaining_restarts,
+    signalled_to_stop,
     wants_fork_server,
 )
 from relaunch.agent._watch import after_return, failures, observe
@@ -54,6 +55,36 @@ def with_rank(ranks: list[RankView], view: RankView) -> list[RankView]:
 # -- monitor, stop, success ------------------------------------------------------------
 def test_running_workers_are_monitored() -> None:
     assert decide(obs(running(4)), POLICY) == Monitor()
+
+
+@pytest.mark.parametrize(
+    ("codes", "held"),
+    [
+        ((-15,), True),  # killed by SIGTERM, as a scheduler signals every process of a job
+        ((143, -2), True),  # exited 128+SIGTERM from its own handler; SIGINT
+        ((129,), True),  # 128+SIGHUP
+        ((-15, 1), False),  # one failed otherwise: a failure, at once
+        ((-9,), False),  # SIGKILL: no scheduler's stop
+        ((1,), False),
+    ],
+)
+def test_a_failure_by_a_stop_signal_waits_a_moment_for_the_agent_s_own(
+    codes: tuple[int, ...], held: bool
+) -> None:
+    """Slurm's scancel signals the agent and its workers: a worker's death may reach
+    the agent's poll first. Such a failure waits for the agent's own signal (whose Stop
+    then wins, as it always does) before it restarts the group."""
+    ranks = running(3)
+    for lr, code in enumerate(codes):
+        ranks = with_rank(ranks, RankView(local_rank=lr, exitcode=code))
+    seen = obs(ranks)
+    action = decide(seen, POLICY)
+    assert isinstance(action, RestartGroup) and action.failed
+    assert signalled_to_stop(action, seen) is held
+    stopped = obs(ranks, stop_signal=signal.SIGTERM)
+    assert not signalled_to_stop(action, stopped)
+    assert decide(stopped, POLICY) == Stop(signal.SIGTERM)
+    assert not signalled_to_stop(RestartGroup(reason="membership"), seen)
 
 
 def test_a_stop_signal_wins_over_everything() -> None:

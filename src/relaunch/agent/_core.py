@@ -7,7 +7,9 @@ budget allows another attempt. ``agent/README.md`` follows one failure through i
 
 The actions, in the order :func:`decide` considers them:
 
-- :class:`Stop`: a signal asked the agent to stop;
+- :class:`Stop`: a signal asked the agent to stop (workers that all died of such a
+  signal wait :data:`STOP_GRACE` for the agent's own before their failure counts:
+  :func:`signalled_to_stop`);
 - :class:`RestartGroup` with ``failed``: a worker failed (or hung) -- the group restarts;
 - :class:`DropRanks`: in-process workers died while in-process peers of theirs run on:
   the peers restart in their own processes; the dead ones are replaced by new
@@ -34,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 __all__ = [
+    "STOP_GRACE",
     "Action",
     "DropRanks",
     "ExitBarrier",
@@ -51,6 +54,7 @@ __all__ = [
     "decide",
     "oldest_hung",
     "remaining_restarts",
+    "signalled_to_stop",
     "wants_fork_server",
 ]
 
@@ -192,6 +196,28 @@ class MarkInprocess:
 
 
 Action = Monitor | Stop | RestartGroup | DropRanks | ExitBarrier | NodeLost | MarkInprocess
+
+
+STOP_GRACE = 0.5
+"""Seconds the loop waits for its own stop signal before a failure of workers that died
+of one (:func:`signalled_to_stop`)."""
+
+_STOP_CODES = frozenset({-1, -2, -15, 128 + 1, 128 + 2, 128 + 15})
+"""A worker's exit by SIGHUP, SIGINT or SIGTERM: killed by it, or exiting 128+N from its
+own handler."""
+
+
+def signalled_to_stop(action: Action, obs: Observation) -> bool:
+    """Whether ``action`` restarts the group for failures that are all deaths by a
+    signal asking processes to stop, with no stop asked of the agent yet. A scheduler
+    stopping the job (Slurm's ``scancel``, a preemption) signals every process of it, the
+    agent among them: a worker's death could reach the agent's poll before its own
+    signal did, and the job ended as failed, not stopped (seen once under Slurm). The
+    loop waits :data:`STOP_GRACE` for that signal, then decides again."""
+    if obs.stop_signal is not None or not isinstance(action, RestartGroup) or not action.failed:
+        return False
+    views = {v.local_rank: v for v in obs.ranks}
+    return all(lr in views and views[lr].exitcode in _STOP_CODES for lr in action.failed)
 
 
 def _failed(view: RankView) -> bool:

@@ -17,6 +17,7 @@ from relaunch import events
 from relaunch._never import assert_never
 from relaunch.agent._attempt import Slot, return_values
 from relaunch.agent._core import (
+    STOP_GRACE,
     Action,
     DropRanks,
     ExitBarrier,
@@ -31,6 +32,7 @@ from relaunch.agent._core import (
     Stop,
     after_failure,
     decide,
+    signalled_to_stop,
     wants_fork_server,
 )
 from relaunch.agent._membership import Membership
@@ -65,10 +67,7 @@ from relaunch.errors import (
     StoreError,
 )
 from relaunch.events import Detail, Event, EventSink
-from relaunch.procs import (
-    RunLogDir,
-    set_child_subreaper,
-)
+from relaunch.procs import RunLogDir, set_child_subreaper
 from relaunch.rendezvous import RendezvousInfo
 
 __all__ = ["AgentRun"]
@@ -105,8 +104,7 @@ class AgentRun:
             spec=spec, workers=[Worker(local_rank=i) for i in range(spec.local_world_size)]
         )
         self._worker_store = WorkerStore(spec, host)
-        self._info: RendezvousInfo | None = None
-        """The round this node is in; None before its first rendezvous."""
+        self._info: RendezvousInfo | None = None  # this node's round (None: before the first)
         set_child_subreaper()
         self.logdir = RunLogDir(spec.log_dir, self._run_id)
         self._events = EventSink(os.path.join(self.logdir.path, "events.jsonl"))
@@ -205,6 +203,9 @@ class AgentRun:
             self._stop.wait(self._spec.monitor_interval, self._workers.exit_fds())
             obs = self._observe()
             action = decide(obs, self._policy)
+            if signalled_to_stop(action, obs):  # the agent's own signal may be a moment behind
+                self._stop.wait(STOP_GRACE)
+                action = decide(obs := self._observe(), self._policy)
             try:
                 result = self._act(action, obs)
                 self._publish_status()
