@@ -66,9 +66,10 @@ class StopRequest:
 
     def wait(self, seconds: float, fds: Sequence[int] = ()) -> None:
         """Wait ``seconds``, less when a stop is asked for or one of ``fds`` becomes
-        readable (a worker's exit)."""
+        readable (a worker's exit). Armed, it polls the pipe (a signal handler that sets
+        the event while this thread holds the event's lock in ``wait`` would deadlock)."""
         pipe = self._pipe
-        if not fds or pipe is None or self.wake.is_set():
+        if pipe is None or self.wake.is_set():
             self.wake.wait(seconds)
             return
         poller = select.poll()
