@@ -86,7 +86,7 @@ class RequestQueue:
         request_key, ack_key = f"{self.prefix}req/{ticket}", f"{self.prefix}ack/{ticket}"
         self.store.set(request_key, json.dumps(request).encode())
 
-        def applied() -> None:  # the request is in the state: its keys are spent
+        def in_the_state() -> None:  # the request is in the state: its keys are spent
             if self.spent is not None:
                 self.spent.add(request_key, ack_key)
 
@@ -103,7 +103,7 @@ class RequestQueue:
                     state, raw = self.backend.load()
                     self._correct_hint(state.applied)
                     if state.applied >= ticket:
-                        applied()
+                        in_the_state()
                         return None
                     self._apply_requests(state, raw, stalls > 0, interrupted)
                     head = False
@@ -114,7 +114,7 @@ class RequestQueue:
                     if last is None:
                         continue  # acked just after the wait ended: read the ack
                     if last >= ticket:
-                        applied()
+                        in_the_state()
                         return None
                     stalls = stalls + 1 if last == seen else 0
                     seen = last
@@ -124,7 +124,7 @@ class RequestQueue:
                 if ack is None:
                     head = True  # handed over: we hold the oldest unapplied ticket
                     continue
-                applied()
+                in_the_state()
                 return ack
             except RendezvousStateError:
                 return None  # corrupt: the caller's patient read says it once and decides

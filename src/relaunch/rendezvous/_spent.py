@@ -53,6 +53,3 @@ class SpentKeys:
             except BaseException:
                 self._keys.appendleft(key)
                 raise
-
-    def __len__(self) -> int:
-        return len(self._keys)
