@@ -4,6 +4,7 @@ an epoch, the job ends with the weights of a fault-free run, bit for bit."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -23,7 +24,11 @@ def test_a_killed_worker_resumes_at_its_step(tmp_path: Path) -> None:
     code, said, rows = run_example(EXAMPLE, tmp_path / "faulted", "--kill", "1:9")
     assert code == 0, said
     assert resumed(rows) == {8}, said
-    assert "restored step 8 from memory, 1 step redone (ranks 0, 1)" in said, said
+    # (one step redone when rank 0's snapshot of step 9 was whole before the group's
+    # stop reached it: its writer runs beside the next step, so either may come first)
+    assert re.search(
+        r"restored step 8 from memory, (1 step|0 steps) redone \(ranks 0, 1\)", said
+    ), said
     code, ref_said, ref_rows = run_example(EXAMPLE, tmp_path / "reference")
     assert code == 0, ref_said
     assert len(finals(rows)) == 1 and finals(rows) == finals(ref_rows), said
