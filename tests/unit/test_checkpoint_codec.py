@@ -63,6 +63,7 @@ def test_every_supported_value_comes_back_equal() -> None:
     assert back["scalar"].shape == () and back["scalar"].item() == 2.5
     assert back["empty"].shape == (0, 4)
     assert back[7] == state[7] and back["t"] == state["t"]
+    assert [type(v) for v in back["t"]] == [torch.dtype, torch.device, torch.Size]
 
 
 def test_numpy_arrays_and_scalars_come_back_with_their_dtypes() -> None:

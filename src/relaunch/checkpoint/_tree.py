@@ -325,7 +325,7 @@ def finish(state: Any) -> Any:
         return {k: finish(v) for k, v in state.items()}
     if isinstance(state, list):
         return [finish(v) for v in state]
-    if isinstance(state, tuple):
+    if type(state) is tuple:  # not a torch.Size (a tuple of ints: nothing to finish)
         return tuple(finish(v) for v in state)
     return state
 
