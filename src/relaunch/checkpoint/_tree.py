@@ -81,86 +81,98 @@ def encode(state: object) -> tuple[Any, list[Leaf], int]:
     meanwhile (the walk makes thousands of small containers that all live until the
     snapshot is written: collecting them on the way was wasted work, 1-6 ms of a
     35-43 ms save of 3,200 tensors)."""
-    leaves: list[Leaf] = []
-    end = 0
-
-    def place(nbytes: int) -> int:
-        nonlocal end
-        offset = -(-end // ALIGN) * ALIGN
-        end = offset + nbytes
-        return offset
-
-    def walk(obj: object, at: At) -> Any:
-        cls = type(obj)  # ints and strs by their exact type first: a state has thousands
-        if cls is int:
-            return {"int": str(obj)}
-        if cls is str:
-            return {"str": obj}
-        if isinstance(obj, torch.Tensor):
-            if obj.layout is not torch.strided:
-                raise SnapshotError(
-                    f"state{_path(at)}: a {obj.layout} tensor; expected a dense one"
-                )
-            if obj.is_quantized or obj.is_nested or obj.is_meta:
-                kind = "quantized" if obj.is_quantized else "nested" if obj.is_nested else "meta"
-                raise SnapshotError(
-                    f"state{_path(at)}: a {kind} tensor; expected a dense one with its data"
-                )
-            nbytes = obj.numel() * obj.element_size()
-            offset = place(nbytes)
-            if obj.is_cpu:
-                leaves.append(Leaf(offset, nbytes, obj, None, "cpu"))
-                device = "cpu"
-            else:
-                leaves.append(Leaf(offset, nbytes, obj, None, "cuda" if obj.is_cuda else "other"))
-                device = str(obj.device)
-            return {"tensor": [_dtype_name(obj.dtype), list(obj.shape), offset, nbytes, device]}
-        if isinstance(obj, dict):
-            items = []
-            for key, value in obj.items():
-                key_type = type(key)
-                if key_type is str:
-                    node = {"str": key}
-                elif key_type is int:
-                    node = {"int": str(key)}
-                elif key is None or isinstance(key, (str, int, float)):
-                    node = _plain(key, at)
-                else:
-                    raise SnapshotError(
-                        f"state{_path(at)}: a key of type {type(key).__qualname__}; "
-                        "expected str, int, float, bool or None"
-                    )
-                items.append([node, walk(value, (at, key))])
-            return {"dict": items}
-        if isinstance(obj, torch.Size):
-            return {"size": list(obj)}
-        if isinstance(obj, (list, tuple)):
-            kind = "list" if isinstance(obj, list) else "tuple"
-            return {kind: [walk(v, (at, i)) for i, v in enumerate(obj)]}
-        if isinstance(obj, (bytes, bytearray)):
-            offset = place(len(obj))
-            leaves.append(Leaf(offset, len(obj), raw=bytes(obj)))
-            return {"bytes": [offset, len(obj)]}
-        if isinstance(obj, torch.dtype):
-            return {"dtype": str(obj).removeprefix("torch.")}
-        if isinstance(obj, torch.device):
-            return {"device": str(obj)}
-        # before _plain: np.float64 is a float; np.str_ is a str, and _plain's
-        if type(obj).__module__.partition(".")[0] == "numpy" and not isinstance(obj, str):
-            node, data = _numpy.encode_value(obj, _path(at), place)
-            if data is not None:
-                leaves.append(Leaf(node["ndarray"][2], data.numel(), tensor=data))
-            return node
-        return _plain(obj, at)
-
+    data = _Data()
     collecting = gc.isenabled()
     gc.disable()
     try:
-        tree = walk(state, None)
+        tree = _walk(state, None, data)
     finally:
         if collecting:
             gc.enable()
-    return tree, leaves, end
+    return tree, data.leaves, data.end
+
+
+class _Data:
+    """The data file while the state is walked: its leaves and its length so far."""
+
+    __slots__ = ("end", "leaves")
+
+    def __init__(self) -> None:
+        self.leaves: list[Leaf] = []
+        self.end = 0
+
+    def place(self, nbytes: int) -> int:
+        """The offset of ``nbytes`` more bytes (aligned to :data:`ALIGN`)."""
+        offset = -(-self.end // ALIGN) * ALIGN
+        self.end = offset + nbytes
+        return offset
+
+
+def _walk(obj: object, at: At, data: _Data) -> Any:
+    cls = type(obj)  # ints and strs by their exact type first: a state has thousands
+    if cls is int:
+        return {"int": str(obj)}
+    if cls is str:
+        return {"str": obj}
+    if isinstance(obj, torch.Tensor):
+        return _tensor(obj, at, data)
+    if isinstance(obj, dict):
+        return {
+            "dict": [
+                [{"str": key} if type(key) is str else _key(key, at), _walk(value, (at, key), data)]
+                for key, value in obj.items()
+            ]
+        }
+    if isinstance(obj, torch.Size):
+        return {"size": list(obj)}
+    if isinstance(obj, (list, tuple)):
+        kind = "list" if isinstance(obj, list) else "tuple"
+        return {kind: [_walk(v, (at, i), data) for i, v in enumerate(obj)]}
+    if isinstance(obj, (bytes, bytearray)):
+        offset = data.place(len(obj))
+        data.leaves.append(Leaf(offset, len(obj), raw=bytes(obj)))
+        return {"bytes": [offset, len(obj)]}
+    if isinstance(obj, torch.dtype):
+        return {"dtype": str(obj).removeprefix("torch.")}
+    if isinstance(obj, torch.device):
+        return {"device": str(obj)}
+    # before _plain: np.float64 is a float; np.str_ is a str, and _plain's
+    if type(obj).__module__.partition(".")[0] == "numpy" and not isinstance(obj, str):
+        node, array = _numpy.encode_value(obj, _path(at), data.place)
+        if array is not None:
+            data.leaves.append(Leaf(node["ndarray"][2], array.numel(), tensor=array))
+        return node
+    return _plain(obj, at)
+
+
+def _tensor(obj: torch.Tensor, at: At, data: _Data) -> Any:
+    if obj.layout is not torch.strided:
+        raise SnapshotError(f"state{_path(at)}: a {obj.layout} tensor; expected a dense one")
+    if obj.is_quantized or obj.is_nested or obj.is_meta:
+        kind = "quantized" if obj.is_quantized else "nested" if obj.is_nested else "meta"
+        raise SnapshotError(
+            f"state{_path(at)}: a {kind} tensor; expected a dense one with its data"
+        )
+    nbytes = obj.numel() * obj.element_size()
+    offset = data.place(nbytes)
+    if obj.is_cpu:
+        data.leaves.append(Leaf(offset, nbytes, obj, None, "cpu"))
+        device = "cpu"
+    else:
+        data.leaves.append(Leaf(offset, nbytes, obj, None, "cuda" if obj.is_cuda else "other"))
+        device = str(obj.device)
+    return {"tensor": [_dtype_name(obj.dtype), list(obj.shape), offset, nbytes, device]}
+
+
+def _key(key: object, at: At) -> Any:
+    if type(key) is int:
+        return {"int": str(key)}
+    if key is None or isinstance(key, (str, int, float)):
+        return _plain(key, at)
+    raise SnapshotError(
+        f"state{_path(at)}: a key of type {type(key).__qualname__}; "
+        "expected str, int, float, bool or None"
+    )
 
 
 def _plain(obj: object, at: At) -> Any:
