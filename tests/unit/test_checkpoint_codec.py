@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import threading
 import warnings
 from pathlib import Path
@@ -463,3 +464,44 @@ def test_save_outside_relaunch_is_the_same_clear_error_every_time(tmp_path: Path
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert len(lines) == 2 and all("no snapshot directory" in line for line in lines), lines
+
+
+def test_a_save_of_an_earlier_step_drops_the_later_ones(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The newest save is the rank's state, whatever its step: a script whose step count
+    went back, or a restarted one that did not load its past life's snapshots, must not
+    have them outrank what it saves now."""
+    past = Saver(_where(tmp_path))
+    for step in (7, 8):
+        past.save(step, {"x": torch.full((4,), float(step))})
+    past.close()
+    saver = Saver(_where(tmp_path))  # the rank's next life, which does not load
+    saver.save(0, {"x": torch.zeros(4)})
+    saver.wait()
+    assert saver.steps() == [0]
+    assert "saving step 0 after step 8: dropped the snapshots of steps [8, 7]" in caplog.text
+    saver.save(5, {"x": torch.ones(4)})
+    saver.save(3, {"x": torch.full((4,), 3.0)})  # the same life's count went back
+    saver.save(3, {"x": torch.full((4,), 4.0)})  # the same step again: replaced
+    saver.wait()
+    assert saver.steps() == [3, 0]
+    assert torch.equal(saver.read(3)["x"], torch.full((4,), 4.0))  # type: ignore[index]
+    saver.close()
+
+
+def test_a_save_of_an_earlier_step_drops_the_later_durable_copies(tmp_path: Path) -> None:
+    """A new allocation's script that does not load: the durable copies of the past
+    job's later steps would outrank its saves at its next restore."""
+    memory, durable = tmp_path / "memory", tmp_path / "durable"
+    past = Saver(_where(memory))
+    past.save(9, {"x": torch.ones(4)})
+    past.close()
+    shutil.copytree(memory / "rank-00000", durable / "rank-00000")  # as the agent copies
+    shutil.rmtree(memory)  # every node lost
+    saver = Saver(_where(memory, durable=str(durable)))
+    saver.save(1, {"x": torch.zeros(4)})
+    saver.wait()
+    assert not (durable / "rank-00000" / "step-000000000009").exists()
+    assert saver.steps() == [1]
+    saver.close()

@@ -98,13 +98,25 @@ def load() -> tuple[int, Any] | None:
     found, newest = newest_common(saver, [None] if durable is None else [None, durable])
     step = None if found is None else found[0]
     source = None if found is None else "memory" if found[2] is None else "durable"
-    saver.note_restore(step, newest, source)
-    saver.discard_newer(step)
+    _note_restore(saver.where, layout.Restore(saver.where.rank, step, newest, source))
+    gone = saver.discard_newer(step)
+    if gone:
+        log.info("rank %s: dropped snapshots of steps %s (newer than the restored one)",
+                 saver.where.rank, gone)  # fmt: skip
     if found is None:
         return None
     ahead = " (read ahead while the script started)" if saver.read_ahead else ""
     log.info("rank %s: restored step %s from %s%s", saver.where.rank, step, source, ahead)
     return found[0], found[1]
+
+
+def _note_restore(where: layout.Where, restore: layout.Restore) -> None:
+    """Record this rank's restore for the agent's summary (never fails the load)."""
+    try:
+        os.makedirs(where.root, exist_ok=True)
+        layout.append_restore(where.root, restore)
+    except OSError as exc:
+        log.warning("cannot record the restore in %s: %s", where.root, exc)
 
 
 def _prefetch() -> None:

@@ -97,6 +97,8 @@ class Saver:
         """A read of the newest snapshot started before the script ran (``prefetch``)."""
         self.read_ahead = False
         """Whether the last ``read`` took the read started by ``prefetch``."""
+        self._newest: int | None = None
+        """The newest step this rank holds, as last known (None: listed at the next save)."""
         atexit.register(self._at_exit)
         # a fence: no optimizer changes the tensors of a save still being copied
         self._hook = register_optimizer_step_pre_hook(self._before_optimizer_step)
@@ -147,6 +149,7 @@ class Saver:
         self.wait()
         self._drop_prefetch()
         tree, leaves, nbytes = encode(state)
+        self._go_back_to(step)
         # the tensors no optimizer's hook protects are cloned, or the save blocks
         blocking = blocking or self._fence.secure(leaves, nbytes)
         runs, host = runs_of([leaf for leaf in leaves if leaf.nbytes and leaf.device != "cuda"])
@@ -336,28 +339,35 @@ class Saver:
         if error is not None:
             raise SnapshotError(f"the last snapshot could not be written: {error!r}") from error
 
-    def note_restore(self, step: int | None, newest: int | None, source: str | None) -> None:
-        """Record this rank's restore for the agent's summary (never fails the load)."""
-        try:
-            os.makedirs(self.where.root, exist_ok=True)
-            layout.append_restore(
-                self.where.root, layout.Restore(self.where.rank, step, newest, source)
-            )
-        except OSError as exc:
-            log.warning("cannot record the restore in %s: %s", self.where.root, exc)
+    def _go_back_to(self, step: int) -> None:
+        """Before a save of ``step``: drop this rank's snapshots of later steps, which
+        would outrank it at the next restore (a script whose step count went back, or
+        that did not ``load`` its past life's): the newest save is the rank's state."""
+        if self._newest is None:
+            w = self.where
+            roots = [self.rank_root, *([layout.rank_dir(w.durable, w.rank)] if w.durable else [])]
+            self._newest = max((s for r in roots for s in layout.complete_steps(r)), default=-1)
+        newest = self._newest
+        if step < newest:
+            gone = self.discard_newer(step)
+            if gone:
+                log.warning(
+                    "rank %s: saving step %s after step %s: dropped the snapshots of steps %s",
+                    self.where.rank, step, newest, gone,
+                )  # fmt: skip
+        self._newest = step
 
-    def discard_newer(self, step: int | None) -> None:
-        """Forget this rank's snapshots in node memory newer than the restored ``step``
-        (all of them after a fresh start) and its durable copies newer than ``step`` (a
-        fresh start keeps them: they may be a world size's that comes back): the job left
-        their timeline."""
+    def discard_newer(self, step: int | None) -> list[int]:
+        """Forget this rank's snapshots in node memory newer than ``step`` (all of them
+        for None: a fresh start) and its durable copies newer than ``step`` (a fresh start
+        keeps them: they may be a world size's that comes back): the job left their
+        timeline. Returns the steps dropped from node memory."""
         gone = layout.discard_newer(self.rank_root, step)
+        self._newest = None
         self._keep_live_maps()
         if step is not None and self.where.durable is not None:
             discard_copies_newer(self.where.durable, self.where.rank, step)
-        if gone:
-            log.info("rank %s: dropped snapshots of steps %s (newer than the restored one)",
-                     self.where.rank, gone)  # fmt: skip
+        return gone
 
     # -- reading -------------------------------------------------------------------------
     def steps(self, root: str | None = None) -> list[int]:
