@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from relaunch.checkpoint import _layout as layout
+from relaunch.checkpoint._agree import _why_none
 from relaunch.checkpoint._saver import Saver, Where
 from relaunch.checkpoint._tree import decode, encode, finish
 from relaunch.cli import parse_args
@@ -505,3 +506,18 @@ def test_a_save_of_an_earlier_step_drops_the_later_durable_copies(tmp_path: Path
     assert not (durable / "rank-00000" / "step-000000000009").exists()
     assert saver.steps() == [1]
     saver.close()
+
+
+def test_a_fresh_start_says_why_when_some_rank_held_a_snapshot() -> None:
+    """A script that saves on rank 0 only (as a DDP tutorial's torch.save) restores
+    nothing: the line says which ranks hold none, in ranges however many there are."""
+    offers = [[2, 1], *([[]] * 999)]
+    assert _why_none(offers, 2).startswith(
+        "ranks 1-999 hold no snapshot, rank 0 does (newest step 2); each rank restores"
+    )
+    assert _why_none([[], [4], [4], [], [6]], 6).startswith(
+        "ranks 0, 3 hold no snapshot, ranks 1-2, 4 do (newest step 6)"
+    )
+    assert _why_none([[5, 4], [3, 2]], 5) == (
+        "no step is held whole by every rank (their newest steps: 3 to 5)"
+    )

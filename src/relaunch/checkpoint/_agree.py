@@ -48,7 +48,38 @@ def newest_common(
                 )
         if all(_gather(saver, found is not None)):
             return found, newest
+    if newest is not None and saver.where.rank == 0:
+        log.warning("checkpoint.load(): a fresh start: %s", _why_none(offers, newest))
     return None, newest
+
+
+def _why_none(offers: list[list[int]], newest: int) -> str:
+    """Why no step was restored though some rank held one (said once, by rank 0)."""
+    none = [rank for rank, offer in enumerate(offers) if not offer]
+    if none:
+        held = [rank for rank, offer in enumerate(offers) if offer]
+        return (
+            f"{_span(none)} {'holds' if len(none) == 1 else 'hold'} no snapshot, "
+            f"{_span(held)} {'does' if len(held) == 1 else 'do'} (newest step {newest}); "
+            "each rank restores its own state, so every rank must call checkpoint.save(), "
+            "not one of them"
+        )
+    return (
+        f"no step is held whole by every rank (their newest steps: "
+        f"{min(max(o) for o in offers)} to {newest})"
+    )
+
+
+def _span(ranks: list[int]) -> str:
+    """``[0, 1, 2, 5]`` as ``ranks 0-2, 5`` (a job of thousands of ranks in a line)."""
+    runs: list[list[int]] = []
+    for rank in ranks:
+        if runs and rank == runs[-1][1] + 1:
+            runs[-1][1] = rank
+        else:
+            runs.append([rank, rank])
+    text = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+    return f"rank {text}" if len(ranks) == 1 else f"ranks {text}"
 
 
 def _gather(saver: Any, mine: Any) -> list[Any]:
