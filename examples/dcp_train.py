@@ -1,7 +1,8 @@
-"""DDP training that saves with ``torch.distributed.checkpoint`` into the node's
-snapshots every step: a fault costs the step in flight.
+"""DDP (or FSDP2: ``--fsdp``) training that saves with ``torch.distributed.checkpoint``
+into the node's snapshots every step: a fault costs the step in flight.
 
     relaunch --nproc-per-node 2 --max-restarts 1 examples/dcp_train.py --kill 1:12
+    relaunch --nproc-per-node 2 --max-restarts 1 examples/dcp_train.py --fsdp --kill 1:12
 
 The lines that matter::
 
@@ -11,6 +12,8 @@ The lines that matter::
     ...
     dcp.save(state, storage_writer=SnapshotWriter(step))
 
+With ``--fsdp`` each rank holds a shard of every parameter and of its optimizer state
+(DTensors, the last layer's split unevenly) and restores its own.
 ``--kill RANK:STEP`` SIGKILLs that rank after that step's update, before its save (first
 attempt only); ``--log-to DIR`` writes one JSON line per step and rank and the final
 weights' digest.
@@ -30,6 +33,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from relaunch.checkpoint.dcp import SnapshotReader, SnapshotWriter
@@ -40,13 +45,22 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--kill", metavar="RANK:STEP", default=None)
     parser.add_argument("--log-to", default=None)
+    parser.add_argument("--fsdp", action="store_true", help="FSDP2 (sharded) instead of DDP")
     args = parser.parse_args()
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     torch.manual_seed(0)
-    model = DistributedDataParallel(nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 1)))
+    model: nn.Module = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 1))
+    if args.fsdp:
+        mesh = init_device_mesh("cpu", (world,))
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    else:
+        model = DistributedDataParallel(model)
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
     start = 0
     reader = SnapshotReader()
@@ -78,9 +92,8 @@ def main() -> None:
     from relaunch import checkpoint
 
     checkpoint.wait()
-    digest = hashlib.sha256(
-        b"".join(p.detach().numpy().tobytes() for p in model.parameters())
-    ).hexdigest()
+    whole = [p.full_tensor() if args.fsdp else p for p in model.parameters()]  # type: ignore[operator]
+    digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in whole)).hexdigest()
     if log is not None:
         log.write(json.dumps({"rank": rank, "final": digest}) + "\n")
         log.close()

@@ -308,6 +308,38 @@ def test_an_unsupported_value_names_its_key_path_and_type() -> None:
         encode([nested])
     with pytest.raises(SnapshotError, match=r"state\['q'\]: a quantized tensor"):
         encode({"q": quantized})
+    with pytest.raises(SnapshotError, match=r"state\['w'\]: a tensor subclass .*_Wrapped"):
+        encode({"w": _Wrapped(torch.zeros(2))})
+    encode({"p": torch.nn.Parameter(torch.zeros(2))})  # a subclass of torch's own dispatch
+
+
+class _Wrapped(torch.Tensor):
+    """A wrapper subclass (as torchao's or float8's): its data is not its storage."""
+
+    @staticmethod
+    def __new__(cls, inner: torch.Tensor) -> _Wrapped:
+        return torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype)  # type: ignore[attr-defined,no-any-return]
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        raise NotImplementedError(func)
+
+
+def test_a_dtensor_is_refused_with_the_way_to_save_it() -> None:
+    """An FSDP2 or tensor-parallel state_dict holds DTensors: refused in save(), naming
+    the DCP writer that restores them (before: the writer thread failed on torch.cat)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = DeviceMesh("cpu", [0])
+        shard = DTensor.from_local(torch.ones(2, 3), mesh, [Shard(0)], run_check=False)
+        with pytest.raises(SnapshotError, match=r"state\['model'\]\['w'\]: a DTensor .*dcp"):
+            encode({"model": {"w": shard}})
+    finally:
+        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize(

@@ -146,6 +146,8 @@ def _walk(obj: object, at: At, data: _Data) -> Any:
 
 
 def _tensor(obj: torch.Tensor, at: At, data: _Data) -> Any:
+    if type(obj) is not torch.Tensor and type(obj).__torch_dispatch__ is not _PLAIN_DISPATCH:
+        raise SnapshotError(_subclass_refused(obj, at))
     if obj.layout is not torch.strided:
         raise SnapshotError(f"state{_path(at)}: a {obj.layout} tensor; expected a dense one")
     if obj.is_quantized or obj.is_nested or obj.is_meta:
@@ -162,6 +164,26 @@ def _tensor(obj: torch.Tensor, at: At, data: _Data) -> Any:
         data.leaves.append(Leaf(offset, nbytes, obj, None, "cuda" if obj.is_cuda else "other"))
         device = str(obj.device)
     return {"tensor": [_dtype_name(obj.dtype), list(obj.shape), offset, nbytes, device]}
+
+
+_PLAIN_DISPATCH = torch.Tensor.__torch_dispatch__
+"""A tensor subclass with a dispatch of its own (a DTensor, a quantized or float8
+wrapper) has no bytes of its own to copy: its class says where its data is."""
+
+
+def _subclass_refused(obj: torch.Tensor, at: At) -> str:
+    cls = type(obj)
+    if cls.__name__ == "DTensor" and cls.__module__.startswith("torch.distributed"):
+        return (
+            f"state{_path(at)}: a DTensor (this rank's shard of a distributed tensor: FSDP2, "
+            "tensor parallel); expected a plain tensor: save the state through "
+            "torch.distributed.checkpoint with relaunch.checkpoint.dcp.SnapshotWriter, whose "
+            "SnapshotReader restores DTensors in place, or save the shard (.to_local())"
+        )
+    return (
+        f"state{_path(at)}: a tensor subclass {cls.__module__}.{cls.__qualname__} with a "
+        "dispatch of its own; expected a plain tensor (convert it to one first)"
+    )
 
 
 def _key(key: object, at: At) -> Any:
