@@ -142,6 +142,7 @@ class _Snapshots:
         info = start.info
         self._area.round_started(
             info.store,
+            round_number=info.round,
             group_rank=info.rank,
             world_size=info.world_size,
             ranks=start.ranks,

@@ -22,7 +22,7 @@ from multinode_support.waiting import wait_for
 from relaunch.checkpoint import _layout as layout
 from relaunch.checkpoint._peer_client import fetch_step, list_steps
 from relaunch.checkpoint._peer_server import SnapshotServer, held_steps
-from relaunch.checkpoint._peers import PeerCopies, PeerRecord
+from relaunch.checkpoint._peers import PeerCopies, PeerRecord, _targets
 from relaunch.checkpoint._wire import WireError, ask
 from relaunch.store.tcp import TCPStoreClient, TCPStoreServer
 
@@ -56,9 +56,10 @@ class Ring:
         self.nodes = [PeerCopies(str(r), JOB, bind="127.0.0.1") for r in self.roots]
         self.stores = [TCPStoreClient("127.0.0.1", self.server.port, timeout=10) for _ in names]
 
-    def start(self, group_rank: int, ranks: tuple[int, ...]) -> None:
+    def start(self, group_rank: int, ranks: tuple[int, ...], round_number: int = 0) -> None:
         self.nodes[group_rank].round_started(
             self.stores[group_rank],
+            round_number=round_number,
             group_rank=group_rank,
             world_size=len(self.nodes),
             ranks=ranks,
@@ -217,6 +218,72 @@ def test_a_node_fetches_the_ranks_it_lacks_before_its_workers_start(ring: Ring) 
     ring.start(1, (1,))
     assert ring.nodes[1].fetched == {1: 42}
     assert _data(newcomer, 1, 42) == b"rank one at 42"
+
+
+def test_a_lost_node_s_ranks_are_fetched_at_one_step(ring: Ring) -> None:
+    """The lost node's ranks had their copies made one by one: rank 1's newest is a
+    step ahead of rank 0's. Each rank's newest alone gave the newcomer no step in common
+    between them (every rank then restored nothing, a fresh start): both come at 155."""
+    holder, newcomer = ring.roots
+    _snapshot(holder, 0, 154, b"r0 154")
+    _snapshot(holder, 0, 155, b"r0 155")
+    _snapshot(holder, 1, 155, b"r1 155")
+    _snapshot(holder, 1, 156, b"r1 156")
+    _snapshot(holder, 2, 156, b"the holder's own rank")
+    ring.start(0, (2,))
+    ring.start(1, (0, 1))
+    assert ring.nodes[1].fetched == {0: 155, 1: 155}
+    assert _data(newcomer, 1, 155) == b"r1 155"
+
+
+def test_the_steps_fetched_are_one_every_rank_has() -> None:
+    assert _targets([0, 1], {}, {0: {154, 155}, 1: {155, 156}}) == {0: 155, 1: 155}
+    # held here already: only what is missing moves
+    assert _targets([0, 1], {0: {155}}, {0: {155}, 1: {155, 156}}) == {1: 155}
+    # nothing in common: each rank's newest, when newer than any here
+    assert _targets([0, 1], {1: {9}}, {0: {3}, 1: {7}}) == {0: 3}
+    assert _targets([0], {}, {}) == {}
+
+
+def test_a_node_that_sat_out_a_round_fetches_its_ranks_again(ring: Ring) -> None:
+    """A node runs rank 1, waits as a spare while another node runs it (round 1), and
+    runs it again (round 2): its own snapshots of rank 1 are old, the holder's are the
+    job's (before, the same ranks as its last round meant no fetch: every rank then
+    restored nothing in common, a fresh start)."""
+    holder, back = ring.roots
+    _snapshot(back, 1, 5, b"rank one at 5, this node's own")
+    _snapshot(holder, 0, 5, b"rank zero at 5")
+    ring.start(0, (0,), round_number=0)
+    ring.start(1, (1,), round_number=0)
+    assert ring.nodes[1].fetched == {}
+    _snapshot(holder, 0, 9, b"rank zero at 9")
+    _snapshot(holder, 1, 9, b"rank one at 9, from the node that ran it in round 1")
+    ring.start(0, (0,), round_number=2)
+    ring.start(1, (1,), round_number=2)
+    assert ring.nodes[1].fetched == {1: 9}
+    assert _data(back, 1, 9) == b"rank one at 9, from the node that ran it in round 1"
+    ring.start(1, (1,), round_number=3)  # the round after one it ran: its own are the newest
+    assert ring.nodes[1].fetched == {}
+
+
+def test_a_pull_of_a_past_round_leaves_the_ranks_this_node_now_runs(ring: Ring) -> None:
+    """Node 1 copied node 0's rank 0; the next round gives node 1 rank 0, and its
+    worker saves step 32. A pull of the past round still in flight (its long poll
+    answered before the round changed) mirrored node 0's rank 0 and deleted step 32:
+    the successor never acked it and the workers waited (up to 15 s) for that ack."""
+    first, second = ring.roots
+    _snapshot(first, 0, 31, b"rank zero at 31")
+    ring.start(0, (0,), round_number=0)
+    ring.start(1, (1,), round_number=0)
+    wait_for(lambda: 31 in dict(held_steps(str(second)).get(0, [])), 20, what="the copy")
+    past = ring.nodes[1]._round
+    assert past is not None
+    source = PeerRecord("127.0.0.1", ring.nodes[0].port, (0,))
+    ring.start(0, (1,), round_number=1)
+    ring.start(1, (0,), round_number=1)
+    _snapshot(second, 0, 32, b"rank zero at 32, this node's worker's")
+    ring.nodes[1]._pull(past, source, None)
+    assert 32 in dict(held_steps(str(second)).get(0, []))
 
 
 def test_a_worker_s_snapshot_counts_once_its_successor_holds_a_copy(ring: Ring) -> None:

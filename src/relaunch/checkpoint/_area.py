@@ -168,6 +168,7 @@ class SnapshotArea:
         self,
         store: Store,
         *,
+        round_number: int,
         group_rank: int,
         world_size: int,
         ranks: tuple[int, ...],
@@ -181,6 +182,7 @@ class SnapshotArea:
             return
         self._peers.round_started(
             store,
+            round_number=round_number,
             group_rank=group_rank,
             world_size=world_size,
             ranks=ranks,

@@ -11,6 +11,8 @@ import queue
 import shutil
 import socket
 import threading
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 
 from relaunch.checkpoint import _layout as layout
 from relaunch.checkpoint import _wire as wire
@@ -59,6 +61,7 @@ def fetch_step(
     timeout: float = 30.0,
     *,
     reuse: int | None = None,
+    guard: Callable[[], AbstractContextManager[bool]] | None = None,
 ) -> int:
     """Copy a peer's snapshot of ``rank`` at ``step`` into ``root`` (replacing one of the
     same step); return its bytes. It is written under a partial name and kept only when
@@ -66,17 +69,22 @@ def fetch_step(
     WireError (nothing kept). OSError when the peer cannot be reached. ``reuse``: a
     step of the rank held here that is no longer wanted; its data file takes the
     bytes unless someone copies it (its pages reused: no new memory to fault in, none
-    to free), and it is gone whatever happens."""
+    to free), and it is gone whatever happens. ``guard``: entered around each change
+    of ``root`` (the reuse, the final rename); when it yields False the copy is no
+    longer wanted (WireError, nothing changed)."""
     rank_root = layout.rank_dir(root, rank)
+    allowed = guard or (lambda: contextlib.nullcontext(True))
     partial = layout.partial_dir(rank_root, step)
     with _connect(addr, port, timeout) as sock:
         sock.sendall(wire.encode({"job": job, "op": "get", "rank": rank, "step": step}))
         text, nbytes = wire.decode_answer(wire.read_line(sock, wire.MAX_ANSWER))
         os.makedirs(partial, exist_ok=True)
         if reuse is not None and reuse != step:
-            old = layout.step_dir(rank_root, reuse)
-            layout.take_data(old, os.path.join(partial, layout.DATA))
-            shutil.rmtree(old, ignore_errors=True)
+            with allowed() as ok:
+                if ok:
+                    old = layout.step_dir(rank_root, reuse)
+                    layout.take_data(old, os.path.join(partial, layout.DATA))
+                    shutil.rmtree(old, ignore_errors=True)
         try:
             with open(os.path.join(partial, layout.MANIFEST), "w", encoding="utf-8") as f:
                 f.write(text)
@@ -96,9 +104,12 @@ def fetch_step(
                     f"says {m.crc32:#010x} (changed while sent?)"
                 )
             final = layout.step_dir(rank_root, step)
-            if os.path.exists(final):
-                shutil.rmtree(final, ignore_errors=True)
-            os.rename(partial, final)
+            with allowed() as ok:
+                if not ok:
+                    raise wire.WireError(f"rank {rank} step {step}: the copy is no longer wanted")
+                if os.path.exists(final):
+                    shutil.rmtree(final, ignore_errors=True)
+                os.rename(partial, final)
         finally:
             shutil.rmtree(partial, ignore_errors=True)
     return nbytes

@@ -20,13 +20,14 @@ round holds it. Standard library only: the agent never imports torch.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import shutil
 import sys
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from relaunch.checkpoint import _layout as layout
@@ -107,7 +108,8 @@ class PeerCopies:
         """Pulls from the predecessor done (each: a list, then the copy it lacked)."""
         self.fetched: dict[int, int] = {}
         """Global rank -> step fetched before the workers started (the last round's)."""
-        self._last_ranks: tuple[int, ...] = ()
+        self._last: tuple[int, tuple[int, ...]] = (-2, ())
+        """The last round this node took part in and the ranks it ran there."""
 
     @property
     def port(self) -> int:
@@ -118,6 +120,7 @@ class PeerCopies:
         self,
         store: Store,
         *,
+        round_number: int,
         group_rank: int,
         world_size: int,
         ranks: Iterable[int],
@@ -139,9 +142,12 @@ class PeerCopies:
         except StoreError as exc:
             log.warning("snapshots: cannot offer this node's snapshots to its peers: %s", exc)
             return
-        if world_size > 1 and current.ranks != self._last_ranks:
+        # what this node's own workers wrote is the newest of its ranks only when it ran
+        # them in the round just before (a spare that sat out rounds holds old ones)
+        self.fetched = {}
+        if world_size > 1 and self._last != (round_number - 1, current.ranks):
             self._fetch_missing(current)
-        self._last_ranks = current.ranks
+        self._last = (round_number, current.ranks)
         with self._lock:
             self._round = current
         if world_size > 1 and self._puller is None:
@@ -173,15 +179,14 @@ class PeerCopies:
             return None
 
     def _fetch_missing(self, r: _Round) -> None:
-        """Before the workers start on ranks this node did not run in its last round:
-        each one's newest snapshot is fetched from the node of the round that holds the
-        newest, when that is newer than the one here (none here: a spare or a later
-        node taking a lost node's ranks; an old copy: ranks that moved)."""
-        held = {rank: steps[0][0] for rank, steps in held_steps(self._root).items()}
-        missing = list(r.ranks)
-        self.fetched = {}
+        """Before the workers start on ranks this node did not run in the round before:
+        the snapshots they need are fetched from the round's nodes that hold them (none
+        here: a spare or a later node taking a lost node's ranks; old ones: ranks that
+        moved, or a node that sat out rounds), at one step for all of them
+        (:func:`_targets`)."""
+        held = {rank: {step for step, _ in steps} for rank, steps in held_steps(self._root).items()}
         t0 = time.monotonic()
-        offers: dict[int, list[tuple[int, PeerRecord]]] = {}
+        offers: dict[int, dict[int, list[PeerRecord]]] = {}  # rank -> step -> holders
         deadline = t0 + 5.0  # the round's nodes publish as they start it, all at once
         for g in range(r.world_size):
             left = max(0.001, deadline - time.monotonic())
@@ -193,13 +198,13 @@ class PeerCopies:
             except (OSError, wire.WireError) as exc:
                 log.warning("snapshots: cannot list node %s's snapshots: %s", g, exc)
                 continue
-            for rank in missing:
-                for step, _crc in steps.get(rank, [])[:1]:
-                    if step > held.get(rank, -1):
-                        offers.setdefault(rank, []).append((step, rec))
+            for rank in r.ranks:
+                for step, _crc in steps.get(rank, []):
+                    offers.setdefault(rank, {}).setdefault(step, []).append(rec)
         moved = 0
-        for rank in missing:
-            for step, rec in sorted(offers.get(rank, []), key=lambda o: -o[0]):
+        offered = {rank: set(by_step) for rank, by_step in offers.items()}
+        for rank, step in _targets(r.ranks, held, offered).items():
+            for rec in offers[rank][step]:
                 try:
                     moved += fetch_step(rec.addr, rec.port, self._job, rank, step, self._root)
                     self.fetched[rank] = step
@@ -255,7 +260,7 @@ class PeerCopies:
         theirs, seen = list_steps(source.addr, source.port, self._job, since=version)
         mine = held_steps(self._root)
         for rank in source.ranks:
-            if rank in r.ranks or self._stop.is_set():
+            if rank in r.ranks or self._stop.is_set() or not self._in_round(r):
                 continue  # never overwrite what this node's own workers write
             wanted = theirs.get(rank, [])
             if not wanted:
@@ -269,10 +274,48 @@ class PeerCopies:
                 # reused by the source's next save; a copy that goes lends its pages
                 self.pulled_bytes += fetch_step(
                     source.addr, source.port, self._job, rank, newest, self._root,
-                    reuse=gone.pop(0) if gone else None,
+                    reuse=gone.pop(0) if gone else None, guard=lambda: self._writing(r),
                 )  # fmt: skip
             ack(source.addr, source.port, self._job, rank, newest, crc)
             rank_root = layout.rank_dir(self._root, rank)
-            for step in gone:
-                shutil.rmtree(layout.step_dir(rank_root, step), ignore_errors=True)
+            with self._writing(r) as ours:
+                for step in gone if ours else ():
+                    shutil.rmtree(layout.step_dir(rank_root, step), ignore_errors=True)
         return seen
+
+    def _in_round(self, r: _Round) -> bool:
+        with self._lock:
+            return self._round is r
+
+    @contextlib.contextmanager
+    def _writing(self, r: _Round) -> Iterator[bool]:
+        """Whether the pull of round ``r`` may still change this node's copies, held
+        while it does: a round that started meanwhile may have given this node the
+        ranks whose copies the pull was making (its workers now write them; the pull
+        once deleted their new snapshots), and ``round_started`` waits for the change
+        in hand before its workers start."""
+        with self._lock:
+            yield self._round is r
+
+
+def _targets(
+    ranks: Iterable[int], held: dict[int, set[int]], offered: dict[int, set[int]]
+) -> dict[int, int]:
+    """The step to fetch for each of ``ranks`` (those already here are left out): the
+    newest step that every one of them has, here or on another node, so that they
+    restore the same step (a lost node's ranks had their peer copies made one by one:
+    one rank's newest copy may be a step ahead of another's, and each rank's newest
+    alone made a step no rank of the node had in common with the others: a fresh
+    start); else each rank's newest offered one that is newer than any here."""
+    ranks = list(ranks)
+    have = [held.get(rank, set()) | offered.get(rank, set()) for rank in ranks]
+    common = set.intersection(*have) if have else set()
+    if common:
+        step = max(common)
+        return {rank: step for rank in ranks if step not in held.get(rank, set())}
+    out = {}
+    for rank in ranks:
+        newest = max(offered.get(rank, set()), default=-1)
+        if newest > max(held.get(rank, set()), default=-1):
+            out[rank] = newest
+    return out
