@@ -540,6 +540,25 @@ def test_a_save_of_an_earlier_step_drops_the_later_durable_copies(tmp_path: Path
     saver.close()
 
 
+def test_a_save_after_a_fresh_start_keeps_another_layout_s_durable_copies(
+    tmp_path: Path,
+) -> None:
+    """Copies of another world size (refused by load(), kept for a world that comes
+    back) are not this layout's later steps: a save of step 0 leaves them."""
+    memory, durable = tmp_path / "memory", tmp_path / "durable"
+    past = Saver(_where(memory, world_size=4))
+    past.save(900, {"x": torch.ones(4)})
+    past.close()
+    shutil.copytree(memory / "rank-00000", durable / "rank-00000")
+    shutil.rmtree(memory)
+    saver = Saver(_where(memory, durable=str(durable), world_size=2))
+    saver.discard_newer(None)  # load()'s fresh start
+    saver.save(0, {"x": torch.zeros(4)})
+    saver.wait()
+    assert (durable / "rank-00000" / "step-000000000900").exists()
+    saver.close()
+
+
 def test_a_fresh_start_says_why_when_some_rank_held_a_snapshot() -> None:
     """A script that saves on rank 0 only (as a DDP tutorial's torch.save) restores
     nothing: the line says which ranks hold none, in ranges however many there are."""

@@ -32,7 +32,7 @@ from collections.abc import Collection
 
 from relaunch.checkpoint import _layout as layout
 
-__all__ = ["DurableCopier", "discard_newer"]
+__all__ = ["DurableCopier", "discard", "discard_newer"]
 
 log = logging.getLogger(__name__)
 
@@ -183,7 +183,13 @@ def discard_newer(durable: str, rank: int, step: int | None) -> list[int]:
     None) and their markers: they belong to a timeline the job left, and a marker of one
     would count the step whole once another rank copies the new timeline's."""
     gone = layout.discard_newer(layout.rank_dir(durable, rank), step)
-    for s in gone:
+    discard(durable, rank, gone)
+    return gone
+
+
+def discard(durable: str, rank: int, steps: list[int]) -> None:
+    """Remove rank ``rank``'s durable copies of ``steps`` and their markers."""
+    for s in steps:
+        shutil.rmtree(layout.step_dir(layout.rank_dir(durable, rank), s), ignore_errors=True)
         with contextlib.suppress(OSError):
             os.remove(os.path.join(durable, COMPLETE, f"step-{s:012d}", f"rank-{rank:05d}"))
-    return gone

@@ -81,7 +81,7 @@ RESTORES = "restores.jsonl"
 """At the root: one JSON line per ``load()`` of each rank (what the agent summarises)."""
 
 _STEP = re.compile(r"step-(\d{12})\Z")
-_PARTIAL = re.compile(r"\.partial-step-\d{12}-(\d+)\Z")
+_PARTIAL = re.compile(r"\.partial-step-\d{12}-(\d+)(?:-\d+)?\Z")
 
 
 class CorruptSnapshot(SnapshotError):
@@ -96,7 +96,12 @@ def step_dir(rank_root: str, step: int) -> str:
 
 
 def partial_dir(rank_root: str, step: int) -> str:
-    return os.path.join(rank_root, f".partial-step-{step:012d}-{os.getpid()}")
+    """Where ``step`` is written before it is complete: named by the process (a dead
+    one's are removed) and the thread (an agent's puller and its fetch for a new round
+    may copy the same step at once)."""
+    return os.path.join(
+        rank_root, f".partial-step-{step:012d}-{os.getpid()}-{threading.get_ident()}"
+    )
 
 
 def complete_steps(rank_root: str) -> list[int]:

@@ -78,14 +78,15 @@ def fetch_step(
     with _connect(addr, port, timeout) as sock:
         sock.sendall(wire.encode({"job": job, "op": "get", "rank": rank, "step": step}))
         text, nbytes = wire.decode_answer(wire.read_line(sock, wire.MAX_ANSWER))
-        os.makedirs(partial, exist_ok=True)
-        if reuse is not None and reuse != step:
+        try:
             with allowed() as ok:
-                if ok:
+                if not ok:  # before a byte is received: a past round's pull stops here
+                    raise wire.WireError(f"rank {rank} step {step}: the copy is no longer wanted")
+                os.makedirs(partial, exist_ok=True)
+                if reuse is not None and reuse != step:
                     old = layout.step_dir(rank_root, reuse)
                     layout.take_data(old, os.path.join(partial, layout.DATA))
                     shutil.rmtree(old, ignore_errors=True)
-        try:
             with open(os.path.join(partial, layout.MANIFEST), "w", encoding="utf-8") as f:
                 f.write(text)
             try:

@@ -145,9 +145,11 @@ class PeerCopies:
         # what this node's own workers wrote is the newest of its ranks only when it ran
         # them in the round just before (a spare that sat out rounds holds old ones)
         self.fetched = {}
+        complete = True
         if world_size > 1 and self._last != (round_number - 1, current.ranks):
-            self._fetch_missing(current)
-        self._last = (round_number, current.ranks)
+            complete = self._fetch_missing(current)
+        # a fetch that failed is tried again at the next round
+        self._last = (round_number, current.ranks) if complete else (-2, ())
         with self._lock:
             self._round = current
         if world_size > 1 and self._puller is None:
@@ -178,12 +180,12 @@ class PeerCopies:
             log.debug("snapshots: no peer record of node %s: %s", group_rank, exc)
             return None
 
-    def _fetch_missing(self, r: _Round) -> None:
+    def _fetch_missing(self, r: _Round) -> bool:
         """Before the workers start on ranks this node did not run in the round before:
         the snapshots they need are fetched from the round's nodes that hold them (none
         here: a spare or a later node taking a lost node's ranks; old ones: ranks that
         moved, or a node that sat out rounds), at one step for all of them
-        (:func:`_targets`)."""
+        (:func:`_targets`). Returns whether every one it chose was fetched."""
         held = {rank: {step for step, _ in steps} for rank, steps in held_steps(self._root).items()}
         t0 = time.monotonic()
         offers: dict[int, dict[int, list[PeerRecord]]] = {}  # rank -> step -> holders
@@ -203,14 +205,30 @@ class PeerCopies:
                     offers.setdefault(rank, {}).setdefault(step, []).append(rec)
         moved = 0
         offered = {rank: set(by_step) for rank, by_step in offers.items()}
-        for rank, step in _targets(r.ranks, held, offered).items():
-            for rec in offers[rank][step]:
-                try:
-                    moved += fetch_step(rec.addr, rec.port, self._job, rank, step, self._root)
-                    self.fetched[rank] = step
-                    break
-                except (OSError, wire.WireError) as exc:
-                    log.warning("snapshots: rank %s step %s from %s: %s", rank, step, rec.addr, exc)
+        complete = False
+        for _ in range(3):  # a step no holder could send: the next best without it
+            failed = 0
+            for rank, step in _targets(r.ranks, held, offered).items():
+                for rec in offers[rank][step]:
+                    try:
+                        moved += fetch_step(rec.addr, rec.port, self._job, rank, step, self._root)
+                        self.fetched[rank] = step
+                        held.setdefault(rank, set()).add(step)
+                        break
+                    except (OSError, wire.WireError) as exc:
+                        log.warning(
+                            "snapshots: rank %s step %s from %s: %s", rank, step, rec.addr, exc
+                        )
+                else:
+                    offered[rank].discard(step)
+                    failed += 1
+            if not failed:
+                complete = True
+                break
+        self._report(moved, t0)
+        return complete
+
+    def _report(self, moved: int, t0: float) -> None:
         if self.fetched:
             seconds = time.monotonic() - t0
             ranks = ", ".join(f"{k} (step {v})" for k, v in sorted(self.fetched.items()))

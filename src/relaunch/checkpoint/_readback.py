@@ -31,10 +31,12 @@ __all__ = ["Prefetch", "offered_steps", "read_regions", "read_step"]
 log = logging.getLogger("relaunch.checkpoint")
 
 
-def offered_steps(where: layout.Where, root: str | None = None) -> list[int]:
+def offered_steps(
+    where: layout.Where, root: str | None = None, *, quiet: bool = False
+) -> list[int]:
     """The rank's snapshots under ``root`` (None: node memory) that can be offered (a
     manifest of this job, rank and world size), newest first; a mismatched one is
-    refused with one warning."""
+    refused with one warning (none when ``quiet``)."""
     base = layout.rank_dir(root or where.root, where.rank)
     found = []
     for step in layout.complete_steps(base):
@@ -42,7 +44,8 @@ def offered_steps(where: layout.Where, root: str | None = None) -> list[int]:
         try:
             _check(where, layout.read_manifest(folder), folder, step)
         except layout.CorruptSnapshot as exc:
-            log.warning("snapshot refused: %s", exc)
+            if not quiet:
+                log.warning("snapshot refused: %s", exc)
             continue
         found.append(step)
     return found

@@ -36,7 +36,6 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from relaunch.checkpoint import _layout as layout
 from relaunch.checkpoint._ack import PeerAck
-from relaunch.checkpoint._durable import discard_newer as discard_copies_newer
 from relaunch.checkpoint._fence import Fence
 from relaunch.checkpoint._fill import Filler, Part, Run, runs_of
 from relaunch.checkpoint._layout import Where
@@ -44,6 +43,7 @@ from relaunch.checkpoint._limit import check_limit
 from relaunch.checkpoint._mapped import MappedFiles
 from relaunch.checkpoint._readback import Prefetch, offered_steps, read_step
 from relaunch.checkpoint._staging import CudaStager, Staged, page_lockable
+from relaunch.checkpoint._timeline import drop_later, drop_left, newest_step
 from relaunch.checkpoint._tree import Leaf, encode, flat_bytes
 from relaunch.checkpoint._writer import Writer
 from relaunch.errors import SnapshotError
@@ -149,13 +149,13 @@ class Saver:
         self.wait()
         self._drop_prefetch()
         tree, leaves, nbytes = encode(state)
-        self._go_back_to(step)
         # the tensors no optimizer's hook protects are cloned, or the save blocks
         blocking = blocking or self._fence.secure(leaves, nbytes)
         runs, host = runs_of([leaf for leaf in leaves if leaf.nbytes and leaf.device != "cuda"])
         # what stays while this one is written: the other ranks' and our newest window-1
         w = self.where
         check_limit(w.root, w.rank, step, nbytes, max(self.window - 1, 1), w.limit)
+        self._go_back_to(step)
         os.makedirs(self.rank_root, exist_ok=True)
         folder = layout.partial_dir(self.rank_root, step)
         shutil.rmtree(folder, ignore_errors=True)
@@ -344,12 +344,11 @@ class Saver:
         would outrank it at the next restore (a script whose step count went back, or
         that did not ``load`` its past life's): the newest save is the rank's state."""
         if self._newest is None:
-            w = self.where
-            roots = [self.rank_root, *([layout.rank_dir(w.durable, w.rank)] if w.durable else [])]
-            self._newest = max((s for r in roots for s in layout.complete_steps(r)), default=-1)
+            self._newest = newest_step(self.where)
         newest = self._newest
         if step < newest:
-            gone = self.discard_newer(step)
+            gone = drop_later(self.where, step)
+            self._keep_live_maps()
             if gone:
                 log.warning(
                     "rank %s: saving step %s after step %s: dropped the snapshots of steps %s",
@@ -358,15 +357,11 @@ class Saver:
         self._newest = step
 
     def discard_newer(self, step: int | None) -> list[int]:
-        """Forget this rank's snapshots in node memory newer than ``step`` (all of them
-        for None: a fresh start) and its durable copies newer than ``step`` (a fresh start
-        keeps them: they may be a world size's that comes back): the job left their
-        timeline. Returns the steps dropped from node memory."""
-        gone = layout.discard_newer(self.rank_root, step)
+        """Forget this rank's snapshots of the steps a restore of ``step`` left
+        (``_timeline.drop_left``). Returns the steps dropped from node memory."""
+        gone = drop_left(self.where, step)
         self._newest = None
         self._keep_live_maps()
-        if step is not None and self.where.durable is not None:
-            discard_copies_newer(self.where.durable, self.where.rank, step)
         return gone
 
     # -- reading -------------------------------------------------------------------------

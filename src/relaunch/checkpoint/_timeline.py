@@ -1,0 +1,40 @@
+"""A rank's timeline: the steps the job left are dropped, so that they never outrank
+what it saves now (after a restore, its later steps; before a save of an earlier step
+than the rank holds, the later ones)."""
+
+from __future__ import annotations
+
+from relaunch.checkpoint import _layout as layout
+from relaunch.checkpoint._durable import discard, discard_newer
+from relaunch.checkpoint._readback import offered_steps
+
+__all__ = ["drop_later", "drop_left", "newest_step"]
+
+
+def newest_step(where: layout.Where) -> int:
+    """The newest step of this job and layout the rank holds, in node memory or durable
+    (-1: none; those of another layout are kept for a world size that comes back)."""
+    roots = [None, *([where.durable] if where.durable else [])]
+    return max((s for root in roots for s in offered_steps(where, root, quiet=True)), default=-1)
+
+
+def drop_later(where: layout.Where, step: int) -> list[int]:
+    """Before a save of ``step``: drop the rank's later snapshots in node memory and its
+    later durable copies of this layout. Returns the steps dropped."""
+    gone = layout.discard_newer(layout.rank_dir(where.root, where.rank), step)
+    if where.durable is not None:
+        later = [s for s in offered_steps(where, where.durable, quiet=True) if s > step]
+        discard(where.durable, where.rank, later)
+        gone = sorted({*gone, *later}, reverse=True)
+    return gone
+
+
+def drop_left(where: layout.Where, step: int | None) -> list[int]:
+    """After a restore of ``step``: drop the rank's snapshots in node memory newer than
+    it (all of them for None: a fresh start) and its durable copies newer than it (a
+    fresh start keeps them: they may be a world size's that comes back). Returns the
+    steps dropped from node memory."""
+    gone = layout.discard_newer(layout.rank_dir(where.root, where.rank), step)
+    if step is not None and where.durable is not None:
+        discard_newer(where.durable, where.rank, step)
+    return gone
