@@ -243,6 +243,13 @@ def test_the_steps_fetched_are_one_every_rank_has() -> None:
     # nothing in common: each rank's newest, when newer than any here
     assert _targets([0, 1], {1: {9}}, {0: {3}, 1: {7}}) == {0: 3}
     assert _targets([0], {}, {}) == {}
+    # the round's other ranks stopped a step behind the newest copy: the step they hold
+    assert _targets([0, 1], {}, {0: {163, 164}, 1: {163, 164}}, {2: {161, 162, 163}}) == {
+        0: 163,
+        1: 163,
+    }
+    # none they hold: the newest these ranks share
+    assert _targets([0], {}, {0: {9}}, {2: {5}}) == {0: 9}
 
 
 def test_a_node_that_sat_out_a_round_fetches_its_ranks_again(ring: Ring) -> None:

@@ -189,6 +189,7 @@ class PeerCopies:
         held = {rank: {step for step, _ in steps} for rank, steps in held_steps(self._root).items()}
         t0 = time.monotonic()
         offers: dict[int, dict[int, list[PeerRecord]]] = {}  # rank -> step -> holders
+        others: dict[int, set[int]] = {}  # the round's other ranks -> the steps they hold
         deadline = t0 + 5.0  # the round's nodes publish as they start it, all at once
         for g in range(r.world_size):
             left = max(0.001, deadline - time.monotonic())
@@ -203,12 +204,14 @@ class PeerCopies:
             for rank in r.ranks:
                 for step, _crc in steps.get(rank, []):
                     offers.setdefault(rank, {}).setdefault(step, []).append(rec)
+            for rank in rec.ranks:  # what the ranks that node runs will offer to load()
+                others[rank] = {step for step, _crc in steps.get(rank, [])}
         moved = 0
         offered = {rank: set(by_step) for rank, by_step in offers.items()}
         complete = False
         for _ in range(3):  # a step no holder could send: the next best without it
             failed = 0
-            for rank, step in _targets(r.ranks, held, offered).items():
+            for rank, step in _targets(r.ranks, held, offered, others).items():
                 for rec in offers[rank][step]:
                     try:
                         moved += fetch_step(rec.addr, rec.port, self._job, rank, step, self._root)
@@ -317,17 +320,24 @@ class PeerCopies:
 
 
 def _targets(
-    ranks: Iterable[int], held: dict[int, set[int]], offered: dict[int, set[int]]
+    ranks: Iterable[int],
+    held: dict[int, set[int]],
+    offered: dict[int, set[int]],
+    others: dict[int, set[int]] | None = None,
 ) -> dict[int, int]:
     """The step to fetch for each of ``ranks`` (those already here are left out): the
-    newest step that every one of them has, here or on another node, so that they
-    restore the same step (a lost node's ranks had their peer copies made one by one:
-    one rank's newest copy may be a step ahead of another's, and each rank's newest
-    alone made a step no rank of the node had in common with the others: a fresh
-    start); else each rank's newest offered one that is newer than any here."""
+    newest step that every one of them has, here or on another node, and that the
+    round's ``others`` ranks hold too, so that every rank restores it (a lost node's
+    ranks had their copies made one by one, and the other ranks may be a step behind
+    the newest copy: each rank's newest alone made a step no two ranks had in common, a
+    fresh start); without one the others hold, the newest these ranks share; else each
+    rank's newest offered one that is newer than any here."""
     ranks = list(ranks)
     have = [held.get(rank, set()) | offered.get(rank, set()) for rank in ranks]
     common = set.intersection(*have) if have else set()
+    everyone = common.intersection(*(others or {}).values())
+    if everyone:
+        common = everyone
     if common:
         step = max(common)
         return {rank: step for rank in ranks if step not in held.get(rank, set())}
