@@ -31,6 +31,7 @@ The actions, in the order :func:`decide` considers them:
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -202,7 +203,9 @@ STOP_GRACE = 0.5
 """Seconds the loop waits for its own stop signal before a failure of workers that died
 of one (:func:`signalled_to_stop`)."""
 
-_STOP_CODES = frozenset({-1, -2, -15, 128 + 1, 128 + 2, 128 + 15})
+_STOP_CODES = frozenset(
+    code for sig in (signal.SIGHUP, signal.SIGINT, signal.SIGTERM) for code in (-sig, 128 + sig)
+)
 """A worker's exit by SIGHUP, SIGINT or SIGTERM: killed by it, or exiting 128+N from its
 own handler."""
 
