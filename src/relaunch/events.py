@@ -29,6 +29,7 @@ __all__ = [
     "Event",
     "EventSink",
     "ExitBarrierTimeout",
+    "FinishedWithout",
     "ForkServerReady",
     "ForkServerRefused",
     "ForkServerStarted",
@@ -39,6 +40,7 @@ __all__ = [
     "RendezvousClosed",
     "RendezvousComplete",
     "Restart",
+    "RoundReopened",
     "RunFailed",
     "Stopped",
     "StoreLost",
@@ -111,6 +113,23 @@ class RendezvousClosed(_Detail):
     """Another node closed the job (after its failure)."""
 
     name: ClassVar[str] = "rendezvous_closed"
+
+
+@dataclass(frozen=True, kw_only=True)
+class RoundReopened(_Detail):
+    """This node's workers had succeeded, but another node left the round before every
+    node finished (to restart it after a failure, or lost): the job goes on, and this
+    node runs its workers again in the next round."""
+
+    name: ClassVar[str] = "round_reopened"
+
+
+@dataclass(frozen=True, kw_only=True)
+class FinishedWithout(_Detail):
+    """The job finished while this node waited to rejoin it (another node had taken
+    its place): nothing was left for its workers."""
+
+    name: ClassVar[str] = "finished_without"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -312,7 +331,8 @@ class ForkServerRefused(_Detail):
 
 
 Detail = (
-    RendezvousComplete | MembershipChanged | RendezvousClosed | NotNeeded | StoreLost
+    RendezvousComplete | MembershipChanged | RoundReopened | RendezvousClosed | NotNeeded
+    | FinishedWithout | StoreLost
     | ExitBarrierTimeout | NodeLost | NodeReplaced | WorkersStarted | WorkersStopped
     | WorkersSucceeded | WorkersFailed | WorkerHung | WorkerLost | WorkerRespawned
     | WatchdogExpired | Restart | RunFailed | Stopped | ForkServerStarted | ForkServerReady

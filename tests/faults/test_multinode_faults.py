@@ -7,6 +7,8 @@ one line per step (see ``tests/multinode_support``).
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -186,3 +188,71 @@ def test_a_hang_is_blamed_on_the_rank_that_stopped_first_job_wide(c10d: Cluster)
         root = report.split("Other Failures:")[0]
         assert f"rank      : {rank} (local_rank: 1)" in root, c10d.output(node)
         assert "Hang: no Python code ran" in root, c10d.output(node)
+
+
+# -- faults as the job ends -----------------------------------------------------------
+# A node whose workers finished waits for the others at the exit barrier; the round is
+# done only once every node arrived. Until then a failure anywhere runs the round again.
+
+
+def test_a_failure_after_another_node_finished_runs_the_round_again(c10d: Cluster) -> None:
+    # Rank 3 (node b) dies a second after the end, when node a's workers are done.
+    for node, host in (("a", 1), ("b", 0)):
+        c10d.start(node, "steps=3", "end_crash=3", max_restarts=1, conf=f"is_host={host}")
+    assert c10d.wait_exit("a") == 0, c10d.outputs()
+    assert c10d.wait_exit("b") == 0, c10d.outputs()
+    names = [e.get("name") for e in c10d.events("a")]
+    assert "workers_succeeded" in names and "round_reopened" in names, names
+    assert {r.rank for r in c10d.steps() if r.restart == 1} == {0, 1, 2, 3}
+    assert "exit barrier" not in c10d.output("a"), c10d.output("a")
+
+
+def test_a_failure_with_no_restarts_left_ends_the_finished_node_at_once(
+    c10d: Cluster,
+) -> None:
+    for node, host in (("a", 1), ("b", 0)):
+        c10d.start(node, "steps=3", "end_crash=3", conf=f"is_host={host}")
+    assert c10d.wait_exit("b") == 1, c10d.outputs()
+    assert c10d.wait_exit("a") == 1, c10d.outputs()  # (not after the exit barrier's 300 s)
+    out = c10d.output("a")
+    assert "Root Cause" in out and "rank      : 3" in out and "exitcode  : 3" in out, out
+
+
+def test_a_node_that_waited_to_rejoin_ends_with_the_job(c10d: Cluster) -> None:
+    # c is a spare; after rank 3's end-of-job failure two of the three nodes run the
+    # round again, and the third one ends with the job, not as a failure.
+    for node, host in (("a", 1), ("b", 0)):
+        c10d.start(node, "steps=3", "end_crash=3", max_restarts=1, conf=f"is_host={host}")
+    c10d.wait_for("a and b training", lambda: len(c10d.steps()) >= 4)
+    c10d.start("c", "steps=3", "end_crash=3", max_restarts=1, conf="is_host=0")
+    assert [c10d.wait_exit(n) for n in ("a", "b", "c")] == [0, 0, 0], c10d.outputs()
+    assert {r.rank for r in c10d.steps() if r.restart == 1} == {0, 1, 2, 3}
+    assert "Error" not in c10d.outputs(), c10d.outputs()
+
+
+def test_a_node_joining_as_the_job_ends_restarts_nobody(c10d: Cluster, tmp_path: Path) -> None:
+    release = tmp_path / "release"  # node b's workers end once it exists
+    for node, host in (("a", 1), ("b", 0)):
+        c10d.start(node, "steps=3", f"linger=b:{release}", nnodes="2:3", conf=f"is_host={host}")
+    c10d.wait_for(
+        "node a done, node b's workers still running",
+        lambda: "workers_succeeded" in [e.get("name") for e in c10d.events("a")],
+    )
+    c10d.start("c", "steps=3", f"linger=b:{release}", nnodes="2:3", conf="is_host=0")
+
+    def c_waits() -> bool:  # (three nodes: the store is an embedded etcd; ask status)
+        done = subprocess.run(
+            [sys.executable, "-m", "relaunch", "status", f"--rdzv-endpoint={c10d.endpoint}",
+             "--rdzv-id=job", "--timeout=3", "--json"],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        return done.returncode == 0 and json.loads(done.stdout)["world"]["nodes_waiting"] > 0
+
+    c10d.wait_for("node c waiting to join", c_waits)
+    release.touch()
+    assert [c10d.wait_exit(n) for n in ("a", "b", "c")] == [0, 0, 0], c10d.outputs()
+    for node in ("a", "b"):
+        names = [e.get("name") for e in c10d.events(node)]
+        assert "membership_changed" not in names and "round_reopened" not in names, names
+    assert {r.restart for r in c10d.steps()} == {0} and {r.world for r in c10d.steps()} == {4}
+    assert "not needed" in c10d.output("c"), c10d.output("c")

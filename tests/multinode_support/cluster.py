@@ -45,6 +45,8 @@ until_world = int(args.get("until_world", "0"))
 crash = args.get("crash")  # "<rank>:<step>": that rank exits 3 at that step, in attempt 0
 hang = args.get("hang")  # "<node>:<local_rank>:<step>": that worker hangs, in attempt 0
 go = args.get("go")  # a file: train on until it exists, then ``steps`` more steps
+end_crash = args.get("end_crash")  # a rank: it exits 3 a second after the end, in attempt 0
+linger = args.get("linger")  # "<node>:<file>": that node's workers end once the file exists
 step = done = 0
 while True:
     # The go file is seen through the all_reduce: every rank stops after the same step
@@ -68,6 +70,14 @@ while True:
     time.sleep(0.05)
 dist.barrier()
 dist.destroy_process_group()
+if end_crash == str(rank) and restart == "0":
+    time.sleep(1.0)  # the other nodes' workers are done by then
+    os._exit(3)
+if linger and linger.startswith(node + ":"):
+    for _ in range(1200):
+        if os.path.exists(linger.split(":", 1)[1]):
+            break
+        time.sleep(0.05)
 """
 
 

@@ -312,11 +312,11 @@ def test_the_loop_sees_a_stopped_worker_when_it_watches_hangs(tmp_path: Path) ->
             time.sleep(0.01)
         pids = {lr: p.pid for lr, p in enumerate(procs)}
         codes: dict[int, int | None] = {0: None, 1: None}
-        seen = observe(slots, codes, watch_progress=True, stop_signal=None, nodes_waiting=0,
+        seen = observe(slots, codes, watch_progress=True, stop_signal=None,
                        pids=pids, stalled_after=1.0)  # fmt: skip
         assert [v.stopped for v in seen.ranks] == [False, True]
         unwatched = observe(slots, codes, watch_progress=False, stop_signal=None,
-                            nodes_waiting=0, pids=pids, stalled_after=1.0)  # fmt: skip
+                            pids=pids, stalled_after=1.0)  # fmt: skip
         assert [v.stopped for v in unwatched.ranks] == [False, False]
     finally:
         for p in procs:
@@ -332,7 +332,7 @@ def test_the_loop_sees_a_returned_worker_in_its_exit_file(tmp_path: Path) -> Non
         Path(files.exit_file).write_text(json.dumps({"version": 2, "exitcode": 0, "time": T0}))
         slots[lr] = Slot(env={}, files=files, started=T0)
     codes: dict[int, int | None] = {0: 0, 1: -signal.SIGABRT}
-    seen = observe(slots, codes, watch_progress=False, stop_signal=None, nodes_waiting=0)
+    seen = observe(slots, codes, watch_progress=False, stop_signal=None)
     assert [(v.exitcode, v.returned) for v in seen.ranks] == [(0, T0), (-signal.SIGABRT, T0)]
     action = decide(seen, POLICY)
     assert action == ExitBarrier()
@@ -383,7 +383,7 @@ def test_a_lost_worker_on_a_node_of_group_rank_1_is_lost_once(tmp_path: Path) ->
     pids = {0: 1000, 1: 1001}
     codes: dict[int, int | None] = {0: None, 1: -signal.SIGKILL}
 
-    first = observe(slots, codes, watch_progress=False, stop_signal=None, nodes_waiting=0)
+    first = observe(slots, codes, watch_progress=False, stop_signal=None)
     action = decide(first, POLICY)
     assert action == DropRanks((1,))
     dropped = failures(action.local_ranks, first, workers, slots, pids)
@@ -394,7 +394,7 @@ def test_a_lost_worker_on_a_node_of_group_rank_1_is_lost_once(tmp_path: Path) ->
     slots[lost.local_rank].lost = lost  # as NodeWorkers.drop records it
 
     for _ in range(3):  # every later poll: nothing new
-        later = observe(slots, codes, watch_progress=False, stop_signal=None, nodes_waiting=0)
+        later = observe(slots, codes, watch_progress=False, stop_signal=None)
         assert decide(later, POLICY) == Monitor()
 
 

@@ -38,7 +38,7 @@ def test_a_small_handler_and_optional_capabilities() -> None:
     )
     from relaunch.rendezvous.static import StandaloneRendezvousHandler, StaticRendezvousHandler
 
-    assert len(_methods(RendezvousHandler)) == 10, _methods(RendezvousHandler)
+    assert len(_methods(RendezvousHandler)) == 11, _methods(RendezvousHandler)
     for capability in (TieredMembership, SharedBoard):
         for name in _methods(capability):  # the dynamic backends have every capability
             assert callable(getattr(DynamicRendezvousHandler, name)), name

@@ -94,6 +94,9 @@ class Observation:
     """Wall-clock time of the poll (progress times are wall-clock)."""
     stop_signal: int | None = None
     nodes_waiting: int = 0
+    round_finishing: bool = False
+    """A node of this round already finished (its workers succeeded) while the round
+    goes on: the round takes no new node in (its finished workers would run again)."""
     vacancies: Mapping[int, int] = field(default_factory=dict)
     """Group ranks of the round that lost nodes left, with their replacements'
     incarnation (tiered recovery)."""
@@ -302,7 +305,11 @@ def decide(obs: Observation, policy: Policy) -> Action:
         if tearing_down and obs.now < _last_return(obs) + policy.teardown_grace:
             return Monitor()
         return ExitBarrier(kill=tearing_down)
-    if obs.nodes_waiting > 0 and not any(v.returned is not None for v in obs.ranks):
+    if (
+        obs.nodes_waiting > 0
+        and not obs.round_finishing
+        and not any(v.returned is not None for v in obs.ranks)
+    ):
         return RestartGroup(reason="membership")  # (never a worker that finished)
     fresh = {g: i for g, i in obs.vacancies.items() if (g, i) not in obs.declared}
     if fresh:

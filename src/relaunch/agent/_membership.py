@@ -1,5 +1,6 @@
-"""This node's part in replacing a lost node without restarting the others (tiered
-recovery, node tier).
+"""What the rendezvous says about this node's round while its workers run (nodes
+waiting to join, a node of it finished), and this node's part in replacing a lost node
+without restarting the others (tiered recovery, node tier).
 
 While every node of a complete round runs in-process workers (each agent says so with
 ``mark_inprocess`` once its workers announced it), the rendezvous leaves a lost node's
@@ -19,10 +20,11 @@ from collections.abc import Mapping
 
 from relaunch._contract import lost_key
 from relaunch.agent._core import Observation
+from relaunch.agent._round import round_finishing
 from relaunch.agent._spec import WorkerGroup
 from relaunch.errors import RelaunchError
 from relaunch.events import Emit, NodeLost, NodeReplaced
-from relaunch.rendezvous import RendezvousHandler, TieredMembership
+from relaunch.rendezvous import RendezvousHandler, RendezvousInfo, TieredMembership
 from relaunch.store.tcp import TCPStoreClient
 
 __all__ = ["Membership", "declare_lost"]
@@ -60,6 +62,7 @@ class Membership:
     """What this node did about the current round's vacancies; reset at each round."""
 
     def __init__(self, handler: RendezvousHandler, emit: Emit, run_id: str) -> None:
+        self._handler = handler
         self._tiers = handler if isinstance(handler, TieredMembership) else None
         """None for a backend whose rounds end with a lost node (static): no vacancy."""
         self._emit = emit
@@ -75,13 +78,21 @@ class Membership:
         # (seats taken before this node came are not news to it)
         self._told = {(group_rank, incarnation), *self._replaced().items()}
 
-    def observe(self, obs: Observation, *, ask: bool) -> Observation:
-        """``obs`` with its membership fields filled in (``ask``: read the rendezvous)."""
+    def observe(self, obs: Observation, info: RendezvousInfo | None) -> Observation:
+        """``obs`` with its membership fields filled in; those of the rendezvous are read
+        with ``info`` (the running round) only (a few cheap reads)."""
+        obs = dataclasses.replace(obs, declared=self.declared, marked_inprocess=self.marked)
+        if info is None:
+            return obs
+        waiting = self._handler.num_nodes_waiting()
         return dataclasses.replace(
             obs,
-            vacancies=self.vacancies() if ask else {},
-            declared=self.declared,
-            marked_inprocess=self.marked,
+            nodes_waiting=waiting,
+            # (a store read of its own, made only while some node waits)
+            round_finishing=bool(waiting)
+            and not self._handler.round_ended()
+            and round_finishing(info),
+            vacancies=self.vacancies(),
         )
 
     def vacancies(self) -> dict[int, int]:

@@ -11,6 +11,7 @@ Keys live under the round's own prefix, so no round sees another's:
 
 from __future__ import annotations
 
+import enum
 import json
 import logging
 import time
@@ -21,6 +22,7 @@ from relaunch.errors import (
     FailureFormatError,
     ProcessFailure,
     RendezvousError,
+    RendezvousStateError,
     StoreError,
     StoreTimeoutError,
 )
@@ -37,7 +39,9 @@ if TYPE_CHECKING:
     from relaunch.agent._spec import WorkerSpec
 
 __all__ = [
+    "BarrierEnd",
     "WorkerStore",
+    "barrier_note",
     "exit_barrier",
     "finish_round",
     "gather_failures",
@@ -46,6 +50,7 @@ __all__ = [
     "publish_failures",
     "publish_worker_store",
     "read_worker_store",
+    "round_finishing",
     "store_lost_reason",
 ]
 
@@ -154,37 +159,67 @@ def gather_failures(
     return found
 
 
+class BarrierEnd(enum.Enum):
+    """How a node's wait at the exit barrier ended."""
+
+    PASSED = "passed"
+    """Every node of the round arrived (the lost ones nobody replaced excepted)."""
+    ROUND_ENDED = "round_ended"
+    """Another node left the round before it arrived (a failure, a lost node): the job
+    is not done, and this node runs its workers again in the next round."""
+    CLOSED = "closed"
+    """The job was closed meanwhile: another node gave up on it."""
+    TIMED_OUT = "timed_out"
+    """Not every node arrived within the timeout (or the store failed): the other nodes'
+    outcome is unknown."""
+
+
 def exit_barrier(
-    info: RendezvousInfo, timeout: float, vacant: Callable[[], int] = lambda: 0
-) -> str | None:
+    info: RendezvousInfo,
+    timeout: float,
+    vacant: Callable[[], int] = lambda: 0,
+    over: Callable[[], BarrierEnd | None] = lambda: None,
+) -> BarrierEnd:
     """Wait until every node of the round is done (``vacant()``: ranks of lost nodes
-    that nobody replaced, which never arrive). Never raises: returns what to tell the
-    user when they did not all arrive (timeout or store error), else None."""
+    that nobody replaced, which never arrive), or ``over()`` says why they never will
+    (asked twice a second while some are missing). Never raises."""
     if info.world_size <= 1:
-        return None
+        return BarrierEnd.PASSED
     deadline = time.monotonic() + timeout
     try:
         count = info.store.add(_EXIT_COUNT_KEY, 1)
-        while True:
-            if count >= info.world_size - vacant():
-                info.store.set(_EXIT_DONE_KEY, b"1")
-                break
+        while count < info.world_size - vacant():
             left = deadline - time.monotonic()
             try:
                 info.store.wait([_EXIT_DONE_KEY], timeout=max(0.001, min(left, 0.5)))
-                break
+                return BarrierEnd.PASSED
             except StoreTimeoutError:
                 if left <= 0.5:
                     raise
             count = info.store.add(_EXIT_COUNT_KEY, 0)
+            if count < info.world_size - vacant() and (end := over()) is not None:
+                return end
+        info.store.set(_EXIT_DONE_KEY, b"1")
     except (StoreError, RendezvousError) as exc:
         log.warning("exit barrier: %s (other nodes may still be running)", exc)
-        return (
-            f"this node's workers succeeded, but not every node of the round (world size "
-            f"{info.world_size}) reached the exit barrier within {timeout:g} s: the other "
-            "nodes' outcome is unknown"
-        )
-    return None
+        return BarrierEnd.TIMED_OUT
+    return BarrierEnd.PASSED
+
+
+def barrier_note(info: RendezvousInfo | None, timeout: float) -> str:
+    """What to tell the user when not every node arrived at the exit barrier."""
+    world_size = info.world_size if info is not None else 1
+    return (
+        f"this node's workers succeeded, but not every node of the round (world size "
+        f"{world_size}) reached the exit barrier within {timeout:g} s: the other "
+        "nodes' outcome is unknown"
+    )
+
+
+def round_finishing(info: RendezvousInfo | None) -> bool:
+    """Whether a node of the round already waits at its exit barrier (its workers
+    succeeded): the round cannot take in new nodes any more. Raises StoreError."""
+    return info is not None and info.store.add(_EXIT_COUNT_KEY, 0) > 0
 
 
 def finish_round(
@@ -192,28 +227,39 @@ def finish_round(
     info: RendezvousInfo | None,
     timeout: float,
     emit: Emit,
-) -> str | None:
+) -> BarrierEnd:
     """This node's workers succeeded: wait for the round's other nodes (the lost ones
     nobody replaced excepted); then the job is over: rank 0 closes the rendezvous, so
-    spares still waiting in it learn that they are not needed. Returns what to tell
-    the user when the other nodes did not all arrive."""
+    spares still waiting in it learn that they are not needed. A node that leaves the
+    round meanwhile (to restart it after a failure, or lost) ends the wait: the job
+    goes on, this node with it."""
     if info is None:
-        return None
+        return BarrierEnd.PASSED
     tiers = handler if isinstance(handler, TieredMembership) else None
-    note = exit_barrier(info, timeout, vacant=lambda: len(tiers.vacancies()) if tiers else 0)
-    if note is not None:
+
+    def over() -> BarrierEnd | None:
+        if handler.is_closed():
+            return BarrierEnd.CLOSED
+        return BarrierEnd.ROUND_ENDED if handler.round_ended() else None
+
+    end = exit_barrier(
+        info, timeout, vacant=lambda: len(tiers.vacancies()) if tiers else 0, over=over
+    )
+    if end is BarrierEnd.TIMED_OUT:
         emit(ExitBarrierTimeout(world_size=info.world_size))
-        return note
-    if info.rank == 0:
+    elif end is BarrierEnd.PASSED and info.rank == 0:
         try:
             handler.set_closed()
         except (RendezvousError, StoreError) as exc:
             log.warning("could not close the rendezvous after success: %s", exc)
-    return None
+    return end
 
 
 def store_lost_reason(handler: RendezvousHandler, exc: BaseException) -> str:
-    """The one line that ends a job whose rendezvous store cannot be reached."""
+    """The one line that ends a job whose rendezvous store cannot be reached (or whose
+    state stayed corrupt: RendezvousStateError)."""
+    if isinstance(exc, RendezvousStateError):
+        return f"{exc} (for longer than this node can go on without it)"
     if isinstance(handler, ReplicatedStore):
         said = handler.store_lost_reason(exc)
         if said is not None:

@@ -27,7 +27,6 @@ from relaunch.agent._core import (
     Monitor,
     NodeLost,
     Observation,
-    Policy,
     RestartGroup,
     Stop,
     after_failure,
@@ -37,7 +36,9 @@ from relaunch.agent._core import (
 )
 from relaunch.agent._membership import Membership
 from relaunch.agent._round import (
+    BarrierEnd,
     WorkerStore,
+    barrier_note,
     finish_round,
     gather_failures,
     leave_rendezvous,
@@ -53,6 +54,7 @@ from relaunch.agent._spec import (
     WorkerGroup,
     WorkerSpec,
     WorkerState,
+    policy_of,
 )
 from relaunch.agent._status import NodeStatus, say
 from relaunch.agent._warmup import learn_modules, next_round, share_modules
@@ -91,13 +93,7 @@ class AgentRun:
         self._host = host
         self._status = status
         self._stop = stop
-        self._policy = Policy(
-            hang_timeout=spec.hang_timeout if spec.entrypoint.is_python else None,
-            max_restarts=spec.max_restarts,
-            fork_server=spec.warm_standby,
-            max_respawns=spec.max_restarts if spec.entrypoint.is_python else 0,
-            teardown_grace=spec.stop_grace,
-        )
+        self._policy = policy_of(spec)
         self._restart_count = 0
         self._attempt = -1
         self._group = WorkerGroup(
@@ -121,23 +117,27 @@ class AgentRun:
         keep = True  # a run that fails keeps its temporary log dir (the error files)
         try:
             with self._stop.armed():
-                result = self._run()
+                result = self._loop()
             keep = result.state == WorkerState.FAILED
             return result
         finally:
             self._teardown(keep_logs=keep)
 
-    def _run(self) -> RunResult:
-        try:
-            return self._loop()
-        except (RendezvousClosedError, RendezvousGracefulExitError):
-            if self._stop.signum is not None:
-                return self._stopped()  # our own interrupt() ended a rendezvous
-            if self._attempt < 0:
-                # Closed before this node ever ran workers: a spare the job did not need.
-                self._emit(events.NotNeeded())
-                return RunResult(state=WorkerState.SUCCEEDED)
-            raise
+    def _job_closed(self) -> RunResult:
+        """The rendezvous closed while this node was not running workers: the job
+        succeeded without it, or another node gave up on it (which counts one failure
+        past the budget)."""
+        if self._stop.signum is not None:
+            return self._stopped()  # our own interrupt() ended a rendezvous
+        if self._attempt < 0:  # a spare the job did not need
+            self._emit(events.NotNeeded())
+            return RunResult(state=WorkerState.SUCCEEDED)
+        self._stop_workers(signal.SIGTERM)
+        if self._handler.restart_count() <= self._policy.max_restarts:
+            self._emit(events.FinishedWithout())
+            return RunResult(state=WorkerState.SUCCEEDED)
+        self._emit(events.RendezvousClosed())
+        return RunResult(state=WorkerState.FAILED, failures=self._job_failures({}))
 
     # -- lifecycle ----------------------------------------------------------------
     def _teardown(self, *, keep_logs: bool) -> None:
@@ -190,34 +190,26 @@ class AgentRun:
             failures = self._failures(failed, obs)
         self._status.stop_publishing()
         self._stop_workers(signal.SIGTERM)
-        if isinstance(exc, RendezvousStateError):
-            reason = f"{exc} (for longer than this node can go on without it)"
-        else:
-            reason = store_lost_reason(self._handler, exc)
+        reason = store_lost_reason(self._handler, exc)
         self._emit(events.StoreLost(reason=reason))
         return RunResult(state=WorkerState.FAILED, failures=failures, reason=reason)
 
     def _loop_once_started(self) -> RunResult:
-        self._rendezvous_and_start()
-        while True:
-            self._stop.wait(self._spec.monitor_interval, self._workers.exit_fds())
-            obs = self._observe()
-            action = decide(obs, self._policy)
-            if signalled_to_stop(action, obs):  # the agent's own signal may be a moment behind
-                self._stop.wait(STOP_GRACE)
-                action = decide(obs := self._observe(), self._policy)
-            try:
+        try:
+            self._rendezvous_and_start()
+            while True:
+                self._stop.wait(self._spec.monitor_interval, self._workers.exit_fds())
+                obs = self._observe()
+                action = decide(obs, self._policy)
+                if signalled_to_stop(action, obs):  # the agent's signal may be a moment behind
+                    self._stop.wait(STOP_GRACE)
+                    action = decide(obs := self._observe(), self._policy)
                 result = self._act(action, obs)
                 self._publish_status()
-            except RendezvousClosedError:
-                if self._stop.signum is not None:
-                    return self._stopped()
-                # Another node gave up on the job (or it was closed): we fail with it.
-                self._stop_workers(signal.SIGTERM)
-                self._emit(events.RendezvousClosed())
-                return RunResult(state=WorkerState.FAILED, failures=self._job_failures({}))
-            if result is not None:
-                return result
+                if result is not None:
+                    return result
+        except (RendezvousClosedError, RendezvousGracefulExitError):
+            return self._job_closed()
 
     def _observe(self, *, ask_rendezvous: bool = True) -> Observation:
         """Poll the processes (and the rendezvous for waiting nodes while they all run)."""
@@ -231,11 +223,10 @@ class AgentRun:
             codes,
             watch_progress=bool(hang_timeout),
             stop_signal=self._stop.signum,
-            nodes_waiting=self._handler.num_nodes_waiting() if ask else 0,
             pids=self._workers.pids() if hang_timeout else None,
             stalled_after=hang_timeout,
         )
-        return self._membership.observe(obs, ask=ask)
+        return self._membership.observe(obs, self._info if ask else None)
 
     def _failures(
         self, local_ranks: tuple[int, ...], obs: Observation
@@ -274,14 +265,23 @@ class AgentRun:
                 assert_never(action)
         return None
 
-    def _succeeded(self, action: ExitBarrier, obs: Observation) -> RunResult:
-        """Every worker is done: wait for the round's other nodes, then end the run."""
+    def _succeeded(self, action: ExitBarrier, obs: Observation) -> RunResult | None:
+        """Every worker is done: wait for the round's other nodes, then end the run
+        (None: one of them left the round unfinished, and this node runs again)."""
         notes = after_return(action, obs, self._group.workers, self._policy.teardown_grace)
         if action.kill:
             self._stop_workers(signal.SIGKILL)  # returned, then stuck in teardown
         self._group.state = WorkerState.SUCCEEDED
         self._emit(events.WorkersSucceeded(attempt=self._attempt, after_return=notes))
-        note = finish_round(self._handler, self._info, self._spec.exit_barrier_timeout, self._emit)
+        timeout = self._spec.exit_barrier_timeout
+        end = finish_round(self._handler, self._info, timeout, self._emit)
+        if end is BarrierEnd.ROUND_ENDED:  # the job goes on: this node too
+            self._emit(events.RoundReopened())
+            self._restart()
+            return None
+        if end is BarrierEnd.CLOSED:
+            return self._job_closed()
+        note = barrier_note(self._info, timeout) if end is BarrierEnd.TIMED_OUT else None
         values = return_values(self._spec, self._group.workers, self._slots())
         return RunResult(state=WorkerState.SUCCEEDED, return_values=values, reason=note)
 

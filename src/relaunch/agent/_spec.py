@@ -11,6 +11,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
+from relaunch.agent._core import Policy
 from relaunch.errors import ConfigError
 from relaunch.procs import Entrypoint, Std
 from relaunch.rendezvous import RendezvousHandler, RendezvousInfo
@@ -30,6 +31,7 @@ __all__ = [
     "WorkerGroup",
     "WorkerSpec",
     "WorkerState",
+    "policy_of",
 ]
 
 
@@ -211,6 +213,18 @@ class Worker:
     role_world_size: int = -1
     id: int | None = None
     """The pid of the running process, None before it starts."""
+
+
+def policy_of(spec: WorkerSpec) -> Policy:
+    """The parts of ``spec`` that the agent's decisions depend on."""
+    python = spec.entrypoint.is_python
+    return Policy(
+        hang_timeout=spec.hang_timeout if python else None,
+        max_restarts=spec.max_restarts,
+        fork_server=spec.warm_standby,
+        max_respawns=spec.max_restarts if python else 0,
+        teardown_grace=spec.stop_grace,
+    )
 
 
 @dataclass(kw_only=True)

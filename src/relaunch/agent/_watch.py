@@ -40,7 +40,6 @@ def observe(
     *,
     watch_progress: bool,
     stop_signal: int | None,
-    nodes_waiting: int,
     pids: Mapping[int, int] | None = None,
     stalled_after: float | None = None,
 ) -> Observation:
@@ -75,7 +74,7 @@ def observe(
         ranks = [
             replace(v, stopped=v.exitcode is None and _stopped(pids, v.local_rank)) for v in ranks
         ]
-    return Observation(ranks=ranks, now=now, stop_signal=stop_signal, nodes_waiting=nodes_waiting)
+    return Observation(ranks=ranks, now=now, stop_signal=stop_signal)
 
 
 def _stopped(pids: Mapping[int, int], local_rank: int) -> bool:

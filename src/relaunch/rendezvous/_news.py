@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from relaunch.rendezvous._state import RendezvousState
 
-__all__ = ["needs_wake", "nodes_waiting"]
+__all__ = ["needs_wake", "nodes_waiting", "round_ended"]
 
 
 def needs_wake(old: RendezvousState, new: RendezvousState) -> bool:
@@ -42,6 +42,13 @@ def nodes_waiting(state: RendezvousState, my_round: int | None) -> int:
     """
     if state.closed:
         return 0
-    if my_round is not None and (state.round != my_round or not state.complete):
+    if round_ended(state, my_round):
         return max(1, len(state.participants) + len(state.wait_list))
     return len(state.wait_list)
+
+
+def round_ended(state: RendezvousState, my_round: int | None) -> bool:
+    """Whether ``my_round`` (this node's last round) is over without this node: a node
+    left it to restart, a lost node reopened it, or a newer round began. Nodes waiting
+    to join do not end it, nor does closing the rendezvous."""
+    return my_round is not None and (state.round != my_round or not state.complete)

@@ -108,6 +108,14 @@ class RendezvousHandler(Protocol):
         """
         ...
 
+    def round_ended(self) -> bool:
+        """Whether this node's last round is over without it: another node left it to
+        restart (after a failure), a lost node reopened it, or a newer round began.
+        Nodes waiting to join do not end a round, nor does closing the rendezvous
+        (:meth:`is_closed`). A node whose workers finished asks it while it waits for
+        the others: it runs them again in the next round. One cheap read."""
+        ...
+
     def record_failure(self, failed_round: int) -> int:
         """Count one failure restart of the job for ``failed_round``; return the job's total.
 

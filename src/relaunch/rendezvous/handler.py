@@ -13,7 +13,7 @@ from relaunch.rendezvous._backend import StateBackend
 from relaunch.rendezvous._corrupt import CorruptWatch
 from relaunch.rendezvous._join import RoundJoin
 from relaunch.rendezvous._keepalive import KeepAlive
-from relaunch.rendezvous._ops import nodes_waiting
+from relaunch.rendezvous._news import nodes_waiting, round_ended
 from relaunch.rendezvous._places import Assignment
 from relaunch.rendezvous._polled import PolledState
 from relaunch.rendezvous._program import RefusedLog, claim_program
@@ -241,6 +241,11 @@ class DynamicRendezvousHandler:
         The agent restarts its workers and calls :meth:`next_rendezvous` when it is > 0.
         """
         return nodes_waiting(self._polled.get(), self._round)
+
+    def round_ended(self) -> bool:
+        """Whether this node's round is over without it (one small store read when
+        unchanged)."""
+        return round_ended(self._polled.get(), self._round)
 
     def vacancies(self) -> dict[int, int]:
         """Group ranks of this node's round left by lost nodes (tiered recovery), each

@@ -87,6 +87,9 @@ class StandaloneRendezvousHandler:
     def num_nodes_waiting(self) -> int:
         return 1 if self._closed else 0
 
+    def round_ended(self) -> bool:
+        return False  # one node: no other can end its round
+
     def interrupt(self) -> None:
         self._closed = True
 
@@ -234,6 +237,10 @@ class StaticRendezvousHandler:
             return 1
         # A counter (add, never signed): read it with add(0), never get.
         return max(0, self._client.add(f"round/{self._round}/joined", 0))
+
+    def round_ended(self) -> bool:
+        # A node joined the next round: it restarts, and the others must too.
+        return self._client.add(f"round/{self._round}/joined", 0) > 0
 
     def record_failure(self, failed_round: int) -> int:
         marker = f"failed/{failed_round}"

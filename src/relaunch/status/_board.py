@@ -53,8 +53,8 @@ def _how(exitcode: int) -> str:
 
 _EndOrQuiet = (
     events.RunFailed | events.WorkersSucceeded | events.Stopped | events.StoreLost | events.RendezvousClosed | events.NotNeeded
-    | events.WatchdogExpired | events.ExitBarrierTimeout | events.WorkersStopped | events.ForkServerStarted
-    | events.ForkServerReady | events.ForkServerRefused
+    | events.FinishedWithout | events.WatchdogExpired | events.ExitBarrierTimeout | events.WorkersStopped
+    | events.ForkServerStarted | events.ForkServerReady | events.ForkServerRefused
 )  # fmt: skip
 
 
@@ -157,6 +157,13 @@ class StatusBoard:
                     "a new round is starting (a node joined, left, or restarts after a "
                     "failure): restarting this node's workers (tier: membership restart)"
                 )
+            case events.RoundReopened():
+                self._fault(ev.timestamp, "membership")
+                return (
+                    "another node left the round before every node finished (after a "
+                    "failure, or lost): the job goes on, and this node's workers run "
+                    "again in the next round (tier: membership restart)"
+                )
             case events.WorkerHung():
                 return self._worker_hung(detail)
             case events.WorkerLost():
@@ -190,6 +197,12 @@ class StatusBoard:
             case events.NotNeeded():
                 self._update(state="succeeded")
                 return "this spare node was not needed: the job finished without it"
+            case events.FinishedWithout():
+                self._update(state="succeeded")
+                return (
+                    "the job finished while this node waited to rejoin it (another node "
+                    "had taken its place): nothing was left for its workers"
+                )
             case events.WatchdogExpired():
                 return f"watchdog expired for pid {detail.pid} (scope {escape(detail.scope)})"
             case (

@@ -21,6 +21,7 @@ _COLORS = {
     "run_failed": "#7f0000",
     "restart": "#ff7f0e",
     "membership_changed": "#9467bd",
+    "round_reopened": "#9467bd",
     "worker_respawned": "#1f77b4",
     "workers_started": "#2ca02c",
     "rendezvous_complete": "#17becf",
