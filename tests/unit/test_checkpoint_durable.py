@@ -3,8 +3,10 @@ every node still has a step every rank can restore."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
+import pytest
 import torch
 
 from relaunch.checkpoint._durable import COMPLETE, DurableCopier, discard_newer
@@ -92,3 +94,48 @@ def test_a_restore_drops_the_copies_of_the_timeline_left(tmp_path: Path) -> None
     _save(node, 0, 2)
     copier.copy_newest()
     assert _copies(durable, 0) == [1, 2]
+
+
+def test_a_copy_under_way_when_its_step_is_dropped_never_lands(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The copier pinned step 3 and copies it when the worker restores step 2 and drops
+    # step 3 (a timeline the job left): the copy must not land after that drop.
+    node, durable = tmp_path / "node", tmp_path / "durable"
+    copier = DurableCopier(str(node), str(durable), keep=3, interval=0.5)
+    copier.own([0])
+    worker = _save(node, 0, 2, durable=durable)
+    copier.copy_newest()
+    _save(node, 0, 3)
+    copyfile = shutil.copyfile
+
+    def restore_meanwhile(src: str, dst: str) -> str:
+        monkeypatch.setattr(shutil, "copyfile", copyfile)
+        worker.discard_newer(2)  # what load() does after it restored step 2
+        return copyfile(src, dst)
+
+    monkeypatch.setattr(shutil, "copyfile", restore_meanwhile)
+    copier.copy_newest()
+    assert _copies(durable, 0) == [2]
+    assert _marked(durable) == {2: [0]}
+
+
+def test_a_step_pruned_while_it_is_copied_still_lands(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The rotation (keep=2) prunes the step being copied: the pin keeps its bytes.
+    node, durable = tmp_path / "node", tmp_path / "durable"
+    copier = DurableCopier(str(node), str(durable), keep=3, interval=0.5)
+    copier.own([0])
+    _save(node, 0, 1, 2)
+    copyfile = shutil.copyfile
+
+    def save_on(src: str, dst: str) -> str:
+        monkeypatch.setattr(shutil, "copyfile", copyfile)
+        _save(node, 0, 3, 4)  # step 2 leaves node memory
+        return copyfile(src, dst)
+
+    monkeypatch.setattr(shutil, "copyfile", save_on)
+    copier.copy_newest()
+    assert _copies(durable, 0) == [2]
+    assert not (node / "rank-00000" / "step-000000000002").exists()

@@ -16,23 +16,30 @@ copy of, so the copies must line up across nodes, which copy independently:
   steps the nodes' copiers happen to take next.
 
 Copies are written under a partial name and renamed when whole (data fsynced first).
+A worker that drops the steps its job left (after a restore, before a save of an
+earlier step) does it under the rank's timeline lock (:func:`timeline_lock`), which
+counts such drops; the copier pins and renames under the same lock, and lands a copy
+only if no drop came between: the copy of a dropped step never lands after the drop,
+where its marker would count a step of mixed timelines whole. (A step merely pruned by
+the rotation meanwhile is still copied: the pin keeps its bytes.)
 Standard library only: the agent never imports torch.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import os
 import re
 import shutil
 import threading
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
 
 from relaunch.checkpoint import _layout as layout
 
-__all__ = ["DurableCopier", "discard", "discard_newer"]
+__all__ = ["DurableCopier", "discard", "discard_newer", "timeline_lock"]
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +47,8 @@ PIN = ".durable-pin"
 """Under the node's snapshot directory: the hard links of the snapshots being copied."""
 COMPLETE = ".complete"
 """Under the job's durable directory: ``step-N/rank-R`` markers of finished copies."""
+LOCKS = ".timeline-locks"
+"""Under the node's snapshot directory: one lock file per rank (:func:`timeline_lock`)."""
 
 _RANK = re.compile(r"rank-(\d{5})\Z")
 _MARKED = re.compile(r"step-(\d{12})\Z")
@@ -82,6 +91,7 @@ class DurableCopier:
             else:
                 self.copy_newest()
         shutil.rmtree(os.path.join(self.root, PIN), ignore_errors=True)
+        shutil.rmtree(os.path.join(self.root, LOCKS), ignore_errors=True)  # (workers gone)
 
     def _loop(self) -> None:
         while not self._stop.wait(self._interval - time.time() % self._interval):
@@ -118,12 +128,21 @@ class DurableCopier:
         shutil.rmtree(pin, ignore_errors=True)
         try:
             os.makedirs(pin)
-            for name in (layout.DATA, layout.MANIFEST):
-                os.link(os.path.join(source, name), os.path.join(pin, name))
+            with timeline_lock(self.root, rank) as timeline:
+                for name in (layout.DATA, layout.MANIFEST):
+                    os.link(os.path.join(source, name), os.path.join(pin, name))
             world = layout.read_manifest(pin).world_size
         except (OSError, layout.CorruptSnapshot):  # pruned under us: a newer one is there
             shutil.rmtree(pin, ignore_errors=True)
             return False
+        try:
+            return self._land(pin, rank, step, world, timeline)
+        finally:
+            shutil.rmtree(pin, ignore_errors=True)
+
+    def _land(self, pin: str, rank: int, step: int, world: int, timeline: int) -> bool:
+        """Copy the pinned snapshot ``pin`` to shared storage; False when the worker
+        dropped steps its job left meanwhile (``timeline``: their count at the pin)."""
         target_root = layout.rank_dir(self.durable, rank)
         partial = layout.partial_dir(target_root, step)
         marker = os.path.join(self.durable, COMPLETE, f"step-{step:012d}", f"rank-{rank:05d}")
@@ -136,17 +155,19 @@ class DurableCopier:
                 os.path.join(pin, layout.MANIFEST), os.path.join(partial, layout.MANIFEST)
             )
             final = layout.step_dir(target_root, step)
-            if os.path.exists(final):  # another timeline's copy of the step: not whole now
-                with contextlib.suppress(OSError):
-                    os.remove(marker)
-                shutil.rmtree(final, ignore_errors=True)
-            os.rename(partial, final)
-            os.makedirs(os.path.dirname(marker), exist_ok=True)
-            open(marker, "wb").close()
+            with timeline_lock(self.root, rank) as now:
+                if now != timeline:
+                    return False
+                if os.path.exists(final):  # another timeline's copy of the step: not whole
+                    with contextlib.suppress(OSError):
+                        os.remove(marker)
+                    shutil.rmtree(final, ignore_errors=True)
+                os.rename(partial, final)
+                os.makedirs(os.path.dirname(marker), exist_ok=True)
+                open(marker, "wb").close()
             self._prune(target_root, world)
         finally:
             shutil.rmtree(partial, ignore_errors=True)
-            shutil.rmtree(pin, ignore_errors=True)
         return True
 
     def _prune(self, rank_root: str, world: int) -> None:
@@ -169,6 +190,28 @@ class DurableCopier:
     def _whole(self, step: int, world: int) -> bool:
         names = _listdir(os.path.join(self.durable, COMPLETE, f"step-{step:012d}"))
         return sum(1 for n in names if _RANK.match(n)) >= world
+
+
+@contextlib.contextmanager
+def timeline_lock(root: str, rank: int, *, leave: bool = False) -> Iterator[int]:
+    """Hold rank ``rank``'s timeline lock in the node's snapshot directory ``root``, and
+    yield how many times its worker dropped steps the job left. ``leave``: the holder
+    drops such steps (the count goes up, whatever happens)."""
+    path = os.path.join(root, LOCKS, f"rank-{rank:05d}")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # (released with the file's close)
+        raw = os.pread(fd, 32, 0).strip()
+        drops = int(raw) if raw.isdigit() else 0  # (a garbled count: a change all the same)
+        try:
+            yield drops
+        finally:
+            if leave:
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, b"%d\n" % (drops + 1), 0)
+    finally:
+        os.close(fd)
 
 
 def _listdir(path: str) -> list[str]:

@@ -5,7 +5,7 @@ than the rank holds, the later ones)."""
 from __future__ import annotations
 
 from relaunch.checkpoint import _layout as layout
-from relaunch.checkpoint._durable import discard, discard_newer
+from relaunch.checkpoint._durable import discard, discard_newer, timeline_lock
 from relaunch.checkpoint._readback import offered_steps
 
 __all__ = ["drop_later", "drop_left", "newest_step"]
@@ -21,12 +21,13 @@ def newest_step(where: layout.Where) -> int:
 def drop_later(where: layout.Where, step: int) -> list[int]:
     """Before a save of ``step``: drop the rank's later snapshots in node memory and its
     later durable copies of this layout. Returns the steps dropped."""
-    gone = layout.discard_newer(layout.rank_dir(where.root, where.rank), step)
-    if where.durable is not None:
+    if where.durable is None:
+        return layout.discard_newer(layout.rank_dir(where.root, where.rank), step)
+    with timeline_lock(where.root, where.rank, leave=True):  # (no copy of them lands later)
+        gone = layout.discard_newer(layout.rank_dir(where.root, where.rank), step)
         later = [s for s in offered_steps(where, where.durable, quiet=True) if s > step]
         discard(where.durable, where.rank, later)
-        gone = sorted({*gone, *later}, reverse=True)
-    return gone
+    return sorted({*gone, *later}, reverse=True)
 
 
 def drop_left(where: layout.Where, step: int | None) -> list[int]:
@@ -34,7 +35,10 @@ def drop_left(where: layout.Where, step: int | None) -> list[int]:
     it (all of them for None: a fresh start) and its durable copies newer than it (a
     fresh start keeps them: they may be a world size's that comes back). Returns the
     steps dropped from node memory."""
-    gone = layout.discard_newer(layout.rank_dir(where.root, where.rank), step)
-    if step is not None and where.durable is not None:
-        discard_newer(where.durable, where.rank, step)
+    if where.durable is None:
+        return layout.discard_newer(layout.rank_dir(where.root, where.rank), step)
+    with timeline_lock(where.root, where.rank, leave=True):  # (no copy of them lands later)
+        gone = layout.discard_newer(layout.rank_dir(where.root, where.rank), step)
+        if step is not None:
+            discard_newer(where.durable, where.rank, step)
     return gone
