@@ -318,3 +318,32 @@ def test_a_worker_s_snapshot_counts_once_its_successor_holds_a_copy(ring: Ring) 
         20,
         what="the successor counted as gone",
     )
+
+
+def test_a_node_that_replaced_the_predecessor_in_its_round_is_pulled(
+    ring: Ring, tmp_path: Path
+) -> None:
+    """Node tier: node 0 is lost and a spare takes its group rank in the running round
+    (same round number). Its successor pulls the spare's new snapshots in that round,
+    not only from the next one on (until then, losing the spare lost them)."""
+    first, second = ring.roots
+    _snapshot(first, 0, 5, b"rank zero at 5")
+    ring.start(0, (0,))
+    ring.start(1, (1,))
+    wait_for(lambda: 5 in dict(held_steps(str(second)).get(0, [])), 20, what="the copy of 5")
+    ring.nodes[0].close()  # lost: its server is gone
+    spare_root = tmp_path / "spare"
+    spare = PeerCopies(str(spare_root), JOB, bind="127.0.0.1")
+    store = TCPStoreClient("127.0.0.1", ring.server.port, timeout=10)
+    try:
+        spare.round_started(
+            store, round_number=0, group_rank=0, world_size=2, ranks=(0,),
+            addr="127.0.0.1", allowed=None,
+        )  # fmt: skip
+        assert spare.fetched == {0: 5}  # from the successor, before its workers start
+        _snapshot(spare_root, 0, 6, b"rank zero at 6, the spare's worker's")
+        wait_for(lambda: 6 in dict(held_steps(str(second)).get(0, [])), 20, what="the copy of 6")
+        assert _data(second, 0, 6) == b"rank zero at 6, the spare's worker's"
+    finally:
+        spare.close()
+        store.close()

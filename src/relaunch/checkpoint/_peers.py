@@ -44,6 +44,8 @@ log = logging.getLogger(__name__)
 _KEY = "relaunch/snapshot_peer/"
 _SUCCESSOR_START = 15.0
 """Seconds after a round started within which the successor's first poll is awaited."""
+_REREAD_AFTER = 1.0
+"""Seconds between the reads of the predecessor's record while it cannot be reached."""
 
 
 @dataclass(frozen=True)
@@ -246,6 +248,7 @@ class PeerCopies:
         version: int | None = None
         source: PeerRecord | None = None
         read_in: _Round | None = None  # the round whose predecessor record is in hand
+        read_at = 0.0
         while not self._stop.is_set():
             with self._lock:
                 r = self._round
@@ -253,9 +256,9 @@ class PeerCopies:
                 self._stop.wait(0.1)
                 continue
             try:
-                if r is not read_in or source is None:  # a round's record never changes
+                if r is not read_in or source is None:
                     found = self._peer(r, (r.group_rank - 1) % r.world_size, timeout=0)
-                    read_in = r
+                    read_in, read_at = r, time.monotonic()
                     if found != source:
                         source, version = found, None  # a new predecessor: start over
                 if source is None:
@@ -264,10 +267,14 @@ class PeerCopies:
                 version = self._pull(r, source, version)
                 self.pulls += 1
             except (OSError, wire.WireError) as exc:  # the predecessor is gone or busy
-                # (its record stays the round's: no store read until the next round, so
-                # this thread never races the agent's loop to a store that is gone)
                 log.debug("snapshots: pull from the predecessor: %s", exc)
                 version = None
+                # Gone: a node may take its place in this very round (node tier: a
+                # spare fills the vacancy) and publish a record of its own, read here
+                # again once a second at most (while it is reachable, never: a round's
+                # record changes only then).
+                if time.monotonic() - read_at >= _REREAD_AFTER:
+                    read_in = None
                 self._stop.wait(0.2)
             except Exception:
                 log.exception("snapshots: pulling the predecessor's snapshots failed; retrying")
