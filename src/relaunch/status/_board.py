@@ -51,6 +51,15 @@ def _how(exitcode: int) -> str:
     return f"exit code {exitcode}"
 
 
+_AGAIN = {
+    events.MembershipChanged.name: "a new round is starting (a node joined, left, or restarts "
+    "after a failure): restarting this node's workers",
+    events.RoundReopened.name: "another node left the round before every node finished "
+    "(after a failure, or lost): the job goes on, and this node's workers run again in "
+    "the next round",
+}
+"""Why a node's workers start again for a new round, by event."""
+
 _EndOrQuiet = (
     events.RunFailed | events.WorkersSucceeded | events.Stopped | events.StoreLost | events.RendezvousClosed | events.NotNeeded
     | events.FinishedWithout | events.WatchdogExpired | events.ExitBarrierTimeout | events.WorkersStopped
@@ -151,19 +160,9 @@ class StatusBoard:
                     f"restarting this node's workers (restart {detail.restarts} of "
                     f"{detail.max_restarts}, after a worker failure; tier: group restart)"
                 )
-            case events.MembershipChanged():
+            case events.MembershipChanged() | events.RoundReopened():
                 self._fault(ev.timestamp, "membership")
-                return (
-                    "a new round is starting (a node joined, left, or restarts after a "
-                    "failure): restarting this node's workers (tier: membership restart)"
-                )
-            case events.RoundReopened():
-                self._fault(ev.timestamp, "membership")
-                return (
-                    "another node left the round before every node finished (after a "
-                    "failure, or lost): the job goes on, and this node's workers run "
-                    "again in the next round (tier: membership restart)"
-                )
+                return f"{_AGAIN[detail.name]} (tier: membership restart)"
             case events.WorkerHung():
                 return self._worker_hung(detail)
             case events.WorkerLost():
