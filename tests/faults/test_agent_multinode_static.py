@@ -38,17 +38,17 @@ dist.destroy_process_group()
 
 
 def run_nodes(
-    common: list[str], script: Path, out_dir: Path, env: dict[str, str]
+    common: list[str], script: Path, out_dir: Path, env: dict[str, str], count: int = 2
 ) -> list[tuple[int, str, str]]:
-    """Run node ranks 0 and 1 to the end; (exit code, stdout, stderr) of each. Reaps
-    both; a node still running after 140 s fails the test with its threads' stacks."""
+    """Run node ranks 0 .. count-1 to the end; (exit code, stdout, stderr) of each. Reaps
+    them all; a node still running after 140 s fails the test with its threads' stacks."""
     with contextlib.ExitStack() as stack:
         nodes = [
             stack.enter_context(subprocess.Popen(
                 [PY, "-m", "relaunch", *common, f"--node-rank={rank}", str(script), str(out_dir)],
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
             ))
-            for rank in (0, 1)
+            for rank in range(count)
         ]  # fmt: skip
         results = []
         try:
@@ -129,6 +129,37 @@ def test_restart_budget_is_the_jobs_and_every_node_reports_the_root_cause(tmp_pa
     # 3 attempts in all (2 restarts for the job), every node saw the same restart counts
     for rank in (0, 1, 2):
         assert (tmp_path / f"attempt_{rank}").read_text().split() == ["0", "1", "2"]
+
+
+GIVES_UP_AS_ONE_ENDS = """
+import os, sys, time
+node = os.environ["GROUP_RANK"]
+if node == "1":
+    time.sleep(1.5)  # node 0's workers have ended: node 0 waits at the exit barrier
+    sys.exit(3)
+if node == "2":
+    time.sleep(600)  # stopped when node 1 gives up on the job
+"""
+
+
+@pytest.mark.timeout(150)
+def test_a_give_up_while_a_node_waits_at_the_barrier_stops_the_others(tmp_path: Path) -> None:
+    # No restarts: node 1's failure ends the job; node 2, still running, stops at once
+    # (a node waiting at the barrier keeps nodes from restarting for a scale-up, never
+    # from seeing the job closed); node 0 ends too.
+    script = tmp_path / "gives_up.py"
+    script.write_text(textwrap.dedent(GIVES_UP_AS_ONE_ENDS))
+    port = free_port()
+    common = [
+        "--nnodes=3", "--nproc-per-node=1", "--rdzv-backend=static",
+        "--master-addr=127.0.0.1", f"--master-port={port}", "--max-restarts=0",
+        "--local-addr=127.0.0.1", "--rdzv-id=job3", "--no-warm-standby",
+    ]  # fmt: skip
+    results = run_nodes(common, script, tmp_path, dict(os.environ), count=3)
+    reports = [err for _, _, err in results]
+    assert [code for code, _, _ in results] == [1, 1, 1], reports
+    for report in reports:
+        assert "exitcode  : 3" in report.split("Root Cause")[1], report
 
 
 @pytest.mark.timeout(60)

@@ -91,6 +91,7 @@ class Membership:
             # (a store read of its own, made only while some node waits)
             round_finishing=bool(waiting)
             and not self._handler.round_ended()
+            and not self._handler.is_closed()  # (static: a give-up reads as one waiting)
             and round_finishing(info),
             vacancies=self.vacancies(),
         )

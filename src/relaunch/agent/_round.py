@@ -198,7 +198,11 @@ def exit_barrier(
                     raise
             count = info.store.add(_EXIT_COUNT_KEY, 0)
             if count < info.world_size - vacant() and (end := over()) is not None:
-                return end
+                # (the last node may have arrived meanwhile, and rank 0 closed the job
+                # after it passed: then this node passes too)
+                count = info.store.add(_EXIT_COUNT_KEY, 0)
+                if count < info.world_size - vacant():
+                    return end
         info.store.set(_EXIT_DONE_KEY, b"1")
     except (StoreError, RendezvousError) as exc:
         log.warning("exit barrier: %s (other nodes may still be running)", exc)

@@ -9,7 +9,10 @@ it waiting). ``--rdzv-conf`` keys: ``join_timeout`` (seconds, default 600) and
 ``secret_file`` (every record signed with the job's secret, as for the dynamic
 backends: a node without it, or with another, cannot join). Standalone: one node,
 no network at all. Once joined, a store that cannot be reached again within 5 s
-(:data:`RECONNECT_TIMEOUT`) is lost: node 0 is gone, and the other nodes end.
+(:data:`RECONNECT_TIMEOUT`) is lost: node 0 is gone, and the other nodes end. So node
+0, at its end, keeps the store up until the others left (:data:`LEAVE_TIMEOUT` at
+most): a node that learns from the store that the job ended (closed by a node that
+gave up) reads the failures published there for its report.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from relaunch.errors import (
     RendezvousClosedError,
     RendezvousStateError,
     RendezvousTimeoutError,
+    StoreError,
     StoreTimeoutError,
 )
 from relaunch.rendezvous._settings import check_conf_keys, conf_seconds
@@ -44,6 +48,9 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 _CLOSED_KEY = "closed"
+_LEFT_KEY = "left"
+LEAVE_TIMEOUT = 10.0
+"""Seconds node 0 waits at its end for the nodes still using its store to leave."""
 STATIC_CONF_KEYS = ("join_timeout", "secret_file")
 """The ``--rdzv-conf`` keys the static backend reads (any other is refused)."""
 RECONNECT_TIMEOUT = 5.0
@@ -133,6 +140,7 @@ class StaticRendezvousHandler:
         self._size = num_nodes
         self._timeout = timeout
         self._round = 0
+        self._joined = False  # a round completed: every node uses the store
         self._interrupted = threading.Event()
         self._server: TCPStoreServer | None = None
         if node_rank == 0:
@@ -187,6 +195,7 @@ class StaticRendezvousHandler:
                 refused_seen.add(refused)
                 log.warning("%s; waiting for the node of that rank", refused)
             self._interrupted.wait(0.2)
+        self._joined = True
         return RendezvousInfo(store=store, rank=self._rank, world_size=self._size, round=rnd)
 
     def _refused_record(self, store: Store, rnd: int) -> str | None:
@@ -259,6 +268,20 @@ class StaticRendezvousHandler:
         return self._run_id
 
     def shutdown(self) -> bool:
+        try:  # a counter (add, never signed)
+            left = self._client.add(_LEFT_KEY, 1) if self._joined else self._size
+            deadline = time.monotonic() + LEAVE_TIMEOUT
+            while self._server is not None and left < self._size:
+                if time.monotonic() >= deadline:
+                    log.warning(
+                        "static rendezvous: %d of %d nodes left; closing the store",
+                        left, self._size,
+                    )  # fmt: skip
+                    break
+                time.sleep(0.05)
+                left = self._client.add(_LEFT_KEY, 0)
+        except StoreError as exc:
+            log.warning("static rendezvous: could not say this node left: %s", exc)
         self._client.close()
         if self._server is not None:
             self._server.close()
