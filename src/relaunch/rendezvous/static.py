@@ -141,6 +141,7 @@ class StaticRendezvousHandler:
         self._timeout = timeout
         self._round = 0
         self._joined = False  # a round completed: every node uses the store
+        self._shut = False
         self._interrupted = threading.Event()
         self._server: TCPStoreServer | None = None
         if node_rank == 0:
@@ -268,10 +269,16 @@ class StaticRendezvousHandler:
         return self._run_id
 
     def shutdown(self) -> bool:
+        if self._shut:
+            return True
+        self._shut = True
         try:  # a counter (add, never signed)
             left = self._client.add(_LEFT_KEY, 1) if self._joined else self._size
             deadline = time.monotonic() + LEAVE_TIMEOUT
+            # (a node told to stop does not wait: the others learn of it as of a loss)
             while self._server is not None and left < self._size:
+                if self._interrupted.is_set():
+                    break
                 if time.monotonic() >= deadline:
                     log.warning(
                         "static rendezvous: %d of %d nodes left; closing the store",
