@@ -124,9 +124,9 @@ class AgentRun:
             self._teardown(keep_logs=keep)
 
     def _job_closed(self) -> RunResult:
-        """The rendezvous closed while this node was not running workers: the job
-        succeeded without it, or another node gave up on it (which counts one failure
-        past the budget)."""
+        """The rendezvous is closed (seen at the exit barrier, or joining a round): the
+        job succeeded without this node, or another node gave up on it (which counts
+        one failure past the budget)."""
         if self._stop.signum is not None:
             return self._stopped()  # our own interrupt() ended a rendezvous
         if self._attempt < 0:  # a spare the job did not need
