@@ -18,13 +18,19 @@ process under it: workers, monitor processes, fork server). A new spare starts a
 as the job is back at full size; the next fault comes ``--gap`` seconds later (so a
 short gap may find the spare still starting). Per fault: seconds from the SIGKILL to
 every rank having completed a step at full size (world 4) in its new iteration or
-process; steps redone; healthy processes restarted. Run by hand, not in CI.
+process; steps redone; healthy processes restarted.
+
+``--snapshots`` (case a only): every rank also saves a snapshot each step
+(``relaunch.checkpoint.save``, whose next save waits until the node's ring successor
+holds a copy); per fault, the longest pause of any rank between two steps from full
+size until the next fault. Run by hand, not in CI.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import os
 import random
 import signal
@@ -33,9 +39,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import JsonLines, free_port, in_loopback_netns
+from _common import JsonLines, fmt, free_port, in_loopback_netns
 from tiered_recovery import PY, TRAIN, Fault, again, print_results, wait_until
 
 from relaunch.procs._sys import descendants
@@ -44,8 +51,11 @@ from relaunch.procs._sys import descendants
 class Job:
     """The launchers of one case: a host node, a second node, spares; by start order."""
 
-    def __init__(self, kind: str, out: Path, script: str, restarts: int) -> None:
+    def __init__(
+        self, kind: str, out: Path, script: str, restarts: int, snapshots: bool = False
+    ) -> None:
         self.kind, self.out, self.script, self.restarts = kind, out, script, restarts
+        self.snapshots = snapshots
         self.port = free_port()
         self.nodes: list[subprocess.Popen[bytes]] = []
 
@@ -60,7 +70,8 @@ class Job:
             f"--max-restarts={self.restarts}", "--monitor-interval=0.1", *ours,
             self.script, "inprocess" if a else "plain", str(self.out),
         ]  # fmt: skip
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+               "BENCH_SNAPSHOTS": "1" if a and self.snapshots else "0"}  # fmt: skip
         with (self.out / f"launcher{len(self.nodes)}.txt").open("wb") as log:
             proc = subprocess.Popen(
                 cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
@@ -99,7 +110,8 @@ def run(kind: str, args: argparse.Namespace, script: str) -> tuple[list[Fault], 
         if args.keep:
             out = Path(args.keep) / kind
             out.mkdir(parents=True)
-        job = Job(kind, out, script, args.faults + 1)
+        job = Job(kind, out, script, args.faults + 1, args.snapshots)
+        pauses: list[float] = []
         rows = JsonLines(out)
         try:
             job.start()
@@ -113,8 +125,13 @@ def run(kind: str, args: argparse.Namespace, script: str) -> tuple[list[Fault], 
             )
             spare = job.start()
             time.sleep(args.spare_wait)
+            recovered: float | None = None  # when the job was at full size again
             for _ in range(args.faults):
                 time.sleep(rng.uniform(lo, hi))
+                if recovered is not None and args.snapshots:
+                    pauses.append(longest_pause(rows.poll(), recovered, time.time()))
+                    print(f"    ({kind}) longest pause of a rank from full size to the next "
+                          f"fault: {pauses[-1]:.2f} s", flush=True)  # fmt: skip
                 latest = {r["rank"]: r for r in rows.poll() if r["world"] == 4}
                 before = {r: (x["pid"], x["it"]) for r, x in latest.items()}
                 last_step = max(x["step"] for x in latest.values())
@@ -127,6 +144,7 @@ def run(kind: str, args: argparse.Namespace, script: str) -> tuple[list[Fault], 
                         raise RuntimeError(f"({kind}) not at full size again after 180 s")
                     time.sleep(0.02)
                 full = max(r["t"] for r in first.values()) - t0
+                recovered = t0 + full
                 lost = max(0, last_step + 1 - min(r["step"] for r in first.values()))
                 restarted = len(survivors - {first[r]["pid"] for r in (0, 1)})
                 faults.append(Fault(2, full, lost, restarted))
@@ -136,9 +154,27 @@ def run(kind: str, args: argparse.Namespace, script: str) -> tuple[list[Fault], 
                     flush=True,
                 )
                 second, spare = spare, job.start()  # the spare is node 1 now; a new spare
+            if recovered is not None and args.snapshots:
+                time.sleep(rng.uniform(lo, hi))
+                pauses.append(longest_pause(rows.poll(), recovered, time.time()))
+                print(f"    ({kind}) longest pause of a rank from full size on: "
+                      f"{pauses[-1]:.2f} s", flush=True)  # fmt: skip
         finally:
             ok = job.stop()
+    if pauses:
+        print(f"  ({kind}) longest pause after recovery: {fmt(pauses)}")
     return faults, ok
+
+
+def longest_pause(rows: list[dict[str, Any]], start: float, end: float) -> float:
+    """The longest time one rank went without a step at full size in [start, end] (a
+    rank that stopped stepping: until ``end``)."""
+    longest = 0.0
+    for rank in {r["rank"] for r in rows}:
+        times = sorted(r["t"] for r in rows if r["rank"] == rank and r["world"] == 4)
+        times = [start, *(t for t in times if start <= t <= end), end]
+        longest = max([longest, *(b - a for a, b in itertools.pairwise(times))])
+    return longest
 
 
 def main() -> None:
@@ -151,6 +187,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--cases", default="ab")
     parser.add_argument("--keep", help="keep the launchers' output and the step logs here")
+    parser.add_argument("--snapshots", action="store_true",
+                        help="(a) saves a snapshot every step; prints the pauses after recovery")  # fmt: skip
     args = parser.parse_args()
     load = [
         subprocess.Popen([PY, "-c", "while True: pass"], start_new_session=True)

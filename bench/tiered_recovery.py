@@ -49,6 +49,9 @@ TRAIN = textwrap.dedent(
     MODEL = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 1))
     OPT = torch.optim.SGD(MODEL.parameters(), lr=0.001, momentum=0.9)
     HOLD = {"step": 0}
+    SNAPSHOTS = os.environ.get("BENCH_SNAPSHOTS") == "1"
+    if SNAPSHOTS:
+        from relaunch import checkpoint
     log = open(os.path.join(out, f"{os.getpid()}.log"), "a", buffering=1)
 
     def body(cw):
@@ -70,6 +73,8 @@ TRAIN = textwrap.dedent(
                     OPT.step(); HOLD["step"] += 1
             else:
                 OPT.step(); HOLD["step"] += 1
+            if SNAPSHOTS:  # (bench/node_recovery.py --snapshots)
+                checkpoint.save(HOLD["step"], {"model": MODEL.state_dict(), "opt": OPT.state_dict()})
             log.write(json.dumps({"t": time.time(), "rank": rank, "world": world,
                 "step": HOLD["step"], "pid": os.getpid(),
                 "it": cw.iteration if cw is not None else 0}) + "\\n")
