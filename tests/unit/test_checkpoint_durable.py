@@ -4,6 +4,7 @@ every node still has a step every rank can restore."""
 from __future__ import annotations
 
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -96,6 +97,18 @@ def test_a_restore_drops_the_copies_of_the_timeline_left(tmp_path: Path) -> None
     assert _copies(durable, 0) == [1, 2]
 
 
+def _during_the_next_copy(monkeypatch: pytest.MonkeyPatch, action: Callable[[], object]) -> None:
+    """Run ``action`` once, as the copier's next file copy begins."""
+    copyfile = shutil.copyfile
+
+    def meanwhile(src: str, dst: str) -> str:
+        monkeypatch.setattr(shutil, "copyfile", copyfile)
+        action()
+        return copyfile(src, dst)
+
+    monkeypatch.setattr(shutil, "copyfile", meanwhile)
+
+
 def test_a_copy_under_way_when_its_step_is_dropped_never_lands(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -107,14 +120,7 @@ def test_a_copy_under_way_when_its_step_is_dropped_never_lands(
     worker = _save(node, 0, 2, durable=durable)
     copier.copy_newest()
     _save(node, 0, 3)
-    copyfile = shutil.copyfile
-
-    def restore_meanwhile(src: str, dst: str) -> str:
-        monkeypatch.setattr(shutil, "copyfile", copyfile)
-        worker.discard_newer(2)  # what load() does after it restored step 2
-        return copyfile(src, dst)
-
-    monkeypatch.setattr(shutil, "copyfile", restore_meanwhile)
+    _during_the_next_copy(monkeypatch, lambda: worker.discard_newer(2))  # as load() does
     copier.copy_newest()
     assert _copies(durable, 0) == [2]
     assert _marked(durable) == {2: [0]}
@@ -128,14 +134,7 @@ def test_a_step_pruned_while_it_is_copied_still_lands(
     copier = DurableCopier(str(node), str(durable), keep=3, interval=0.5)
     copier.own([0])
     _save(node, 0, 1, 2)
-    copyfile = shutil.copyfile
-
-    def save_on(src: str, dst: str) -> str:
-        monkeypatch.setattr(shutil, "copyfile", copyfile)
-        _save(node, 0, 3, 4)  # step 2 leaves node memory
-        return copyfile(src, dst)
-
-    monkeypatch.setattr(shutil, "copyfile", save_on)
+    _during_the_next_copy(monkeypatch, lambda: _save(node, 0, 3, 4))  # step 2 is pruned
     copier.copy_newest()
     assert _copies(durable, 0) == [2]
     assert not (node / "rank-00000" / "step-000000000002").exists()
