@@ -225,9 +225,7 @@ def discard_newer(durable: str, rank: int, step: int | None) -> list[int]:
     """Remove rank ``rank``'s durable copies newer than the restored ``step`` (all when
     None) and their markers: they belong to a timeline the job left, and a marker of one
     would count the step whole once another rank copies the new timeline's."""
-    gone = [
-        s for s in layout.complete_steps(layout.rank_dir(durable, rank)) if step is None or s > step
-    ]
+    gone = layout.newer_steps(layout.rank_dir(durable, rank), step)
     discard(durable, rank, gone)
     return gone
 

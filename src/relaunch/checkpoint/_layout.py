@@ -49,6 +49,7 @@ __all__ = [
     "append_restore",
     "complete_steps",
     "discard_newer",
+    "newer_steps",
     "partial_dir",
     "pin",
     "prune",
@@ -135,10 +136,15 @@ def prune(rank_root: str, keep: int, *, besides: int | None = None) -> list[int]
     return [s for s in steps if s not in gone]
 
 
+def newer_steps(rank_root: str, step: int | None) -> list[int]:
+    """The complete snapshots under ``rank_root`` newer than ``step`` (all when None)."""
+    return [s for s in complete_steps(rank_root) if step is None or s > step]
+
+
 def discard_newer(rank_root: str, step: int | None) -> list[int]:
     """Remove the snapshots newer than ``step`` (all when None): after a restore they
     belong to a timeline the job left. Returns their steps."""
-    gone = [s for s in complete_steps(rank_root) if step is None or s > step]
+    gone = newer_steps(rank_root, step)
     for s in gone:
         shutil.rmtree(step_dir(rank_root, s), ignore_errors=True)
     return gone

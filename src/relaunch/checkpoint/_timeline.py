@@ -4,6 +4,8 @@ than the rank holds, the later ones)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from relaunch.checkpoint import _layout as layout
 from relaunch.checkpoint._durable import discard, discard_newer, timeline_lock
 from relaunch.checkpoint._readback import offered_steps
@@ -21,12 +23,13 @@ def newest_step(where: layout.Where) -> int:
 def drop_later(where: layout.Where, step: int) -> list[int]:
     """Before a save of ``step``: drop the rank's later snapshots in node memory and its
     later durable copies of this layout. Returns the steps dropped."""
-    if where.durable is None:
-        return layout.discard_newer(layout.rank_dir(where.root, where.rank), step)
-    with timeline_lock(where.root, where.rank, leave=True):  # (no copy of them lands later)
-        gone = layout.discard_newer(layout.rank_dir(where.root, where.rank), step)
-        later = [s for s in offered_steps(where, where.durable, quiet=True) if s > step]
-        discard(where.durable, where.rank, later)
+
+    def copies(durable: str) -> list[int]:
+        later = [s for s in offered_steps(where, durable, quiet=True) if s > step]
+        discard(durable, where.rank, later)
+        return later
+
+    gone, later = _drop(where, step, copies)
     return sorted({*gone, *later}, reverse=True)
 
 
@@ -35,10 +38,20 @@ def drop_left(where: layout.Where, step: int | None) -> list[int]:
     it (all of them for None: a fresh start) and its durable copies newer than it (a
     fresh start keeps them: they may be a world size's that comes back). Returns the
     steps dropped from node memory."""
-    if where.durable is None:
-        return layout.discard_newer(layout.rank_dir(where.root, where.rank), step)
-    with timeline_lock(where.root, where.rank, leave=True):  # (no copy of them lands later)
-        gone = layout.discard_newer(layout.rank_dir(where.root, where.rank), step)
-        if step is not None:
-            discard_newer(where.durable, where.rank, step)
+    gone, _ = _drop(
+        where, step, lambda d: [] if step is None else discard_newer(d, where.rank, step)
+    )
     return gone
+
+
+def _drop(
+    where: layout.Where, step: int | None, copies: Callable[[str], list[int]]
+) -> tuple[list[int], list[int]]:
+    """Drop the rank's snapshots in node memory newer than ``step``, and with durable
+    copies, ``copies(durable)`` of them, under the timeline lock (no copy of a dropped
+    step lands later). Returns the steps dropped from memory and from durable."""
+    memory = layout.rank_dir(where.root, where.rank)
+    if where.durable is None:
+        return layout.discard_newer(memory, step), []
+    with timeline_lock(where.root, where.rank, leave=True):
+        return layout.discard_newer(memory, step), copies(where.durable)
