@@ -79,6 +79,9 @@ def main() -> None:
                         help="no snapshots: rank 0 torch.saves to --disk-dir every K steps "
                              "(the usual script, for comparison; runs under torchrun)")  # fmt: skip
     parser.add_argument("--disk-dir", default=None)
+    parser.add_argument("--replicated", action="store_true",
+                        help="load(replicated=True): the state is the same on every rank, so "
+                             "it is restored after the world's size changed too")  # fmt: skip
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--backend", default="gloo", help="the process group's backend")
     args = parser.parse_args()
@@ -105,7 +108,7 @@ def main() -> None:
     if args.disk_every:
         restored = torch.load(disk, weights_only=True) if os.path.exists(disk) else None
     else:
-        restored = checkpoint.load()
+        restored = checkpoint.load(replicated=args.replicated)
     if restored is not None:
         done, state = restored
         model.load_state_dict(state["model"])

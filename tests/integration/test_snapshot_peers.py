@@ -347,3 +347,22 @@ def test_a_node_that_replaced_the_predecessor_in_its_round_is_pulled(
     finally:
         spare.close()
         store.close()
+
+
+def test_the_folders_of_ranks_no_longer_run_here_go_once_this_node_saved_past_them(
+    ring: Ring,
+) -> None:
+    """A past world's rank (the world shrank) held node memory for the rest of the job:
+    it goes once this node's ranks saved past its newest step; the predecessor's copies
+    stay."""
+    first, second = ring.roots
+    _snapshot(first, 0, 3, b"rank zero at 3")
+    _snapshot(second, 5, 7, b"a past world's rank 5 at 7")
+    _snapshot(second, 1, 6, b"rank one at 6, this node's own")
+    ring.start(0, (0,))
+    ring.start(1, (1,))
+    wait_for(lambda: 3 in dict(held_steps(str(second)).get(0, [])), 20, what="the copy")
+    assert 5 in held_steps(str(second))  # newer than what this node's rank saved
+    _snapshot(second, 1, 8, b"rank one at 8")
+    wait_for(lambda: 5 not in held_steps(str(second)), 20, what="the past rank's folder gone")
+    assert sorted(held_steps(str(second))) == [0, 1]

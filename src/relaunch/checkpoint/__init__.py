@@ -28,7 +28,9 @@ survive the worker's death and the group's restart. ``load()`` returns
 restore, the same on every rank (ranks compare what they have over the default process
 group: call it after ``init_process_group``), or None. A snapshot that is not whole
 (killed mid-save, truncated, corrupt) is never loaded: the older one is, after one
-warning. Tensors come back on the CPU; ``load_state_dict`` copies them where they
+warning. ``load(replicated=True)``, for a state that is the same on every rank (plain
+data parallel training), restores the newest step any rank holds, across a change of
+the world's size too (``_replica``). Tensors come back on the CPU; ``load_state_dict`` copies them where they
 belong. A worker that starts with a snapshot of its rank in node memory (a restart)
 has it read back on a thread while its script starts (the runner begins the read), so
 ``load()`` mostly finds it done. With ``--checkpoint-dir`` the agent also copies snapshots to shared storage in
@@ -88,16 +90,27 @@ def wait() -> None:
         _current.wait()
 
 
-def load() -> tuple[int, Any] | None:
-    """``(step, state)`` of the newest snapshot every rank can restore, or None."""
+def load(*, replicated: bool = False) -> tuple[int, Any] | None:
+    """``(step, state)`` of the newest snapshot every rank can restore, or None.
+
+    ``replicated=True`` says the state is the same on every rank, as plain data
+    parallel training's (DDP, an optimizer every rank steps alike): any rank's snapshot
+    is then every rank's. The newest step any rank holds whole is restored on every
+    rank, also when the world's size changed since it was saved (a node lost with no
+    spare to take its ranks, a node that joined); a rank that holds no whole copy of it
+    receives one from a rank that does, over the default process group. Without it a
+    rank restores only its own rank's snapshots of the current world size (each rank
+    its own shard), and a change of size starts afresh."""
     from relaunch.checkpoint._agree import newest_common
+    from relaunch.checkpoint._replica import newest_replica
 
     saver = _get()
     saver.wait()
     durable = saver.where.durable
-    found, newest = newest_common(saver, [None] if durable is None else [None, durable])
+    roots = [None] if durable is None else [None, durable]
+    found, newest = (newest_replica if replicated else newest_common)(saver, roots)
     step = None if found is None else found[0]
-    source = None if found is None else "memory" if found[2] is None else "durable"
+    source = None if found is None else found[2]
     _note_restore(saver.where, layout.Restore(saver.where.rank, step, newest, source))
     gone = saver.discard_newer(step)
     if gone:

@@ -17,36 +17,36 @@ from typing import Any
 from relaunch.checkpoint._layout import CorruptSnapshot
 from relaunch.errors import SnapshotError
 
-__all__ = ["newest_common"]
+__all__ = ["gather", "newest_common"]
 
 log = logging.getLogger("relaunch.checkpoint")
 
 
 def newest_common(
     saver: Any, roots: list[str | None]
-) -> tuple[tuple[int, Any, str | None] | None, int | None]:
-    """``(step, state, root)``: the newest step every rank holds whole in one of
+) -> tuple[tuple[int, Any, str] | None, int | None]:
+    """``(step, state, source)``: the newest step every rank holds whole in one of
     ``roots`` (None: node memory; tried in order), this rank's state of it and where it
-    came from, or None when there is no such step; and the newest step any rank
-    offered (what the job had done: the steps between are redone)."""
+    came from ("memory" or "durable"), or None when there is no such step; and the
+    newest step any rank offered (what the job had done: the steps between are redone)."""
     where: dict[int, list[str | None]] = {}
     for root in roots:
         for step in saver.steps(root):
             where.setdefault(step, []).append(root)
-    offers = _gather(saver, sorted(where))
+    offers = gather(saver, sorted(where))
     common = set(offers[0]).intersection(*offers[1:]) if offers else set()
     newest = max((max(o) for o in offers if o), default=None)
     for step in sorted(common, reverse=True):
-        found: tuple[int, Any, str | None] | None = None
+        found: tuple[int, Any, str] | None = None
         for root in where[step]:
             try:
-                found = step, saver.read(step, root), root
+                found = step, saver.read(step, root), "memory" if root is None else "durable"
                 break
             except CorruptSnapshot as exc:
                 log.warning(
                     "rank %s: snapshot not used: %s; trying an older one", saver.where.rank, exc
                 )
-        if all(_gather(saver, found is not None)):
+        if all(gather(saver, found is not None)):
             return found, newest
     if newest is not None and saver.where.rank == 0:
         log.warning("checkpoint.load(): a fresh start: %s", _why_none(offers, newest))
@@ -82,7 +82,8 @@ def _span(ranks: list[int]) -> str:
     return f"rank {text}" if len(ranks) == 1 else f"ranks {text}"
 
 
-def _gather(saver: Any, mine: Any) -> list[Any]:
+def gather(saver: Any, mine: Any) -> list[Any]:
+    """Every rank's ``mine``, in rank order (an all-gather over the default group)."""
     world = saver.where.world_size
     if world == 1:
         return [mine]

@@ -35,7 +35,6 @@ log = logging.getLogger(__name__)
 
 _SHM = "/dev/shm"
 _OWNED = re.compile(r"relaunch-.*-(\d+)-[a-z0-9_]{8}\Z")
-_RANK = re.compile(r"rank-(\d{5})\Z")
 
 
 class SnapshotArea:
@@ -121,13 +120,7 @@ class SnapshotArea:
     def newest_steps(self) -> dict[int, int]:
         """Global rank -> step of its newest complete snapshot in this node's directory
         (its own workers' ranks and the copies it keeps of a peer's)."""
-        newest: dict[int, int] = {}
-        for name in _listdir(self.root):
-            match = _RANK.match(name)
-            steps = layout.complete_steps(os.path.join(self.root, name)) if match else []
-            if match and steps:
-                newest[int(match.group(1))] = steps[0]
-        return newest
+        return {rank: steps[0] for rank, steps in layout.held_ranks(self.root).items()}
 
     def restores(self) -> dict[tuple[int | None, int | None, str | None], list[int]]:
         """This node's ranks' restores, ``(step, newest, source)`` -> ranks (the job's

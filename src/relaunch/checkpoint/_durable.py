@@ -50,7 +50,7 @@ COMPLETE = ".complete"
 LOCKS = ".timeline-locks"
 """Under the node's snapshot directory: one lock file per rank (:func:`timeline_lock`)."""
 
-_RANK = re.compile(r"rank-(\d{5})\Z")
+_RANK = re.compile(r"rank-(\d{5,})\Z")
 _MARKED = re.compile(r"step-(\d{12})\Z")
 
 
@@ -102,13 +102,11 @@ class DurableCopier:
 
     def copy_newest(self) -> None:
         """Copy each rank's chosen step (see the module's docstring) unless done."""
-        held: dict[int, list[int]] = {}
-        for name in _listdir(self.root):
-            match = _RANK.match(name)
-            if match and (self._ranks is None or int(match.group(1)) in self._ranks):
-                steps = layout.complete_steps(os.path.join(self.root, name))
-                if steps:
-                    held[int(match.group(1))] = steps
+        held = {
+            rank: steps
+            for rank, steps in layout.held_ranks(self.root).items()
+            if self._ranks is None or rank in self._ranks
+        }
         if not held:
             return
         common = min(steps[0] for steps in held.values())

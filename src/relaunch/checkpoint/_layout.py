@@ -40,6 +40,7 @@ __all__ = [
     "FORMAT",
     "MANIFEST",
     "RESTORES",
+    "SOURCES",
     "VERSION",
     "CorruptSnapshot",
     "Manifest",
@@ -49,7 +50,9 @@ __all__ = [
     "append_restore",
     "complete_steps",
     "discard_newer",
+    "held_ranks",
     "newer_steps",
+    "parse_manifest",
     "partial_dir",
     "pin",
     "prune",
@@ -81,6 +84,7 @@ DATA = "data"
 RESTORES = "restores.jsonl"
 """At the root: one JSON line per ``load()`` of each rank (what the agent summarises)."""
 
+_RANK = re.compile(r"rank-(\d{5,})\Z")
 _STEP = re.compile(r"step-(\d{12})\Z")
 _PARTIAL = re.compile(r"\.partial-step-\d{12}-(\d+)(?:-\d+)?\Z")
 
@@ -117,6 +121,22 @@ def complete_steps(rank_root: str) -> list[int]:
         if match and os.path.isfile(os.path.join(rank_root, name, MANIFEST)):
             steps.append(int(match.group(1)))
     return sorted(steps, reverse=True)
+
+
+def held_ranks(root: str) -> dict[int, list[int]]:
+    """Global rank -> the steps of its complete snapshots under ``root`` (a node's
+    directory or the durable one), newest first; ranks with none are left out."""
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return {}
+    held = {}
+    for name in names:
+        match = _RANK.match(name)
+        steps = complete_steps(os.path.join(root, name)) if match else []
+        if match and steps:
+            held[int(match.group(1))] = steps
+    return held
 
 
 def prune(rank_root: str, keep: int, *, besides: int | None = None) -> list[int]:
@@ -262,9 +282,19 @@ def read_manifest(folder: str) -> Manifest:
     that is missing or wrong (or the file that cannot be read)."""
     path = os.path.join(folder, MANIFEST)
     try:
-        with open(path, encoding="utf-8") as f:
-            doc = json.load(f)
-    except (OSError, ValueError) as exc:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as exc:
+        raise CorruptSnapshot(f"{path}: unreadable manifest ({exc})") from exc
+    return parse_manifest(raw, path)
+
+
+def parse_manifest(raw: bytes, path: str) -> Manifest:
+    """The manifest in ``raw`` (read from, or sent for, ``path``); CorruptSnapshot naming
+    the field that is missing or wrong."""
+    try:
+        doc = json.loads(raw.decode("utf-8"))
+    except ValueError as exc:  # UnicodeDecodeError included
         raise CorruptSnapshot(f"{path}: unreadable manifest ({exc})") from exc
     if not isinstance(doc, dict):
         raise CorruptSnapshot(f"{path}: expected a JSON object, got {type(doc).__name__}")
@@ -294,10 +324,15 @@ def read_manifest(folder: str) -> Manifest:
     )
 
 
+SOURCES = (None, "memory", "durable", "another rank")
+"""Where a restored state came from: nowhere (a fresh start), this node's memory, the
+durable copies, or (``load(replicated=True)``) another rank over the process group."""
+
+
 @dataclass(frozen=True)
 class Restore:
     """One rank's ``load()``: the step it restored (None: a fresh start), the newest step
-    any rank offered, where the state came from ("memory", "durable" or None)."""
+    any rank offered, where the state came from (one of :data:`SOURCES`)."""
 
     rank: int
     step: int | None
@@ -344,7 +379,7 @@ def read_restores(root: str) -> tuple[list[Restore], int]:
             ok = isinstance(doc, dict) and doc.get("v") == 1
             ints = [doc.get(k) for k in ("step", "newest")] if ok else []
             ok = ok and _is_count(doc.get("rank")) and all(v is None or _is_count(v) for v in ints)
-            ok = ok and doc.get("source") in (None, "memory", "durable")
+            ok = ok and doc.get("source") in SOURCES
         except ValueError:
             ok = False
         if not ok:

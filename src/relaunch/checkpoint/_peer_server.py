@@ -37,20 +37,17 @@ def held_steps(root: str) -> wire.Steps:
     """``(step, crc32)`` of every complete snapshot under ``root``, by rank, newest first
     (a snapshot whose manifest cannot be read is left out)."""
     out: wire.Steps = {}
-    with contextlib.suppress(OSError):
-        for name in os.listdir(root):
-            if not (name.startswith("rank-") and name[5:].isdigit()):
+    for rank, steps in layout.held_ranks(root).items():
+        rank_root = layout.rank_dir(root, rank)
+        pairs = []
+        for step in steps:
+            try:
+                m = layout.read_manifest(layout.step_dir(rank_root, step))
+            except layout.CorruptSnapshot:
                 continue
-            rank_root = os.path.join(root, name)
-            pairs = []
-            for step in layout.complete_steps(rank_root):
-                try:
-                    m = layout.read_manifest(layout.step_dir(rank_root, step))
-                except layout.CorruptSnapshot:
-                    continue
-                pairs.append((step, m.crc32))
-            if pairs:
-                out[int(name[5:])] = pairs
+            pairs.append((step, m.crc32))
+        if pairs:
+            out[rank] = pairs
     return out
 
 

@@ -44,6 +44,8 @@ log = logging.getLogger(__name__)
 _KEY = "relaunch/snapshot_peer/"
 _SUCCESSOR_START = 15.0
 """Seconds after a round started within which the successor's first poll is awaited."""
+_SWEEP_EVERY = 2.0
+"""Seconds between the looks for folders of ranks no longer run here (``_sweep``)."""
 _REREAD_AFTER = 1.0
 """Seconds between the reads of the predecessor's record while it cannot be reached."""
 
@@ -248,10 +250,14 @@ class PeerCopies:
         version: int | None = None
         source: PeerRecord | None = None
         read_in: _Round | None = None  # the round whose predecessor record is in hand
-        read_at = 0.0
+        read_at = swept_at = 0.0
         while not self._stop.is_set():
             with self._lock:
                 r = self._round
+            known = r is not None and (r.world_size <= 1 or (r is read_in and source is not None))
+            if r is not None and known and time.monotonic() - swept_at >= _SWEEP_EVERY:
+                self._sweep(r, () if source is None or r.world_size <= 1 else source.ranks)
+                swept_at = time.monotonic()
             if r is None or r.world_size <= 1:
                 self._stop.wait(0.1)
                 continue
@@ -310,6 +316,24 @@ class PeerCopies:
                 for step in gone if ours else ():
                     shutil.rmtree(layout.step_dir(rank_root, step), ignore_errors=True)
         return seen
+
+    def _sweep(self, r: _Round, theirs: tuple[int, ...]) -> None:
+        """Remove the folders of the ranks that neither this node's workers nor its ring
+        predecessor's (``theirs``) run: a lost node's copies after the world shrank, a
+        past world's ranks. Only once every rank of this node saved past their newest
+        step: no restore takes them then, and they hold node memory that saves need."""
+        held = layout.held_ranks(self._root)
+        own = [held.get(rank, []) for rank in r.ranks]
+        if not own or not all(own):
+            return
+        past = min(steps[0] for steps in own)
+        with self._writing(r) as ours:
+            for rank, steps in held.items() if ours else ():
+                if rank not in r.ranks and rank not in theirs and steps[0] < past:
+                    shutil.rmtree(layout.rank_dir(self._root, rank), ignore_errors=True)
+                    log.info(
+                        "snapshots: dropped rank %s's (steps %s): no rank here runs it", rank, steps
+                    )
 
     def _in_round(self, r: _Round) -> bool:
         with self._lock:

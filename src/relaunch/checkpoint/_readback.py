@@ -26,7 +26,7 @@ from relaunch.checkpoint import _layout as layout
 from relaunch.checkpoint._fill import Filler, Part
 from relaunch.checkpoint._tree import Region, decode, finish
 
-__all__ = ["Prefetch", "offered_steps", "read_regions", "read_step"]
+__all__ = ["Prefetch", "offered_steps", "read_folder", "read_regions", "read_sent", "read_step"]
 
 log = logging.getLogger("relaunch.checkpoint")
 
@@ -59,9 +59,14 @@ def _check(where: layout.Where, m: layout.Manifest, folder: str, step: int) -> N
         ("step", m.step, step),
     ):
         if got != want:
+            why = "a snapshot of another job or layout"
+            if name == "world_size":
+                why += (
+                    "; a state that is the same on every rank, as plain data parallel "
+                    "training's, restores across world sizes: checkpoint.load(replicated=True)"
+                )
             raise layout.CorruptSnapshot(
-                f"{folder}: {name} {got!r} where this job expects {want!r} "
-                "(a snapshot of another job or layout)"
+                f"{folder}: {name} {got!r} where this job expects {want!r} ({why})"
             )
 
 
@@ -71,6 +76,11 @@ def read_step(where: layout.Where, step: int, root: str | None, filler: Filler) 
     folder = layout.step_dir(layout.rank_dir(root or where.root, where.rank), step)
     manifest = layout.read_manifest(folder)
     _check(where, manifest, folder, step)
+    return read_folder(folder, manifest, filler)
+
+
+def read_folder(folder: str, manifest: layout.Manifest, filler: Filler) -> object:
+    """The state of the snapshot in ``folder``, whose ``manifest`` was read and checked."""
     path = os.path.join(folder, layout.DATA)
     state, regions = decode(manifest.tree, manifest.nbytes, folder)
     try:
@@ -78,11 +88,32 @@ def read_step(where: layout.Where, step: int, root: str | None, filler: Filler) 
             crc = read_regions(f, regions, manifest.nbytes, path, filler)
     except OSError as exc:
         raise layout.CorruptSnapshot(f"{path}: unreadable ({exc})") from exc
+    _check_crc(path, crc, manifest)
+    return finish(state)
+
+
+def read_sent(manifest: layout.Manifest, data: torch.Tensor, what: str, filler: Filler) -> object:
+    """The state of a snapshot whose data file was sent as ``data`` (flat uint8, on the
+    CPU), length and CRC-32 checked against ``manifest``; ``what`` names it in errors."""
+    if data.numel() != manifest.nbytes:
+        raise layout.CorruptSnapshot(
+            f"{what}: {data.numel()} bytes, the manifest says {manifest.nbytes} (cut short?)"
+        )
+    state, regions = decode(manifest.tree, manifest.nbytes, what)
+    crc = 0
+    if manifest.nbytes:
+        with data.numpy().data as view:
+            parts = [Part(offset, target) for offset, _nbytes, target in regions]
+            crc = filler.crc32(view, data, parts, reading=True)
+    _check_crc(what, crc, manifest)
+    return finish(state)
+
+
+def _check_crc(what: str, crc: int, manifest: layout.Manifest) -> None:
     if crc != manifest.crc32:
         raise layout.CorruptSnapshot(
-            f"{path}: CRC-32 {crc:#010x}, the manifest says {manifest.crc32:#010x}"
+            f"{what}: CRC-32 {crc:#010x}, the manifest says {manifest.crc32:#010x}"
         )
-    return finish(state)
 
 
 def read_regions(f: BinaryIO, regions: list[Region], size: int, path: str, filler: Filler) -> int:

@@ -365,6 +365,11 @@ class Saver:
         return gone
 
     # -- reading -------------------------------------------------------------------------
+    @property
+    def filler(self) -> Filler:
+        """The threads that copy and checksum this rank's snapshots (reads too)."""
+        return self._filler
+
     def steps(self, root: str | None = None) -> list[int]:
         """This rank's snapshots that can be offered, newest first (``offered_steps``)."""
         return offered_steps(self.where, root)

@@ -98,10 +98,12 @@ class SnapshotCallback(TrainerCallback):
             shutil.rmtree(folder, ignore_errors=True)
 
 
-def resume_from(trainer: Any) -> str | None:
+def resume_from(trainer: Any, *, replicated: bool = False) -> str | None:
     """The folder to pass as ``resume_from_checkpoint`` (None: a fresh start). Every
     rank must call it (the ranks agree over the default process group, which the
-    Trainer's arguments set up under relaunch)."""
+    Trainer's arguments set up under relaunch). ``replicated=True`` for plain data
+    parallel training (no FSDP, no DeepSpeed): the state is the same on every rank, and
+    is restored after a change of the world's size too (``checkpoint.load``)."""
     callback = next(
         (c for c in trainer.callback_handler.callbacks if isinstance(c, SnapshotCallback)), None
     )
@@ -110,7 +112,8 @@ def resume_from(trainer: Any) -> str | None:
             "resume_from: the trainer has no hf.SnapshotCallback among its callbacks"
         )
     trainer.args.device  # noqa: B018  (sets up the default process group under relaunch)
-    restored = restored_as(checkpoint.load(), FORMAT, VERSION, "hf.SnapshotCallback")
+    loaded = checkpoint.load(replicated=replicated)
+    restored = restored_as(loaded, FORMAT, VERSION, "hf.SnapshotCallback")
     if restored is None:
         return None
     step, snap = restored

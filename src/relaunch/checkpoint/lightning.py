@@ -39,11 +39,14 @@ VERSION = 1
 
 class SnapshotCallback(Callback):
     """A snapshot of the trainer's state after every ``every``-th optimizer step, and the
-    newest one restored when ``fit`` starts (``restore=False``: never)."""
+    newest one restored when ``fit`` starts (``restore=False``: never). ``replicated=True``
+    for a strategy whose state is the same on every rank (DDP, not FSDP or DeepSpeed):
+    it is restored after a change of the world's size too (``checkpoint.load``)."""
 
-    def __init__(self, every: int = 1, *, restore: bool = True) -> None:
+    def __init__(self, every: int = 1, *, restore: bool = True, replicated: bool = False) -> None:
         self.every = check_every(every, "lightning.SnapshotCallback")
         self.restore = restore
+        self.replicated = replicated
         self.restored_step: int | None = None
         """The step restored when ``fit`` started (None: a fresh start)."""
         self._saved: int | None = None
@@ -51,7 +54,8 @@ class SnapshotCallback(Callback):
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if stage != "fit" or not self.restore:
             return
-        restored = restored_as(checkpoint.load(), FORMAT, VERSION, "lightning.SnapshotCallback")
+        loaded = checkpoint.load(replicated=self.replicated)
+        restored = restored_as(loaded, FORMAT, VERSION, "lightning.SnapshotCallback")
         if restored is None:
             return
         step, snap = restored
