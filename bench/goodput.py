@@ -23,7 +23,11 @@ saving per step (fault-free wall time against the same script with no checkpoint
 all, per step), the seconds of wall time each fault cost (faulted against fault-free),
 and from that the goodput at one fault a minute ("@1/min": one minus that cost over 60
 s, times the no-checkpoint time over the fault-free time, so that saving counts).
-``--params M``: a model of about M million parameters (Adam: its state is 3x that)
+``--elastic``: both launchers run ``--nnodes 1:NODES``, so a lost node shrinks the
+world until its replacement joins and grows it; ``--replicated``: the script restores
+its snapshots with ``load(replicated=True)``, which crosses those changes of size (without
+it, each change starts relaunch's job afresh; torchrun's script restores rank 0's disk
+checkpoint in any world). ``--params M``: a model of about M million parameters (Adam: its state is 3x that)
 instead of the example's tiny one. ``--device cuda --backend nccl --nproc 1``: on a GPU
 (snapshots through pinned memory, beside the next step). ``--launchers relaunch``: one
 launcher only.
@@ -83,7 +87,8 @@ class Cluster:
         head = [sys.executable, "-m", "relaunch"] if self.launcher == "relaunch" else ["torchrun"]
         extra = [f"--snapshot-dir={self._dir}"] if self.launcher == "relaunch" else []
         cmd = [
-            *head, f"--nnodes={self.args.nodes}", f"--nproc-per-node={self.args.nproc}",
+            *head, f"--nnodes={'1:' if self.args.elastic else ''}{self.args.nodes}",
+            f"--nproc-per-node={self.args.nproc}",
             "--max-restarts=1000", "--rdzv-backend=c10d",
             f"--rdzv-endpoint=127.0.0.1:{self.port}", "--rdzv-id=goodput", *extra, *self.script,
         ]  # fmt: skip
@@ -155,6 +160,8 @@ def run(launcher: str, args: argparse.Namespace, faults: bool, mode: str) -> dic
         script += ["--disk-every", str(args.every), "--disk-dir", str(out)]
     elif mode == "none":
         script += ["--disk-every", str(10**9), "--disk-dir", str(out)]
+    elif args.replicated:
+        script += ["--replicated"]
     rng = random.Random(args.seed)
     t0 = time.monotonic()
     cluster = Cluster(launcher, args, out, shm, script)
@@ -253,6 +260,12 @@ def main() -> None:
                         help="every K-th fault kills a whole node (needs --nodes 2 or more)")  # fmt: skip
     parser.add_argument("--spares", type=int, default=0,
                         help="relaunch only: agents beyond --nodes, waiting as spares")  # fmt: skip
+    parser.add_argument("--elastic", action="store_true",
+                        help="--nnodes 1:NODES: a lost node shrinks the world until its "
+                             "replacement joins (both launchers)")  # fmt: skip
+    parser.add_argument("--replicated", action="store_true",
+                        help="the snapshots are restored with load(replicated=True), "
+                             "across the world's size changes")  # fmt: skip
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--limit", type=float, default=600.0, help="seconds a run may take")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",

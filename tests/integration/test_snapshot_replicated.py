@@ -34,8 +34,10 @@ WORKER = textwrap.dedent(
         store = dist.FileStore(os.environ["STORE"], world)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     if mode == "save":
+        offset = float(sys.argv[4]) if len(sys.argv) > 4 else 0.0  # another timeline's
         for step in range(int(sys.argv[3])):
-            checkpoint.save(step, {"w": torch.full((50_000,), float(step)), "step": step})
+            w = torch.full((50_000,), step + offset)
+            checkpoint.save(step, {"w": w, "step": step})
         checkpoint.wait()
     else:
         got = checkpoint.load(replicated=mode == "replicated")
@@ -130,3 +132,14 @@ def test_without_replicated_another_world_size_starts_afresh_and_says_why(
     assert _loaded(tmp_path, 2) == [None, None]
     assert "world_size 1 where this job expects 2" in errs[0], errs
     assert "load(replicated=True)" in errs[0], errs
+
+
+def test_copies_of_one_step_from_two_timelines_are_made_one(tmp_path: Path, saved: Path) -> None:
+    """Rank 1's node holds a step 4 of its own, from a timeline the job left (a node
+    that sat out a restore): the ranks restore one copy of it, not each its own."""
+    other = tmp_path / "node-b"
+    _run(tmp_path, "save", [other], "5", "100")
+    _run(tmp_path, "replicated", [saved, other])
+    expected = [4, 4, 50_000, 4.0 * 50_000]  # rank 0's: of equals, the lowest rank's
+    assert _loaded(tmp_path, 2) == [expected, expected]
+    assert [r["source"] for r in _restores(other)] == ["another rank"]

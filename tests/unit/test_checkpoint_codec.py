@@ -18,6 +18,7 @@ import torch
 
 from relaunch.checkpoint import _layout as layout
 from relaunch.checkpoint._agree import _why_none
+from relaunch.checkpoint._replica import _chosen
 from relaunch.checkpoint._saver import Saver, Where
 from relaunch.checkpoint._tree import decode, encode, finish
 from relaunch.cli import parse_args
@@ -572,3 +573,9 @@ def test_a_fresh_start_says_why_when_some_rank_held_a_snapshot() -> None:
     assert _why_none([[5, 4], [3, 2]], 5) == (
         "no step is held whole by every rank (their newest steps: 3 to 5)"
     )
+
+
+def test_the_copy_every_rank_restores_is_the_one_most_ranks_read() -> None:
+    assert _chosen([None, None]) is None
+    assert _chosen([7, None, 9, 9]) == 9
+    assert _chosen([None, 7, 9]) == 7  # of equals, the lowest rank's

@@ -28,7 +28,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from relaunch.checkpoint import _layout as layout
 from relaunch.checkpoint import _wire as wire
@@ -90,6 +90,8 @@ class _Round:
     group_rank: int
     world_size: int
     ranks: tuple[int, ...]
+    started_at: dict[int, int] = field(default_factory=dict, compare=False)
+    """This node's ranks' newest steps when their workers started (``_sweep``)."""
 
 
 class PeerCopies:
@@ -154,6 +156,8 @@ class PeerCopies:
             complete = self._fetch_missing(current)
         # a fetch that failed is tried again at the next round
         self._last = (round_number, current.ranks) if complete else (-2, ())
+        held = layout.held_ranks(self._root)
+        current.started_at.update({rank: held.get(rank, [-1])[0] for rank in current.ranks})
         with self._lock:
             self._round = current
         if world_size > 1 and self._puller is None:
@@ -320,13 +324,15 @@ class PeerCopies:
     def _sweep(self, r: _Round, theirs: tuple[int, ...]) -> None:
         """Remove the folders of the ranks that neither this node's workers nor its ring
         predecessor's (``theirs``) run: a lost node's copies after the world shrank, a
-        past world's ranks. Only once every rank of this node saved past their newest
-        step: no restore takes them then, and they hold node memory that saves need."""
+        past world's ranks. Only once every rank of this node saved in this round (so
+        the round's workers restored, and every node fetched what it lacked before
+        they could) and past their newest step: no restore takes them then, and they
+        hold node memory that saves need."""
         held = layout.held_ranks(self._root)
-        own = [held.get(rank, []) for rank in r.ranks]
-        if not own or not all(own):
-            return
-        past = min(steps[0] for steps in own)
+        own = {rank: held.get(rank, [-1])[0] for rank in r.ranks}
+        if not own or any(s <= r.started_at.get(rank, -1) for rank, s in own.items()):
+            return  # a rank that has not saved since its workers started (and restored)
+        past = min(own.values())
         with self._writing(r) as ours:
             for rank, steps in held.items() if ours else ():
                 if rank not in r.ranks and rank not in theirs and steps[0] < past:

@@ -108,7 +108,7 @@ class Saver:
         try:
             self.wait(120.0)
         finally:
-            self._drop_prefetch()
+            self.drop_prefetch()
             if not self._writer.busy():
                 self._writer.close()
             self._filler.close()
@@ -120,7 +120,7 @@ class Saver:
         try:
             self.wait()
         finally:
-            self._drop_prefetch()
+            self.drop_prefetch()
             if not self._writer.busy():  # nothing copies into them
                 self._writer.close()
                 self._maps.close()
@@ -128,7 +128,7 @@ class Saver:
             self._filler.close()
             self._hook.remove()
 
-    def _drop_prefetch(self) -> None:
+    def drop_prefetch(self) -> None:
         """Forget the prefetched state (a script that saves before it loads, or ends)."""
         fetched, self._prefetch = self._prefetch, None
         if fetched is not None:
@@ -147,7 +147,7 @@ class Saver:
     # -- saving --------------------------------------------------------------------------
     def save(self, step: int, state: object, *, blocking: bool = False) -> None:
         self.wait()
-        self._drop_prefetch()
+        self.drop_prefetch()
         tree, leaves, nbytes = encode(state)
         # the tensors no optimizer's hook protects are cloned, or the save blocks
         blocking = blocking or self._fence.secure(leaves, nbytes)
