@@ -73,11 +73,15 @@ class Cluster:
         self.nodes: list[subprocess.Popen[bytes]] = []
         self.dirs: list[Path] = []
         self.started = 0
-        for index in range(args.nodes + (args.spares if launcher == "relaunch" else 0)):
-            self.nodes.append(self._start())
-            self.dirs.append(self._dir)
-            if index == 0:
-                self._wait_listening()
+        try:
+            for index in range(args.nodes + (args.spares if launcher == "relaunch" else 0)):
+                self.nodes.append(self._start())
+                self.dirs.append(self._dir)
+                if index == 0:
+                    self._wait_listening()
+        except BaseException:
+            self.close()  # the agents started so far
+            raise
 
     def _start(self) -> subprocess.Popen[bytes]:
         self.started += 1
@@ -144,7 +148,7 @@ class Cluster:
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(pid, signal.SIGKILL)
                 proc.wait()
-        return self.nodes[0].returncode
+        return self.nodes[0].returncode if self.nodes else None
 
 
 def run(launcher: str, args: argparse.Namespace, faults: bool, mode: str) -> dict[str, float]:
@@ -164,7 +168,12 @@ def run(launcher: str, args: argparse.Namespace, faults: bool, mode: str) -> dic
         script += ["--replicated"]
     rng = random.Random(args.seed)
     t0 = time.monotonic()
-    cluster = Cluster(launcher, args, out, shm, script)
+    try:
+        cluster = Cluster(launcher, args, out, shm, script)
+    except BaseException:  # a launcher that cannot start (not installed): nothing left
+        shutil.rmtree(out, ignore_errors=True)
+        shutil.rmtree(shm, ignore_errors=True)
+        raise
     killed = {"worker": 0, "node": 0}
     kills: list[float] = []
     finished = True
