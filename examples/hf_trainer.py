@@ -17,9 +17,11 @@ before the step's snapshot; ``--log-to DIR`` writes one JSON line per step and r
 from __future__ import annotations
 
 import argparse
+import atexit
 import hashlib
 import json
 import os
+import shutil
 import signal
 import tempfile
 import time
@@ -81,6 +83,9 @@ def main() -> None:
     parser.add_argument("--kill", default=None, metavar="RANK:STEP")
     parser.add_argument("--log-to", default=None)
     parser.add_argument("--sleep", type=float, default=0.0)
+    parser.add_argument("--replicated", action="store_true",
+                        help="resume_from(trainer, replicated=True): DDP's state is every "
+                             "rank's, so it is restored after the world's size changed too")  # fmt: skip
     args = parser.parse_args()
     kill = tuple(int(v) for v in args.kill.split(":")) if args.kill else None
 
@@ -89,7 +94,8 @@ def main() -> None:
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                          max_position_embeddings=64)  # fmt: skip
     model = LlamaForCausalLM(config)
-    out = tempfile.mkdtemp(prefix="relaunch-hf-example-")
+    out = tempfile.mkdtemp(prefix="relaunch-hf-example-")  # the Trainer saves nothing there
+    atexit.register(shutil.rmtree, out, True)
     training = TrainingArguments(
         output_dir=out, max_steps=args.steps, per_device_train_batch_size=4,
         learning_rate=1e-3, logging_steps=1000, save_strategy="no", report_to=[],
@@ -102,7 +108,7 @@ def main() -> None:
         train_dataset=Tokens(256, 16, config.vocab_size),
         callbacks=[Faults(kill, args.log_to, args.sleep), hf.SnapshotCallback()],
     )
-    trainer.train(resume_from_checkpoint=hf.resume_from(trainer))
+    trainer.train(resume_from_checkpoint=hf.resume_from(trainer, replicated=args.replicated))
     digest = hashlib.sha256(
         b"".join(p.detach().numpy().tobytes() for p in trainer.model.parameters())
     ).hexdigest()

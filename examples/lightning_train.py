@@ -83,6 +83,9 @@ def main() -> None:
     parser.add_argument("--kill", default=None, metavar="RANK:STEP")
     parser.add_argument("--log-to", default=None)
     parser.add_argument("--sleep", type=float, default=0.0)
+    parser.add_argument("--replicated", action="store_true",
+                        help="SnapshotCallback(replicated=True): DDP's state is every rank's, "
+                             "so it is restored after the world's size changed too")  # fmt: skip
     args = parser.parse_args()
     kill = tuple(int(v) for v in args.kill.split(":")) if args.kill else None
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -92,11 +95,12 @@ def main() -> None:
     n = 8 * world * args.batches_per_epoch
     x = torch.randn(n, 16, generator=g)
     data = TensorDataset(x, x.sum(dim=1, keepdim=True).sin())
+    snapshot = snapshots.SnapshotCallback(replicated=args.replicated)
     trainer = pl.Trainer(
         accelerator="cpu", devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
         num_nodes=int(os.environ.get("GROUP_WORLD_SIZE", "1")),
         strategy="ddp" if world > 1 else "auto", max_steps=args.steps,
-        callbacks=[Faults(kill, args.log_to, args.sleep), snapshots.SnapshotCallback()],
+        callbacks=[Faults(kill, args.log_to, args.sleep), snapshot],
         enable_checkpointing=False, logger=False, enable_progress_bar=False,
         enable_model_summary=False, deterministic=True,
     )  # fmt: skip
