@@ -51,6 +51,26 @@ def ack(addr: str, port: int, job: str, rank: int, step: int, crc: int) -> None:
     wire.check_ok(raw, "ack answer")
 
 
+def _manifest(
+    text: str, partial: str, what: str, asked: tuple[str, int, int, int]
+) -> layout.Manifest:
+    """The answer's manifest, written into ``partial`` once it is one and names what was
+    ``asked`` (the job, rank and step, and the answer's length); else WireError."""
+    path = os.path.join(partial, layout.MANIFEST)
+    try:
+        m = layout.parse_manifest(text.encode(), path)
+    except layout.CorruptSnapshot as exc:
+        raise wire.WireError(f"{what}: {exc}") from exc
+    if (m.job, m.rank, m.step, m.nbytes) != asked:
+        raise wire.WireError(
+            f"{what}: the manifest says job {m.job!r} rank {m.rank} step {m.step} "
+            f"{m.nbytes} bytes, the answer {asked[3]}"
+        )
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+    return m
+
+
 def fetch_step(
     addr: str,
     port: int,
@@ -87,17 +107,8 @@ def fetch_step(
                     old = layout.step_dir(rank_root, reuse)
                     layout.take_data(old, os.path.join(partial, layout.DATA))
                     shutil.rmtree(old, ignore_errors=True)
-            with open(os.path.join(partial, layout.MANIFEST), "w", encoding="utf-8") as f:
-                f.write(text)
-            try:
-                m = layout.read_manifest(partial)
-            except layout.CorruptSnapshot as exc:
-                raise wire.WireError(f"rank {rank} step {step} from {addr}: {exc}") from exc
-            if (m.job, m.rank, m.step, m.nbytes) != (job, rank, step, nbytes):
-                raise wire.WireError(
-                    f"rank {rank} step {step} from {addr}: the manifest says job {m.job!r} "
-                    f"rank {m.rank} step {m.step} {m.nbytes} bytes, the answer {nbytes}"
-                )
+            m = _manifest(text, partial, f"rank {rank} step {step} from {addr}",
+                          (job, rank, step, nbytes))  # fmt: skip
             crc = _receive(sock, os.path.join(partial, layout.DATA), nbytes)
             if crc != m.crc32:
                 raise wire.WireError(
