@@ -44,8 +44,6 @@ log = logging.getLogger(__name__)
 _KEY = "relaunch/snapshot_peer/"
 _SUCCESSOR_START = 15.0
 """Seconds after a round started within which the successor's first poll is awaited."""
-_SWEEP_EVERY = 2.0
-"""Seconds between the looks for folders of ranks no longer run here (``_sweep``)."""
 _REREAD_AFTER = 1.0
 """Seconds between the reads of the predecessor's record while it cannot be reached."""
 
@@ -100,6 +98,9 @@ class PeerCopies:
     copies), pulls its ring predecessor's, and fetches the ranks it takes over before
     their workers start. ``round_started`` is called by the agent (through the
     launcher) once per round; ``close`` ends its threads."""
+
+    SWEEP_EVERY = 2.0
+    """Seconds between the looks for folders of ranks no longer run here (``_sweep``)."""
 
     def __init__(self, root: str, job: str, *, bind: str) -> None:
         self._root = root
@@ -259,7 +260,7 @@ class PeerCopies:
             with self._lock:
                 r = self._round
             known = r is not None and (r.world_size <= 1 or (r is read_in and source is not None))
-            if r is not None and known and time.monotonic() - swept_at >= _SWEEP_EVERY:
+            if r is not None and known and time.monotonic() - swept_at >= self.SWEEP_EVERY:
                 self._sweep(r, () if source is None or r.world_size <= 1 else source.ranks)
                 swept_at = time.monotonic()
             if r is None or r.world_size <= 1:
