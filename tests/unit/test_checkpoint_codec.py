@@ -579,3 +579,10 @@ def test_the_copy_every_rank_restores_is_the_one_most_ranks_read() -> None:
     assert _chosen([None, None]) is None
     assert _chosen([7, None, 9, 9]) == 9
     assert _chosen([None, 7, 9]) == 7  # of equals, the lowest rank's
+
+
+def test_load_s_replicated_is_a_bool() -> None:
+    from relaunch import checkpoint
+
+    with pytest.raises(SnapshotError, match="replicated must be True or False, got 'yes'"):
+        checkpoint.load(replicated="yes")  # type: ignore[arg-type]

@@ -30,8 +30,8 @@ group: call it after ``init_process_group``), or None. A snapshot that is not wh
 (killed mid-save, truncated, corrupt) is never loaded: the older one is, after one
 warning. ``load(replicated=True)``, for a state that is the same on every rank (plain
 data parallel training), restores the newest step any rank holds, across a change of
-the world's size too (``_replica``). Tensors come back on the CPU; ``load_state_dict`` copies them where they
-belong. A worker that starts with a snapshot of its rank in node memory (a restart)
+the world's size too (``_replica``). Tensors come back on the CPU; ``load_state_dict``
+copies them where they belong. A worker that starts with a snapshot of its rank in node memory (a restart)
 has it read back on a thread while its script starts (the runner begins the read), so
 ``load()`` mostly finds it done. With ``--checkpoint-dir`` the agent also copies snapshots to shared storage in
 the background, and a rank whose node memory lacks a step takes it from there (the
@@ -104,6 +104,8 @@ def load(*, replicated: bool = False) -> tuple[int, Any] | None:
     from relaunch.checkpoint._agree import newest_common
     from relaunch.checkpoint._replica import newest_replica
 
+    if not isinstance(replicated, bool):
+        raise SnapshotError(f"load: replicated must be True or False, got {replicated!r}")
     saver = _get()
     saver.wait()
     durable = saver.where.durable
