@@ -26,7 +26,15 @@ from relaunch.checkpoint import _layout as layout
 from relaunch.checkpoint._fill import Filler, Part
 from relaunch.checkpoint._tree import Region, decode, finish
 
-__all__ = ["Prefetch", "offered_steps", "read_folder", "read_regions", "read_sent", "read_step"]
+__all__ = [
+    "Prefetch",
+    "check",
+    "offered_steps",
+    "read_folder",
+    "read_regions",
+    "read_sent",
+    "read_step",
+]
 
 log = logging.getLogger("relaunch.checkpoint")
 
@@ -42,7 +50,7 @@ def offered_steps(
     for step in layout.complete_steps(base):
         folder = layout.step_dir(base, step)
         try:
-            _check(where, layout.read_manifest(folder), folder, step)
+            check(where, layout.read_manifest(folder), folder, step)
         except layout.CorruptSnapshot as exc:
             if not quiet:
                 log.warning("snapshot refused: %s", exc)
@@ -51,7 +59,9 @@ def offered_steps(
     return found
 
 
-def _check(where: layout.Where, m: layout.Manifest, folder: str, step: int) -> None:
+def check(where: layout.Where, m: layout.Manifest, folder: str, step: int) -> None:
+    """CorruptSnapshot naming the field of ``m`` that is not ``where``'s (job, rank,
+    world size) or ``step``."""
     for name, got, want in (
         ("job", m.job, where.job),
         ("rank", m.rank, where.rank),
@@ -75,7 +85,7 @@ def read_step(where: layout.Where, step: int, root: str | None, filler: Filler) 
     when it is not whole. Each tensor is read straight into a storage of its own."""
     folder = layout.step_dir(layout.rank_dir(root or where.root, where.rank), step)
     manifest = layout.read_manifest(folder)
-    _check(where, manifest, folder, step)
+    check(where, manifest, folder, step)
     return read_folder(folder, manifest, filler)
 
 

@@ -28,13 +28,14 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from relaunch.checkpoint import _layout as layout
 from relaunch.checkpoint._agree import gather
-from relaunch.checkpoint._readback import read_folder, read_sent
+from relaunch.checkpoint._readback import check, read_folder, read_sent
 
 __all__ = ["newest_replica"]
 
@@ -126,7 +127,8 @@ def _read_first(
         folder = _folder(where, step, source)
         try:
             manifest = layout.read_manifest(folder)
-            _check(where, manifest, folder, step, rank)
+            # any world size: a past world's snapshot of this job is every rank's
+            check(replace(where, rank=rank, world_size=manifest.world_size), manifest, folder, step)
             if rank == where.rank and manifest.world_size == where.world_size:
                 state = saver.read(step, root)  # the read ahead, when it is of it
             else:
@@ -135,18 +137,6 @@ def _read_first(
         except layout.CorruptSnapshot as exc:
             log.warning("rank %s: snapshot not used: %s", where.rank, exc)
     return None, None, None
-
-
-def _check(where: layout.Where, m: layout.Manifest, what: str, step: int, rank: int) -> None:
-    for name, got, want in (
-        ("job", m.job, where.job),
-        ("rank", m.rank, rank),
-        ("step", m.step, step),
-    ):
-        if got != want:
-            raise layout.CorruptSnapshot(
-                f"{what}: {name} {got!r} where {want!r} was expected (a snapshot of another job?)"
-            )
 
 
 def _share(
