@@ -6,7 +6,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -14,6 +13,8 @@ from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 from typing import Any
+
+from relaunch._endpoint import quiet_port
 
 
 def _exit_on(signum: int, frame: FrameType | None) -> None:
@@ -69,10 +70,9 @@ def fmt(values: list[float]) -> str:
 
 
 def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A TCP port free on 127.0.0.1 now, below the ephemeral range (where no connection
+    takes it as its source port before a server binds it)."""
+    return quiet_port("127.0.0.1")
 
 
 class JsonLines:

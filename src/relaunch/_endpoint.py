@@ -1,4 +1,5 @@
-"""Endpoints (``host[:port]``): the one parser, and the default ports of the backends.
+"""Endpoints (``host[:port]``): the one parser, the default ports of the backends, and
+the choice of a port for a server this machine starts.
 
 Used by the command line (which normalizes what the user typed) and by the rendezvous
 backends (which connect to it); a leaf module, importing nothing of relaunch but errors.
@@ -6,8 +7,10 @@ backends (which connect to it); a leaf module, importing nothing of relaunch but
 
 from __future__ import annotations
 
+import random
 import re
 import socket
+from pathlib import Path
 
 from relaunch.errors import ConfigError
 
@@ -16,6 +19,8 @@ __all__ = [
     "ETCD_PORT",
     "join_endpoint",
     "own_address",
+    "port_free",
+    "quiet_port",
     "split_endpoint",
 ]
 
@@ -81,3 +86,46 @@ def own_address(toward: str, port: int) -> str:
         except OSError:
             return "127.0.0.1"
         return str(probe.getsockname()[0])
+
+
+_EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_EPHEMERAL_LOW = 32768  # Linux's default start of that range
+_QUIET_FLOOR = 10000  # below it, registered services crowd
+
+
+def _ephemeral_low() -> int:
+    try:
+        low = int(_EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return _EPHEMERAL_LOW
+    return low if 1024 < low <= 65535 else _EPHEMERAL_LOW
+
+
+def port_free(address: str, port: int) -> bool:
+    """Whether ``port`` can be bound on ``address`` now."""
+    with socket.socket(family_of(address), socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((address, port))
+        except OSError:
+            return False
+    return True
+
+
+def quiet_port(address: str, spare: int = 0, tries: int = 200) -> int:
+    """A port free on ``address`` now, with the ``spare`` ports after it free too, chosen
+    below the kernel's ephemeral range; the kernel's pick (``bind(0)``) when none is found.
+
+    ``bind(0)`` hands out a port of the ephemeral range, the range every outgoing
+    connection takes its source port from: between the choice and the server's bind, any
+    connection on the machine (a worker's store client, a gloo pair) may take it, and so
+    may it take ``MASTER_PORT + 1``, where programs written after NVIDIA's examples host
+    their own store. Below that range only another process's choice can collide.
+    """
+    high = _ephemeral_low() - spare
+    for _ in range(tries if high - _QUIET_FLOOR >= 1000 else 0):
+        port = random.randrange(_QUIET_FLOOR, high)
+        if all(port_free(address, port + k) for k in range(spare + 1)):
+            return port
+    with socket.socket(family_of(address), socket.SOCK_STREAM) as probe:
+        probe.bind((address, 0))
+        return int(probe.getsockname()[1])

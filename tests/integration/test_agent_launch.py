@@ -128,6 +128,34 @@ def test_worker_environment_matches_torchrun(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(90)
+def test_master_port_leaves_the_next_two_ports_to_the_program(tmp_path: Path) -> None:
+    """MASTER_PORT is chosen below the ephemeral range, where no outgoing connection takes
+    a source port, with MASTER_PORT + 1 and + 2 free: programs written after NVIDIA's
+    examples host their own stores there (a gloo pair once took one of them in CI)."""
+    probe = script(
+        tmp_path,
+        "probe.py",
+        """
+        import os, socket, sys
+        port = int(os.environ["MASTER_PORT"])
+        low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+        servers = []
+        for k in (1, 2):
+            s = socket.socket()
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((os.environ["MASTER_ADDR"], port + k))
+            s.listen()
+            servers.append(s)
+        assert port < low, (port, low)
+        print(f"rank {os.environ['RANK']} bound {port + 1} and {port + 2}", flush=True)
+        """,
+    )
+    r = relaunch("--nproc-per-node=1", "--max-restarts=0", probe)
+    assert r.returncode == 0, r.stderr
+    assert "rank 0 bound" in r.stdout, r.stdout
+
+
+@pytest.mark.timeout(90)
 def test_failed_worker_is_restarted_and_job_succeeds(tmp_path: Path) -> None:
     s = script(
         tmp_path,

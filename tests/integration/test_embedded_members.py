@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 
 from multinode_support.etcd import Member, etcd_binary, start_cluster
+from multinode_support.ports import free_port
 from relaunch.rendezvous._member_calls import leave_cluster, list_members, promote_when_in_sync
-from relaunch.store._etcd_member import EtcdMember, MemberSpec, free_port, hand_over
+from relaunch.store._etcd_member import EtcdMember, MemberSpec, hand_over
 
 pytest.importorskip("etcd3gw")
 from relaunch.store.etcd import EtcdStore

@@ -18,11 +18,13 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from relaunch._endpoint import quiet_port
 from relaunch.errors import (
     FailureFormatError,
     ProcessFailure,
     RendezvousError,
     RendezvousStateError,
+    StoreConnectionError,
     StoreError,
     StoreTimeoutError,
 )
@@ -301,9 +303,8 @@ class WorkerStore:
         local = "127.0.0.1" if info.world_size == 1 else self._host
         addr = spec.master_addr or spec.local_addr or local
         bind = addr if addr.startswith("127.") else "0.0.0.0"  # (127.0.0.2 too)
-        port = spec.master_port if info.world_size == 1 and spec.master_port else 0
-        server = TCPStoreServer(host=bind, port=port, allowed=info.peers)
-        server.start()
+        given = spec.master_port if info.world_size == 1 and spec.master_port else None
+        server = _start_worker_store(bind, given, info.peers)
         if info.world_size > 1:
             try:
                 publish_worker_store(info, addr, server.port)
@@ -317,6 +318,30 @@ class WorkerStore:
         server, self._server = self._server, None
         if server is not None:
             server.close()
+
+
+_PORT_TRIES = 3
+_PROGRAM_PORTS = 2
+"""The ports after ``MASTER_PORT`` that are free when it is chosen: programs written after
+NVIDIA's examples host stores of their own at ``MASTER_PORT + 1`` and ``+ 2``."""
+
+
+def _start_worker_store(
+    bind: str, given: int | None, peers: frozenset[str] | None
+) -> TCPStoreServer:
+    """The workers' store server, started: at the port the user gave, else at a port below
+    the ephemeral range with the next two free (:func:`quiet_port`), and at another such
+    port when a process took the chosen one meanwhile."""
+    if given:
+        return TCPStoreServer(host=bind, port=given, allowed=peers).start()
+    for _ in range(_PORT_TRIES - 1):
+        port = quiet_port(bind, spare=_PROGRAM_PORTS)
+        try:
+            return TCPStoreServer(host=bind, port=port, allowed=peers).start()
+        except StoreConnectionError:
+            log.info("port %d was taken before the workers' store bound it", port)
+    port = quiet_port(bind, spare=_PROGRAM_PORTS)
+    return TCPStoreServer(host=bind, port=port, allowed=peers).start()
 
 
 def leave_rendezvous(handler: RendezvousHandler) -> None:

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from relaunch._endpoint import port_free, quiet_port
 from relaunch.rendezvous._seats import Member
-from relaunch.store._etcd_member import MemberSpec, bracket, free_port, port_free
+from relaunch.store._etcd_member import MemberSpec, bracket
 
 __all__ = ["EmbeddedSettings", "bind_address", "first_member", "joining_member"]
 
@@ -48,7 +49,7 @@ def bind_address(cfg: EmbeddedSettings) -> str:
 
 def first_member(cfg: EmbeddedSettings, name: str, client_port: int) -> MemberSpec:
     """The member that starts a new cluster, serving on ``client_port``."""
-    peer = free_port(cfg.address)
+    peer = quiet_port(cfg.address)
     return MemberSpec(
         name=name,
         address=cfg.address,
@@ -69,7 +70,7 @@ def joining_member(
         f"{m.name if m.id != added else name}={m.peer_urls[0]}" for m in members if m.peer_urls
     ]
     wanted = cfg.endpoint[1]
-    port = wanted if port_free(bind_address(cfg), wanted) else free_port(cfg.address)
+    port = wanted if port_free(bind_address(cfg), wanted) else quiet_port(cfg.address)
     return MemberSpec(
         name=name,
         address=cfg.address,

@@ -44,6 +44,7 @@ import os
 import threading
 import time
 
+from relaunch._endpoint import port_free, quiet_port
 from relaunch.errors import StoreConnectionError, StoreError
 from relaunch.rendezvous._member_calls import (
     Leave,
@@ -69,9 +70,7 @@ from relaunch.store._etcd_member import (
     EtcdMember,
     MemberSpec,
     bracket,
-    free_port,
     member_health,
-    port_free,
 )
 from relaunch.store.etcd import EtcdStore
 
@@ -288,7 +287,7 @@ class EmbeddedStore:
                 remove_member(store, learner.id, learner.name)
                 log.warning("embedded store: learner %s does not answer: removed", learner.name)
                 return
-            peer = free_port(self._cfg.address)
+            peer = quiet_port(self._cfg.address)
             peer_url = f"http://{bracket(self._cfg.address)}:{peer}"
             # the first of a pair a learner: it has no vote until promoted, so a member
             # that never starts cannot cost the quorum; the second a voting member at

@@ -15,7 +15,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,7 +27,6 @@ from dataclasses import dataclass
 from typing import BinaryIO, Literal
 from urllib.parse import urlsplit
 
-from relaunch._endpoint import family_of
 from relaunch.errors import ConfigError, StoreConnectionError
 
 __all__ = [
@@ -39,13 +37,11 @@ __all__ = [
     "bracket",
     "endpoint_of",
     "find_etcd",
-    "free_port",
     "hand_over",
     "health",
     "healthy",
     "is_etcd",
     "member_health",
-    "port_free",
 ]
 
 log = logging.getLogger(__name__)
@@ -136,23 +132,6 @@ def is_etcd(client_url: str, timeout: float) -> bool:
             return b"etcdserver" in reply.read(4096)
     except (OSError, urllib.error.URLError, ValueError):
         return False
-
-
-def free_port(address: str, port: int = 0) -> int:
-    """A port free on ``address`` now: ``port``, or the kernel's pick for 0 (OSError
-    when ``port`` is taken)."""
-    with socket.socket(family_of(address), socket.SOCK_STREAM) as s:
-        s.bind((address, port))
-        return int(s.getsockname()[1])
-
-
-def port_free(address: str, port: int) -> bool:
-    """Whether ``port`` can be bound on ``address`` now."""
-    try:
-        free_port(address, port)
-    except OSError:
-        return False
-    return True
 
 
 def endpoint_of(url: str) -> tuple[str, int] | None:
