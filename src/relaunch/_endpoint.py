@@ -7,6 +7,7 @@ backends (which connect to it); a leaf module, importing nothing of relaunch but
 
 from __future__ import annotations
 
+import logging
 import random
 import re
 import socket
@@ -17,12 +18,15 @@ from relaunch.errors import ConfigError
 __all__ = [
     "C10D_PORT",
     "ETCD_PORT",
+    "any_address",
     "join_endpoint",
     "own_address",
     "port_free",
     "quiet_port",
     "split_endpoint",
 ]
+
+log = logging.getLogger(__name__)
 
 C10D_PORT = 29400
 """The c10d rendezvous port when none is given (torchrun's)."""
@@ -89,16 +93,27 @@ def own_address(toward: str, port: int) -> str:
 
 
 _EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
-_EPHEMERAL_LOW = 32768  # Linux's default start of that range
+_EPHEMERAL = (32768, 60999)  # Linux's default range
 _QUIET_FLOOR = 10000  # below it, registered services crowd
+_NODE_PORTS = 30000  # Kubernetes' NodePorts (30000-32767): traffic to them may be redirected
+_ROOM = 1000  # the fewest ports a window below or above the range is used with
+_TORCH_DEFAULTS = range(29400, 29600)  # torch's default ports, which scripts hard-code
 
 
-def _ephemeral_low() -> int:
+def _ephemeral() -> tuple[int, int]:
+    """This network namespace's ephemeral port range (Linux's default when unreadable)."""
     try:
-        low = int(_EPHEMERAL_RANGE.read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return _EPHEMERAL_LOW
-    return low if 1024 < low <= 65535 else _EPHEMERAL_LOW
+        low, high = (int(word) for word in _EPHEMERAL_RANGE.read_text().split())
+    except (OSError, ValueError):
+        return _EPHEMERAL
+    return (low, high) if 1 <= low <= high <= 65535 else _EPHEMERAL
+
+
+def any_address(address: str) -> str:
+    """The any-address of ``address``'s family (``::`` takes IPv4 too, as this project's
+    servers bind it). A program's own server (a torch TCPStore) binds it as well, so a
+    port is free for it only when free on every local address."""
+    return "::" if ":" in address else "0.0.0.0"
 
 
 def port_free(address: str, port: int) -> bool:
@@ -112,20 +127,34 @@ def port_free(address: str, port: int) -> bool:
 
 
 def quiet_port(address: str, spare: int = 0, tries: int = 200) -> int:
-    """A port free on ``address`` now, with the ``spare`` ports after it free too, chosen
-    below the kernel's ephemeral range; the kernel's pick (``bind(0)``) when none is found.
+    """A port free on every address of ``address``'s family now, with the ``spare`` ports
+    after it free too, chosen outside the kernel's ephemeral range: below it (and below
+    Kubernetes' NodePorts), else above it; the kernel's pick (``bind(0)``, said in the
+    log) when neither has room or no such port is free.
 
     ``bind(0)`` hands out a port of the ephemeral range, the range every outgoing
     connection takes its source port from: between the choice and the server's bind, any
     connection on the machine (a worker's store client, a gloo pair) may take it, and so
     may it take ``MASTER_PORT + 1``, where programs written after NVIDIA's examples host
-    their own store. Below that range only another process's choice can collide.
+    their own store. Outside that range only another process's choice can collide.
     """
-    high = _ephemeral_low() - spare
-    for _ in range(tries if high - _QUIET_FLOOR >= 1000 else 0):
-        port = random.randrange(_QUIET_FLOOR, high)
-        if all(port_free(address, port + k) for k in range(spare + 1)):
+    low, high = _ephemeral()
+    windows = [(_QUIET_FLOOR, min(low, _NODE_PORTS) - spare), (high + 1, 65536 - spare)]
+    windows = [(a, b) for a, b in windows if b - a >= _ROOM]
+    wildcard = any_address(address)
+    for _ in range(tries if windows else 0):
+        port = random.randrange(*windows[0])
+        taken = (
+            p in _TORCH_DEFAULTS or not port_free(wildcard, p)
+            for p in range(port, port + spare + 1)
+        )
+        if not any(taken):
             return port
+        windows = windows[1:] + windows[:1]  # the other window next, when there are two
+    log.info(
+        "no free port outside the ephemeral range %d-%d for a server on %s; the kernel's pick",
+        low, high, address,
+    )  # fmt: skip
     with socket.socket(family_of(address), socket.SOCK_STREAM) as probe:
         probe.bind((address, 0))
         return int(probe.getsockname()[1])

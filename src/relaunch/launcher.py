@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from types import FrameType
 from typing import Any
 
+from relaunch._endpoint import any_address
 from relaunch.agent import (
     LocalAgent,
     RoundHook,
@@ -279,7 +280,8 @@ def _snapshot_area(config: LaunchConfig) -> SnapshotArea:
     peers = None  # a job of one node has no peer to copy its snapshots to
     if not config.alone and config.max_nodes > 1:
         local = config.local_addr or ""
-        peers = "127.0.0.1" if local.startswith("127.") or local == "localhost" else "0.0.0.0"
+        loopback = local.startswith("127.") or local == "localhost"
+        peers = "127.0.0.1" if loopback else any_address(local)
     return SnapshotArea(
         job=config.rdzv_id,
         directory=config.snapshot_dir,

@@ -6,6 +6,7 @@ all_reduce jobs that write one line per step (see ``tests/multinode_support``).
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -41,6 +42,34 @@ def test_two_nodes_train_at_world_four(c10d: Cluster) -> None:
     # the ranks of one node are contiguous (group rank * 2 + local rank)
     assert all(max(s) - min(s) == 1 and min(s) % 2 == 0 for s in by_node.values())
     assert {r.restart for r in rows} == {0}
+
+
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback here")
+def test_two_nodes_on_ipv6_addresses_train(tmp_path: Path) -> None:
+    """Nodes whose addresses are IPv6: the workers' store and the snapshot server listen
+    on ``::`` (before: on 0.0.0.0, IPv4 only, while the IPv6 address was published, and
+    the workers waited for a store they could not reach until they timed out)."""
+    cluster = Cluster(tmp_path, backend="c10d", endpoint=f"[::1]:{free_port()}")
+    try:
+        cluster.start("a", "steps=3", conf="is_host=1", local_addr="::1")
+        cluster.start("b", "steps=3", conf="is_host=0", local_addr="::1")
+        assert cluster.wait_exit("a") == 0, cluster.outputs()
+        assert cluster.wait_exit("b") == 0, cluster.outputs()
+        rows = cluster.steps()
+        assert {r.world for r in rows} == {4}
+        assert {r.total for r in rows} == {1 + 2 + 3 + 4}
+        assert "cannot list" not in cluster.outputs()  # the peers' snapshot servers answer
+    finally:
+        cluster.close()
 
 
 def test_late_node_admitted_at_the_next_round_without_a_restart(c10d: Cluster) -> None:

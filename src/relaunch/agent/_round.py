@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from relaunch._endpoint import quiet_port
+from relaunch._endpoint import any_address, quiet_port
 from relaunch.errors import (
     FailureFormatError,
     ProcessFailure,
@@ -302,7 +302,7 @@ class WorkerStore:
             return read_worker_store(info, timeout=timeout, moved_on=moved_on)
         local = "127.0.0.1" if info.world_size == 1 else self._host
         addr = spec.master_addr or spec.local_addr or local
-        bind = addr if addr.startswith("127.") else "0.0.0.0"  # (127.0.0.2 too)
+        bind = addr if addr.startswith("127.") else any_address(addr)  # (127.0.0.2 too)
         given = spec.master_port if info.world_size == 1 and spec.master_port else None
         server = _start_worker_store(bind, given, info.peers)
         if info.world_size > 1:

@@ -74,7 +74,12 @@ class SnapshotServer:
         self._job = job
         self._allowed = allowed
         self._clock = clock
-        self._sock = socket.create_server((host, 0))
+        v6 = ":" in host  # "::" serves IPv4 too, its peers as ::ffff:a.b.c.d
+        self._sock = socket.create_server(
+            (host, 0),
+            family=socket.AF_INET6 if v6 else socket.AF_INET,
+            dualstack_ipv6=v6 and socket.has_dualstack_ipv6(),
+        )
         self._sock.settimeout(0.2)
         self.port: int = self._sock.getsockname()[1]
         self._stop = threading.Event()
@@ -159,6 +164,7 @@ class SnapshotServer:
 
     def _admits(self, host: str) -> bool:
         allowed = self._allowed
+        host = host.removeprefix("::ffff:")
         return allowed is None or host.startswith(_LOOPBACK) or host in allowed
 
     def _serve(self, conn: socket.socket) -> None:

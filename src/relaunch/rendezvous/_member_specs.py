@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from relaunch._endpoint import port_free, quiet_port
+from relaunch._endpoint import any_address, port_free, quiet_port
 from relaunch.rendezvous._seats import Member
 from relaunch.store._etcd_member import MemberSpec, bracket
 
@@ -44,7 +44,7 @@ class EmbeddedSettings:
 
 def bind_address(cfg: EmbeddedSettings) -> str:
     """Where this node's member binds its ports."""
-    return cfg.address if cfg.address.startswith("127.") else "0.0.0.0"
+    return cfg.address if cfg.address.startswith("127.") else any_address(cfg.address)
 
 
 def first_member(cfg: EmbeddedSettings, name: str, client_port: int) -> MemberSpec:
