@@ -70,7 +70,7 @@ def fmt(values: list[float]) -> str:
 
 
 def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now, below the ephemeral range (where no connection
+    """A TCP port free on 127.0.0.1 now, outside the ephemeral range (where no connection
     takes it as its source port before a server binds it)."""
     return quiet_port("127.0.0.1")
 

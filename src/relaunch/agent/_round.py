@@ -329,9 +329,9 @@ NVIDIA's examples host stores of their own at ``MASTER_PORT + 1`` and ``+ 2``.""
 def _start_worker_store(
     bind: str, given: int | None, peers: frozenset[str] | None
 ) -> TCPStoreServer:
-    """The workers' store server, started: at the port the user gave, else at a port below
-    the ephemeral range with the next two free (:func:`quiet_port`), and at another such
-    port when a process took the chosen one meanwhile."""
+    """The workers' store server, started: at the port the user gave, else at a port
+    outside the ephemeral range with the next two free (:func:`quiet_port`), and at
+    another such port when a process took the chosen one meanwhile."""
     if given:
         return TCPStoreServer(host=bind, port=given, allowed=peers).start()
     for _ in range(_PORT_TRIES - 1):
