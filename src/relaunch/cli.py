@@ -27,7 +27,7 @@ from relaunch import _parse
 from relaunch._cli_options import OPTS
 from relaunch._cli_slurm import SlurmDefaults, slurm_defaults
 from relaunch._cli_values import Values, build_parser
-from relaunch._endpoint import C10D_PORT, ETCD_PORT
+from relaunch._endpoint import C10D_PORT, ETCD_PORT, join_endpoint
 from relaunch.config import BACKENDS, START_METHODS, LaunchConfig, Std
 from relaunch.errors import ConfigError
 
@@ -144,7 +144,8 @@ def _rendezvous(values: Values, nnodes: tuple[int, int]) -> tuple[str, str, str,
         if not endpoint:
             addr = _check_host(values, "master_addr") or "127.0.0.1"
             port = values.integer("master_port", 0, 65535) if values.given("master_port") else None
-            return backend, f"{addr}:{_STATIC_PORT if port is None else port}", run_id, nnodes
+            endpoint = join_endpoint(addr, _STATIC_PORT if port is None else port)
+            return backend, endpoint, run_id, nnodes
         return backend, values.parsed("rdzv_endpoint", _parse.parse_endpoint, None), run_id, nnodes
     default_port = C10D_PORT if backend == "c10d" else ETCD_PORT
     items = endpoint.split(",") if backend == "etcd" and endpoint else [endpoint or "127.0.0.1"]

@@ -229,6 +229,22 @@ def _program(config: LaunchConfig) -> str:
     return shlex.join([*head, *config.args])
 
 
+class _Unwind(BaseException):
+    """Raised by the signal handler while this node makes its rendezvous handler, which
+    may connect to the store for up to the join timeout with no agent yet to stop (a
+    BaseException: no ``except Exception`` on the way swallows it)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+class _Joining:
+    """Whether a signal now unwinds the making of the rendezvous handler."""
+
+    now = False
+
+
 def _error(message: str) -> None:
     print(f"relaunch: error: {message}", file=sys.stderr, flush=True)
 
@@ -243,11 +259,15 @@ def launch(config: LaunchConfig, environ: Mapping[str, str] | None = None) -> in
     environ = os.environ if environ is None else environ
     received: list[int] = []
     agents: list[LocalAgent] = []
+    joining = _Joining()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
         received.append(signum)
         for agent_ in agents:
             agent_.request_stop(signum)
+        if joining.now:  # no agent yet to stop: end the handler's making (a connect)
+            joining.now = False
+            raise _Unwind(signum)
 
     # Handlers first: from here on a signal is never the default, process-killing one.
     previous = {}
@@ -264,7 +284,9 @@ def launch(config: LaunchConfig, environ: Mapping[str, str] | None = None) -> in
             _error(f"cannot prepare the snapshot directory: {exc}")
             return 2
         try:
-            code = _launch(config, {**environ, **area.env()}, agents, received, _Snapshots(area))
+            code = _launch(
+                config, {**environ, **area.env()}, agents, received, _Snapshots(area), joining
+            )
             line = area.summary()
             if line is not None:
                 print(f"relaunch: {line}", file=sys.stderr, flush=True)
@@ -298,19 +320,30 @@ def _launch(
     agents: list[LocalAgent],
     received: list[int],
     snapshots: _Snapshots | None = None,
+    joining: _Joining | None = None,
 ) -> int:
+    joining = _Joining() if joining is None else joining
     try:
+        if received:  # (while the snapshot area was made)
+            raise _Unwind(received[0])
+        joining.now = True
         handler = create_rendezvous_handler(config)
+        joining.now = False
         if isinstance(handler, SharedBoard):
             handler.set_program(_program(config))
         hooks = () if snapshots is None else (snapshots,)
         spec = build_spec(config, handler, environ, hooks, snapshots)
+    except _Unwind as stop:
+        _error(f"stopped by signal {signal.Signals(stop.signum).name} while joining the job")
+        return 128 + stop.signum
     except ConfigError as exc:
         _error(str(exc))
         return 2
     except RelaunchError as exc:
         _error(str(exc))
         return 128 + received[0] if received else 1
+    finally:
+        joining.now = False
     agent = LocalAgent(spec)
     agents.append(agent)
     if received:

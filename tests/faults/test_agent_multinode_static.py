@@ -7,9 +7,11 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -104,6 +106,33 @@ main()
 """
 
 
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback here")
+def test_two_static_nodes_on_an_ipv6_master_addr_train(tmp_path: Path) -> None:
+    """``--master-addr ::1``: the endpoint is bracketed and node 0's store listens on
+    ``::`` (before: the command line refused ``::1:PORT``, and the store bound 0.0.0.0,
+    which node 1 could not reach)."""
+    script = tmp_path / "train.py"
+    script.write_text(TRAIN)
+    out = tmp_path / "out"
+    out.mkdir()
+    common = ["--nnodes=2", "--nproc-per-node=2", "--master-addr=::1",
+              f"--master-port={free_port()}", "--max-restarts=1", "--no-warm-standby"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    results = run_nodes(common, script, out, env)
+    assert [code for code, _, _ in results] == [0, 0], results
+    assert sorted(p.name for p in out.iterdir()) == [f"done_{r}" for r in range(4)]
+
+
 @pytest.mark.timeout(150)
 def test_restart_budget_is_the_jobs_and_every_node_reports_the_root_cause(tmp_path: Path) -> None:
     script = tmp_path / "fails.py"
@@ -196,3 +225,41 @@ def test_sigterm_ends_an_agent_waiting_in_rendezvous(tmp_path: Path, backend: st
             agent.kill()
             agent.wait()
     assert agent.returncode == 128 + signal.SIGTERM, err
+
+
+def _catches(pid: int, sig: int) -> bool:
+    """Whether process ``pid`` has a handler of its own for ``sig`` (``SigCgt``)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigCgt:"):
+            return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
+    return False
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_ends_an_agent_still_connecting_to_the_store(
+    tmp_path: Path, sig: signal.Signals
+) -> None:
+    """Node 1 of a static job whose node 0 never comes retries its connection to the
+    store for the join timeout (600 s), before any agent exists: a signal ends it there,
+    with one line (before: it went on retrying, and a Ctrl-C waited up to 10 minutes)."""
+    script = tmp_path / "never.py"
+    script.write_text("raise SystemExit(9)\n")
+    agent = subprocess.Popen(
+        [PY, "-m", "relaunch", "--nnodes=2", "--nproc-per-node=1", "--master-addr=127.0.0.1",
+         f"--master-port={free_port()}", "--node-rank=1", str(script)],
+        stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        # its handlers are in (SIGTERM's: Python catches SIGINT from its own start)
+        while not _catches(agent.pid, signal.SIGTERM):
+            assert agent.poll() is None
+            time.sleep(0.01)
+        agent.send_signal(sig)
+        _, err = agent.communicate(timeout=30)
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+            agent.wait()
+    assert agent.returncode == 128 + sig, err
+    assert f"stopped by signal {sig.name} while joining the job" in err, err

@@ -106,6 +106,13 @@ def test_static_multi_node_uses_master_addr_and_port(script: str) -> None:
     assert (params.min_nodes, params.max_nodes, params.run_id) == (2, 2, "none")
 
 
+def test_static_with_an_ipv6_master_addr_brackets_it(script: str) -> None:
+    """(before: ``::1:1234``, refused as an endpoint without a port)"""
+    argv = ["--nnodes=2", "--node-rank=1", "--master-addr=::1", "--master-port=1234"]
+    config = parse_args([*argv, script])
+    assert (config.rdzv_backend, config.rdzv_endpoint) == ("static", "[::1]:1234")
+
+
 def test_static_defaults_and_single_node_with_a_port(script: str) -> None:
     config = parse_args(["--nnodes", "2", script])
     assert config.rdzv_endpoint == "127.0.0.1:29500"

@@ -23,7 +23,7 @@ import time
 import uuid
 from collections.abc import Callable
 
-from relaunch._endpoint import split_endpoint
+from relaunch._endpoint import any_address, split_endpoint
 from relaunch.errors import (
     ConfigError,
     RendezvousClosedError,
@@ -313,7 +313,7 @@ def create_static_handler(params: RendezvousParameters) -> RendezvousHandler:
         from relaunch.store.signed import read_secret
 
         secret = read_secret(params.conf["secret_file"])
-    bind = params.local_addr if params.local_addr else "0.0.0.0"
+    bind = params.local_addr or any_address(host)  # ("::" takes IPv4 too)
     return StaticRendezvousHandler(
         run_id=params.run_id,
         host=host,
