@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -16,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from multinode_support.ports import free_port
+from multinode_support.ports import free_port, ipv6_loopback
 from multinode_support.stacks import stacks_of_tree
 
 PY = sys.executable
@@ -106,17 +105,8 @@ main()
 """
 
 
-def _ipv6_loopback() -> bool:
-    try:
-        with socket.socket(socket.AF_INET6) as probe:
-            probe.bind(("::1", 0))
-    except OSError:
-        return False
-    return True
-
-
 @pytest.mark.timeout(150)
-@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback here")
+@pytest.mark.skipif(not ipv6_loopback(), reason="no IPv6 loopback here")
 def test_two_static_nodes_on_an_ipv6_master_addr_train(tmp_path: Path) -> None:
     """``--master-addr ::1``: the endpoint is bracketed and node 0's store listens on
     ``::`` (before: the command line refused ``::1:PORT``, and the store bound 0.0.0.0,

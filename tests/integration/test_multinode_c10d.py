@@ -6,13 +6,13 @@ all_reduce jobs that write one line per step (see ``tests/multinode_support``).
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from multinode_support.cluster import Cluster, free_port
+from multinode_support.ports import ipv6_loopback
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -44,16 +44,7 @@ def test_two_nodes_train_at_world_four(c10d: Cluster) -> None:
     assert {r.restart for r in rows} == {0}
 
 
-def _ipv6_loopback() -> bool:
-    try:
-        with socket.socket(socket.AF_INET6) as probe:
-            probe.bind(("::1", 0))
-    except OSError:
-        return False
-    return True
-
-
-@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback here")
+@pytest.mark.skipif(not ipv6_loopback(), reason="no IPv6 loopback here")
 def test_two_nodes_on_ipv6_addresses_train(tmp_path: Path) -> None:
     """Nodes whose addresses are IPv6: the workers' store and the snapshot server listen
     on ``::`` (before: on 0.0.0.0, IPv4 only, while the IPv6 address was published, and

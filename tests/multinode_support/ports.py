@@ -15,7 +15,7 @@ import random
 import socket
 from pathlib import Path
 
-__all__ = ["free_port", "free_ports"]
+__all__ = ["free_port", "free_ports", "ipv6_loopback"]
 
 _FALLBACK_LOW = 32768  # Linux's default start of the ephemeral range
 _FLOOR = 10000
@@ -53,3 +53,13 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
 def free_port(host: str = "127.0.0.1") -> int:
     """A port free on ``host`` now, below the ephemeral range."""
     return free_ports(1, host)[0]
+
+
+def ipv6_loopback() -> bool:
+    """Whether this machine (this network namespace) has an IPv6 loopback to bind."""
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
