@@ -18,69 +18,13 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from relaunch._event_details import (
-    Cause,
-    Detail,
-    Emit,
-    ExitBarrierTimeout,
-    FinishedWithout,
-    ForkServerReady,
-    ForkServerRefused,
-    ForkServerStarted,
-    MembershipChanged,
-    NodeLost,
-    NodeReplaced,
-    NotNeeded,
-    RendezvousClosed,
-    RendezvousComplete,
-    Restart,
-    RoundReopened,
-    RunFailed,
-    Stopped,
-    StoreLost,
-    WatchdogExpired,
-    WorkerHung,
-    WorkerLost,
-    WorkerRespawned,
-    WorkersFailed,
-    WorkersStarted,
-    WorkersStopped,
-    WorkersSucceeded,
-)
+from relaunch import _event_details
+from relaunch._event_details import *  # noqa: F403  (the details are this module's too)
+from relaunch._event_details import Detail
 from relaunch._event_details import _Detail as _Detail  # the details' base class
 
-__all__ = [
-    "EVENT_VERSION",
-    "Cause",
-    "Detail",
-    "Emit",
-    "Event",
-    "EventSink",
-    "ExitBarrierTimeout",
-    "FinishedWithout",
-    "ForkServerReady",
-    "ForkServerRefused",
-    "ForkServerStarted",
-    "MembershipChanged",
-    "NodeLost",
-    "NodeReplaced",
-    "NotNeeded",
-    "RendezvousClosed",
-    "RendezvousComplete",
-    "Restart",
-    "RoundReopened",
-    "RunFailed",
-    "Stopped",
-    "StoreLost",
-    "WatchdogExpired",
-    "WorkerHung",
-    "WorkerLost",
-    "WorkerRespawned",
-    "WorkersFailed",
-    "WorkersStarted",
-    "WorkersStopped",
-    "WorkersSucceeded",
-]
+__all__ = ["EVENT_VERSION", "Event", "EventSink"]
+__all__ += _event_details.__all__
 
 log = logging.getLogger("relaunch.events")
 

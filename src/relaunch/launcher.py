@@ -23,6 +23,7 @@ from relaunch.agent import (
     LocalAgent,
     RoundHook,
     RoundStart,
+    RunResult,
     SnapshotFacts,
     SnapshotSource,
     WorkerSpec,
@@ -30,6 +31,7 @@ from relaunch.agent import (
 )
 from relaunch.checkpoint import _layout as layout
 from relaunch.checkpoint._area import SnapshotArea
+from relaunch.checkpoint._peers import PeerRound
 from relaunch.config import LaunchConfig
 from relaunch.errors import ChildFailedError, ConfigError, RelaunchError, StoreError
 from relaunch.procs import Entrypoint
@@ -142,13 +144,15 @@ class _Snapshots:
     def round_started(self, start: RoundStart) -> None:
         info = start.info
         self._area.round_started(
-            info.store,
-            round_number=info.round,
-            group_rank=info.rank,
-            world_size=info.world_size,
-            ranks=start.ranks,
-            addr=start.addr,
-            allowed=info.peers,
+            PeerRound(
+                store=info.store,
+                round_number=info.round,
+                group_rank=info.rank,
+                world_size=info.world_size,
+                ranks=start.ranks,
+                addr=start.addr,
+                allowed=info.peers,
+            )
         )
 
 
@@ -319,10 +323,9 @@ def _launch(
     environ: Mapping[str, str],
     agents: list[LocalAgent],
     received: list[int],
-    snapshots: _Snapshots | None = None,
-    joining: _Joining | None = None,
+    snapshots: _Snapshots | None,
+    joining: _Joining,
 ) -> int:
-    joining = _Joining() if joining is None else joining
     try:
         if received:  # (while the snapshot area was made)
             raise _Unwind(received[0])
@@ -360,15 +363,20 @@ def _launch(
         if status is not None:
             status[0].close()
             status[1].close()
+    return _exit_code(config, result, agent.stop_signal)
+
+
+def _exit_code(config: LaunchConfig, result: RunResult, stop_signal: int | None) -> int:
+    """The process's exit code for the agent's result; says why on stderr."""
     if result.state == WorkerState.SUCCEEDED:
         if result.reason:
             print(f"relaunch: warning: {result.reason}", file=sys.stderr, flush=True)
         return 0
     if result.reason:
         _error(result.reason)
-    if result.state == WorkerState.STOPPED and agent.stop_signal is not None:
-        _error(f"stopped by signal {signal.Signals(agent.stop_signal).name}")
-        return 128 + agent.stop_signal
+    if result.state == WorkerState.STOPPED and stop_signal is not None:
+        _error(f"stopped by signal {signal.Signals(stop_signal).name}")
+        return 128 + stop_signal
     if not result.failures:
         if result.reason:
             return 1

@@ -22,7 +22,7 @@ from multinode_support.waiting import wait_for
 from relaunch.checkpoint import _layout as layout
 from relaunch.checkpoint._peer_client import fetch_step, list_steps
 from relaunch.checkpoint._peer_server import SnapshotServer, held_steps
-from relaunch.checkpoint._peers import PeerCopies, PeerRecord, _targets
+from relaunch.checkpoint._peers import PeerCopies, PeerRecord, PeerRound, _targets
 from relaunch.checkpoint._wire import WireError, ask
 from relaunch.store.tcp import TCPStoreClient, TCPStoreServer
 
@@ -58,13 +58,14 @@ class Ring:
 
     def start(self, group_rank: int, ranks: tuple[int, ...], round_number: int = 0) -> None:
         self.nodes[group_rank].round_started(
-            self.stores[group_rank],
-            round_number=round_number,
-            group_rank=group_rank,
-            world_size=len(self.nodes),
-            ranks=ranks,
-            addr="127.0.0.1",
-            allowed=None,
+            PeerRound(
+                self.stores[group_rank],
+                round_number=round_number,
+                group_rank=group_rank,
+                world_size=len(self.nodes),
+                ranks=ranks,
+                addr="127.0.0.1",
+            )
         )
 
     def close(self) -> None:
@@ -336,10 +337,10 @@ def test_a_node_that_replaced_the_predecessor_in_its_round_is_pulled(
     spare = PeerCopies(str(spare_root), JOB, bind="127.0.0.1")
     store = TCPStoreClient("127.0.0.1", ring.server.port, timeout=10)
     try:
-        spare.round_started(
-            store, round_number=0, group_rank=0, world_size=2, ranks=(0,),
-            addr="127.0.0.1", allowed=None,
-        )  # fmt: skip
+        seat = PeerRound(
+            store, round_number=0, group_rank=0, world_size=2, ranks=(0,), addr="127.0.0.1"
+        )
+        spare.round_started(seat)
         assert spare.fetched == {0: 5}  # from the successor, before its workers start
         _snapshot(spare_root, 0, 6, b"rank zero at 6, the spare's worker's")
         wait_for(lambda: 6 in dict(held_steps(str(second)).get(0, [])), 20, what="the copy of 6")

@@ -26,8 +26,7 @@ import tempfile
 
 from relaunch.checkpoint import _layout as layout
 from relaunch.checkpoint._durable import DurableCopier
-from relaunch.checkpoint._peers import PeerCopies
-from relaunch.store import Store
+from relaunch.checkpoint._peers import PeerCopies, PeerRound
 
 __all__ = ["SnapshotArea"]
 
@@ -157,31 +156,12 @@ class SnapshotArea:
             parts.append(f"restored {what}, {redone} {unit} redone (ranks {_ranks(ranks)})")
         return "snapshots: " + "; ".join(parts)
 
-    def round_started(
-        self,
-        store: Store,
-        *,
-        round_number: int,
-        group_rank: int,
-        world_size: int,
-        ranks: tuple[int, ...],
-        addr: str,
-        allowed: frozenset[str] | None,
-    ) -> None:
+    def round_started(self, seat: PeerRound) -> None:
         """A rendezvous round starts on this node (before its workers): the peer copies
         (``_peers``) publish, fetch what this node's ranks lack and pull the ring
         predecessor's snapshots. Never raises."""
-        if self._peers is None:
-            return
-        self._peers.round_started(
-            store,
-            round_number=round_number,
-            group_rank=group_rank,
-            world_size=world_size,
-            ranks=ranks,
-            addr=addr,
-            allowed=allowed,
-        )
+        if self._peers is not None:
+            self._peers.round_started(seat)
 
     def __exit__(self, *exc: object) -> None:
         self.close()

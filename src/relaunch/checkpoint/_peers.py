@@ -37,7 +37,7 @@ from relaunch.checkpoint._peer_server import SnapshotServer, held_steps
 from relaunch.errors import StoreError
 from relaunch.store import Store
 
-__all__ = ["PeerCopies", "PeerRecord"]
+__all__ = ["PeerCopies", "PeerRecord", "PeerRound"]
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +83,22 @@ class PeerRecord:
 
 
 @dataclass(frozen=True)
+class PeerRound:
+    """This node's place in a rendezvous round, as the peer copies need it: the round's
+    store, its number, this node's group rank among ``world_size`` nodes, the global
+    ranks its workers run, the address its peers reach it at, and the hosts allowed to
+    fetch from it (None: any)."""
+
+    store: Store
+    round_number: int
+    group_rank: int
+    world_size: int
+    ranks: tuple[int, ...]
+    addr: str
+    allowed: frozenset[str] | None = None
+
+
+@dataclass(frozen=True)
 class _Round:
     store: Store
     group_rank: int
@@ -123,28 +139,19 @@ class PeerCopies:
         """The port this node's workers reach the server at (on loopback)."""
         return self._server.port
 
-    def round_started(
-        self,
-        store: Store,
-        *,
-        round_number: int,
-        group_rank: int,
-        world_size: int,
-        ranks: Iterable[int],
-        addr: str,
-        allowed: frozenset[str] | None,
-    ) -> None:
+    def round_started(self, seat: PeerRound) -> None:
         """Publish where this node serves, fetch the snapshots of ranks this node runs
         and does not hold, and pull the predecessor's from now on. Never raises: a
         snapshot that cannot be had is restored from elsewhere or not at all (load())."""
-        current = _Round(store, group_rank, world_size, tuple(sorted(ranks)))
+        store, group_rank, world_size = seat.store, seat.group_rank, seat.world_size
+        current = _Round(store, group_rank, world_size, tuple(sorted(seat.ranks)))
         with self._lock:
             self._round = None  # no pull from the last round's ring meanwhile
-        self._server.set_allowed(allowed)
+        self._server.set_allowed(seat.allowed)
         # this round's successor starts polling when it started the round too
         self._server.expect_successor(_SUCCESSOR_START if world_size > 1 else None)
         try:  # first: the other nodes of the round may fetch from this one meanwhile
-            record = PeerRecord(addr, self._server.port, current.ranks)
+            record = PeerRecord(seat.addr, self._server.port, current.ranks)
             store.set(f"{_KEY}{group_rank}", record.to_bytes())
         except StoreError as exc:
             log.warning("snapshots: cannot offer this node's snapshots to its peers: %s", exc)
@@ -153,6 +160,7 @@ class PeerCopies:
         # them in the round just before (a spare that sat out rounds holds old ones)
         self.fetched = {}
         complete = True
+        round_number = seat.round_number
         if world_size > 1 and self._last != (round_number - 1, current.ranks):
             complete = self._fetch_missing(current)
         # a fetch that failed is tried again at the next round
