@@ -293,6 +293,46 @@ def test_a_leave_the_queue_does_not_confirm_is_made_on_the_state(store: MemorySt
     shut(b)
 
 
+class _StateReads(MemoryStore):
+    """The in-memory store, counting the reads of the rendezvous state made by the main
+    thread (not the keep-alive threads': the steward's beats read it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads = 0
+
+    def get(self, key: str) -> bytes | None:
+        if (
+            key == "relaunch/rdzv/job/state"
+            and threading.current_thread() is threading.main_thread()
+        ):
+            self.reads += 1
+        return super().get(key)
+
+
+def test_a_leave_still_queued_at_the_close_timeout_gives_up_without_reading_the_state() -> None:
+    # the queue stalls behind a ticket whose node is gone; a node whose leave is not
+    # applied by its close timeout says so (shutdown: False) without reading the state,
+    # which past the deadline could only say "too late": every node of a slow mass
+    # leave at 16,384 nodes reading it (430 KB each) ran the nodes out of memory
+    store = _StateReads()
+    kw = {"last_call_timeout": 600.0, "heartbeat_timeout": 0.5, "close_timeout": 0.2,
+          "keep_alive_max_attempt": 50}  # fmt: skip
+    a, b = make(store, 2, 2, **kw), make(store, 2, 2, **kw)
+    try:
+        together(a.next_rendezvous, b.next_rendezvous)
+        store.add("relaunch/rdzv/job/req", 1)
+        before = store.reads
+        assert not a.shutdown()
+        assert store.reads == before
+        assert store.get("relaunch/rdzv/job/hb/" + a.node_id) is None  # it stopped beating
+    finally:
+        try:
+            b.shutdown()
+        finally:
+            store.close()
+
+
 def test_late_node_admitted_at_next_round(store: MemoryStore) -> None:
     a, b = make(store, 1, 2), make(store, 1, 2)
     first = a.next_rendezvous()
