@@ -160,11 +160,10 @@ class PeerCopies:
         # them in the round just before (a spare that sat out rounds holds old ones)
         self.fetched = {}
         complete = True
-        round_number = seat.round_number
-        if world_size > 1 and self._last != (round_number - 1, current.ranks):
+        if world_size > 1 and self._last != (seat.round_number - 1, current.ranks):
             complete = self._fetch_missing(current)
         # a fetch that failed is tried again at the next round
-        self._last = (round_number, current.ranks) if complete else (-2, ())
+        self._last = (seat.round_number, current.ranks) if complete else (-2, ())
         held = layout.held_ranks(self._root)
         current.started_at.update({rank: held.get(rank, [-1])[0] for rank in current.ranks})
         with self._lock:
