@@ -90,25 +90,41 @@ def _size(value: Any) -> int:
     return 8 if isinstance(value, (int, float)) else 0
 
 
-class CountingStore:
-    """A Store proxy counting the calls made through it and the bytes they moved."""
+_COUNTING: dict[type, type] = {}
 
-    def __init__(self, inner: Any, counter: Counter) -> None:
-        self._inner = inner
-        self._counter = counter
 
-    def __getattr__(self, name: str) -> Any:
-        attr = getattr(self._inner, name)
-        if not callable(attr):
-            return attr
+def counting_store(inner: Any, counter: Counter) -> Any:
+    """A proxy of the store ``inner`` counting the calls made through it and the bytes
+    they moved. Its class has the methods of ``inner``'s class (made once per class),
+    so it has the same capabilities (``relaunch.store``'s protocols) and relaunch
+    remembers them per class as it does for the store itself: a proxy answering
+    through ``__getattr__`` is checked member by member at every call that asks."""
+    cls = type(inner)
+    proxy = _COUNTING.get(cls)
+    if proxy is None:
+        names = {name: getattr(cls, name) for name in dir(cls) if not name.startswith("_")}
+        members: dict[str, Any] = {"__init__": _proxy_init}
+        for name, attr in names.items():
+            members[name] = _forward(name) if isinstance(attr, property) else _counted(name)
+        proxy = _COUNTING[cls] = type(f"Counting{cls.__name__}", (), members)
+    return proxy(inner, counter)
 
-        def call(*args: Any, **kwargs: Any) -> Any:
-            result = attr(*args, **kwargs)
-            self._counter.add(_size(args) + _size(kwargs) + _size(result))
-            return result
 
-        setattr(self, name, call)  # made once: the proxy's cost is not the rendezvous's
-        return call
+def _proxy_init(self: Any, inner: Any, counter: Counter) -> None:
+    self._inner, self._counter = inner, counter
+
+
+def _forward(name: str) -> property:
+    return property(lambda self: getattr(self._inner, name))
+
+
+def _counted(name: str) -> Callable[..., Any]:
+    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = getattr(self._inner, name)(*args, **kwargs)
+        self._counter.add(_size(args) + _size(kwargs) + _size(result))
+        return result
+
+    return call
 
 
 def _told() -> None:
@@ -182,7 +198,7 @@ def bench_relaunch(
     handlers = [
         DynamicRendezvousHandler(
             backend="c10d",
-            store=CountingStore(client, counter),  # type: ignore[arg-type]
+            store=counting_store(client, counter),
             settings=settings,
         )
         for client in clients

@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from relaunch.errors import StoreClosedError, StoreTimeoutError
-from relaunch.store import MemoryStore, PrefixStore
+from relaunch.store import MemoryStore, PrefixStore, has_batches, has_leases, has_tickets
 
 
 def test_operations() -> None:
@@ -94,3 +94,40 @@ def test_a_prefix_store_batches_and_keeps_leases_only_where_the_store_has_them()
     lview.set_ephemeral("alive/n1", b"1", 5.0)
     assert leases.ttls == {"round/1/alive/n1": 5.0}
     assert lview.keys_with_prefix("alive/") == ["alive/n1"]
+
+
+class _Batched(MemoryStore):
+    """The in-memory store with the batch calls of a :class:`BatchStore`."""
+
+    def multi_get(self, keys: list[str]) -> list[bytes | None]:
+        return [self.get(key) for key in keys]
+
+    def multi_set(self, items: dict[str, bytes]) -> None:
+        for key, value in items.items():
+            self.set(key, value)
+
+
+class _Proxy:
+    """A store proxy answering through ``__getattr__`` (what it has is its target's)."""
+
+    def __init__(self, inner: object) -> None:
+        self._inner = inner
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._inner, name)
+
+
+def test_capabilities_are_asked_of_each_proxy_not_remembered_for_its_class() -> None:
+    # a store's capabilities are remembered per class (a runtime protocol check walks
+    # every member); a proxy's class says nothing of what its target has
+    plain, batched = MemoryStore(), _Batched()
+    try:
+        assert not has_batches(plain) and has_batches(batched)
+        assert not has_batches(plain)  # (remembered: the same answer)
+        assert has_batches(_Proxy(batched))
+        assert not has_batches(_Proxy(plain))
+        assert has_batches(_Proxy(batched))
+        assert not has_leases(batched) and not has_tickets(batched)
+    finally:
+        plain.close()
+        batched.close()

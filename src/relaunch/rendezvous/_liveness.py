@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterable
 from relaunch.errors import RendezvousStateError
 from relaunch.rendezvous._corrupt import CorruptWatch
 from relaunch.rendezvous._settings import RendezvousSettings
-from relaunch.store import LeaseStore, Store, get_many, peek, set_many
+from relaunch.store import Store, get_many, has_leases, peek, set_many
 
 __all__ = ["Liveness", "heartbeat_times"]
 
@@ -69,7 +69,7 @@ class Liveness:
         stamps its heartbeat (:meth:`stamp`) before it places it, one write for the
         whole batch instead of one per node (a third of the calls of a 4,096-node
         round's joins), and its keep-alive beats from then on."""
-        if isinstance(self.store, LeaseStore):
+        if has_leases(self.store):
             self.store.set_ephemeral(self._alive_key(node), b"1", self._settings.dead_after)
             self.beat(node)
 
@@ -78,7 +78,7 @@ class Liveness:
         call): a node in the state always has one, or the next look at the dead would
         drop it before its own first beat. Nothing where the store has leases (each
         node announced its lease before it asked to join)."""
-        if isinstance(self.store, LeaseStore) or not nodes:
+        if has_leases(self.store) or not nodes:
             return
         now = _millis(self._clock())
         set_many(self.store, {self.hb_key(node): now for node in nodes})
@@ -88,7 +88,7 @@ class Liveness:
         per dead-node delay (the lease decides who is alive; a write costs etcd a raft
         round, so that is only ``relaunch status``'s heartbeat age)."""
         now = self._clock()
-        if isinstance(self.store, LeaseStore) and now - self._beaten < self._settings.dead_after:
+        if has_leases(self.store) and now - self._beaten < self._settings.dead_after:
             return
         self.store.set(self.hb_key(node), _millis(now))
         self._beaten = now
@@ -106,7 +106,7 @@ class Liveness:
     def alive(self, nodes: Iterable[str]) -> set[str]:
         """Those of ``nodes`` that are alive: their lease's key is there (etcd), else
         their heartbeat is younger than the dead-node delay."""
-        if isinstance(self.store, LeaseStore):
+        if has_leases(self.store):
             cut = len(self._prefix) + len("alive/")
             keys = self.store.keys_with_prefix(self._prefix + "alive/")
             return {key[cut:] for key in keys} & set(nodes)

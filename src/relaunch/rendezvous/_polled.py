@@ -12,7 +12,7 @@ from relaunch.rendezvous._backend import StateBackend
 from relaunch.rendezvous._corrupt import CorruptWatch
 from relaunch.rendezvous._epochs import EpochWatch
 from relaunch.rendezvous._state import RendezvousState
-from relaunch.store import LeaseStore
+from relaunch.store import has_leases
 
 __all__ = ["PolledState", "load_through_corruption"]
 
@@ -37,7 +37,7 @@ class PolledState:
         calls before it closes: those that left before it may still be making them)."""
         self._watch = (
             EpochWatch(backend.store, backend.epoch_key, node)
-            if isinstance(backend.store, LeaseStore)
+            if has_leases(backend.store)
             else None
         )
         self._probed = 0.0

@@ -39,7 +39,7 @@ from relaunch.status._report import (
     decode_report,
 )
 from relaunch.status._summary import summary_of
-from relaunch.store import ScanStore, Store, get_many
+from relaunch.store import Store, get_many, has_scan
 
 __all__ = ["JOB_VERSION", "job_document", "local_document", "read_job", "status_key"]
 
@@ -54,7 +54,7 @@ def status_key(run_id: str, node: str) -> str:
 def _read_many(store: Store, prefix: str, nodes: list[str]) -> list[bytes | None]:
     """The values of ``prefix + node`` for ``nodes``, in one round trip where the store
     can (etcd: a range over the prefix; the TCP store: one multi-get)."""
-    if isinstance(store, ScanStore):
+    if has_scan(store):
         found = store.items_with_prefix(prefix)
         return [found.get(prefix + n) for n in nodes]
     return get_many(store, [prefix + n for n in nodes])

@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
-from relaunch.store._protocol import BatchStore, LeaseStore, Store, peek, take_ticket, tickets_taken
+from relaunch.store._protocol import (
+    LeaseStore,
+    Store,
+    has_batches,
+    has_leases,
+    peek,
+    take_ticket,
+    tickets_taken,
+)
 
 __all__ = ["LeasePrefixStore", "PrefixStore"]
 
@@ -19,7 +27,7 @@ class PrefixStore:
     @staticmethod
     def over(store: Store, prefix: str) -> PrefixStore:
         """The prefixed view with every capability ``store`` has."""
-        if isinstance(store, LeaseStore):
+        if has_leases(store):
             return LeasePrefixStore(store, prefix)
         return PrefixStore(store, prefix)
 
@@ -56,13 +64,13 @@ class PrefixStore:
 
     def multi_get(self, keys: list[str]) -> list[bytes | None]:
         full = [self._key(key) for key in keys]
-        if isinstance(self.store, BatchStore):
+        if has_batches(self.store):
             return self.store.multi_get(full)
         return [self.store.get(key) for key in full]
 
     def multi_set(self, items: dict[str, bytes]) -> None:
         full = {self._key(key): value for key, value in items.items()}
-        if isinstance(self.store, BatchStore):
+        if has_batches(self.store):
             self.store.multi_set(full)
             return
         for key, value in full.items():

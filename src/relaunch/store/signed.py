@@ -16,7 +16,15 @@ import hmac
 import os
 
 from relaunch.errors import ConfigError, RendezvousStateError
-from relaunch.store._protocol import BatchStore, LeaseStore, Store, peek, take_ticket, tickets_taken
+from relaunch.store._protocol import (
+    LeaseStore,
+    Store,
+    has_batches,
+    has_leases,
+    peek,
+    take_ticket,
+    tickets_taken,
+)
 
 __all__ = ["SUFFIX", "SignedLeaseStore", "SignedStore", "is_signed", "read_secret"]
 
@@ -107,7 +115,7 @@ class SignedStore:
         self.store.wait(keys, timeout)
 
     def multi_get(self, keys: list[str]) -> list[bytes | None]:
-        if isinstance(self.store, BatchStore):
+        if has_batches(self.store):
             raws = self.store.multi_get(keys)
         else:
             raws = [self.store.get(k) for k in keys]
@@ -115,7 +123,7 @@ class SignedStore:
 
     def multi_set(self, items: dict[str, bytes]) -> None:
         signed = {k: self._sign(k, bytes(v)) for k, v in items.items()}
-        if isinstance(self.store, BatchStore):
+        if has_batches(self.store):
             self.store.multi_set(signed)
         else:
             for k, v in signed.items():
@@ -127,7 +135,7 @@ class SignedStore:
     @staticmethod
     def over(store: Store, secret: bytes) -> SignedStore:
         """The signed view with every capability ``store`` has."""
-        if isinstance(store, LeaseStore):
+        if has_leases(store):
             return SignedLeaseStore(store, secret)
         return SignedStore(store, secret)
 
