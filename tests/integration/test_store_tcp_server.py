@@ -218,6 +218,31 @@ def test_bind_failure_names_the_address() -> None:
         server.close()
 
 
+@pytest.mark.parametrize("fails", ["socketpair", "thread"])
+def test_a_start_that_fails_after_listening_leaves_no_socket_open(
+    fails: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # out of file descriptors for the wake pair, or out of threads ("can't start new
+    # thread", as at thousands of simulated nodes): one clear error and nothing left
+    # open; before, the listen socket stayed open until close() and the error was a
+    # bare OSError or RuntimeError
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise (OSError(24, "Too many open files") if fails == "socketpair"
+               else RuntimeError("can't start new thread"))  # fmt: skip
+
+    before = _socket_fds()
+    server = TCPStoreServer(host="127.0.0.1", port=0)
+    with monkeypatch.context() as patch:
+        if fails == "socketpair":
+            patch.setattr(socket, "socketpair", refuse)
+        else:
+            patch.setattr(threading.Thread, "start", refuse)
+        with pytest.raises(StoreConnectionError, match="cannot start the TCP store server"):
+            server.start()
+    assert _socket_fds() == before
+    server.close()
+
+
 def test_given_listen_socket_is_used_and_closed() -> None:
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))

@@ -135,18 +135,36 @@ class TCPStoreServer:
                 ) from exc
             self._listen = listen
             self._port = int(listen.getsockname()[1])
-            self._wake_r, self._wake_w = socket.socketpair()
-            self._wake_r.setblocking(False)
-            self._wake_w.setblocking(False)
-            self._selector = selectors.DefaultSelector()
-            self._selector.register(listen, selectors.EVENT_READ, "listen")
-            self._selector.register(self._wake_r, selectors.EVENT_READ, "wake")
-            self._thread = threading.Thread(
-                target=self._run, name=f"relaunch-tcpstore-{self._port}", daemon=True
-            )
-            self._thread.start()
+            try:
+                self._start_loop(listen)
+            except (OSError, RuntimeError) as exc:  # no file descriptor, no thread left
+                self._unwind()
+                raise StoreConnectionError(
+                    f"cannot start the TCP store server on {self._host}:{self._port}: {exc}"
+                ) from exc
             log.debug("TCP store server listening on %s:%s", self._host, self._port)
         return self
+
+    def _start_loop(self, listen: socket.socket) -> None:
+        """The wake pair, the selector and the thread (the lock held)."""
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(listen, selectors.EVENT_READ, "listen")
+        self._selector.register(self._wake_r, selectors.EVENT_READ, "wake")
+        thread = threading.Thread(
+            target=self._run, name=f"relaunch-tcpstore-{self._port}", daemon=True
+        )
+        thread.start()
+        self._thread = thread
+
+    def _unwind(self) -> None:
+        """Close what a start that failed had made: no socket is left open."""
+        for closeable in (self._selector, self._wake_r, self._wake_w, self._listen):
+            if closeable is not None:
+                closeable.close()
+        self._selector = self._wake_r = self._wake_w = self._listen = None
 
     def close(self) -> None:
         """Stop serving, close every socket and join the thread. Idempotent."""
