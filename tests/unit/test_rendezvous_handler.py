@@ -189,6 +189,56 @@ def test_the_applied_hint_is_corrected_after_an_applier_lost_before_its_acks() -
         store.close()
 
 
+def test_an_applier_whose_write_lost_to_another_writes_again_at_once() -> None:
+    # between the first applier's read of the state and its compare-and-set, another
+    # node writes the state (it claims the store's host, as an agent does at its start):
+    # the applier folds its batch into the state now and writes again at once. Before,
+    # it wrote nothing, not even its acks, and the queue stood still for a stall's
+    # timeout (2 s by default) before anyone looked again. Later appliers were handed
+    # the queue (``ack/<t>`` is "h"), so they tried again at once already
+    from relaunch.errors import StoreTimeoutError
+    from relaunch.rendezvous._backend import StateBackend
+    from relaunch.rendezvous._queue import RequestQueue
+    from relaunch.rendezvous._writes import claim_store_host
+
+    class Collides(MemoryStore):
+        armed = False
+        stalls = 0
+
+        def wait(self, keys: list[str], timeout: float) -> None:
+            try:
+                super().wait(keys, timeout)
+            except StoreTimeoutError:
+                self.stalls += 1
+                raise
+
+        def compare_set(
+            self, key: str, expected: bytes | None, desired: bytes
+        ) -> tuple[bytes, bool]:
+            if self.armed and key.endswith("/state"):
+                self.armed = False
+                claim_store_host(backend, "host", settings, lambda: 1000.0)
+            return super().compare_set(key, expected, desired)
+
+    store = Collides()
+    settings = RendezvousSettings(
+        run_id="job", min_nodes=1, max_nodes=1, heartbeat_timeout=2.0,
+        keep_alive_interval=0.2, keep_alive_max_attempt=30,
+    )  # fmt: skip
+    backend = StateBackend(store, settings, clock=lambda: 1000.0)
+    try:
+        store.armed = True
+        ack = RequestQueue(backend).request("a")
+        assert ack is not None and ack.participant and ack.place is not None
+        assert store.stalls == 0
+        state, _ = backend.load()
+        assert state.complete and list(state.participants) == ["a"]
+        assert state.store_host == "host" and state.applied == 1
+        assert store.get(backend.prefix + "applied") == b"1"
+    finally:
+        store.close()
+
+
 class _StateWrites(MemoryStore):
     """The in-memory store, counting the compare-and-sets of the rendezvous state."""
 

@@ -247,14 +247,9 @@ class RequestQueue:
             requests += self._latecomers(state, requests, first + len(requests), until,
                                          interrupted)  # fmt: skip
         last = first + len(requests) - 1
-        now = self.clock()
-        new, _ = self.backend.remove_dead(state, now, _asking(requests, leave=True))
-        new = new.copy()
-        perform_requests(new, [r for r in requests if r is not None], now, self.settings)
-        new.applied = max(last, state.applied)
         self.backend.liveness.stamp(_asking(requests))
-        new, _, written = self.backend.commit(state, raw, new)
-        if written:
+        new = self._commit(state, raw, requests, first, last)
+        if new is not None:
             acks = {}
             ring = successors(new) if new.complete else {}
             for ticket, request in zip(range(first, last + 1), requests, strict=True):
@@ -269,6 +264,30 @@ class RequestQueue:
             acks[f"{self.prefix}ack/{last + 1}"] = b"h"
             acks[self._hint_key] = str(new.applied).encode()
             set_many(self.store, acks)
+
+    def _commit(
+        self, state: RendezvousState, raw: bytes | None, requests: list[Request | None],
+        first: int, last: int,
+    ) -> RendezvousState | None:  # fmt: skip
+        """Fold ``requests`` (tickets ``first..last``) into the state in one
+        compare-and-set; the state written, or None. A write lost to another kind (a
+        node claiming the store's host, a failure counted, the dead removed) is made
+        again at once on the state now, for a keep-alive interval at most: before, the
+        queue stood still for a stall's timeout when its first applier lost one. None
+        when another applier took ticket ``first`` or later (its acks answer them)."""
+        end = self.clock() + min(self.settings.keep_alive_interval, self.settings.dead_after / 2)
+        while True:
+            now = self.clock()
+            new, _ = self.backend.remove_dead(state, now, _asking(requests, leave=True))
+            new = new.copy()
+            perform_requests(new, [r for r in requests if r is not None], now, self.settings)
+            new.applied = max(last, state.applied)
+            new, raw, written = self.backend.commit(state, raw, new)
+            if written:
+                return new
+            if new.applied >= first or self.clock() > end:
+                return None
+            state = new
 
 
 def _asking(requests: list[Request | None], *, leave: bool = False) -> list[str]:
