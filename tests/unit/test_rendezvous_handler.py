@@ -507,6 +507,31 @@ def test_join_request_of_another_run_is_ignored(store: MemoryStore) -> None:
     shut(h)
 
 
+def test_a_node_beats_once_its_first_join_request_left_the_queue(store: MemoryStore) -> None:
+    # a queued node is in no state, and the applier writes its heartbeat as it places
+    # it: beats before then only cost the store (at 16,384 nodes on a 5 s interval,
+    # most of the round's calls). Ticket 1 is taken and never written, so this node
+    # waits in the queue for two stalls (about 3 s) before it takes the queue over
+    store.add("relaunch/rdzv/job/req", 1)
+    h = make(store, 1, 1, heartbeat_timeout=1.5, keep_alive_interval=0.05,
+             keep_alive_max_attempt=100)  # fmt: skip
+    hb = f"relaunch/rdzv/job/hb/{h.node_id}"
+    try:
+        with ThreadPoolExecutor(1, thread_name_prefix="test-rdzv") as pool:
+            joined = pool.submit(h.next_rendezvous)
+            wait_for(lambda: store.get("relaunch/rdzv/job/req/2") is not None, 30,
+                     what="the join request")  # fmt: skip
+            for _ in range(10):  # 20 keep-alive intervals, still queued
+                assert store.get(hb) is None
+                assert not joined.done()
+                threading.Event().wait(0.1)
+            assert joined.result(timeout=60).world_size == 1
+        first = store.get(hb)
+        until(lambda: store.get(hb) != first)  # it beats now
+    finally:
+        shut(h)
+
+
 def test_join_timeout(store: MemoryStore) -> None:
     h = make(store, 2, 2, join_timeout=0.3)
     with pytest.raises(RendezvousTimeoutError, match="join_timeout"):

@@ -55,6 +55,12 @@ class RoundJoin:
     corrupt: CorruptWatch
     interrupted: threading.Event
     clock: Callable[[], float]
+    dequeued: Callable[[], None] = lambda: None
+    """Called once a join request of this node left the queue: its keep-alive starts.
+    A queued node is in no state (the applier writes its heartbeat as it places it),
+    so no one reads its beats: 16,384 nodes joining at once on a 5 s interval made
+    most of the round's store calls with them, each cutting into the node's wait for
+    its ack (three messages more), and on 2 cores the round never completed."""
 
     def run(
         self,
@@ -125,6 +131,7 @@ class RoundJoin:
         """Ask the applier to place this node; its place once the round it joined is
         complete (within a dead-node timeout), or None to look at the state again."""
         ack = self.queue.request(self.node, self.interrupted.is_set)
+        self.dequeued()  # placed, or its place is read from the state from now on
         if ack is None or not ack.participant:
             return None
         if ack.place is not None:  # this request completed the round

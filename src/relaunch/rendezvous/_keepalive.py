@@ -64,15 +64,24 @@ class KeepAlive:
         self._thread: threading.Thread | None = None
         self._lifeline_host = lifeline_host
         self._lifeline: Lifeline | None = None
+        self._opened = False
         self._lost: set[str] = set()
         self._lost_lock = threading.Lock()
         self._followed: str | None = None
 
+    def open(self) -> None:
+        """Listen on the lifeline and publish its address (once): before the node joins,
+        so that the other nodes of its round find it when they are placed."""
+        if self._opened or self._stop.is_set():
+            return
+        self._opened = True
+        self._start_lifeline()
+
     def start(self) -> None:
-        """Start the thread (once; later calls do nothing)."""
+        """Start beating: the thread (once; later calls do nothing), the lifeline first."""
         if self._thread is not None or self._stop.is_set():
             return
-        self._start_lifeline()
+        self.open()
         self._thread = threading.Thread(
             target=self._loop, name=f"relaunch-rdzv-keepalive-{self._node}", daemon=True
         )

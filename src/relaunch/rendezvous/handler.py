@@ -93,9 +93,6 @@ class DynamicRendezvousHandler:
         self._spent = SpentKeys()  # deleted by the keep-alive thread after a beat
         self._queue = RequestQueue(self._rdzv, self._spent)
         self._corrupt = CorruptWatch(settings.run_id, settings.dead_after)
-        self._join = RoundJoin(
-            self._node, self._rdzv, self._queue, settings, self._corrupt, self._interrupted, clock
-        )
         self._polled = PolledState(self._rdzv, self._corrupt, self._node)
         refused = RefusedLog(
             self._ka_rdzv.store, self._rdzv.prefix, settings.run_id, settings.dead_after, clock
@@ -109,6 +106,10 @@ class DynamicRendezvousHandler:
             after_beat=lambda: self._after_beat(refused),
             lifeline_host=lifeline_host,
         )
+        self._join = RoundJoin(
+            self._node, self._rdzv, self._queue, settings, self._corrupt, self._interrupted,
+            clock, self._keep_alive.start,
+        )  # fmt: skip
 
     def _after_beat(self, refused: RefusedLog) -> None:
         """The keep-alive thread's, after each beat: the refused nodes' log, and the
@@ -163,7 +164,10 @@ class DynamicRendezvousHandler:
         if self._embedded is not None:  # let in; and a new round may follow a member's loss
             self._embedded.admitted()
         self._rdzv.announce(self._node)
-        self._keep_alive.start()
+        if self._joined:
+            self._keep_alive.start()
+        else:  # its first beat once its request left the queue (RoundJoin.dequeued)
+            self._keep_alive.open()
         state: RendezvousState | None = None
         raw: bytes | None = None
         if self._joined:
