@@ -247,7 +247,6 @@ class RequestQueue:
             requests += self._latecomers(state, requests, first + len(requests), until,
                                          interrupted)  # fmt: skip
         last = first + len(requests) - 1
-        self.backend.liveness.stamp(_asking(requests))
         new = self._commit(state, raw, requests, first, last)
         if new is not None:
             acks = {}
@@ -276,12 +275,16 @@ class RequestQueue:
         queue stood still for a stall's timeout when its first applier lost one. None
         when another applier took ticket ``first`` or later (its acks answer them)."""
         end = self.clock() + min(self.settings.keep_alive_interval, self.settings.dead_after / 2)
+        stamped = False
         while True:
             now = self.clock()
             new, _ = self.backend.remove_dead(state, now, _asking(requests, leave=True))
             new = new.copy()
             perform_requests(new, [r for r in requests if r is not None], now, self.settings)
             new.applied = max(last, state.applied)
+            if not stamped:  # the joining nodes' heartbeats, before the state holds them
+                self.backend.liveness.stamp(_asking(requests))
+                stamped = True
             new, raw, written = self.backend.commit(state, raw, new)
             if written:
                 return new
