@@ -39,7 +39,8 @@ class KeepAlive:
     removes it.
 
     Owns one thread (named after the node) from :meth:`start` until :meth:`stop`, and
-    the lifeline until :meth:`close_lifeline` (after the node left the state).
+    the lifeline from :meth:`open` (or :meth:`start`) until :meth:`close_lifeline`
+    (after the node left the state).
     """
 
     def __init__(
