@@ -234,8 +234,7 @@ class RequestQueue:
         self, state: RendezvousState, raw: bytes | None, skip_missing: bool,
         interrupted: Callable[[], bool],
     ) -> None:  # fmt: skip
-        # waits end before the others take a stall for the applier's loss (min(hb, dead))
-        until = self.clock() + min(self.settings.keep_alive_interval, self.settings.dead_after / 2)
+        until = self._applier_deadline()
         first = state.applied + 1
         if raw is None:  # no state, with tickets taken: its key was deleted (by hand)
             # The requests its last applier applied (the hint says which) are spent, their
@@ -264,6 +263,11 @@ class RequestQueue:
             acks[self._hint_key] = str(new.applied).encode()
             set_many(self.store, acks)
 
+    def _applier_deadline(self) -> float:
+        """When an applier's waits (for requests, for its write) end: before the others
+        take a stall for its loss (min(hb, dead))."""
+        return self.clock() + min(self.settings.keep_alive_interval, self.settings.dead_after / 2)
+
     def _commit(
         self, state: RendezvousState, raw: bytes | None, requests: list[Request | None],
         first: int, last: int,
@@ -274,7 +278,7 @@ class RequestQueue:
         again at once on the state now, for a keep-alive interval at most: before, the
         queue stood still for a stall's timeout when its first applier lost one. None
         when another applier took ticket ``first`` or later (its acks answer them)."""
-        end = self.clock() + min(self.settings.keep_alive_interval, self.settings.dead_after / 2)
+        end = self._applier_deadline()
         stamped = False
         while True:
             now = self.clock()
