@@ -105,9 +105,24 @@ def counting_store(inner: Any, counter: Counter) -> Any:
         names = {name: getattr(cls, name) for name in dir(cls) if not name.startswith("_")}
         members: dict[str, Any] = {"__init__": _proxy_init}
         for name, attr in names.items():
-            members[name] = _forward(name) if isinstance(attr, property) else _counted(name)
+            if isinstance(attr, property):
+                members[name] = _forward(name)
+            elif name in _NOT_CALLS:
+                members[name] = _passed(name)
+            else:
+                members[name] = _counted(name)
         proxy = _COUNTING[cls] = type(f"Counting{cls.__name__}", (), members)
     return proxy(inner, counter)
+
+
+_NOT_CALLS = {"together"}  # no store call: a run of calls the proxy counts one by one
+
+
+def _passed(name: str) -> Callable[..., Any]:
+    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self._inner, name)(*args, **kwargs)
+
+    return call
 
 
 def _proxy_init(self: Any, inner: Any, counter: Counter) -> None:

@@ -22,8 +22,9 @@ from relaunch.errors import (
     StoreConnectionError,
     StoreTimeoutError,
 )
-from relaunch.store import Store
+from relaunch.store import MemoryStore, PrefixStore, Store, has_turns, together
 from relaunch.store import _tcp_wire as wire
+from relaunch.store.signed import SignedStore
 from relaunch.store.tcp import TCPStoreClient, TCPStoreServer
 
 
@@ -535,6 +536,48 @@ def test_calls_cut_into_a_wait_on_the_client_s_one_connection(server: TCPStoreSe
             stop.set()
             busy.join(30)
         assert not failed and server.connection_count == 2
+
+
+def test_calls_made_together_cut_into_a_parked_wait_once(server: TCPStoreServer) -> None:
+    with (
+        TCPStoreClient("127.0.0.1", server.port, timeout=10) as node,
+        TCPStoreClient("127.0.0.1", server.port, timeout=10) as writer,
+    ):
+        outcome: list[object] = []
+
+        def wait() -> None:
+            try:
+                node.wait(["x"], timeout=60)
+                outcome.append("set")
+            except BaseException as exc:
+                outcome.append(exc)
+
+        thread = threading.Thread(target=wait, name="test-parked-wait")
+        thread.start()
+        wait_for(lambda: server.waiter_count == 1, timeout=30, what="the parked wait")
+        with node.together():  # a heartbeat's calls: the wait is cancelled once
+            node.set("beat", b"1")
+            assert server.waiter_count == 0
+            writer.set("x", b"")  # the wait, not parked again inside, cannot see it
+            with node.together():  # (nested: the outer run holds the turn)
+                assert node.add("beats", 1) == 1
+            thread.join(0.5)
+            assert thread.is_alive() and not outcome
+            assert node.get("beat") == b"1"
+            node.wait(["x"], timeout=10)  # a wait inside takes a connection of its own
+        thread.join(30)  # parked again after the run: its key is set
+        assert not thread.is_alive() and outcome == ["set"]
+        with pytest.raises(StoreTimeoutError), node.together():
+            node.wait(["never"], timeout=0.1)
+        assert node.get("beat") == b"1"  # the turn was given back
+        views = [PrefixStore(node, "p/"), SignedStore.over(node, b"s" * 32)]
+        assert has_turns(node) and all(has_turns(view) for view in views)
+        assert not has_turns(MemoryStore())
+        for view in views:  # a view's run of calls is its store's
+            with together(view):
+                view.set("k", b"v")
+                with node.together():
+                    assert view.get("k") == b"v"
 
 
 def test_close_ends_a_parked_wait(server: TCPStoreServer) -> None:

@@ -61,16 +61,19 @@ def test_store_exports() -> None:
         "TCPStoreClient",
         "TCPStoreServer",
         "TicketStore",
+        "TurnStore",
         "get_many",
         "has_batches",
         "has_leases",
         "has_peek",
         "has_scan",
         "has_tickets",
+        "has_turns",
         "peek",
         "set_many",
         "take_ticket",
         "tickets_taken",
+        "together",
     ]
 
 

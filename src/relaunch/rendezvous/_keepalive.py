@@ -24,6 +24,7 @@ from relaunch.rendezvous._ops import remove_lost
 from relaunch.rendezvous._places import assignment_of
 from relaunch.rendezvous._settings import RendezvousSettings
 from relaunch.rendezvous._state import RendezvousState
+from relaunch.store import together
 
 __all__ = ["KeepAlive"]
 
@@ -163,20 +164,28 @@ class KeepAlive:
                 return
             try:
                 self.beat()
-                self._after_beat()
             except RendezvousStateError as exc:
                 self._corrupt.seen(exc)  # logged once per content, not once per beat
             except RelaunchError as exc:
                 logger.warning("rendezvous keep-alive of %s failed: %s", self._node, exc)
 
     def beat(self) -> None:
-        """Write our heartbeat; as the steward (or with lost nodes to remove), read the
-        state and remove the dead and the lost (at most one CAS)."""
+        """Write our heartbeat, and run ``after_beat``; as the steward (or with lost
+        nodes to remove), then read the state and remove the dead and the lost (at most
+        one CAS).
+
+        The small calls go :func:`~relaunch.store.together`: a wait of the node's
+        parked on its connection (its join's, its leave's) is cut into once a beat, not
+        once a call. At a job's end 16,384 nodes beat while their leaves wait; at five
+        cuts a beat (three messages each) they kept the store's host too busy to apply
+        the leaves."""
         rdzv = self._rdzv
-        rdzv.liveness.beat(self._node)
-        with self._lost_lock:
-            lost, self._lost = self._lost, set()
-        steward = rdzv.liveness.steward(self._node, self._corrupt)
+        with together(rdzv.store):
+            rdzv.liveness.beat(self._node)
+            with self._lost_lock:
+                lost, self._lost = self._lost, set()
+            steward = rdzv.liveness.steward(self._node, self._corrupt)
+            self._after_beat()
         if not (steward or lost):
             return
         try:

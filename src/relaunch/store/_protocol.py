@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from contextlib import AbstractContextManager
 from typing import Protocol, TypeGuard, runtime_checkable
 
 
@@ -115,6 +117,17 @@ class TicketStore(Store, Protocol):
         ...
 
 
+@runtime_checkable
+class TurnStore(Store, Protocol):
+    """A store whose client shares one connection between its calls and a parked wait
+    (:class:`~relaunch.store.TCPStoreClient`): a call made during the wait cuts into it
+    (cancelled, then sent again), and a run of calls made :meth:`together` cuts in once."""
+
+    def together(self) -> AbstractContextManager[None]:
+        """Hold the connection for the calls this thread makes inside (no wait)."""
+        ...
+
+
 _CAPABLE: dict[tuple[type, type], bool] = {}
 
 
@@ -155,6 +168,20 @@ def has_peek(store: Store) -> TypeGuard[PeekStore]:
 def has_tickets(store: Store) -> TypeGuard[TicketStore]:
     """Whether ``store`` is a :class:`TicketStore` (remembered per class)."""
     return _capable(store, TicketStore)
+
+
+def has_turns(store: Store) -> TypeGuard[TurnStore]:
+    """Whether ``store`` is a :class:`TurnStore` (remembered per class)."""
+    return _capable(store, TurnStore)
+
+
+def together(store: Store) -> AbstractContextManager[None]:
+    """A run of calls on ``store`` from this thread, made in one turn where its client
+    has turns (:class:`TurnStore`: a heartbeat's few calls cut into a parked wait once,
+    not once each); elsewhere nothing is held."""
+    if has_turns(store):
+        return store.together()
+    return contextlib.nullcontext()
 
 
 def take_ticket(store: Store, key: str) -> int:

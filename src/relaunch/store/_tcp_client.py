@@ -13,6 +13,7 @@ import math
 import threading
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import TypeVar
 
 from relaunch.errors import (
@@ -273,6 +274,12 @@ class TCPStoreClient:
                 raise StoreClosedError("the TCP store client was closed")
         if not outcome:
             raise StoreTimeoutError(f"wait for keys {keys} timed out after {timeout}s")
+
+    def together(self) -> AbstractContextManager[None]:
+        """Make this thread's calls inside in one turn on the main connection: a wait
+        parked there is cut into once for all of them, not once per call (a heartbeat's
+        few calls). No wait inside on this thread takes the main connection."""
+        return self._main.together()
 
     def close(self) -> None:
         """Close every connection (a blocked :meth:`wait` returns). Idempotent."""

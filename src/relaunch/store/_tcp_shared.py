@@ -9,7 +9,8 @@ connect in the middle of each node's first wait. Here the first wait goes on the
 connection; a call that finds it parked there cancels it (CANCEL_WAIT, answered by
 WAIT_CANCELED, after a STOP_WAITING when the keys were set meanwhile), makes its
 request, and the wait is sent again with the time it has left: three more messages
-per call made during a wait (a heartbeat each keep-alive interval). Waits made while
+per call made during a wait, or per run of calls a thread makes :meth:`together`
+(a heartbeat's: its key, the steward's, the node's spent keys). Waits made while
 the main connection already carries one go to the client's pool of wait connections,
 each a :class:`SharedConnection` that no call uses.
 """
@@ -61,6 +62,7 @@ class SharedConnection:
         self._seat_taken = False  # a wait uses this connection
         self._parking = False  # that wait is about to be sent (again): calls hold back
         self._closed = False
+        self._holder: int | None = None  # the thread holding the turn for a run of calls
 
     def call(self, request: bytes, parse: Callable[[Connection], T]) -> T:
         """Send ``request`` and read its reply with ``parse``, in this thread's turn."""
@@ -78,7 +80,7 @@ class SharedConnection:
         ``timeout`` seconds (cancelled), None when another wait already uses this
         connection (the caller takes one of its own)."""
         with self._gate:
-            if self._seat_taken or self._closed:
+            if self._seat_taken or self._closed or self._holder == threading.get_ident():
                 return None
             self._seat_taken = True
         deadline = time.monotonic() + timeout
@@ -90,6 +92,21 @@ class SharedConnection:
         finally:
             with self._gate:
                 self._seat_taken = False
+
+    @contextlib.contextmanager
+    def together(self) -> Iterator[None]:
+        """Hold the turn for every call this thread makes inside (nested: the outer one
+        holds it): a wait parked here is cancelled once for the run and sent again after
+        it, not once per call. A wait made inside takes another connection (None)."""
+        if self._holder == threading.get_ident():
+            yield
+            return
+        with self._turn():
+            self._holder = threading.get_ident()
+            try:
+                yield
+            finally:
+                self._holder = None
 
     @property
     def connected(self) -> bool:
@@ -119,7 +136,11 @@ class SharedConnection:
     def _turn(self) -> Iterator[None]:
         """Hold the connection; a wait parked on it is cancelled to make room. A wait
         that was cut into parks again before the next call cuts in: it sees its keys
-        at least once between two calls, however busy the other threads."""
+        at least once between two calls, however busy the other threads. In a run of
+        calls :meth:`together`, its thread holds the turn already."""
+        if self._holder == threading.get_ident():
+            yield
+            return
         with self._gate:
             self._gate.wait_for(lambda: not self._parking)
             self._pending += 1

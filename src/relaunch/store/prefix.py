@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
+
 from relaunch.store._protocol import (
     LeaseStore,
     Store,
@@ -10,6 +12,7 @@ from relaunch.store._protocol import (
     peek,
     take_ticket,
     tickets_taken,
+    together,
 )
 
 __all__ = ["LeasePrefixStore", "PrefixStore"]
@@ -61,6 +64,9 @@ class PrefixStore:
 
     def wait(self, keys: list[str], timeout: float) -> None:
         self.store.wait([self._key(key) for key in keys], timeout)
+
+    def together(self) -> AbstractContextManager[None]:
+        return together(self.store)
 
     def multi_get(self, keys: list[str]) -> list[bytes | None]:
         full = [self._key(key) for key in keys]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
+from contextlib import AbstractContextManager
 
 from relaunch.errors import ConfigError, RendezvousStateError
 from relaunch.store._protocol import (
@@ -24,6 +25,7 @@ from relaunch.store._protocol import (
     peek,
     take_ticket,
     tickets_taken,
+    together,
 )
 
 __all__ = ["SUFFIX", "SignedLeaseStore", "SignedStore", "is_signed", "read_secret"]
@@ -113,6 +115,9 @@ class SignedStore:
 
     def wait(self, keys: list[str], timeout: float) -> None:
         self.store.wait(keys, timeout)
+
+    def together(self) -> AbstractContextManager[None]:
+        return together(self.store)
 
     def multi_get(self, keys: list[str]) -> list[bytes | None]:
         if has_batches(self.store):
