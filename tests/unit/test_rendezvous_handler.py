@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import json
 import threading
 from collections.abc import Callable, Iterator
@@ -341,6 +342,46 @@ def test_a_leave_the_queue_does_not_confirm_is_made_on_the_state(store: MemorySt
     assert state["complete"] and list(state["participants"]) == [b.node_id]
     assert b.num_nodes_waiting() == 0
     shut(b)
+
+
+class _Beats(MemoryStore):
+    """The in-memory store, counting each node's heartbeat writes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.beats: collections.Counter[str] = collections.Counter()
+
+    def set(self, key: str, value: bytes) -> None:
+        if key.startswith("relaunch/rdzv/job/hb/"):
+            self.beats[key.rsplit("/", 1)[1]] += 1
+        super().set(key, value)
+
+
+def test_a_leaving_node_is_alive_until_its_deadline_without_beating() -> None:
+    # its leave waits behind a ticket whose node is gone for longer than the dead-node
+    # delay (0.3 s), and the other node's steward looks for the dead every 0.1 s: the
+    # leaving node, which no longer beats (16,384 nodes beating while their leaves
+    # waited kept the store's host from applying them), dated its heartbeat once to
+    # its deadline, so it leaves and is not taken for dead: the other node's round
+    # stays complete
+    store = _Beats()
+    kw = {"last_call_timeout": 600.0, "keep_alive_max_attempt": 3}
+    a, b = make(store, 2, 2, **kw), make(store, 2, 2, **kw)
+    try:
+        together(a.next_rendezvous, b.next_rendezvous)
+        store.add("relaunch/rdzv/job/req", 1)
+        before = store.beats[a.node_id]
+        assert a.shutdown()
+        assert store.beats[a.node_id] - before == 1
+        state = json.loads(store.get("relaunch/rdzv/job/state") or b"")
+        assert state["complete"] and list(state["participants"]) == [b.node_id]
+        assert b.num_nodes_waiting() == 0
+        assert store.get("relaunch/rdzv/job/hb/" + a.node_id) is None  # its last call
+    finally:
+        try:
+            shut(b)
+        finally:
+            store.close()
 
 
 class _StateReads(MemoryStore):

@@ -175,10 +175,9 @@ class KeepAlive:
         one CAS).
 
         The small calls go :func:`~relaunch.store.together`: a wait of the node's
-        parked on its connection (its join's, its leave's) is cut into once a beat, not
-        once a call. At a job's end 16,384 nodes beat while their leaves wait; at five
-        cuts a beat (three messages each) they kept the store's host too busy to apply
-        the leaves."""
+        parked on its connection (for its next round) is cut into once a beat, not once
+        a call (three messages each: five cuts a beat just after a round, with the
+        round's spent keys)."""
         rdzv = self._rdzv
         with together(rdzv.store):
             rdzv.liveness.beat(self._node)

@@ -6,10 +6,12 @@ Keys, under ``relaunch/rdzv/<run_id>/``:
     The node's heartbeat: its wall-clock time in milliseconds, written by the node
     itself every keep-alive interval (one small write; the shared state is not
     rewritten), and first by the applier of its join request, before it places it.
-    A node whose heartbeat is older than the dead-node delay is dead. On a store with
-    leases (etcd) the node's ``alive/<node>`` key, under its lease, decides
-    instead (etcd's clock, no skew between hosts), and the heartbeat, written once per
-    dead-node delay there, only tells ``relaunch status`` how recent the node is.
+    A node whose heartbeat is older than the dead-node delay is dead. A leaving node
+    stops beating and dates its heartbeat once, so that it is alive until its leave's
+    deadline (:meth:`Liveness.leaving`). On a store with leases (etcd) the node's
+    ``alive/<node>`` key, under its lease, decides instead (etcd's clock, no skew
+    between hosts), and the heartbeat, written once per dead-node delay there, only
+    tells ``relaunch status`` how recent the node is.
 ``steward``
     ``{"v": 1, "node": N, "ms": T, "corrupt": null or "why"}``: the node that reads
     everyone's liveness this interval, when it last said so, and whether the state it
@@ -92,6 +94,13 @@ class Liveness:
             return
         self.store.set(self.hb_key(node), _millis(now))
         self._beaten = now
+
+    def leaving(self, node: str, until: float) -> None:
+        """``node`` stopped beating to leave by ``until`` (its leave's deadline): its
+        heartbeat is dated so that it stays alive until then, one write for the whole
+        leave. Nothing where the store has leases (its client keeps its lease)."""
+        if not has_leases(self.store):
+            self.store.set(self.hb_key(node), _millis(until - self._settings.dead_after))
 
     def forget(self, node: str) -> None:
         """``node`` left: its heartbeat goes with it."""

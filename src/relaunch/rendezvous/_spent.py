@@ -9,8 +9,8 @@ its 2 GB quota (compaction drops old revisions, not live keys). Each node forget
 own: its keep-alive thread deletes them after its next beat, a few deletes a round and
 none on the way from a fault back to training.
 
-What stays: a dead node's last keys, and a leaving node's (its leave request's, its
-last place: the keep-alive thread stops with the leave), a few per fault or leave; the
+What stays: a dead node's last keys, and a leaving node's leave request's (it deletes
+the others as its keep-alive thread stops, before it asks), a few per fault or leave; the
 keys of a request its node gave up waiting for (interrupted, or a corrupt state); a key
 written again after its node deleted it (an ack or a place written late by a slow
 applier, an etcd put resent); and the ``epoch/<n>`` keys, one per write that woke the

@@ -136,16 +136,19 @@ def leave(
     clock: Callable[[], float],
     stop_beating: Callable[[], None],
 ) -> None:
-    """Drop every trace of ``node`` from the state (within ``close_timeout``), then stop
-    its heartbeats (``stop_beating``) and delete its heartbeat key, its last call.
+    """Drop every trace of ``node`` from the state (within ``close_timeout``): stop its
+    heartbeats (``stop_beating``), date its heartbeat so that it is alive until then,
+    ask, and delete its heartbeat key, its last call.
 
     A leave request in the queue (nodes leaving together, at a job's end, cost one
     write of the state per batch, not one each); the state itself only where the
     queue said to read it, or its ack does not confirm the leave (an applier of an
     older version refused the request): a fallback for every node of a slow mass
-    leave would cost O(N^2) (16,384 nodes: 11 MB read by each). The node beats
-    until its leave has landed: one whose heartbeat stopped is dead, and a dead
-    participant reopens the round for the others."""
+    leave would cost O(N^2) (16,384 nodes: 11 MB read by each). The node must not be
+    taken for dead before its leave lands (a dead participant reopens the round for
+    the others), but it does not beat while it waits: at 16,384 nodes, the beats of the
+    waiting nodes (and each one's cut into its wait for the ack) kept the store's host
+    too busy to apply their leaves, which then took 40 s and more."""
     deadline = clock() + settings.close_timeout
 
     def decide(state: RendezvousState, now: float, until: float) -> Action:
@@ -153,17 +156,18 @@ def leave(
 
     late = f"node {node} could not leave in time"
     try:
+        stop_beating()
+        queue.backend.liveness.leaving(node, deadline)
         ack = queue.request(node, lambda: clock() > deadline, leave=True)
         if ack is None and clock() > deadline:
             # Its request stays queued (a later batch applies it) and its heartbeat
-            # stops: no read of the state, which past the deadline could only say
-            # "too late". Each node of a slow mass leave reading it cost O(N^2): at
-            # 16,384 simulated nodes, 430 KB each, the nodes' processes ran out of memory.
+            # dies with the deadline: no read of the state, which past the deadline could
+            # only say "too late". Each node of a slow mass leave reading it cost O(N^2):
+            # at 16,384 simulated nodes, 430 KB each, the nodes' processes ran out of memory.
             raise RendezvousTimeoutError(late)
         if ack is None or not ack.left:
             _drive(queue.backend, node, settings, clock, decide, deadline, late)
     finally:
-        stop_beating()
         with contextlib.suppress(StoreConnectionError):
             queue.backend.liveness.forget(node)
 
