@@ -32,9 +32,9 @@ logger = logging.getLogger(__name__)
 
 
 class KeepAlive:
-    """Every ``keep_alive_interval``: write ``node``'s heartbeat; as the steward, remove
-    the dead nodes (one state read, one liveness read, at most one compare-and-set);
-    ``after_beat`` runs after each. With ``lifeline_host``, the node listens there
+    """Every ``keep_alive_interval``: write ``node``'s heartbeat and run ``after_beat``;
+    as the steward, then remove the dead nodes (one state read, one liveness read, at
+    most one compare-and-set). With ``lifeline_host``, the node listens there
     (:class:`Lifeline`) and watches the next participant (:meth:`follow`, or the ring
     of the state when it read one): one it reports lost wakes the thread, which
     removes it.

@@ -112,8 +112,8 @@ class DynamicRendezvousHandler:
         )  # fmt: skip
 
     def _after_beat(self, refused: RefusedLog) -> None:
-        """The keep-alive thread's, after each beat: the refused nodes' log, and the
-        keys this node is done with deleted."""
+        """The keep-alive thread's, after each heartbeat (in the beat's run of calls):
+        the refused nodes' log, and the keys this node is done with deleted."""
         refused()
         try:
             self._spent.forget(self._ka_rdzv.store)
