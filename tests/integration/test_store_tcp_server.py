@@ -486,23 +486,32 @@ def test_concurrent_waits_of_one_client(server: TCPStoreServer) -> None:
         assert not parked.is_alive()
 
 
+def _parked_wait(
+    server: TCPStoreServer, node: TCPStoreClient, key: str
+) -> tuple[threading.Thread, list[object]]:
+    """A thread waiting for ``key`` on ``node``'s one connection, parked at the server;
+    its outcome ("set", or what it raised) lands in the list."""
+    outcome: list[object] = []
+
+    def wait() -> None:
+        try:
+            node.wait([key], timeout=60)
+            outcome.append("set")
+        except BaseException as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=wait, name="test-parked-wait")
+    thread.start()
+    wait_for(lambda: server.waiter_count == 1, timeout=30, what="the parked wait")
+    return thread, outcome
+
+
 def test_calls_cut_into_a_wait_on_the_client_s_one_connection(server: TCPStoreServer) -> None:
     with (
         TCPStoreClient("127.0.0.1", server.port, timeout=10) as node,
         TCPStoreClient("127.0.0.1", server.port, timeout=10) as writer,
     ):
-        outcome: list[object] = []
-
-        def wait() -> None:
-            try:
-                node.wait(["x"], timeout=60)
-                outcome.append("set")
-            except BaseException as exc:
-                outcome.append(exc)
-
-        thread = threading.Thread(target=wait, name="test-parked-wait")
-        thread.start()
-        wait_for(lambda: server.waiter_count == 1, timeout=30, what="the parked wait")
+        thread, outcome = _parked_wait(server, node, "x")
         for i in range(100):  # a node's heartbeats and reads while its wait is parked
             node.set("beat", str(i).encode())
             assert node.add("beats", 1) == i + 1
@@ -543,18 +552,7 @@ def test_calls_made_together_cut_into_a_parked_wait_once(server: TCPStoreServer)
         TCPStoreClient("127.0.0.1", server.port, timeout=10) as node,
         TCPStoreClient("127.0.0.1", server.port, timeout=10) as writer,
     ):
-        outcome: list[object] = []
-
-        def wait() -> None:
-            try:
-                node.wait(["x"], timeout=60)
-                outcome.append("set")
-            except BaseException as exc:
-                outcome.append(exc)
-
-        thread = threading.Thread(target=wait, name="test-parked-wait")
-        thread.start()
-        wait_for(lambda: server.waiter_count == 1, timeout=30, what="the parked wait")
+        thread, outcome = _parked_wait(server, node, "x")
         with node.together():  # a heartbeat's calls: the wait is cancelled once
             node.set("beat", b"1")
             assert server.waiter_count == 0
