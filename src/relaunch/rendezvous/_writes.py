@@ -12,6 +12,7 @@ from relaunch.errors import (
     RendezvousError,
     RendezvousTimeoutError,
     StoreConnectionError,
+    StoreError,
     StoreTimeoutError,
 )
 from relaunch.rendezvous._backend import StateBackend
@@ -138,7 +139,7 @@ def leave(
 ) -> None:
     """Drop every trace of ``node`` from the state (within ``close_timeout``): stop its
     heartbeats (``stop_beating``), date its heartbeat so that it is alive until then,
-    ask, and delete its heartbeat key, its last call.
+    delete the keys of its last round, ask, and delete its heartbeat key, its last call.
 
     A leave request in the queue (nodes leaving together, at a job's end, cost one
     write of the state per batch, not one each); the state itself only where the
@@ -158,6 +159,9 @@ def leave(
     try:
         stop_beating()
         queue.backend.liveness.leaving(node, deadline)
+        if queue.spent is not None:  # its keep-alive's last job (kept where refused)
+            with contextlib.suppress(StoreError):
+                queue.spent.forget(queue.store)
         ack = queue.request(node, lambda: clock() > deadline, leave=True)
         if ack is None and clock() > deadline:
             # Its request stays queued (a later batch applies it) and its heartbeat

@@ -120,15 +120,6 @@ class DynamicRendezvousHandler:
         except RelaunchError as exc:  # kept for the next beat's try; the beat went well
             logger.debug("node %s: spent rendezvous keys not deleted yet: %s", self._node, exc)
 
-    def _stop_beating(self) -> None:
-        """Stop the keep-alive (the node leaves), then do its last job: the keys this
-        node is done with deleted (kept where the store refuses: they are few)."""
-        self._keep_alive.stop()
-        try:
-            self._spent.forget(self._ka_rdzv.store)
-        except RelaunchError as exc:
-            logger.debug("node %s: spent rendezvous keys not deleted: %s", self._node, exc)
-
     # -- small accessors ----------------------------------------------------------
 
     @property
@@ -333,7 +324,7 @@ class DynamicRendezvousHandler:
             if embedded is not None:  # no seat taken from now on
                 embedded.leaving()
             if self._joined:  # (alive until the leave's deadline, without beats)
-                leave(self._queue, self._node, self._settings, self._clock, self._stop_beating)
+                leave(self._queue, self._node, self._settings, self._clock, self._keep_alive.stop)
             if (embedded is None or not embedded.leave()) and serving:
                 wait_for_others(self._rdzv, self._node, self._settings, self._clock, known)
         except RelaunchError as exc:
