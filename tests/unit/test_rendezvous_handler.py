@@ -155,6 +155,36 @@ def test_a_node_waiting_in_a_stalled_queue_reads_the_applied_hint_not_the_state(
         store.close()
 
 
+def test_a_node_far_from_the_head_reads_the_applied_hint_once_every_few_stalls() -> None:
+    # tickets 1-9 were taken by nodes that never wrote their requests: the node with
+    # ticket 10 becomes the head after ten timeouts (nine stalled periods), as a node
+    # reading the hint every period does, but reads it four times on the way (after 1,
+    # 5, 9 and 10 timeouts), not ten: thousands of nodes waiting on a slow round read it
+    # a quarter as often
+    from relaunch.rendezvous._backend import StateBackend
+    from relaunch.rendezvous._queue import RequestQueue
+
+    store = _ReadsRecorded()
+    try:
+        settings = RendezvousSettings(
+            run_id="job", min_nodes=1, max_nodes=1, heartbeat_timeout=0.05,
+            keep_alive_interval=0.05,
+        )  # fmt: skip
+        backend = StateBackend(store, settings, clock=lambda: 1000.0)
+        hint = backend.prefix + "applied"
+        store.set(hint, b"0")
+        store.add(backend.prefix + "req", 9)
+        ack = RequestQueue(backend).request("n")
+        assert ack is not None and ack.participant and ack.place is not None
+        # four while waiting, two as the head (the hint it corrects, the first ticket
+        # of a state never written); twelve when every timeout read it
+        assert store.read.count(hint) == 6
+        assert store.read.count(backend.state_key) == 1
+        assert store.get(hint) == b"10"
+    finally:
+        store.close()
+
+
 def test_the_applied_hint_is_corrected_after_an_applier_lost_before_its_acks() -> None:
     # the applier of tickets 1-5 commits the state and fails before it writes the acks
     # and the hint (its node lost): the hint still says 0; the node holding ticket 2 takes

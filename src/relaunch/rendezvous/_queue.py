@@ -46,6 +46,9 @@ REQUEST_VERSION = 2
 version 1, which appliers of every version read."""
 
 _HINT_DIGITS = 20  # an ``applied`` hint longer than this is not a ticket number
+_FARTHEST_LOOK = 4
+"""A waiting node that needs more stalled periods than this to become the head reads
+the ``applied`` hint once every this many periods, not every period."""
 
 
 class Request(NamedTuple):
@@ -77,7 +80,9 @@ class RequestQueue:
         Returns what the applier reported (no state read), or None when the caller
         must read the state to learn more (or ``interrupted`` said so). A node waiting
         in the queue takes over the head's work only when the queue stalls, and then in
-        ticket order (one more node per stalled period), never all at once.
+        ticket order (one more node per stalled period), never all at once. It reads the
+        ``applied`` hint when its wait times out, and only once every few timeouts while
+        it is too far from the head to take over sooner (a slow round of thousands).
         """
         ticket = take_ticket(self.store, self.prefix + "req")
         request: dict[str, object] = {"version": 1, "run_id": self.settings.run_id, "node": node}
@@ -92,7 +97,7 @@ class RequestQueue:
 
         timeout = min(self.settings.heartbeat_timeout, self.settings.dead_after)
         head = ticket == 1
-        seen, stalls = -1, 0
+        seen, stalls, periods, skip = -1, 0, 0, 0
         while True:
             try:
                 if interrupted():
@@ -110,15 +115,20 @@ class RequestQueue:
                 try:
                     self.store.wait([ack_key], timeout)
                 except StoreTimeoutError:
+                    periods += 1
+                    if skip > 0:  # far back: no stall it could count would make it the head
+                        skip -= 1
+                        continue
                     last = self._applied(ticket, ack_key)
                     if last is None:
                         continue  # acked just after the wait ended: read the ack
                     if last >= ticket:
                         in_the_state()
                         return None
-                    stalls = stalls + 1 if last == seen else 0
-                    seen = last
+                    stalls = stalls + periods if last == seen else 0
+                    seen, periods = last, 0
                     head = ticket - last <= 1 + stalls
+                    skip = min(ticket - last - 1 - stalls, _FARTHEST_LOOK) - 1
                     continue
                 ack = JoinAck.parse(self.store.get(ack_key) or b"")
                 if ack is None:
