@@ -24,10 +24,14 @@ it would anyway.
 from __future__ import annotations
 
 import collections
+import logging
 
+from relaunch.errors import StoreError
 from relaunch.store import Store
 
 __all__ = ["SpentKeys"]
+
+logger = logging.getLogger(__name__)
 
 
 class SpentKeys:
@@ -41,8 +45,9 @@ class SpentKeys:
         self._keys.extend(keys)
 
     def forget(self, store: Store) -> None:
-        """Delete the keys added so far; a delete the store refuses (StoreError: the
-        store is lost for now) puts its key back for the next beat's try."""
+        """Delete the keys added so far. A delete the store refuses (StoreError: the
+        store is lost for now) puts its key back for the next try and ends this one,
+        said at debug level only: the caller's next call to the store says it louder."""
         while True:
             try:
                 key = self._keys.popleft()
@@ -50,6 +55,10 @@ class SpentKeys:
                 return
             try:
                 store.delete(key)
+            except StoreError as exc:
+                self._keys.appendleft(key)
+                logger.debug("spent rendezvous keys not deleted yet: %s", exc)
+                return
             except BaseException:
                 self._keys.appendleft(key)
                 raise

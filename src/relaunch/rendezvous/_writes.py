@@ -12,7 +12,6 @@ from relaunch.errors import (
     RendezvousError,
     RendezvousTimeoutError,
     StoreConnectionError,
-    StoreError,
     StoreTimeoutError,
 )
 from relaunch.rendezvous._backend import StateBackend
@@ -160,8 +159,7 @@ def leave(
         stop_beating()
         queue.backend.liveness.leaving(node, deadline)
         if queue.spent is not None:  # its keep-alive's last job (kept where refused)
-            with contextlib.suppress(StoreError):
-                queue.spent.forget(queue.store)
+            queue.spent.forget(queue.store)
         ack = queue.request(node, lambda: clock() > deadline, leave=True)
         if ack is None and clock() > deadline:
             # Its request stays queued (a later batch applies it) and its heartbeat

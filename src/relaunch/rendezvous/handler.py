@@ -115,10 +115,7 @@ class DynamicRendezvousHandler:
         """The keep-alive thread's, after each heartbeat (in the beat's run of calls):
         the refused nodes' log, and the keys this node is done with deleted."""
         refused()
-        try:
-            self._spent.forget(self._ka_rdzv.store)
-        except RelaunchError as exc:  # kept for the next beat's try; the beat went well
-            logger.debug("node %s: spent rendezvous keys not deleted yet: %s", self._node, exc)
+        self._spent.forget(self._ka_rdzv.store)
 
     # -- small accessors ----------------------------------------------------------
 
