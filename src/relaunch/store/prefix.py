@@ -7,9 +7,10 @@ from contextlib import AbstractContextManager
 from relaunch.store._protocol import (
     LeaseStore,
     Store,
-    has_batches,
+    get_many,
     has_leases,
     peek,
+    set_many,
     take_ticket,
     tickets_taken,
     together,
@@ -69,18 +70,10 @@ class PrefixStore:
         return together(self.store)
 
     def multi_get(self, keys: list[str]) -> list[bytes | None]:
-        full = [self._key(key) for key in keys]
-        if has_batches(self.store):
-            return self.store.multi_get(full)
-        return [self.store.get(key) for key in full]
+        return get_many(self.store, [self._key(key) for key in keys])
 
     def multi_set(self, items: dict[str, bytes]) -> None:
-        full = {self._key(key): value for key, value in items.items()}
-        if has_batches(self.store):
-            self.store.multi_set(full)
-            return
-        for key, value in full.items():
-            self.store.set(key, value)
+        set_many(self.store, {self._key(key): value for key, value in items.items()})
 
     def close(self) -> None:
         """Do nothing: the underlying store belongs to someone else."""

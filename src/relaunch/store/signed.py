@@ -20,9 +20,10 @@ from relaunch.errors import ConfigError, RendezvousStateError
 from relaunch.store._protocol import (
     LeaseStore,
     Store,
-    has_batches,
+    get_many,
     has_leases,
     peek,
+    set_many,
     take_ticket,
     tickets_taken,
     together,
@@ -120,19 +121,11 @@ class SignedStore:
         return together(self.store)
 
     def multi_get(self, keys: list[str]) -> list[bytes | None]:
-        if has_batches(self.store):
-            raws = self.store.multi_get(keys)
-        else:
-            raws = [self.store.get(k) for k in keys]
+        raws = get_many(self.store, keys)
         return [self._open(k, r) for k, r in zip(keys, raws, strict=True)]
 
     def multi_set(self, items: dict[str, bytes]) -> None:
-        signed = {k: self._sign(k, bytes(v)) for k, v in items.items()}
-        if has_batches(self.store):
-            self.store.multi_set(signed)
-        else:
-            for k, v in signed.items():
-                self.store.set(k, v)
+        set_many(self.store, {k: self._sign(k, bytes(v)) for k, v in items.items()})
 
     def close(self) -> None:
         self.store.close()
