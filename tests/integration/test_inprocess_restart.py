@@ -191,6 +191,21 @@ def test_a_silent_call_without_hang_protection_is_not_a_hang() -> None:
 
 
 @pytest.mark.timeout(90)
+def test_gloo_collectives_time_out_at_the_soft_timeout_except_without_hang_protection() -> None:
+    # the function's gloo group has torch's default timeout (30 min); the monitor thread
+    # bounds it by the soft timeout (2 s here), so a collective gloo leaves waiting on a
+    # dead peer's closed connection fails before the hard timeout kills the rank;
+    # inside disable_hang_protection() the group's own timeout holds again
+    ranks = run_job(2, [], env={"IPX_REPORT_GLOO": "1"})
+    report = _report(ranks)
+    for rank in ranks:
+        assert rank.proc.returncode == 0, report
+        assert rank.of("gloo") == [{"event": "gloo", "outside": 2.0, "inside": 1800.0,
+                                    "after": 2.0}], report  # fmt: skip
+        assert_clean(rank)
+
+
+@pytest.mark.timeout(90)
 def test_two_successive_faults() -> None:
     faults = [
         {"iteration": 0, "rank": 1, "kind": "exception", "step": 1},

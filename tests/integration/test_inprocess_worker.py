@@ -125,6 +125,8 @@ def main() -> None:
             assert int(tensor.item()) == world, (tensor, world)
             call_wrapper.ping()
             time.sleep(0.01)
+        if os.environ.get("IPX_REPORT_GLOO"):
+            _report_gloo_timeouts(call_wrapper, dist.group.WORLD._get_backend(torch.device("cpu")))
         dist.destroy_process_group()
         _emit(event="done", iteration=it, rank=rank, initial=initial)
         return f"value-{initial}"
@@ -147,6 +149,19 @@ def main() -> None:
         sockets=_sockets() - sockets_before,
     )
     sys.exit(3 if value == "error" else 0)
+
+
+def _report_gloo_timeouts(call_wrapper: object, backend: object) -> None:
+    """The gloo group's collective timeout once the monitor thread saw the group (at
+    most 10 s), inside ``disable_hang_protection()``, and after it."""
+    timeout = lambda: backend.options._timeout.total_seconds()  # type: ignore[attr-defined]  # noqa: E731
+    deadline = time.monotonic() + 10
+    while timeout() > 600 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    outside = timeout()
+    with call_wrapper.disable_hang_protection():  # type: ignore[attr-defined]
+        inside = timeout()
+    _emit(event="gloo", outside=outside, inside=inside, after=timeout())
 
 
 def _inject(kind: str, call_wrapper: object) -> None:

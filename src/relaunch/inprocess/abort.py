@@ -14,7 +14,7 @@ import os
 
 from relaunch.inprocess._core import _sockets
 from relaunch.inprocess._core._abort import destroy_default_group
-from relaunch.inprocess._core._groups import live_groups
+from relaunch.inprocess._core._groups import gloo_backends, live_groups
 from relaunch.inprocess._core._logs import get_logger
 from relaunch.inprocess._core._state import State
 
@@ -91,11 +91,9 @@ def _expire_gloo() -> None:
     until its hard timeout). With the timeout expired, that allreduce fails in ms.
     """
     for group in live_groups():
-        for device in getattr(group, "_device_types", ()):
+        for backend in gloo_backends(group).values():
             try:
-                backend = group._get_backend(device)
-                if type(backend).__name__ == "ProcessGroupGloo":
-                    backend._set_default_timeout(_EXPIRED)
+                backend._set_default_timeout(_EXPIRED)
             except Exception as exc:  # best effort: the socket shutdown still applies
                 log.debug("cannot expire the gloo timeout of %r: %s", group, exc)
 

@@ -61,11 +61,14 @@ class CallWrapper(RankCall):
             self.unstated = False
             self.coord.mark_stated(self.state.initial_rank, self.incarnation)
 
-    def disable_hang_protection(self) -> contextlib.AbstractContextManager[None]:
+    @contextlib.contextmanager
+    def disable_hang_protection(self) -> Iterator[None]:
         """No soft or hard timeout inside the block (a long, legitimately silent call:
-        a checkpoint save); progress counts again from its end. Faults of other ranks
+        a checkpoint save), and gloo collectives wait for their group's own timeout, not
+        the soft timeout; progress counts again from its end. Faults of other ranks
         still interrupt it."""
-        return self.shared.unarmed()
+        with self.groups.unbounded(), self.shared.unarmed():
+            yield
 
     @contextlib.contextmanager
     def atomic(self) -> Iterator[None]:

@@ -71,7 +71,7 @@ class RankCall:
         """This process is a replacement that has not got its training state yet."""
         self.stall = StallClock()
         self.shared = SharedProgress()
-        self.groups = GroupRefs()
+        self.groups = GroupRefs(bound=config.seconds("soft_timeout"))
         self.aborter = Aborter(config.abort, self.groups, lambda: self.state)
         self.factory, host_port = store_factory(config, self.state.initial_rank)
         self.namespace = namespace()

@@ -1,4 +1,5 @@
-"""Keep the process groups of an iteration alive until the iteration's objects are gone.
+"""Keep the process groups of an iteration alive until the iteration's objects are gone,
+and bound their gloo collectives' timeout.
 
 A DDP ``Reducer`` holds its process group in C++, and is freed with the GIL held
 (when the function returns or its frames are cleared for a restart). If it held the
@@ -8,16 +9,34 @@ py-spy in ~1 restart in 100, and in plain DDP scripts that destroy the group bef
 the model). Torch destroys a ``ProcessGroup`` whose last reference is a Python one
 *without* the GIL, so the wrapper takes Python references to every group it sees
 during the iteration and drops them once the function's objects are released.
+
+gloo can leave a send queued, unfailed, on a connection that its dead peer's kernel
+closed at that moment (``UnboundBuffer::waitSend``): the collective waits for its
+timeout with the GIL released, where no abort reaches it. With gloo's default of 30
+minutes, the hard timeout killed such a rank and the agent replaced it: a survivor of
+a lost node replaced too, 20 s after the loss (seen in the node-tier tests). So each
+group's gloo collectives get the soft timeout as their timeout at most: the stuck
+one fails first, and the rank restarts in its process. A collective that takes longer
+ends the iteration anyway (the rank makes no progress meanwhile), except inside
+``disable_hang_protection()``, where a checkpoint save's collectives may wait for a
+slow rank: the groups' own timeouts hold there (:meth:`GroupRefs.unbounded`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import sys
 import threading
 import traceback
+from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["GroupRefs", "live_groups", "release_frames", "reset_group_names"]
+from relaunch.inprocess._core._logs import get_logger
+
+__all__ = ["GroupRefs", "gloo_backends", "live_groups", "release_frames", "reset_group_names"]
+
+log = get_logger(__name__)
 
 
 def live_groups() -> list[Any]:
@@ -35,21 +54,76 @@ def live_groups() -> list[Any]:
         return []
 
 
-class GroupRefs:
-    """Python references to process groups, taken from any thread, dropped by one."""
+def gloo_backends(group: Any) -> dict[str, Any]:
+    """The gloo backends of ``group`` by device type (a backend's Python object is a
+    new one at each lookup: key it by its group and device, not by its ``id``)."""
+    found = {}
+    for device in getattr(group, "_device_types", ()):
+        try:
+            backend = group._get_backend(device)
+        except Exception:  # a group torn down meanwhile
+            continue
+        if type(backend).__name__ == "ProcessGroupGloo":
+            found[str(device)] = backend
+    return found
 
-    def __init__(self) -> None:
+
+class GroupRefs:
+    """Python references to process groups, taken from any thread, dropped by one;
+    with ``bound`` (seconds), their gloo collectives' timeout is that at most."""
+
+    def __init__(self, bound: float | None = None) -> None:
         self._lock = threading.Lock()
         self._held: dict[int, Any] = {}
+        self._bound = None if bound is None else datetime.timedelta(seconds=bound)
+        self._own: dict[tuple[int, str], datetime.timedelta] = {}  # bounded -> own timeout
+        self._lifted = 0
 
     def take(self) -> None:
-        """Add every live process group (cheap: called by the monitor thread each poll)."""
+        """Add every live process group (cheap: called by the monitor thread each poll),
+        and bound the new ones' gloo timeout (not inside :meth:`unbounded`)."""
         groups = live_groups()
         if not groups:
             return
         with self._lock:
             for group in groups:
-                self._held.setdefault(id(group), group)
+                if id(group) not in self._held:
+                    self._held[id(group)] = group
+                    if not self._lifted:
+                        self._bound_group(group)
+
+    @contextlib.contextmanager
+    def unbounded(self) -> Iterator[None]:
+        """The groups' own gloo timeouts inside the block (no group created inside is
+        bounded); bounded again from its end."""
+        with self._lock:
+            self._lifted += 1
+            if self._lifted == 1:
+                for group in self._held.values():
+                    for device, backend in gloo_backends(group).items():
+                        own = self._own.pop((id(group), device), None)
+                        if own is not None:
+                            _set_timeout(backend, own)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._lifted -= 1
+                if not self._lifted:
+                    for group in self._held.values():
+                        self._bound_group(group)
+
+    def _bound_group(self, group: Any) -> None:
+        if self._bound is None:
+            return
+        for device, backend in gloo_backends(group).items():
+            try:
+                own = backend.options._timeout
+            except Exception:  # best effort: the hard timeout still applies
+                continue
+            if own > self._bound and (id(group), device) not in self._own:
+                self._own[id(group), device] = own
+                _set_timeout(backend, self._bound)
 
     def release(self) -> None:
         """Drop the references (groups no one else holds are destroyed here, GIL released).
@@ -58,8 +132,16 @@ class GroupRefs:
         """
         with self._lock:
             held, self._held = self._held, {}
+            self._own.clear()
         held.update(_take_runner_kept())
         held.clear()
+
+
+def _set_timeout(backend: Any, timeout: datetime.timedelta) -> None:
+    try:
+        backend._set_default_timeout(timeout)
+    except Exception as exc:  # best effort, as above
+        log.debug("cannot set the gloo timeout of %r: %s", backend, exc)
 
 
 def _take_runner_kept() -> dict[int, Any]:
