@@ -154,7 +154,10 @@ def main() -> None:
 def _report_gloo_timeouts(call_wrapper: object, backend: object) -> None:
     """The gloo group's collective timeout once the monitor thread saw the group (at
     most 10 s), inside ``disable_hang_protection()``, and after it."""
-    timeout = lambda: backend.options._timeout.total_seconds()  # type: ignore[attr-defined]  # noqa: E731
+
+    def timeout() -> float:
+        return float(backend.options._timeout.total_seconds())  # type: ignore[attr-defined]
+
     deadline = time.monotonic() + 10
     while timeout() > 600 and time.monotonic() < deadline:
         time.sleep(0.02)

@@ -14,7 +14,7 @@ import os
 
 from relaunch.inprocess._core import _sockets
 from relaunch.inprocess._core._abort import destroy_default_group
-from relaunch.inprocess._core._groups import gloo_backends, live_groups
+from relaunch.inprocess._core._groups import gloo_backends, live_groups, set_gloo_timeout
 from relaunch.inprocess._core._logs import get_logger
 from relaunch.inprocess._core._state import State
 
@@ -90,12 +90,9 @@ def _expire_gloo() -> None:
     (seen ~1 in 500 DDP restarts under load: a rank stuck in ``finalize_backward``
     until its hard timeout). With the timeout expired, that allreduce fails in ms.
     """
-    for group in live_groups():
+    for group in live_groups():  # (best effort: the socket shutdown still applies)
         for backend in gloo_backends(group).values():
-            try:
-                backend._set_default_timeout(_EXPIRED)
-            except Exception as exc:  # best effort: the socket shutdown still applies
-                log.debug("cannot expire the gloo timeout of %r: %s", group, exc)
+            set_gloo_timeout(backend, _EXPIRED)
 
 
 def _abort_nccl(dist: object) -> None:

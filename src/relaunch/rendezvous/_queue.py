@@ -97,7 +97,7 @@ class RequestQueue:
 
         timeout = min(self.settings.heartbeat_timeout, self.settings.dead_after)
         head = ticket == 1
-        seen, stalls, periods, skip = -1, 0, 0, 0
+        seen, stalls, periods, every = -1, 0, 0, 1
         while True:
             try:
                 if interrupted():
@@ -116,8 +116,7 @@ class RequestQueue:
                     self.store.wait([ack_key], timeout)
                 except StoreTimeoutError:
                     periods += 1
-                    if skip > 0:  # far back: no stall it could count would make it the head
-                        skip -= 1
+                    if periods < every:  # far back: no stall it could count makes it the head
                         continue
                     last = self._applied(ticket, ack_key)
                     if last is None:
@@ -128,7 +127,7 @@ class RequestQueue:
                     stalls = stalls + periods if last == seen else 0
                     seen, periods = last, 0
                     head = ticket - last <= 1 + stalls
-                    skip = min(ticket - last - 1 - stalls, _FARTHEST_LOOK) - 1
+                    every = max(1, min(ticket - last - 1 - stalls, _FARTHEST_LOOK))
                     continue
                 ack = JoinAck.parse(self.store.get(ack_key) or b"")
                 if ack is None:

@@ -34,7 +34,14 @@ from typing import Any
 
 from relaunch.inprocess._core._logs import get_logger
 
-__all__ = ["GroupRefs", "gloo_backends", "live_groups", "release_frames", "reset_group_names"]
+__all__ = [
+    "GroupRefs",
+    "gloo_backends",
+    "live_groups",
+    "release_frames",
+    "reset_group_names",
+    "set_gloo_timeout",
+]
 
 log = get_logger(__name__)
 
@@ -103,7 +110,7 @@ class GroupRefs:
                     for device, backend in gloo_backends(group).items():
                         own = self._own.pop((id(group), device), None)
                         if own is not None:
-                            _set_timeout(backend, own)
+                            set_gloo_timeout(backend, own)
         try:
             yield
         finally:
@@ -121,9 +128,9 @@ class GroupRefs:
                 own = backend.options._timeout
             except Exception:  # best effort: the hard timeout still applies
                 continue
-            if own > self._bound and (id(group), device) not in self._own:
+            if own > self._bound:  # (a bounded or expired one is not)
                 self._own[id(group), device] = own
-                _set_timeout(backend, self._bound)
+                set_gloo_timeout(backend, self._bound)
 
     def release(self) -> None:
         """Drop the references (groups no one else holds are destroyed here, GIL released).
@@ -137,10 +144,12 @@ class GroupRefs:
         held.clear()
 
 
-def _set_timeout(backend: Any, timeout: datetime.timedelta) -> None:
+def set_gloo_timeout(backend: Any, timeout: datetime.timedelta) -> None:
+    """Give the gloo ``backend``'s collectives started from now on ``timeout`` (best
+    effort: a failure is logged at debug level)."""
     try:
         backend._set_default_timeout(timeout)
-    except Exception as exc:  # best effort, as above
+    except Exception as exc:
         log.debug("cannot set the gloo timeout of %r: %s", backend, exc)
 
 
