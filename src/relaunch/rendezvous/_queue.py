@@ -84,20 +84,15 @@ class RequestQueue:
         ``applied`` hint when its wait times out, and only once every few timeouts while
         it is too far from the head to take over sooner (a slow round of thousands).
         """
-        ticket = take_ticket(self.store, self.prefix + "req")
-        request: dict[str, object] = {"version": 1, "run_id": self.settings.run_id, "node": node}
-        if leave:
-            request.update(version=REQUEST_VERSION, leave=True)
+        ticket = self._enqueue(node, leave)
         request_key, ack_key = f"{self.prefix}req/{ticket}", f"{self.prefix}ack/{ticket}"
-        self.store.set(request_key, json.dumps(request).encode())
 
         def in_the_state() -> None:  # the request is in the state: its keys are spent
             if self.spent is not None:
                 self.spent.add(request_key, ack_key)
 
         timeout = min(self.settings.heartbeat_timeout, self.settings.dead_after)
-        head = ticket == 1
-        seen, stalls, periods, every = -1, 0, 0, 1
+        head, stalls = ticket == 1, _Stalls(ticket)
         while True:
             try:
                 if interrupted():
@@ -110,13 +105,12 @@ class RequestQueue:
                     if state.applied >= ticket:
                         in_the_state()
                         return None
-                    self._apply_requests(state, raw, stalls > 0, interrupted)
+                    self._apply_requests(state, raw, stalls.count > 0, interrupted)
                     head = False
                 try:
                     self.store.wait([ack_key], timeout)
                 except StoreTimeoutError:
-                    periods += 1
-                    if periods < every:  # far back: no stall it could count makes it the head
+                    if not stalls.timed_out():  # far back: no stall it counts makes it the head
                         continue
                     last = self._applied(ticket, ack_key)
                     if last is None:
@@ -124,10 +118,7 @@ class RequestQueue:
                     if last >= ticket:
                         in_the_state()
                         return None
-                    stalls = stalls + periods if last == seen else 0
-                    seen, periods = last, 0
-                    head = ticket - last <= 1 + stalls
-                    every = max(1, min(ticket - last - 1 - stalls, _FARTHEST_LOOK))
+                    head = stalls.hint_read(last)
                     continue
                 ack = JoinAck.parse(self.store.get(ack_key) or b"")
                 if ack is None:
@@ -137,6 +128,15 @@ class RequestQueue:
                 return ack
             except RendezvousStateError:
                 return None  # corrupt: the caller's patient read says it once and decides
+
+    def _enqueue(self, node: str, leave: bool) -> int:
+        """Take a ticket and write the request of ``node`` under it; return the ticket."""
+        ticket = take_ticket(self.store, self.prefix + "req")
+        request: dict[str, object] = {"version": 1, "run_id": self.settings.run_id, "node": node}
+        if leave:
+            request.update(version=REQUEST_VERSION, leave=True)
+        self.store.set(f"{self.prefix}req/{ticket}", json.dumps(request).encode())
+        return ticket
 
     def _correct_hint(self, applied: int) -> None:
         """Make the hint say ``applied`` (read in the state) where it says less or is
@@ -309,3 +309,31 @@ class RequestQueue:
 def _asking(requests: list[Request | None], *, leave: bool = False) -> list[str]:
     """The nodes that ``requests`` ask to join (with ``leave``: to leave)."""
     return [r.node for r in requests if r is not None and r.leave == leave]
+
+
+class _Stalls:
+    """What a node waiting at ``ticket`` counts of the queue's stalls: ``count``, the
+    wait timeouts in which the ``applied`` hint did not move. It becomes the head once
+    ``ticket - hint <= 1 + count`` (one more node per stalled period, in ticket order),
+    and reads the hint only every ``_FARTHEST_LOOK`` timeouts while it is farther back
+    than that: a read adds every period since the last one."""
+
+    def __init__(self, ticket: int) -> None:
+        self.ticket = ticket
+        self.count = 0
+        self._seen = -1  # the hint at the last read
+        self._periods = 0  # timeouts since the last read
+        self._every = 1  # timeouts between two reads
+
+    def timed_out(self) -> bool:
+        """Count one wait timeout; True when the hint is due to be read."""
+        self._periods += 1
+        return self._periods >= self._every
+
+    def hint_read(self, last: int) -> bool:
+        """Count the hint read (``last``, below the ticket); True when this node is now
+        the head."""
+        self.count = self.count + self._periods if last == self._seen else 0
+        self._seen, self._periods = last, 0
+        self._every = max(1, min(self.ticket - last - 1 - self.count, _FARTHEST_LOOK))
+        return self.ticket - last <= 1 + self.count

@@ -14,20 +14,10 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
-from contextlib import AbstractContextManager
 
 from relaunch.errors import ConfigError, RendezvousStateError
-from relaunch.store._protocol import (
-    LeaseStore,
-    Store,
-    get_many,
-    has_leases,
-    peek,
-    set_many,
-    take_ticket,
-    tickets_taken,
-    together,
-)
+from relaunch.store._protocol import Store, has_leases
+from relaunch.store._view import LeaseView, StoreView
 
 __all__ = ["SUFFIX", "SignedLeaseStore", "SignedStore", "is_signed", "read_secret"]
 
@@ -63,18 +53,19 @@ def is_signed(raw: bytes) -> bool:
     return len(raw) > len(SUFFIX) + _MAC_HEX and raw[-len(SUFFIX) - _MAC_HEX :].startswith(SUFFIX)
 
 
-class SignedStore:
+class SignedStore(StoreView):
     """Sign on write, verify on read; every other call passes through."""
 
     def __init__(self, store: Store, secret: bytes) -> None:
-        self.store = store
+        super().__init__(store)
         self._secret = secret
 
     def _mac(self, key: str, value: bytes) -> bytes:
         digest = hmac.new(self._secret, key.encode() + b"\x00" + value, hashlib.sha256)
         return digest.hexdigest().encode()
 
-    def _sign(self, key: str, value: bytes) -> bytes:
+    def _seal(self, key: str, value: bytes) -> bytes:
+        value = bytes(value)
         return value + SUFFIX + self._mac(key, value)
 
     def _open(self, key: str, raw: bytes | None) -> bytes | None:
@@ -91,45 +82,6 @@ class SignedStore:
             )
         return value
 
-    def get(self, key: str) -> bytes | None:
-        return self._open(key, self.store.get(key))
-
-    def set(self, key: str, value: bytes) -> None:
-        self.store.set(key, self._sign(key, bytes(value)))
-
-    def compare_set(self, key: str, expected: bytes | None, desired: bytes) -> tuple[bytes, bool]:
-        raw_expected = None if expected is None else self._sign(key, bytes(expected))
-        current, written = self.store.compare_set(key, raw_expected, self._sign(key, desired))
-        return self._open(key, current) or b"", written
-
-    def add(self, key: str, amount: int) -> int:
-        return self.store.add(key, amount)
-
-    def take_ticket(self, key: str) -> int:
-        return take_ticket(self.store, key)
-
-    def tickets(self, key: str) -> int:
-        return tickets_taken(self.store, key)
-
-    def delete(self, key: str) -> bool:
-        return self.store.delete(key)
-
-    def wait(self, keys: list[str], timeout: float) -> None:
-        self.store.wait(keys, timeout)
-
-    def together(self) -> AbstractContextManager[None]:
-        return together(self.store)
-
-    def multi_get(self, keys: list[str]) -> list[bytes | None]:
-        raws = get_many(self.store, keys)
-        return [self._open(k, r) for k, r in zip(keys, raws, strict=True)]
-
-    def multi_set(self, items: dict[str, bytes]) -> None:
-        set_many(self.store, {k: self._sign(k, bytes(v)) for k, v in items.items()})
-
-    def close(self) -> None:
-        self.store.close()
-
     @staticmethod
     def over(store: Store, secret: bytes) -> SignedStore:
         """The signed view with every capability ``store`` has."""
@@ -138,16 +90,5 @@ class SignedStore:
         return SignedStore(store, secret)
 
 
-class SignedLeaseStore(SignedStore):
+class SignedLeaseStore(LeaseView, SignedStore):
     """:class:`SignedStore` over a store with leases (etcd)."""
-
-    store: LeaseStore
-
-    def set_ephemeral(self, key: str, value: bytes, ttl: float) -> None:
-        self.store.set_ephemeral(key, self._sign(key, bytes(value)), ttl)
-
-    def peek(self, key: str) -> bytes | None:
-        return self._open(key, peek(self.store, key))
-
-    def keys_with_prefix(self, prefix: str) -> list[str]:
-        return self.store.keys_with_prefix(prefix)
