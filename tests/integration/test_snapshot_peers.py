@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import threading
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,7 +23,7 @@ from multinode_support.waiting import wait_for
 from relaunch.checkpoint import _layout as layout
 from relaunch.checkpoint._peer_client import fetch_step, list_steps
 from relaunch.checkpoint._peer_server import SnapshotServer, held_steps
-from relaunch.checkpoint._peers import PeerCopies, PeerRecord, PeerRound, _targets
+from relaunch.checkpoint._peers import PeerCopies, PeerRecord, PeerRound, _targets, _two_timelines
 from relaunch.checkpoint._wire import WireError, ask
 from relaunch.store.tcp import TCPStoreClient, TCPStoreServer
 
@@ -68,6 +69,17 @@ class Ring:
             )
         )
 
+    def start_all(self, round_number: int) -> None:
+        """Every node starts the round at once, each on rank ``group rank``."""
+        starts = [
+            threading.Thread(target=self.start, args=(g, (g,), round_number))
+            for g in range(len(self.nodes))
+        ]
+        for t in starts:
+            t.start()
+        for t in starts:
+            t.join(30)
+
     def close(self) -> None:
         for node in self.nodes:
             node.close()
@@ -101,7 +113,7 @@ def test_a_snapshot_is_copied_whole_and_listed(source, tmp_path: Path) -> None: 
     payload = os.urandom(3 << 20)
     _snapshot(root, 1, 7, b"old")
     _snapshot(root, 1, 8, payload)
-    steps, _ = list_steps("127.0.0.1", server.port, JOB)
+    steps = list_steps("127.0.0.1", server.port, JOB).steps
     assert steps == {1: [(8, zlib.crc32(payload)), (7, zlib.crc32(b"old"))]}
     into = tmp_path / "into"
     assert fetch_step("127.0.0.1", server.port, JOB, 1, 8, str(into)) == len(payload)
@@ -170,6 +182,21 @@ def test_another_job_and_bad_requests_are_refused_clearly(source, tmp_path: Path
         assert b'"ok":false' in answer and said.encode() in answer, (line[:40], answer)
     # the server still serves
     assert list_steps("127.0.0.1", server.port, JOB)[0] == {0: [(3, zlib.crc32(b"abc"))]}
+
+
+def test_a_node_s_listing_says_while_it_fetches_its_ranks(source) -> None:  # type: ignore[no-untyped-def]
+    """Its successor mirrors none of its snapshots meanwhile (its ranks' may be of a
+    timeline the job left, the copies it is fetching the job's); the end of the fetch
+    answers the successor's long poll at once."""
+    root, server = source
+    _snapshot(root, 0, 3, b"abc")
+    first = list_steps("127.0.0.1", server.port, JOB)
+    assert first.settled
+    with server.settling():
+        assert not list_steps("127.0.0.1", server.port, JOB).settled
+    after = list_steps("127.0.0.1", server.port, JOB, since=first.version)
+    assert after.settled and after.version > first.version
+    assert after.steps == {0: [(3, zlib.crc32(b"abc"))]}
 
 
 def test_a_corrupt_peer_record_names_its_key() -> None:
@@ -272,6 +299,57 @@ def test_a_node_that_sat_out_a_round_fetches_its_ranks_again(ring: Ring) -> None
     assert _data(back, 1, 9) == b"rank one at 9, from the node that ran it in round 1"
     ring.start(1, (1,), round_number=3)  # the round after one it ran: its own are the newest
     assert ring.nodes[1].fetched == {}
+
+
+@pytest.mark.parametrize("newest", [10, 9])
+def test_a_node_that_sat_out_a_restore_drops_the_steps_the_job_wrote_again(
+    tmp_path: Path, newest: int
+) -> None:
+    """Node "back" ran rank 1 to step 9 and sat out while the job restored step 8 (no
+    copy of step 9 was made yet) and wrote step 9 again (and 10). Back on rank 1, its old
+    step 9 had the step number of the job's: kept, load() restored step 9 from two
+    timelines (the job's on rank 0, the old one on rank 1) once it was the newest step
+    the round shared. Node "third", back's successor, mirrored back's old step 9 before
+    the restore: a step two nodes hold with other bytes is fetched from neither."""
+    ring = Ring(tmp_path, ("holder", "back", "third"))
+    holder, back, third = ring.roots
+    try:
+        _snapshot(back, 1, 8, b"rank one at 8")
+        _snapshot(back, 1, 9, b"rank one at 9, before the restore")
+        _snapshot(third, 1, 9, b"rank one at 9, before the restore")
+        ring.start_all(round_number=0)
+        for step in range(8, newest + 1):
+            for rank in (0, 2):
+                _snapshot(holder if rank == 0 else third, rank, step, b"r%d at %d" % (rank, step))
+            if step > 8:
+                _snapshot(holder, 1, step, b"rank one at %d, after the restore" % step)
+        ring.start_all(round_number=2)
+        want = {10: {1: 10}, 9: {}}[newest]  # 9: the others' copies disagree, 8 is here
+        assert ring.nodes[1].fetched == want
+        held = dict(held_steps(str(back))[1])
+        assert 9 not in held and 8 in held
+        if newest == 10:
+            assert _data(back, 1, 10) == b"rank one at 10, after the restore"
+    finally:
+        ring.close()
+
+
+def test_a_step_of_two_timelines_is_never_taken() -> None:
+    held_here = {1: {8: 0x88, 9: 0x99}, 2: {9: 0x22}}
+    # rank 1 not run here in the round before: its step 9 elsewhere has other bytes
+    assert _two_timelines(held_here, {(1, 9): {0x10}, (2, 9): {0x10}}, ran=(2,)) == (
+        {(1, 9)},
+        set(),
+    )
+    # run here in the round before: this node's are the job's
+    assert _two_timelines(held_here, {(1, 9): {0x10}}, ran=(1,)) == (set(), set())
+    # the others disagree: fetched from none, and this node's goes too
+    assert _two_timelines(held_here, {(1, 9): {0x99, 0x10}, (1, 7): {1, 2}}, ran=()) == (
+        {(1, 9)},
+        {(1, 9), (1, 7)},
+    )
+    # the same bytes elsewhere: kept
+    assert _two_timelines(held_here, {(1, 8): {0x88}}, ran=()) == (set(), set())
 
 
 def test_a_pull_of_a_past_round_leaves_the_ranks_this_node_now_runs(ring: Ring) -> None:

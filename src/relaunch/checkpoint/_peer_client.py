@@ -34,10 +34,10 @@ def _connect(addr: str, port: int, timeout: float) -> socket.socket:
 
 def list_steps(
     addr: str, port: int, job: str, *, since: int | None = None, timeout: float = 10.0
-) -> tuple[wire.Steps, int]:
-    """What a peer holds, and the version of its snapshots (with ``since``: once they
-    changed after that version, or a second passed). OSError when the peer cannot be
-    reached, WireError for a bad answer."""
+) -> wire.Listing:
+    """What a peer holds (with ``since``: once its snapshots changed after that
+    version, or a second passed). OSError when the peer cannot be reached, WireError
+    for a bad answer."""
     doc: dict[str, object] = {"job": job, "op": "list"}
     if since is not None:
         doc["since"] = since

@@ -14,7 +14,7 @@ import shutil
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from relaunch.checkpoint import _layout as layout
 from relaunch.checkpoint import _wire as wire
@@ -87,6 +87,7 @@ class SnapshotServer:
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._version = 0
+        self._settled = True
         self._acked: dict[int, tuple[int, int]] = {}
         self._successor_seen = -1e9
         self._expect_successor_until = -1e9
@@ -107,6 +108,20 @@ class SnapshotServer:
             now = self._clock()
             self._expect_successor_until = -1e9 if within is None else now + within
             self._changed.notify_all()
+
+    @contextlib.contextmanager
+    def settling(self) -> Iterator[None]:
+        """Inside: this node fetches the snapshots of the ranks it runs this round, and
+        its listings say so (its successor mirrors none of them meanwhile)."""
+        with self._changed:
+            self._settled = False
+        try:
+            yield
+        finally:
+            with self._changed:
+                self._settled = True
+                self._version += 1  # the successor's long poll: look again
+                self._changed.notify_all()
 
     def _has_successor(self) -> bool:  # under the lock
         now = self._clock()
@@ -213,8 +228,9 @@ class SnapshotServer:
                     self._changed.wait(left)
                 self._successor_seen = self._clock()
             version = self._version
+            settled = self._settled
         ranks = {str(r): [list(p) for p in s] for r, s in held_steps(self._root).items()}
-        return wire.encode({"ok": True, "ranks": ranks, "version": version})
+        return wire.encode({"ok": True, "ranks": ranks, "version": version, "settled": settled})
 
     def _wait_ack(self, w: wire.WaitAck) -> tuple[bool, bool]:
         """Whether the successor holds ``w``'s snapshot (or a newer one of its timeline),

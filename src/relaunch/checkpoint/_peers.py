@@ -15,7 +15,9 @@ timeline the job left after a restore) fetched again.
 Before a round's workers start, a node whose memory has no snapshot of a rank it now
 runs (a spare or a later node that took a lost node's ranks, ranks that moved when the
 nodes were ranked again) fetches that rank's newest snapshot from whichever node of the
-round holds it. Standard library only: the agent never imports torch.
+round holds it; its own copies of a step the job wrote again while it sat out go first
+(:func:`_two_timelines`), and its successor mirrors nothing of it meanwhile. Standard
+library only: the agent never imports torch.
 """
 
 from __future__ import annotations
@@ -132,6 +134,9 @@ class PeerCopies:
         self.fetched: dict[int, int] = {}
         """Global rank -> step fetched before the workers started (the last round's)."""
         self._last: tuple[int, tuple[int, ...]] = (-2, ())
+        """The last round this node took part in and the ranks it ran there, once the
+        fetch before it was complete (else none: the fetch is tried again)."""
+        self._ran: tuple[int, tuple[int, ...]] = (-2, ())
         """The last round this node took part in and the ranks it ran there."""
 
     @property
@@ -150,20 +155,23 @@ class PeerCopies:
         self._server.set_allowed(seat.allowed)
         # this round's successor starts polling when it started the round too
         self._server.expect_successor(_SUCCESSOR_START if world_size > 1 else None)
-        try:  # first: the other nodes of the round may fetch from this one meanwhile
-            record = PeerRecord(seat.addr, self._server.port, current.ranks)
-            store.set(f"{_KEY}{group_rank}", record.to_bytes())
-        except StoreError as exc:
-            log.warning("snapshots: cannot offer this node's snapshots to its peers: %s", exc)
-            return
-        # what this node's own workers wrote is the newest of its ranks only when it ran
-        # them in the round just before (a spare that sat out rounds holds old ones)
-        self.fetched = {}
-        complete = True
-        if world_size > 1 and self._last != (seat.round_number - 1, current.ranks):
-            complete = self._fetch_missing(current)
+        with self._server.settling():
+            try:  # first: the other nodes of the round may fetch from this one meanwhile
+                record = PeerRecord(seat.addr, self._server.port, current.ranks)
+                store.set(f"{_KEY}{group_rank}", record.to_bytes())
+            except StoreError as exc:
+                log.warning("snapshots: cannot offer this node's snapshots to its peers: %s", exc)
+                return
+            # what this node's own workers wrote is the newest of its ranks only when it
+            # ran them in the round just before (a spare that sat out rounds holds old ones)
+            self.fetched = {}
+            complete = True
+            if world_size > 1 and self._last != (seat.round_number - 1, current.ranks):
+                ran = self._ran[1] if self._ran[0] == seat.round_number - 1 else ()
+                complete = self._fetch_missing(current, ran)
         # a fetch that failed is tried again at the next round
         self._last = (seat.round_number, current.ranks) if complete else (-2, ())
+        self._ran = (seat.round_number, current.ranks)
         held = layout.held_ranks(self._root)
         current.started_at.update({rank: held.get(rank, [-1])[0] for rank in current.ranks})
         with self._lock:
@@ -196,34 +204,44 @@ class PeerCopies:
             log.debug("snapshots: no peer record of node %s: %s", group_rank, exc)
             return None
 
-    def _fetch_missing(self, r: _Round) -> bool:
+    def _fetch_missing(self, r: _Round, ran: tuple[int, ...]) -> bool:
         """Before the workers start on ranks this node did not run in the round before:
         the snapshots they need are fetched from the round's nodes that hold them (none
         here: a spare or a later node taking a lost node's ranks; old ones: ranks that
         moved, or a node that sat out rounds), at one step for all of them
-        (:func:`_targets`). Returns whether every one it chose was fetched."""
-        held = {rank: {step for step, _ in steps} for rank, steps in held_steps(self._root).items()}
+        (:func:`_targets`). A snapshot here of a rank it did not run in the round before
+        (not in ``ran``) goes when another node holds that step with other bytes, and a
+        step the others hold with different bytes is fetched from none
+        (:func:`_two_timelines`). Returns whether every one it chose was fetched."""
+        mine = {rank: dict(steps) for rank, steps in held_steps(self._root).items()}
+        held = {rank: set(steps) for rank, steps in mine.items()}
         t0 = time.monotonic()
         offers: dict[int, dict[int, list[PeerRecord]]] = {}  # rank -> step -> holders
         others: dict[int, set[int]] = {}  # the round's other ranks -> the steps they hold
         deadline = t0 + 5.0  # the round's nodes publish as they start it, all at once
+        listed: dict[tuple[int, int], set[int]] = {}  # (rank, step) -> the CRCs elsewhere
         for g in range(r.world_size):
             left = max(0.001, deadline - time.monotonic())
             rec = None if g == r.group_rank else self._peer(r, g, timeout=left)
             if rec is None:
                 continue
             try:
-                steps, _ = list_steps(rec.addr, rec.port, self._job)
+                steps = list_steps(rec.addr, rec.port, self._job).steps
             except (OSError, wire.WireError) as exc:
                 log.warning("snapshots: cannot list node %s's snapshots: %s", g, exc)
                 continue
             for rank in r.ranks:
-                for step, _crc in steps.get(rank, []):
+                for step, crc in steps.get(rank, []):
                     offers.setdefault(rank, {}).setdefault(step, []).append(rec)
+                    listed.setdefault((rank, step), set()).add(crc)
             for rank in rec.ranks:  # what the ranks that node runs will offer to load()
                 others[rank] = {step for step, _crc in steps.get(rank, [])}
+        stale, ambiguous = _two_timelines(mine, listed, ran)
+        self._drop_stale(stale, held)
         moved = 0
         offered = {rank: set(by_step) for rank, by_step in offers.items()}
+        for rank, step in ambiguous:
+            offered[rank].discard(step)
         complete = False
         for _ in range(3):  # a step no holder could send: the next best without it
             failed = 0
@@ -246,6 +264,17 @@ class PeerCopies:
                 break
         self._report(moved, t0)
         return complete
+
+    def _drop_stale(self, stale: set[tuple[int, int]], held: dict[int, set[int]]) -> None:
+        """Drop this node's snapshots ``stale`` (rank, step) (:func:`_two_timelines`)."""
+        for rank, step in sorted(stale):
+            shutil.rmtree(layout.step_dir(layout.rank_dir(self._root, rank), step), True)
+            held[rank].discard(step)
+        if stale:
+            log.warning(
+                "snapshots: dropped this node's %s: the job wrote them again while it sat out",
+                ", ".join(f"rank {rank} step {step}" for rank, step in sorted(stale)),
+            )
 
     def _report(self, moved: int, t0: float) -> None:
         if self.fetched:
@@ -303,7 +332,9 @@ class PeerCopies:
         """One long poll of the predecessor: once its snapshots changed, copy the newest
         of each of its ranks that this node lacks, tell it so, and drop the copies of a
         timeline it left. Returns the version seen."""
-        theirs, seen = list_steps(source.addr, source.port, self._job, since=version)
+        theirs, seen, settled = list_steps(source.addr, source.port, self._job, since=version)
+        if not settled:  # it fetches its ranks' snapshots: what it has may be a left timeline
+            return seen  # (mirrored, it took the copies it was fetching): wait for the end
         mine = held_steps(self._root)
         for rank in source.ranks:
             if rank in r.ranks or self._stop.is_set() or not self._in_round(r):
@@ -362,6 +393,29 @@ class PeerCopies:
         in hand before its workers start."""
         with self._lock:
             yield self._round is r
+
+
+def _two_timelines(
+    mine: dict[int, dict[int, int]], listed: dict[tuple[int, int], set[int]], ran: Iterable[int]
+) -> tuple[set[tuple[int, int]], set[tuple[int, int]]]:
+    """The (rank, step) pairs of two timelines, from this node's snapshots (``mine``:
+    rank -> step -> CRC-32) and the CRCs the round's other nodes list (``listed``):
+
+    - *stale*: this node's, of a rank it did not run in the round before (not in
+      ``ran``), that another node holds with other bytes. It wrote them before it sat out
+      a restore to an older step, and the job then wrote that step again: kept, load()
+      restored that step from two timelines (the job's on every other rank, the old one
+      on this node's), once the step matched the newest the round shares;
+    - *ambiguous*: steps the other nodes hold with different bytes (the mirror of a node
+      that sat out, beside the job's copy): fetched from none."""
+    ran = set(ran)
+    ambiguous = {key for key, crcs in listed.items() if len(crcs) > 1}
+    stale = {
+        (rank, step)
+        for (rank, step), crcs in listed.items()
+        if rank not in ran and step in mine.get(rank, {}) and crcs != {mine[rank][step]}
+    }
+    return stale, ambiguous
 
 
 def _targets(

@@ -15,7 +15,8 @@ One request per connection, a JSON line of at most 4 KiB::
 
 The answer is a JSON line of at most 1 MiB, and for ``get`` the snapshot's data::
 
-    {"v": 1, "ok": true, "ranks": {"3": [[step, crc32], ...]}, "version": V}  (newest first)
+    {"v": 1, "ok": true, "ranks": {"3": [[step, crc32], ...]}, "version": V,
+     "settled": B}             (newest first; B false while the node fetches its ranks)
     {"v": 1, "ok": true, "manifest": "<manifest.json>", "nbytes": N}  + N bytes
     {"v": 1, "ok": true, "peer": true}        (saved: a successor copies this node's)
     {"v": 1, "ok": true, "acked": true, "peer": true}                     (wait_ack)
@@ -31,7 +32,7 @@ from __future__ import annotations
 import json
 import socket
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from relaunch.errors import SnapshotError
 
@@ -42,6 +43,7 @@ __all__ = [
     "Ack",
     "Get",
     "ListSteps",
+    "Listing",
     "Saved",
     "Steps",
     "WaitAck",
@@ -107,6 +109,17 @@ class WaitAck:
 
 Steps = dict[int, list[tuple[int, int]]]
 """Global rank -> ``(step, crc32)`` of its complete snapshots, newest first."""
+
+
+class Listing(NamedTuple):
+    """What a node holds (a list answer)."""
+
+    steps: Steps
+    version: int
+    """The version of the node's snapshots these are."""
+    settled: bool
+    """False while the node fetches the snapshots of the ranks it runs this round (what
+    it holds of them may be of a timeline the job left: no successor mirrors it yet)."""
 
 
 def encode(doc: dict[str, Any]) -> bytes:
@@ -197,8 +210,8 @@ def _answer(raw: bytes, what: str) -> dict[str, Any]:
     return doc
 
 
-def decode_listing(raw: bytes) -> tuple[Steps, int]:
-    """The steps by rank, and the version of the node's snapshots they are."""
+def decode_listing(raw: bytes) -> Listing:
+    """A list answer (``settled`` absent: true, an agent that never said)."""
     doc = _answer(raw, "list answer")
     ranks = doc.get("ranks")
     if not isinstance(ranks, dict):
@@ -217,7 +230,10 @@ def decode_listing(raw: bytes) -> tuple[Steps, int]:
                 raise WireError(f"list answer: ranks.{key}: expected [step, crc32], got {pair!r}")
             pairs.append((pair[0], pair[1]))
         out[int(key)] = pairs
-    return out, _count(doc, "version", "list answer")
+    settled = doc.get("settled", True)
+    if not isinstance(settled, bool):
+        raise WireError(f"list answer: settled: expected true or false, got {settled!r}")
+    return Listing(out, _count(doc, "version", "list answer"), settled)
 
 
 def decode_answer(raw: bytes) -> tuple[str, int]:
