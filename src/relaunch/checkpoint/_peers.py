@@ -137,7 +137,8 @@ class PeerCopies:
         """The last round this node took part in and the ranks it ran there, once the
         fetch before it was complete (else none: the fetch is tried again)."""
         self._ran: tuple[int, tuple[int, ...]] = (-2, ())
-        """The last round this node took part in and the ranks it ran there."""
+        """The same, complete fetch or not: the ranks whose snapshots here its own
+        workers wrote in the round just before (:func:`_two_timelines`)."""
 
     @property
     def port(self) -> int:
@@ -268,7 +269,8 @@ class PeerCopies:
     def _drop_stale(self, stale: set[tuple[int, int]], held: dict[int, set[int]]) -> None:
         """Drop this node's snapshots ``stale`` (rank, step) (:func:`_two_timelines`)."""
         for rank, step in sorted(stale):
-            shutil.rmtree(layout.step_dir(layout.rank_dir(self._root, rank), step), True)
+            folder = layout.step_dir(layout.rank_dir(self._root, rank), step)
+            shutil.rmtree(folder, ignore_errors=True)
             held[rank].discard(step)
         if stale:
             log.warning(
@@ -333,8 +335,8 @@ class PeerCopies:
         of each of its ranks that this node lacks, tell it so, and drop the copies of a
         timeline it left. Returns the version seen."""
         theirs, seen, settled = list_steps(source.addr, source.port, self._job, since=version)
-        if not settled:  # it fetches its ranks' snapshots: what it has may be a left timeline
-            return seen  # (mirrored, it took the copies it was fetching): wait for the end
+        if not settled:  # it fetches its ranks' snapshots: mirrored now, the old copies
+            return seen  # it is replacing replaced the job's here. Wait for its end
         mine = held_steps(self._root)
         for rank in source.ranks:
             if rank in r.ranks or self._stop.is_set() or not self._in_round(r):
