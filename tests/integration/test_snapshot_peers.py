@@ -21,9 +21,10 @@ import pytest
 
 from multinode_support.waiting import wait_for
 from relaunch.checkpoint import _layout as layout
+from relaunch.checkpoint._fetch_choice import fetch_targets, two_timelines
 from relaunch.checkpoint._peer_client import fetch_step, list_steps
 from relaunch.checkpoint._peer_server import SnapshotServer, held_steps
-from relaunch.checkpoint._peers import PeerCopies, PeerRecord, PeerRound, _targets, _two_timelines
+from relaunch.checkpoint._peers import PeerCopies, PeerRecord, PeerRound
 from relaunch.checkpoint._wire import WireError, ask
 from relaunch.store.tcp import TCPStoreClient, TCPStoreServer
 
@@ -265,19 +266,19 @@ def test_a_lost_node_s_ranks_are_fetched_at_one_step(ring: Ring) -> None:
 
 
 def test_the_steps_fetched_are_one_every_rank_has() -> None:
-    assert _targets([0, 1], {}, {0: {154, 155}, 1: {155, 156}}) == {0: 155, 1: 155}
+    assert fetch_targets([0, 1], {}, {0: {154, 155}, 1: {155, 156}}) == {0: 155, 1: 155}
     # held here already: only what is missing moves
-    assert _targets([0, 1], {0: {155}}, {0: {155}, 1: {155, 156}}) == {1: 155}
+    assert fetch_targets([0, 1], {0: {155}}, {0: {155}, 1: {155, 156}}) == {1: 155}
     # nothing in common: each rank's newest, when newer than any here
-    assert _targets([0, 1], {1: {9}}, {0: {3}, 1: {7}}) == {0: 3}
-    assert _targets([0], {}, {}) == {}
+    assert fetch_targets([0, 1], {1: {9}}, {0: {3}, 1: {7}}) == {0: 3}
+    assert fetch_targets([0], {}, {}) == {}
     # the round's other ranks stopped a step behind the newest copy: the step they hold
-    assert _targets([0, 1], {}, {0: {163, 164}, 1: {163, 164}}, {2: {161, 162, 163}}) == {
+    assert fetch_targets([0, 1], {}, {0: {163, 164}, 1: {163, 164}}, {2: {161, 162, 163}}) == {
         0: 163,
         1: 163,
     }
     # none they hold: the newest these ranks share
-    assert _targets([0], {}, {0: {9}}, {2: {5}}) == {0: 9}
+    assert fetch_targets([0], {}, {0: {9}}, {2: {5}}) == {0: 9}
 
 
 def test_a_node_that_sat_out_a_round_fetches_its_ranks_again(ring: Ring) -> None:
@@ -337,19 +338,19 @@ def test_a_node_that_sat_out_a_restore_drops_the_steps_the_job_wrote_again(
 def test_a_step_of_two_timelines_is_never_taken() -> None:
     held_here = {1: {8: 0x88, 9: 0x99}, 2: {9: 0x22}}
     # rank 1 not run here in the round before: its step 9 elsewhere has other bytes
-    assert _two_timelines(held_here, {(1, 9): {0x10}, (2, 9): {0x10}}, ran=(2,)) == (
+    assert two_timelines(held_here, {(1, 9): {0x10}, (2, 9): {0x10}}, ran=(2,)) == (
         {(1, 9)},
         set(),
     )
     # run here in the round before: this node's are the job's
-    assert _two_timelines(held_here, {(1, 9): {0x10}}, ran=(1,)) == (set(), set())
+    assert two_timelines(held_here, {(1, 9): {0x10}}, ran=(1,)) == (set(), set())
     # the others disagree: fetched from none, and this node's goes too
-    assert _two_timelines(held_here, {(1, 9): {0x99, 0x10}, (1, 7): {1, 2}}, ran=()) == (
+    assert two_timelines(held_here, {(1, 9): {0x99, 0x10}, (1, 7): {1, 2}}, ran=()) == (
         {(1, 9)},
         {(1, 9), (1, 7)},
     )
     # the same bytes elsewhere: kept
-    assert _two_timelines(held_here, {(1, 8): {0x88}}, ran=()) == (set(), set())
+    assert two_timelines(held_here, {(1, 8): {0x88}}, ran=()) == (set(), set())
 
 
 def test_a_pull_of_a_past_round_leaves_the_ranks_this_node_now_runs(ring: Ring) -> None:

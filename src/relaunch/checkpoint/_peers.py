@@ -16,25 +16,26 @@ Before a round's workers start, a node whose memory has no snapshot of a rank it
 runs (a spare or a later node that took a lost node's ranks, ranks that moved when the
 nodes were ranked again) fetches that rank's newest snapshot from whichever node of the
 round holds it; its own copies of a step the job wrote again while it sat out go first
-(:func:`_two_timelines`), and its successor mirrors nothing of it meanwhile. Standard
+(:func:`two_timelines`), and its successor mirrors nothing of it meanwhile. Standard
 library only: the agent never imports torch.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import shutil
 import sys
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from relaunch.checkpoint import _layout as layout
 from relaunch.checkpoint import _wire as wire
+from relaunch.checkpoint._fetch_choice import fetch_targets, two_timelines
 from relaunch.checkpoint._peer_client import ack, fetch_step, list_steps
+from relaunch.checkpoint._peer_record import PeerRecord
 from relaunch.checkpoint._peer_server import SnapshotServer, held_steps
 from relaunch.errors import StoreError
 from relaunch.store import Store
@@ -48,40 +49,6 @@ _SUCCESSOR_START = 15.0
 """Seconds after a round started within which the successor's first poll is awaited."""
 _REREAD_AFTER = 1.0
 """Seconds between the reads of the predecessor's record while it cannot be reached."""
-
-
-@dataclass(frozen=True)
-class PeerRecord:
-    """Where a node of the round serves its snapshots, and the global ranks it runs."""
-
-    addr: str
-    port: int
-    ranks: tuple[int, ...]
-
-    def to_bytes(self) -> bytes:
-        doc = {"v": 1, "addr": self.addr, "port": self.port, "ranks": list(self.ranks)}
-        return json.dumps(doc, separators=(",", ":")).encode()
-
-    @classmethod
-    def from_bytes(cls, raw: bytes, key: str) -> PeerRecord:
-        """WireError naming ``key`` and the field when the record is not one."""
-        try:
-            doc = json.loads(raw)
-        except ValueError as exc:
-            raise wire.WireError(f"{key}: not JSON ({exc})") from exc
-        ok = isinstance(doc, dict) and doc.get("v") == 1
-        if not ok:
-            raise wire.WireError(f"{key}: expected a version 1 peer record, got {raw[:120]!r}")
-        addr, port, ranks = doc.get("addr"), doc.get("port"), doc.get("ranks")
-        if not isinstance(addr, str) or not addr:
-            raise wire.WireError(f"{key}: addr: expected a host, got {addr!r}")
-        if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
-            raise wire.WireError(f"{key}: port: expected 1-65535, got {port!r}")
-        if not isinstance(ranks, list) or not all(
-            isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in ranks
-        ):
-            raise wire.WireError(f"{key}: ranks: expected a list of ranks, got {ranks!r}")
-        return cls(addr, port, tuple(ranks))
 
 
 @dataclass(frozen=True)
@@ -138,7 +105,7 @@ class PeerCopies:
         fetch before it was complete (else none: the fetch is tried again)."""
         self._ran: tuple[int, tuple[int, ...]] = (-2, ())
         """The same, complete fetch or not: the ranks whose snapshots here its own
-        workers wrote in the round just before (:func:`_two_timelines`)."""
+        workers wrote in the round just before (:func:`two_timelines`)."""
 
     @property
     def port(self) -> int:
@@ -210,10 +177,10 @@ class PeerCopies:
         the snapshots they need are fetched from the round's nodes that hold them (none
         here: a spare or a later node taking a lost node's ranks; old ones: ranks that
         moved, or a node that sat out rounds), at one step for all of them
-        (:func:`_targets`). A snapshot here of a rank it did not run in the round before
+        (:func:`fetch_targets`). A snapshot here of a rank it did not run in the round before
         (not in ``ran``) goes when another node holds that step with other bytes, and a
         step the others hold with different bytes is fetched from none
-        (:func:`_two_timelines`). Returns whether every one it chose was fetched."""
+        (:func:`two_timelines`). Returns whether every one it chose was fetched."""
         mine = {rank: dict(steps) for rank, steps in held_steps(self._root).items()}
         held = {rank: set(steps) for rank, steps in mine.items()}
         t0 = time.monotonic()
@@ -237,7 +204,7 @@ class PeerCopies:
                     listed.setdefault((rank, step), set()).add(crc)
             for rank in rec.ranks:  # what the ranks that node runs will offer to load()
                 others[rank] = {step for step, _crc in steps.get(rank, [])}
-        stale, ambiguous = _two_timelines(mine, listed, ran)
+        stale, ambiguous = two_timelines(mine, listed, ran)
         self._drop_stale(stale, held)
         moved = 0
         offered = {rank: set(by_step) for rank, by_step in offers.items()}
@@ -246,7 +213,7 @@ class PeerCopies:
         complete = False
         for _ in range(3):  # a step no holder could send: the next best without it
             failed = 0
-            for rank, step in _targets(r.ranks, held, offered, others).items():
+            for rank, step in fetch_targets(r.ranks, held, offered, others).items():
                 for rec in offers[rank][step]:
                     try:
                         moved += fetch_step(rec.addr, rec.port, self._job, rank, step, self._root)
@@ -267,7 +234,7 @@ class PeerCopies:
         return complete
 
     def _drop_stale(self, stale: set[tuple[int, int]], held: dict[int, set[int]]) -> None:
-        """Drop this node's snapshots ``stale`` (rank, step) (:func:`_two_timelines`)."""
+        """Drop this node's snapshots ``stale`` (rank, step) (:func:`two_timelines`)."""
         for rank, step in sorted(stale):
             folder = layout.step_dir(layout.rank_dir(self._root, rank), step)
             shutil.rmtree(folder, ignore_errors=True)
@@ -395,56 +362,3 @@ class PeerCopies:
         in hand before its workers start."""
         with self._lock:
             yield self._round is r
-
-
-def _two_timelines(
-    mine: dict[int, dict[int, int]], listed: dict[tuple[int, int], set[int]], ran: Iterable[int]
-) -> tuple[set[tuple[int, int]], set[tuple[int, int]]]:
-    """The (rank, step) pairs of two timelines, from this node's snapshots (``mine``:
-    rank -> step -> CRC-32) and the CRCs the round's other nodes list (``listed``):
-
-    - *stale*: this node's, of a rank it did not run in the round before (not in
-      ``ran``), that another node holds with other bytes. It wrote them before it sat out
-      a restore to an older step, and the job then wrote that step again: kept, load()
-      restored that step from two timelines (the job's on every other rank, the old one
-      on this node's), once the step matched the newest the round shares;
-    - *ambiguous*: steps the other nodes hold with different bytes (the mirror of a node
-      that sat out, beside the job's copy): fetched from none."""
-    ran = set(ran)
-    ambiguous = {key for key, crcs in listed.items() if len(crcs) > 1}
-    stale = {
-        (rank, step)
-        for (rank, step), crcs in listed.items()
-        if rank not in ran and step in mine.get(rank, {}) and crcs != {mine[rank][step]}
-    }
-    return stale, ambiguous
-
-
-def _targets(
-    ranks: Iterable[int],
-    held: dict[int, set[int]],
-    offered: dict[int, set[int]],
-    others: dict[int, set[int]] | None = None,
-) -> dict[int, int]:
-    """The step to fetch for each of ``ranks`` (those already here are left out): the
-    newest step that every one of them has, here or on another node, and that the
-    round's ``others`` ranks hold too, so that every rank restores it (a lost node's
-    ranks had their copies made one by one, and the other ranks may be a step behind
-    the newest copy: each rank's newest alone made a step no two ranks had in common, a
-    fresh start); without one the others hold, the newest these ranks share; else each
-    rank's newest offered one that is newer than any here."""
-    ranks = list(ranks)
-    have = [held.get(rank, set()) | offered.get(rank, set()) for rank in ranks]
-    common = set.intersection(*have) if have else set()
-    everyone = common.intersection(*(others or {}).values())
-    if everyone:
-        common = everyone
-    if common:
-        step = max(common)
-        return {rank: step for rank in ranks if step not in held.get(rank, set())}
-    out = {}
-    for rank in ranks:
-        newest = max(offered.get(rank, set()), default=-1)
-        if newest > max(held.get(rank, set()), default=-1):
-            out[rank] = newest
-    return out
