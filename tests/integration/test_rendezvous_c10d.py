@@ -31,7 +31,7 @@ from relaunch.rendezvous.api import RendezvousParameters
 from relaunch.rendezvous.registry import create_handler
 
 NODE = r"""
-import json, select, sys
+import json, os, select, sys, time
 from relaunch.rendezvous.api import RendezvousParameters
 from relaunch.rendezvous.registry import create_handler
 from relaunch.errors import RelaunchError
@@ -53,6 +53,7 @@ try:
                 sys.stdin.readline()
                 say(event="bye", ok=handler.shutdown())
                 sys.exit(0)
+        time.sleep(float(os.environ.get("RETURN_DELAY", "0")))  # (a node slow to come back)
 except RelaunchError as exc:
     say(event="error", kind=type(exc).__name__, message=str(exc))
     handler.shutdown()
@@ -64,7 +65,14 @@ CONF = "last_call_timeout=0.5,keep_alive_interval=0.2,keep_alive_max_attempt=5,r
 
 class Node:
     def __init__(
-        self, endpoint: str, lo: int, hi: int, conf: str = CONF, *, stderr: bool = False
+        self,
+        endpoint: str,
+        lo: int,
+        hi: int,
+        conf: str = CONF,
+        *,
+        stderr: bool = False,
+        return_delay: float = 0.0,
     ) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, "-c", NODE, endpoint, str(lo), str(hi), conf],
@@ -72,6 +80,7 @@ class Node:
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE if stderr else None,
             start_new_session=True,
+            env={**os.environ, "RETURN_DELAY": str(return_delay)},
         )
         assert self.next(timeout=60)["event"] == "ready"
 
@@ -200,6 +209,31 @@ def test_spare_takes_lost_nodes_place(nodes: list[Node]) -> None:
     assert host["round"] == spare["round"] == 1
     nodes[2].exit()
     nodes[0].exit()
+
+
+def test_a_node_slow_to_come_back_keeps_its_place_from_the_spares(nodes: list[Node]) -> None:
+    # a node lost: its spare takes its place, and the second spare waits, though a node
+    # of the round takes 2 s to ask again (as one waiting at its exit barrier does, or
+    # one stopping its workers): that node holds its ranks' snapshots
+    endpoint = f"127.0.0.1:{free_port()}"
+    conf = CONF.replace("last_call_timeout=0.5", "last_call_timeout=60") + ",store_members=0"
+    nodes.append(Node(endpoint, 3, 3, conf))  # the store's host
+    nodes.append(Node(endpoint, 3, 3, conf, return_delay=2.0))
+    nodes.append(Node(endpoint, 3, 3, conf))
+    assert {(r["round"], r["world"]) for r in (n.next() for n in nodes)} == {(0, 3)}
+    nodes += [Node(endpoint, 3, 3, conf) for _ in range(2)]  # two spares
+    nodes[2].kill()
+    slow = nodes[1].next()
+    assert (slow["round"], slow["world"]) == (1, 3)
+    host = nodes[0].next()
+    assert (host["round"], host["world"]) == (1, 3)
+    # (the round has three places: two are the host's and the slow node's)
+    said = select.select([n.proc.stdout for n in nodes[3:]], [], [], 60)[0]
+    seated = next(n for n in nodes[3:] if n.proc.stdout in said)
+    assert seated.next()["round"] == 1
+    next(n for n in nodes[3:] if n is not seated).kill()  # (a spare reads no exit)
+    for node in (seated, nodes[1], nodes[0]):
+        assert node.exit() == {"event": "bye", "ok": True}
 
 
 def test_corrupt_state_gives_clear_error(nodes: list[Node]) -> None:

@@ -139,6 +139,53 @@ def test_dead_participant_reopens_round_for_survivors_and_spare() -> None:
     assert state.complete and set(state.participants) == {"a_1_0", "c_1_0"}
 
 
+def test_a_round_opened_again_holds_its_nodes_seats_before_spares_and_new_nodes() -> None:
+    # a's worker failed: the round is opened again; a spare and a node arriving now
+    # must not take the seat of b, which comes back 80 ms later with its snapshots
+    s = settings(2, 2, last_call_timeout=30.0)
+    state = joined(["a_1_0", "b_1_0", "c_1_0"], s)
+    assert state.complete and state.redundancy_list == {"c_1_0"}
+    state = apply(Action.REMOVE_FROM_PARTICIPANTS, state, "a_1_0", T0, s)
+    assert state.held_until == T0 + 30.0
+    assert decide_join(state, "c_1_0", T0, s, FAR) is Action.SYNC
+    assert decide_join(state, "d_1_0", T0, s, FAR) is Action.ADD_TO_REDUNDANCY_LIST
+    for node in ("c_1_0", "d_1_0", "a_1_0", "b_1_0"):
+        state = place(state, node, T0 + 0.08, s)
+    assert state.complete and set(state.participants) == {"a_1_0", "b_1_0"}
+    assert state.redundancy_list == {"c_1_0", "d_1_0"} and state.held_until is None
+
+
+def test_held_seats_go_to_spares_when_their_node_is_dead_or_late() -> None:
+    s = settings(2, 2, last_call_timeout=30.0, keep_alive_interval=1.0, keep_alive_max_attempt=2)
+    base = joined(["a_1_0", "b_1_0", "c_1_0"], s)
+    base = apply(Action.REMOVE_FROM_PARTICIPANTS, base, "a_1_0", T0, s)
+    base = place(base, "a_1_0", T0, s)
+    # late: the seat is free for the spare once the hold ended
+    assert decide_join(base, "c_1_0", T0 + 29.9, s, FAR) is Action.SYNC
+    late = place(base, "c_1_0", T0 + 30.0, s)
+    assert late.complete and set(late.participants) == {"a_1_0", "c_1_0"}
+    # dead: found so, b leaves what the round expects, and its seat with it
+    base = _beat(_beat(base, "a_1_0", T0 + 2.5), "c_1_0", T0 + 2.5)
+    dead, gone = remove_dead(base, T0 + 2.6, s)
+    assert gone == ["b_1_0"]
+    assert decide_join(dead, "c_1_0", T0 + 2.6, s, FAR) is Action.REMOVE_FROM_REDUNDANCY_LIST
+
+
+def test_a_node_at_its_exit_barrier_keeps_its_seat_when_another_node_is_lost() -> None:
+    # a's workers are done and a waits at its exit barrier (it holds the only copy of
+    # its ranks' newest snapshots); b is lost; the spare c and b's replacement d arrive
+    # before a sees the round end: c takes b's seat, d waits as a spare, a is back
+    s = settings(2, 2)
+    state = joined(["a_1_0", "b_1_0", "c_1_0"], s)
+    state, lost = remove_dead(state, T0 + 100, s, alive={"a_1_0", "c_1_0"})
+    assert lost == ["b_1_0"]
+    state = place(state, "c_1_0", T0 + 100, s)
+    state = place(state, "d_1_0", T0 + 100.1, s)
+    assert not state.complete and state.redundancy_list == {"d_1_0"}
+    state = place(state, "a_1_0", T0 + 100.5, s)
+    assert state.complete and set(state.participants) == {"a_1_0", "c_1_0"}
+
+
 def test_survivors_below_min_wait_and_dead_expected_node_is_dropped() -> None:
     s = settings(1, 3, keep_alive_interval=1.0, keep_alive_max_attempt=2)
     state = joined(["a_1_0", "b_1_0", "c_1_0"], s)
@@ -239,11 +286,18 @@ def test_codec_round_trip_and_strict_decoding() -> None:
         b'{"version": 99}',
         data.replace(b'"complete":true', b'"complete":"yes"'),
         data.replace(b'"round":0', b'"round":0.5'),
+        data.replace(b'"round":0', b'"held_until":"soon","round":0'),
+        data.replace(b'"round":0', b'"held_until":1e999,"round":0'),
+        data.replace(b'"round":0', b'"held_until":5,"round":0'),  # a complete round
     ):
         with pytest.raises(RendezvousStateError, match="'relaunch/x/state'"):
             decode_state(bad, key="relaunch/x/state", run_id="job")
     with pytest.raises(RendezvousStateError, match=r"belongs to run 'job'"):
         decode_state(data, key="k", run_id="other")
+    reopened = apply(Action.REMOVE_FROM_PARTICIPANTS, state, "a_1_0", T0, s)
+    data = encode_state(reopened)
+    assert b'"held_until"' in data
+    assert encode_state(decode_state(data, key="k", run_id="job")) == data
 
 
 def test_node_ids_sort_and_are_unique() -> None:

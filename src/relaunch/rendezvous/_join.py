@@ -173,4 +173,6 @@ class RoundJoin:
             timeout = min(timeout, state.deadline - now)
         if self.node not in state.redundancy_list:
             timeout = min(timeout, deadline - now + 0.01)
+        elif state.held_until is not None and state.held_until > now:
+            timeout = min(timeout, state.held_until - now + 0.01)  # the seats it waits for
         return max(timeout, 0.001)

@@ -12,8 +12,18 @@ import math
 from collections.abc import Collection, Iterable
 
 from relaunch.rendezvous._news import needs_wake, nodes_waiting
+from relaunch.rendezvous._rounds import (
+    add_participant,
+    after_removal,
+    can_complete,
+    complete,
+    fill_vacancy,
+    held_seats,
+    maybe_complete,
+    reopen,
+)
 from relaunch.rendezvous._settings import RendezvousSettings
-from relaunch.rendezvous._state import RendezvousState, node_sort_key
+from relaunch.rendezvous._state import RendezvousState
 
 __all__ = [
     "JOIN_REQUEST_ACTIONS",
@@ -68,27 +78,6 @@ JOIN_REQUEST_ACTIONS = frozenset({
 """Placements of a joining node; they go through the request queue, applied in batches."""
 
 
-def can_complete(state: RendezvousState, now: float, settings: RendezvousSettings) -> bool:
-    """Whether the open round may complete now.
-
-    With at least ``min_nodes``: at ``max_nodes``, when the last call expired, or
-    when every node the round expects (after a loss or a restart) is back.
-    """
-    if state.complete or state.closed:
-        return False
-    count = len(state.participants)
-    if count < settings.min_nodes:
-        return False
-    if count >= settings.max_nodes:
-        return True
-    if state.deadline is not None and now >= state.deadline:
-        return True
-    expected = state.expected
-    if not expected or count < len(expected):  # (cheap first: a batch of joins is O(N))
-        return False
-    return all(n in state.participants for n in expected)
-
-
 def decide_join(
     state: RendezvousState, node: str, now: float, settings: RendezvousSettings, deadline: float
 ) -> Action:
@@ -106,8 +95,9 @@ def decide_join(
         # takes it, and the round's other nodes go on (tiered recovery).
         return Action.FILL_VACANCY
     if node in state.redundancy_list:
-        # A spare does not time out: it waits until a participant is lost.
-        if len(state.participants) >= settings.max_nodes:
+        # A spare does not time out: it waits until a participant is lost, and the
+        # round's nodes that are alive are back or late (their seats are held).
+        if not _room(state, now, settings):
             return Action.SYNC
         return Action.REMOVE_FROM_REDUNDANCY_LIST
     is_participant = node in state.participants
@@ -126,9 +116,20 @@ def decide_join(
     elif is_participant:
         if can_complete(state, now, settings):
             return Action.MARK_COMPLETE
-    else:
+    elif node in state.expected or _room(state, now, settings):
         return Action.ADD_TO_PARTICIPANTS
+    else:
+        return Action.ADD_TO_REDUNDANCY_LIST  # the free seats are held for others
     return Action.SYNC
+
+
+def _room(state: RendezvousState, now: float, settings: RendezvousSettings) -> bool:
+    """Whether a spare or a new node may take a seat: the round has one that is
+    neither taken nor held for a node of the last round."""
+    taken = len(state.participants)
+    if state.complete or taken + len(state.expected) < settings.max_nodes:
+        return taken < settings.max_nodes  # (held seats are a subset of ``expected``)
+    return taken + held_seats(state, now) < settings.max_nodes
 
 
 def decide_exit(state: RendezvousState, node: str, now: float, deadline: float) -> Action:
@@ -152,63 +153,6 @@ def decide_close(state: RendezvousState, now: float, deadline: float) -> Action:
     return Action.ERROR_TIMEOUT if now > deadline else Action.MARK_CLOSED
 
 
-def _reopen(state: RendezvousState) -> None:
-    """Start the next round; it expects every node still known to be alive."""
-    state.expected = set(state.participants) | state.wait_list | state.redundancy_list
-    state.participants = {}
-    state.inprocess = set()
-    state.vacancies = {}
-    state.incarnations = {}
-    state.round += 1
-    state.complete = False
-    state.deadline = None
-
-
-def _complete(state: RendezvousState) -> None:
-    """Mark the round complete; ranks in the nodes' sorted order, the store's host first."""
-    state.complete = True
-    state.deadline = None
-    state.expected = set()
-
-    def order(node: str) -> tuple[bool, tuple[str, int, int]]:
-        return node != state.store_host, node_sort_key(node)
-
-    for rank, member in enumerate(sorted(state.participants, key=order)):
-        state.participants[member] = rank
-
-
-def _maybe_complete(state: RendezvousState, now: float, settings: RendezvousSettings) -> None:
-    if can_complete(state, now, settings):
-        _complete(state)
-
-
-def _after_removal(state: RendezvousState, settings: RendezvousSettings) -> None:
-    if not state.complete and len(state.participants) < settings.min_nodes:
-        state.deadline = None
-
-
-def _add_participant(
-    state: RendezvousState, node: str, now: float, settings: RendezvousSettings
-) -> None:
-    """``node`` takes part in the open round; the last call starts at ``min_nodes``."""
-    state.wait_list.discard(node)
-    state.participants[node] = 0
-    state.last_heartbeats[node] = now
-    if len(state.participants) >= settings.min_nodes and state.deadline is None:
-        state.deadline = now + settings.last_call_timeout
-
-
-def _fill_vacancy(state: RendezvousState, node: str, now: float) -> None:
-    """``node`` takes the lowest vacant rank of the running round (and its incarnation)."""
-    rank = min(state.vacancies)
-    state.incarnations[rank] = state.vacancies.pop(rank)
-    state.wait_list.discard(node)
-    state.redundancy_list.discard(node)
-    state.expected.discard(node)
-    state.participants[node] = rank
-    state.last_heartbeats[node] = now
-
-
 def apply(
     action: Action,
     state: RendezvousState,
@@ -227,7 +171,7 @@ def _perform(
 ) -> None:
     """Perform the write ``action`` of ``node`` on ``new`` itself."""
     if action is Action.ADD_TO_PARTICIPANTS:
-        _add_participant(new, node, now, settings)
+        add_participant(new, node, now, settings)
     elif action is Action.ADD_TO_WAIT_LIST:
         new.redundancy_list.discard(node)
         new.wait_list.add(node)
@@ -238,10 +182,10 @@ def _perform(
     elif action is Action.REMOVE_FROM_PARTICIPANTS:
         # The node rejoins at once: a complete round is reopened and expects it back.
         if new.complete:
-            _reopen(new)
+            reopen(new, now, settings)
         else:
             new.participants.pop(node, None)
-            _after_removal(new, settings)
+            after_removal(new, settings)
     elif action is Action.REMOVE_FROM_WAIT_LIST:
         new.wait_list.discard(node)
         new.expected.discard(node)
@@ -250,7 +194,7 @@ def _perform(
         new.redundancy_list.discard(node)
     elif action is Action.FILL_VACANCY:
         if new.complete and new.vacancies and node not in new.participants:
-            _fill_vacancy(new, node, now)
+            fill_vacancy(new, node, now)
     elif action is Action.CLAIM_STORE_HOST:
         new.store_host = node
     elif action is Action.MARK_INPROCESS:
@@ -260,12 +204,12 @@ def _perform(
         _forget(new, [node], settings, dead=False, now=now)
     elif action is Action.MARK_COMPLETE:
         if not new.complete and new.participants:
-            _complete(new)
+            complete(new)
     elif action is Action.MARK_CLOSED:
         new.closed = True
     else:
         raise ValueError(f"{action} is not a write action")
-    _maybe_complete(new, now, settings)
+    maybe_complete(new, now, settings)
 
 
 def incarnation_base(now: float) -> int:
@@ -319,9 +263,9 @@ def _forget(
                 state.vacancies[rank] = base
             state.inprocess -= set(lost)
         elif state.complete and (dead or not state.participants):
-            _reopen(state)
+            reopen(state, now, settings)
         elif not state.complete:
-            _after_removal(state, settings)
+            after_removal(state, settings)
 
 
 def remove_dead(
@@ -358,7 +302,7 @@ def _drop_dead(state: RendezvousState, dead: list[str], now: float,
         return state, dead
     new = state.copy()
     _forget(new, dead, settings, dead=True, now=now)
-    _maybe_complete(new, now, settings)
+    maybe_complete(new, now, settings)
     return new, dead
 
 

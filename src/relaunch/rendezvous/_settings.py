@@ -50,7 +50,9 @@ class RendezvousSettings:
     last_call_timeout: float = 30.0
     """Extra wait for more nodes once ``min_nodes`` joined a fresh round. A round
     reopened after a loss or a restart completes as soon as every node expected
-    (the previous participants still alive, the wait list and the spares) rejoined."""
+    (the previous participants still alive, the wait list and the spares) rejoined;
+    for this long it holds the previous participants' seats for them (spares and new
+    nodes take only the others)."""
     close_timeout: float = 30.0
     """How long closing (and a hosting node's shutdown) may take."""
     heartbeat_timeout: float = 5.0

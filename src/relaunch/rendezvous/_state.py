@@ -81,6 +81,10 @@ class RendezvousState:
     closed: bool = False
     deadline: float | None = None
     """Wall-clock time at which a round with at least ``min_nodes`` completes."""
+    held_until: float | None = None
+    """Wall-clock time until which a round opened again holds the seats of the last
+    round's nodes (``expected``, neither spares nor waiting) for them: spares and new
+    nodes take only the other seats. None in a complete round."""
     participants: dict[str, int] = field(default_factory=dict)
     """Node -> rank (ranks are assigned when the round completes)."""
     wait_list: set[str] = field(default_factory=set)
@@ -164,6 +168,8 @@ def encode_state(state: RendezvousState) -> bytes:
     }
     if state.store_host is not None:
         doc["store_host"] = state.store_host
+    if state.held_until is not None:
+        doc["held_until"] = state.held_until
     if state.inprocess or state.vacancies or state.incarnations:
         doc["inprocess"] = sorted(state.inprocess)
         doc["vacancies"] = {str(r): i for r, i in sorted(state.vacancies.items())}
@@ -210,10 +216,18 @@ _FIELDS = frozenset(
     {"version", "run_id", "seq", "epoch", "round", "complete", "closed", "deadline",
      "participants", "wait_list", "redundancy_list", "expected", "last_heartbeats_ms",
      "applied", "restarts", "failed_round", "inprocess", "vacancies", "incarnations",
-     "store_host"}
+     "store_host", "held_until"}
 )  # fmt: skip
 CLOCK_SKEW = 300.0
 """Seconds a heartbeat may lie in the future (clocks of hosts differ); beyond: corrupt."""
+
+
+def _time(doc: dict[str, Any], name: str) -> float | None:
+    """An optional wall-clock time (a number or null)."""
+    value = doc.get(name)
+    if value is not None and (not isinstance(value, int | float) or isinstance(value, bool)):
+        raise _Bad(f"field {name!r} must be a number or null, got {value!r:.80}")
+    return None if value is None else float(value)
 
 
 def _host(doc: dict[str, Any]) -> str | None:
@@ -255,8 +269,12 @@ def _check_sense(state: RendezvousState, now: float | None, max_nodes: int | Non
                 f"field 'last_heartbeats_ms' of node {node[:80]!r} is {beat:.0f} s, not a "
                 f"time up to {CLOCK_SKEW:g} s ahead of this host's clock"
             )
-    if state.deadline is not None and not math.isfinite(state.deadline):
-        raise _Bad("field 'deadline' is not finite")
+    for name in ("deadline", "held_until"):
+        value = getattr(state, name)
+        if value is not None and not math.isfinite(value):
+            raise _Bad(f"field {name!r} is not finite")
+    if state.held_until is not None and state.complete:
+        raise _Bad("field 'held_until' is set in a round that is complete")
     if state.vacancies:
         if not state.complete:
             raise _Bad("field 'vacancies' is set in a round that is not complete")
@@ -307,11 +325,7 @@ def decode_state(
     """
     try:
         doc = _document(raw, run_id)
-        deadline = doc.get("deadline")
-        if deadline is not None and (
-            not isinstance(deadline, int | float) or isinstance(deadline, bool)
-        ):
-            raise _Bad(f"field 'deadline' must be a number or null, got {deadline!r}")
+        deadline = _time(doc, "deadline")
         heartbeats = _mapping(doc, "last_heartbeats_ms", int)
         state = RendezvousState(
             run_id=run_id,
@@ -320,7 +334,8 @@ def decode_state(
             round=_int(doc, "round"),
             complete=_bool(doc, "complete"),
             closed=_bool(doc, "closed"),
-            deadline=None if deadline is None else float(deadline),
+            deadline=deadline,
+            held_until=_time(doc, "held_until"),
             participants=_mapping(doc, "participants", int),
             wait_list=_nodes(doc, "wait_list"),
             redundancy_list=_nodes(doc, "redundancy_list"),
