@@ -175,6 +175,26 @@ def test_the_document_has_its_documented_shape_and_its_views_render() -> None:
     assert [s.value for s in hist.samples if s.name.endswith("_count")] == [1]
 
 
+def test_a_node_whose_seat_is_held_shows_as_joining_with_its_report() -> None:
+    # a round started again: a is back, b (its seat held) not yet, c a spare
+    board, _ = board_after_a_failure()
+    rows = [WorkerRow(local_rank=0, rank=2, pid=21, state="stopped", iteration=0, active=False)]
+    state = RendezvousState(
+        run_id="job",
+        round=2,
+        participants={"a_1_0": 0},
+        redundancy_list={"c_3_0"},
+        expected={"a_1_0", "b_2_0", "c_3_0"},
+        held_until=130.0,
+        restarts=1,
+    )
+    doc = job_document(state, {"b_2_0": board.report(rows)}, backend="c10d", now=100.0)
+    jsonschema.validate(doc, SCHEMA)
+    roles = {n["node"]: n["role"] for n in doc["nodes"]}
+    assert roles == {"a_1_0": "joining", "b_2_0": "joining", "c_3_0": "spare"}
+    assert doc["restarts"]["used"] == 1 and doc["world"]["workers"] == 1
+
+
 def test_escape_shows_control_characters() -> None:
     assert escape("a\x1b]0;title\x07b\r\n") == "a\\x1b]0;title\\x07b\\x0d\\n"
     assert escape("naïve ünïcode\t") == "naïve ünïcode\t"

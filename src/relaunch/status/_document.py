@@ -92,8 +92,8 @@ class ReportDoc(TypedDict):
 
 
 Role = Literal["participant", "joining", "spare", "waiting"]
-"""A node's place: in the complete round, in the round being gathered, a spare, waiting
-for the next round."""
+"""A node's place: in the complete round, in the round being gathered (or expected back
+in it: a round started again holds its nodes' seats), a spare, waiting for the next round."""
 Phase = Literal["open", "running", "closed"]
 """A round gathering nodes, running, or closed (the job ended)."""
 

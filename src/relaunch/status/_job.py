@@ -87,10 +87,10 @@ def read_job(store: Store, run_id: str, *, backend: str) -> dict[str, object]:
 
 
 def _members(state: RendezvousState) -> list[str]:
-    """Every node the rendezvous knows (participants, waiting, spares), in rank order."""
-    return sorted(
-        set(state.participants) | state.wait_list | state.redundancy_list, key=node_sort_key
-    )
+    """Every node the rendezvous knows (participants, waiting, spares, and the nodes of
+    the last round a round started again holds seats for), in rank order."""
+    known = set(state.participants) | state.wait_list | state.redundancy_list
+    return sorted(known | state.expected, key=node_sort_key)
 
 
 def _node_row(
@@ -103,8 +103,10 @@ def _node_row(
         role = "participant" if state.complete else "joining"
     elif node in state.redundancy_list:
         role = "spare"
-    else:
+    elif node in state.wait_list:
         role = "waiting"
+    else:
+        role = "joining"  # expected back in the round started again, not back yet
     addr = node_sort_key(node)[0] or node
     return {
         "node": node,
