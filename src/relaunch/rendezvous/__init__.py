@@ -2,7 +2,8 @@
 
 ``create_handler(params)`` builds the handler of ``--rdzv-backend`` (``c10d``,
 ``etcd`` or ``static``); :class:`DynamicRendezvousHandler` is the elastic one
-(state machine in :mod:`relaunch.rendezvous._ops`, state codec in
+(state machine in :mod:`relaunch.rendezvous._ops`, a round's moves in
+:mod:`relaunch.rendezvous._rounds`, state codec in
 :mod:`relaunch.rendezvous._state`, store I/O in :mod:`relaunch.rendezvous._backend`).
 """
 

@@ -95,8 +95,8 @@ def decide_join(
         # takes it, and the round's other nodes go on (tiered recovery).
         return Action.FILL_VACANCY
     if node in state.redundancy_list:
-        # A spare does not time out: it waits until a participant is lost, and the
-        # round's nodes that are alive are back or late (their seats are held).
+        # A spare does not time out: it waits for a free seat (a lost participant's,
+        # not one held for a node of the last round until it is back or late).
         if not _room(state, now, settings):
             return Action.SYNC
         return Action.REMOVE_FROM_REDUNDANCY_LIST
