@@ -1,8 +1,10 @@
 """The rendezvous state machine: pure functions over (state, node, now, settings).
 
 Each ``decide_*`` returns the next :class:`Action` of one operation (join, exit,
-leave, close, keep-alive); :func:`apply` performs a write action on a state's copy. Nothing here reads a clock or touches a store: ``now`` is the
-wall-clock time in seconds, deadlines are on the same clock (tests inject any).
+leave, close, keep-alive); :func:`apply` performs a write action on a state's copy
+(the round's moves themselves are in :mod:`relaunch.rendezvous._rounds`). Nothing here
+reads a clock or touches a store: ``now`` is the wall-clock time in seconds, deadlines
+are on the same clock (tests inject any).
 """
 
 from __future__ import annotations
