@@ -21,11 +21,12 @@ import pytest
 
 from multinode_support.waiting import wait_for
 from relaunch.checkpoint import _layout as layout
+from relaunch.checkpoint._channel import Channel
 from relaunch.checkpoint._fetch_choice import fetch_targets, two_timelines
-from relaunch.checkpoint._peer_client import fetch_step, list_steps
+from relaunch.checkpoint._peer_client import ack, fetch_step, list_steps
 from relaunch.checkpoint._peer_server import SnapshotServer, held_steps
 from relaunch.checkpoint._peers import PeerCopies, PeerRecord, PeerRound
-from relaunch.checkpoint._wire import WireError, ask
+from relaunch.checkpoint._wire import WireError
 from relaunch.store.tcp import TCPStoreClient, TCPStoreServer
 
 pytestmark = pytest.mark.timeout(60)
@@ -104,20 +105,21 @@ def source(tmp_path: Path):  # type: ignore[no-untyped-def]
     root.mkdir()
     server = SnapshotServer(str(root), JOB, "127.0.0.1")
     try:
-        yield root, server
+        with Channel("127.0.0.1", server.port) as peer:
+            yield root, server, peer
     finally:
         server.close()
 
 
 def test_a_snapshot_is_copied_whole_and_listed(source, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    root, server = source
+    root, _server, peer = source
     payload = os.urandom(3 << 20)
     _snapshot(root, 1, 7, b"old")
     _snapshot(root, 1, 8, payload)
-    steps = list_steps("127.0.0.1", server.port, JOB).steps
+    steps = list_steps(peer, JOB).steps
     assert steps == {1: [(8, zlib.crc32(payload)), (7, zlib.crc32(b"old"))]}
     into = tmp_path / "into"
-    assert fetch_step("127.0.0.1", server.port, JOB, 1, 8, str(into)) == len(payload)
+    assert fetch_step(peer, JOB, 1, 8, str(into)) == len(payload)
     assert _data(into, 1, 8) == payload
     assert held_steps(str(into)) == {1: [(8, zlib.crc32(payload))]}
 
@@ -126,17 +128,17 @@ def test_a_copy_that_goes_lends_its_pages_to_the_next(source, tmp_path: Path) ->
     """A successor's steady state: the copy of the step its predecessor dropped becomes
     the file of the next one (received into its pages), bigger or smaller; it is gone
     whether the next copy is kept or refused."""
-    root, server = source
+    root, _server, peer = source
     into = tmp_path / "into"
     first, bigger = os.urandom(1 << 20), os.urandom(3 << 20)
     _snapshot(root, 1, 7, first)
-    fetch_step("127.0.0.1", server.port, JOB, 1, 7, str(into))
+    fetch_step(peer, JOB, 1, 7, str(into))
     _snapshot(root, 1, 8, bigger)
-    assert fetch_step("127.0.0.1", server.port, JOB, 1, 8, str(into), reuse=7) == len(bigger)
+    assert fetch_step(peer, JOB, 1, 8, str(into), reuse=7) == len(bigger)
     assert _data(into, 1, 8) == bigger
     assert held_steps(str(into)) == {1: [(8, zlib.crc32(bigger))]}
     _snapshot(root, 1, 9, b"small")
-    fetch_step("127.0.0.1", server.port, JOB, 1, 9, str(into), reuse=8)
+    fetch_step(peer, JOB, 1, 9, str(into), reuse=8)
     assert _data(into, 1, 9) == b"small"
     assert held_steps(str(into)) == {1: [(9, zlib.crc32(b"small"))]}
     _snapshot(root, 1, 10, b"x" * 1000)
@@ -144,31 +146,31 @@ def test_a_copy_that_goes_lends_its_pages_to_the_next(source, tmp_path: Path) ->
     with open(path, "r+b") as f:  # changed after its manifest: refused
         f.write(b"y")
     with pytest.raises(WireError, match="CRC-32"):
-        fetch_step("127.0.0.1", server.port, JOB, 1, 10, str(into), reuse=9)
+        fetch_step(peer, JOB, 1, 10, str(into), reuse=9)
     assert held_steps(str(into)) == {}
     assert [p.name for p in into.rglob("*") if p.is_file()] == []
 
 
 def test_a_copy_whose_bytes_do_not_match_is_not_kept(source, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    root, server = source
+    root, _server, peer = source
     _snapshot(root, 0, 3, b"x" * 1000)
     path = os.path.join(layout.step_dir(layout.rank_dir(str(root), 0), 3), layout.DATA)
     with open(path, "r+b") as f:  # the bytes change after the manifest was written
         f.write(b"y")
     into = tmp_path / "into"
     with pytest.raises(WireError, match="CRC-32"):
-        fetch_step("127.0.0.1", server.port, JOB, 0, 3, str(into))
+        fetch_step(peer, JOB, 0, 3, str(into))
     assert held_steps(str(into)) == {}
     assert not any(p.name.startswith(".partial") for p in into.rglob("*"))
 
 
 def test_another_job_and_bad_requests_are_refused_clearly(source, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    root, server = source
+    root, server, peer = source
     _snapshot(root, 0, 3, b"abc")
     with pytest.raises(WireError, match="job: expected 'peers', got 'other'"):
-        list_steps("127.0.0.1", server.port, "other")
+        list_steps(peer, "other")
     with pytest.raises(WireError, match="no snapshot of rank 0 at step 4"):
-        fetch_step("127.0.0.1", server.port, JOB, 0, 4, str(tmp_path / "into"))
+        fetch_step(peer, JOB, 0, 4, str(tmp_path / "into"))
     for line, said in (
         (b"not json\n", "not JSON"),
         (b'{"v": 2, "job": "peers", "op": "list"}\n', "v: expected 1"),
@@ -182,20 +184,61 @@ def test_another_job_and_bad_requests_are_refused_clearly(source, tmp_path: Path
             answer = sock.makefile("rb").readline()
         assert b'"ok":false' in answer and said.encode() in answer, (line[:40], answer)
     # the server still serves
-    assert list_steps("127.0.0.1", server.port, JOB)[0] == {0: [(3, zlib.crc32(b"abc"))]}
+    assert list_steps(peer, JOB)[0] == {0: [(3, zlib.crc32(b"abc"))]}
+
+
+def test_one_connection_carries_a_peer_s_requests_while_it_serves(tmp_path: Path) -> None:
+    """A save's five questions go on one connection, not one each; a connection the
+    server closed (idle past its timeout) or one whose answer was refused is never used
+    again: the next request opens another."""
+    root = tmp_path / "source"
+    _snapshot(root, 0, 3, b"abc")
+    crc = zlib.crc32(b"abc")
+    server = SnapshotServer(str(root), JOB, "127.0.0.1", idle_timeout=0.5)
+    try:
+        with Channel("127.0.0.1", server.port) as peer:
+            for _ in range(3):
+                assert list_steps(peer, JOB).steps == {0: [(3, crc)]}
+            assert fetch_step(peer, JOB, 0, 3, str(tmp_path / "into")) == 3
+            ack(peer, JOB, 0, 3, crc)
+            assert peer.connections == 1
+            # quiet past the server's idle timeout: it closes its end
+            wait_for(lambda: server.open_connections == 0, 20, what="the idle connection closed")
+            assert list_steps(peer, JOB).steps == {0: [(3, crc)]}
+            assert peer.connections == 2
+            with pytest.raises(WireError, match="no snapshot of rank 0 at step 4"):
+                fetch_step(peer, JOB, 0, 4, str(tmp_path / "into"))
+            assert list_steps(peer, JOB).steps == {0: [(3, crc)]}
+            assert peer.connections == 3
+    finally:
+        server.close()
+
+
+def test_a_server_that_closes_ends_its_open_connections(tmp_path: Path) -> None:
+    """The agent's end does not wait for its peers' and workers' idle connections."""
+    root = tmp_path / "source"
+    root.mkdir()
+    server = SnapshotServer(str(root), JOB, "127.0.0.1")
+    with Channel("127.0.0.1", server.port) as peer:
+        assert list_steps(peer, JOB).steps == {}
+        server.close()
+        serving = [t for t in threading.enumerate() if t.name.startswith("relaunch-snapshot")]
+        assert serving == []
+        with pytest.raises(OSError):
+            list_steps(peer, JOB)
 
 
 def test_a_node_s_listing_says_while_it_fetches_its_ranks(source) -> None:  # type: ignore[no-untyped-def]
     """Its successor mirrors none of its snapshots meanwhile (its ranks' may be of a
     timeline the job left, the copies it is fetching the job's); the end of the fetch
     answers the successor's long poll at once."""
-    root, server = source
+    root, server, peer = source
     _snapshot(root, 0, 3, b"abc")
-    first = list_steps("127.0.0.1", server.port, JOB)
+    first = list_steps(peer, JOB)
     assert first.settled
     with server.settling():
-        assert not list_steps("127.0.0.1", server.port, JOB).settled
-    after = list_steps("127.0.0.1", server.port, JOB, since=first.version)
+        assert not list_steps(peer, JOB).settled
+    after = list_steps(peer, JOB, since=first.version)
     assert after.settled and after.version > first.version
     assert after.steps == {0: [(3, zlib.crc32(b"abc"))]}
 
@@ -375,10 +418,11 @@ def test_a_pull_of_a_past_round_leaves_the_ranks_this_node_now_runs(ring: Ring) 
 
 def test_a_worker_s_snapshot_counts_once_its_successor_holds_a_copy(ring: Ring) -> None:
     roots, nodes = ring.roots, ring.nodes
+    agent = Channel("127.0.0.1", nodes[0].port)  # as a worker asks: one connection
 
     def worker(op: str, step: int, crc: int = 0) -> dict[str, object]:
         doc = {"job": JOB, "op": op, "rank": 0, "step": step, "crc": crc}
-        return json.loads(ask("127.0.0.1", nodes[0].port, doc, 10.0))  # type: ignore[no-any-return]
+        return json.loads(agent.ask(doc, 10.0))  # type: ignore[no-any-return]
 
     ring.start(0, (0,))
     _snapshot(roots[0], 0, 5, b"five")
@@ -398,6 +442,7 @@ def test_a_worker_s_snapshot_counts_once_its_successor_holds_a_copy(ring: Ring) 
         20,
         what="the successor counted as gone",
     )
+    agent.close()
 
 
 def test_a_node_that_replaced_the_predecessor_in_its_round_is_pulled(

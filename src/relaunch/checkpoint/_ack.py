@@ -13,6 +13,7 @@ import logging
 import threading
 
 from relaunch.checkpoint import _wire as wire
+from relaunch.checkpoint._channel import Channel
 from relaunch.checkpoint._layout import Where
 
 __all__ = ["PeerAck"]
@@ -28,6 +29,8 @@ class PeerAck:
 
     def __init__(self, where: Where) -> None:
         self._where = where
+        self._agent = None if where.agent is None else Channel(*where.agent)
+        """The connection to the agent's snapshot server (the writer thread's)."""
         self.peer = False
         """Whether the last snapshot had a peer copy made (the node keeps one more)."""
         self._exiting = threading.Event()
@@ -43,14 +46,14 @@ class PeerAck:
         successor holds a copy. No agent, no successor, an agent that cannot be
         reached, or the process exiting: no wait (one warning the first time the
         agent cannot be reached)."""
-        agent = self._where.agent
+        agent = self._agent
         if agent is None:
             return
         base = {"job": self._where.job, "rank": self._where.rank, "step": step}
         try:
-            self.peer = wire.flag(wire.ask(*agent, {**base, "op": "saved"}, _ASK_TIMEOUT), "peer")
+            self.peer = wire.flag(agent.ask({**base, "op": "saved"}, _ASK_TIMEOUT), "peer")
             while self.peer and not self._exiting.is_set():
-                raw = wire.ask(*agent, {**base, "op": "wait_ack", "crc": crc}, _ASK_TIMEOUT)
+                raw = agent.ask({**base, "op": "wait_ack", "crc": crc}, _ASK_TIMEOUT)
                 if wire.flag(raw, "acked"):
                     return
                 self.peer = wire.flag(raw, "peer")
@@ -58,3 +61,8 @@ class PeerAck:
             if not self._warned:
                 log.warning("rank %s: no peer copy of the snapshots: %s", self._where.rank, exc)
                 self._warned = True
+
+    def close(self) -> None:
+        """Close the connection to the agent (the process exits; no save is in flight)."""
+        if self._agent is not None:
+            self._agent.close()

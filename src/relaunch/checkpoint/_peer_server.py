@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 
 from relaunch.checkpoint import _layout as layout
 from relaunch.checkpoint import _wire as wire
+from relaunch.checkpoint._channel import IDLE_TIMEOUT
 
 __all__ = ["SnapshotServer", "held_steps"]
 
@@ -54,7 +55,9 @@ def held_steps(root: str) -> wire.Steps:
 class SnapshotServer:
     """Serves this node's snapshot directory to the other agents of the job and to its
     own workers: a listening thread and a thread per connection (at most 64 at once),
-    each named and joined.
+    each named and joined. A connection carries request after request
+    (:class:`~._channel.Channel`) until its client closes it or is quiet for
+    ``idle_timeout`` seconds.
 
     It also keeps what makes a snapshot count as copied: the version of the node's
     snapshots (a worker's ``saved`` wakes the successor's long poll at once), the
@@ -69,8 +72,10 @@ class SnapshotServer:
         *,
         allowed: frozenset[str] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        idle_timeout: float = IDLE_TIMEOUT,
     ) -> None:
         self._root = root
+        self._idle_timeout = idle_timeout
         self._job = job
         self._allowed = allowed
         self._clock = clock
@@ -84,6 +89,8 @@ class SnapshotServer:
         self.port: int = self._sock.getsockname()[1]
         self._stop = threading.Event()
         self._threads: set[threading.Thread] = set()
+        self._conns: set[socket.socket] = set()
+        """The connections being served: closing the server ends them."""
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._version = 0
@@ -95,6 +102,12 @@ class SnapshotServer:
             target=self._accept_loop, name="relaunch-snapshot-server", daemon=True
         )
         self._acceptor.start()
+
+    @property
+    def open_connections(self) -> int:
+        """Connections being served now."""
+        with self._lock:
+            return len(self._conns)
 
     def set_allowed(self, allowed: frozenset[str] | None) -> None:
         """The addresses admitted besides loopback (the round's nodes); None: any."""
@@ -145,6 +158,9 @@ class SnapshotServer:
         self._sock.close()
         with self._lock:
             threads = list(self._threads)
+            for conn in self._conns:  # a thread waiting for the next request wakes
+                with contextlib.suppress(OSError):
+                    conn.shutdown(socket.SHUT_RDWR)
         for t in threads:
             t.join(10.0)
             if t.is_alive():
@@ -175,6 +191,10 @@ class SnapshotServer:
                 )
                 t.daemon = True
                 self._threads.add(t)
+                self._conns.add(conn)
+                if self._stop.is_set():  # (close took the list already)
+                    with contextlib.suppress(OSError):
+                        conn.shutdown(socket.SHUT_RDWR)
             t.start()
 
     def _admits(self, host: str) -> bool:
@@ -183,37 +203,60 @@ class SnapshotServer:
         return allowed is None or host.startswith(_LOOPBACK) or host in allowed
 
     def _serve(self, conn: socket.socket) -> None:
-        with conn:
-            conn.settimeout(30.0)
-            try:
-                request = wire.decode_request(wire.read_line(conn, wire.MAX_REQUEST), self._job)
-                match request:
-                    case wire.Get():
-                        self._send_step(conn, request)
-                    case wire.ListSteps(since=since):
-                        conn.sendall(self._listing(since))
-                    case wire.Ack(rank=rank, step=step, crc=crc):
-                        with self._changed:
-                            self._acked[rank] = (step, crc)
-                            self._changed.notify_all()
-                        conn.sendall(wire.encode({"ok": True}))
-                    case wire.Saved(rank=rank, step=step):
-                        with self._changed:
-                            if self._acked.get(rank, (-1, 0))[0] >= step:
-                                del self._acked[rank]  # the job went back: a new timeline
-                            self._version += 1
-                            self._changed.notify_all()
-                            peer = self._has_successor()
-                        conn.sendall(wire.encode({"ok": True, "peer": peer}))
-                    case wire.WaitAck():
-                        acked, peer = self._wait_ack(request)
-                        conn.sendall(wire.encode({"ok": True, "acked": acked, "peer": peer}))
-            except wire.WireError as exc:
-                log.warning("snapshot server: %s", exc)
-                with contextlib.suppress(OSError):
-                    conn.sendall(wire.encode({"ok": False, "error": str(exc)}))
-            except OSError as exc:  # the peer went away mid-answer: its own retry
-                log.debug("snapshot server: %s", exc)
+        """Answer the requests on ``conn`` until the client closes it or stays quiet for
+        the idle timeout."""
+        try:
+            with conn:
+                conn.settimeout(self._idle_timeout)
+                self._requests(conn)
+        finally:
+            with self._lock:
+                self._conns.discard(conn)
+
+    def _requests(self, conn: socket.socket) -> None:
+        """A request refused is answered so, and the next one read: its line was read
+        whole. A line that is not one (too long, cut short) ends the connection."""
+        try:
+            while not self._stop.is_set():
+                line = wire.next_line(conn, wire.MAX_REQUEST)
+                if line is None:
+                    return
+                try:
+                    self._answer(conn, wire.decode_request(line, self._job))
+                except wire.WireError as exc:
+                    self._refuse(conn, exc)
+        except wire.WireError as exc:
+            self._refuse(conn, exc)
+        except OSError as exc:  # the peer went away, or stayed quiet: its own retry
+            log.debug("snapshot server: %s", exc)
+
+    def _refuse(self, conn: socket.socket, exc: wire.WireError) -> None:
+        log.warning("snapshot server: %s", exc)
+        with contextlib.suppress(OSError):
+            conn.sendall(wire.encode({"ok": False, "error": str(exc)}))
+
+    def _answer(self, conn: socket.socket, request: wire.Request) -> None:
+        match request:
+            case wire.Get():
+                self._send_step(conn, request)
+            case wire.ListSteps(since=since):
+                conn.sendall(self._listing(since))
+            case wire.Ack(rank=rank, step=step, crc=crc):
+                with self._changed:
+                    self._acked[rank] = (step, crc)
+                    self._changed.notify_all()
+                conn.sendall(wire.encode({"ok": True}))
+            case wire.Saved(rank=rank, step=step):
+                with self._changed:
+                    if self._acked.get(rank, (-1, 0))[0] >= step:
+                        del self._acked[rank]  # the job went back: a new timeline
+                    self._version += 1
+                    self._changed.notify_all()
+                    peer = self._has_successor()
+                conn.sendall(wire.encode({"ok": True, "peer": peer}))
+            case wire.WaitAck():
+                acked, peer = self._wait_ack(request)
+                conn.sendall(wire.encode({"ok": True, "acked": acked, "peer": peer}))
 
     def _listing(self, since: int | None) -> bytes:
         with self._changed:

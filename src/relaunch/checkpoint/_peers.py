@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 from relaunch.checkpoint import _layout as layout
 from relaunch.checkpoint import _wire as wire
+from relaunch.checkpoint._channel import Channel
 from relaunch.checkpoint._fetch_choice import fetch_targets, two_timelines
 from relaunch.checkpoint._peer_client import ack, fetch_step, list_steps
 from relaunch.checkpoint._peer_record import PeerRecord
@@ -95,6 +96,8 @@ class PeerCopies:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._puller: threading.Thread | None = None
+        self._source: Channel | None = None
+        """The connection to the ring predecessor's server (the puller's)."""
         self.pulled_bytes = 0
         self.pulls = 0
         """Pulls from the predecessor done (each: a list, then the copy it lacked)."""
@@ -160,6 +163,8 @@ class PeerCopies:
             self._puller.join(60.0)
             if self._puller.is_alive():
                 log.warning("the snapshot puller did not end within 60 s")
+        if self._source is not None:
+            self._source.close()
 
     def _peer(self, r: _Round, group_rank: int, timeout: float) -> PeerRecord | None:
         key = f"{_KEY}{group_rank}"
@@ -194,7 +199,8 @@ class PeerCopies:
             if rec is None:
                 continue
             try:
-                steps = list_steps(rec.addr, rec.port, self._job).steps
+                with Channel(rec.addr, rec.port) as peer:
+                    steps = list_steps(peer, self._job).steps
             except (OSError, wire.WireError) as exc:
                 log.warning("snapshots: cannot list node %s's snapshots: %s", g, exc)
                 continue
@@ -216,7 +222,8 @@ class PeerCopies:
             for rank, step in fetch_targets(r.ranks, held, offered, others).items():
                 for rec in offers[rank][step]:
                     try:
-                        moved += fetch_step(rec.addr, rec.port, self._job, rank, step, self._root)
+                        with Channel(rec.addr, rec.port) as peer:
+                            moved += fetch_step(peer, self._job, rank, step, self._root)
                         self.fetched[rank] = step
                         held.setdefault(rank, set()).add(step)
                         break
@@ -301,7 +308,8 @@ class PeerCopies:
         """One long poll of the predecessor: once its snapshots changed, copy the newest
         of each of its ranks that this node lacks, tell it so, and drop the copies of a
         timeline it left. Returns the version seen."""
-        theirs, seen, settled = list_steps(source.addr, source.port, self._job, since=version)
+        peer = self._channel(source)
+        theirs, seen, settled = list_steps(peer, self._job, since=version)
         if not settled:  # it fetches its ranks' snapshots: mirrored now, the old copies
             return seen  # it is replacing replaced the job's here. Wait for its end
         mine = held_steps(self._root)
@@ -319,15 +327,24 @@ class PeerCopies:
             if have.get(newest) != crc:  # only the newest moves: the older one is being
                 # reused by the source's next save; a copy that goes lends its pages
                 self.pulled_bytes += fetch_step(
-                    source.addr, source.port, self._job, rank, newest, self._root,
+                    peer, self._job, rank, newest, self._root,
                     reuse=gone.pop(0) if gone else None, guard=lambda: self._writing(r),
                 )  # fmt: skip
-            ack(source.addr, source.port, self._job, rank, newest, crc)
+            ack(peer, self._job, rank, newest, crc)
             rank_root = layout.rank_dir(self._root, rank)
             with self._writing(r) as ours:
                 for step in gone if ours else ():
                     shutil.rmtree(layout.step_dir(rank_root, step), ignore_errors=True)
         return seen
+
+    def _channel(self, source: PeerRecord) -> Channel:
+        """The connection to ``source``'s server, kept from pull to pull."""
+        peer = self._source
+        if peer is None or (peer.addr, peer.port) != (source.addr, source.port):
+            if peer is not None:
+                peer.close()
+            peer = self._source = Channel(source.addr, source.port)
+        return peer
 
     def _sweep(self, r: _Round, theirs: tuple[int, ...]) -> None:
         """Remove the folders of the ranks that neither this node's workers nor its ring

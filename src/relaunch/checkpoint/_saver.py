@@ -123,6 +123,7 @@ class Saver:
             self.drop_prefetch()
             if not self._writer.busy():  # nothing copies into them
                 self._writer.close()
+                self._ack.close()
                 self._maps.close()
                 self._stager.close()
             self._filler.close()

@@ -1,6 +1,7 @@
 """The snapshot exchange between agents: versioned JSON lines, then raw bytes (no pickle).
 
-One request per connection, a JSON line of at most 4 KiB::
+Requests follow one another on a connection (:class:`~._channel.Channel`), each a JSON
+line of at most 4 KiB::
 
     {"v": 1, "job": J, "op": "list"}                      what the node holds
     {"v": 1, "job": J, "op": "list", "since": V}          the same, once the node's
@@ -48,13 +49,13 @@ __all__ = [
     "Steps",
     "WaitAck",
     "WireError",
-    "ask",
     "check_ok",
     "decode_answer",
     "decode_listing",
     "decode_request",
     "encode",
     "flag",
+    "next_line",
     "read_line",
 ]
 
@@ -129,10 +130,21 @@ def encode(doc: dict[str, Any]) -> bytes:
 def read_line(sock: socket.socket, limit: int) -> bytes:
     """One line (without its newline), read byte-exactly so what follows stays unread.
     WireError past ``limit`` bytes or when the peer closes first."""
+    line = next_line(sock, limit)
+    if line is None:
+        raise WireError("the peer closed the connection after 0 bytes")
+    return line
+
+
+def next_line(sock: socket.socket, limit: int) -> bytes | None:
+    """:func:`read_line`, or None when the peer closed the connection before a byte
+    of the line (between two requests: it is done)."""
     buf = bytearray()
     while True:
         chunk = sock.recv(min(4096, limit + 1 - len(buf)), socket.MSG_PEEK)
         if not chunk:
+            if not buf:
+                return None
             raise WireError(f"the peer closed the connection after {len(buf)} bytes")
         end = chunk.find(b"\n")
         take = len(chunk) if end < 0 else end + 1
@@ -243,12 +255,3 @@ def decode_answer(raw: bytes) -> tuple[str, int]:
     if not isinstance(manifest, str):
         raise WireError(f"get answer: manifest: expected a string, got {type(manifest).__name__}")
     return manifest, _count(doc, "nbytes", "get answer")
-
-
-def ask(addr: str, port: int, doc: dict[str, Any], timeout: float) -> bytes:
-    """Send one request, return the answer's line. OSError when the peer cannot be
-    reached or does not answer within ``timeout``; WireError for a line too long."""
-    with socket.create_connection((addr, port), timeout=timeout) as sock:
-        sock.settimeout(timeout)
-        sock.sendall(encode(doc))
-        return read_line(sock, MAX_ANSWER)

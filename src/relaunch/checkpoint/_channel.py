@@ -1,0 +1,110 @@
+"""A connection to one snapshot server, kept from request to request.
+
+Every save of a rank asks its agent twice (``saved``, ``wait_ack``) and makes its ring
+successor list, fetch and acknowledge: five questions a step per rank. Asked on a
+connection each, every one paid a connect, the server's accept and a thread of its own
+there; with a snapshot a step, two nodes of two ranks on two cores spent more CPU in
+their agents than in training (``bench/goodput.py``). A :class:`Channel` asks them all
+on one connection, which the server serves until the client closes it or stays quiet
+for :data:`IDLE_TIMEOUT` seconds. Standard library only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import select
+import socket
+import time
+from collections.abc import Iterator
+from types import TracebackType
+from typing import Any
+
+from relaunch.checkpoint import _wire as wire
+
+__all__ = ["IDLE_TIMEOUT", "Channel"]
+
+IDLE_TIMEOUT = 30.0
+"""Seconds a server keeps a connection on which no request comes."""
+_REUSE_WITHIN = IDLE_TIMEOUT / 2
+"""A connection idle for longer is opened again rather than reused: the server may be
+closing it at that very moment."""
+
+
+class Channel:
+    """Requests to the snapshot server at ``addr:port``, one at a time (one thread),
+    on one connection while it serves. A failure inside :meth:`exchange` (the server
+    gone, a ``get`` refused or cut short) closes the connection, and the next request
+    opens a new one; one that the server closed while idle is never used again. (A
+    refusal read by :meth:`ask` leaves it open: the server reads on after a request
+    it refused, whose line it read whole.)
+    """
+
+    def __init__(self, addr: str, port: int) -> None:
+        self.addr = addr
+        self.port = port
+        self._sock: socket.socket | None = None
+        self._used = 0.0
+        self.connections = 0
+        """Connections opened so far."""
+
+    def __enter__(self) -> Channel:
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        value: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def ask(self, doc: dict[str, Any], timeout: float) -> bytes:
+        """Send one request, return the answer's line. OSError when the server cannot be
+        reached or does not answer within ``timeout``; WireError for a line too long."""
+        with self.exchange(doc, timeout) as sock:
+            return wire.read_line(sock, wire.MAX_ANSWER)
+
+    @contextlib.contextmanager
+    def exchange(self, doc: dict[str, Any], timeout: float) -> Iterator[socket.socket]:
+        """Send one request and hand over the connection to read its whole answer from
+        (a ``get``'s line and bytes); an exception inside closes the connection, whose
+        answer may be half read."""
+        sock = self._connection(timeout)
+        try:
+            sock.settimeout(timeout)
+            sock.sendall(wire.encode(doc))
+            yield sock
+        except BaseException:
+            self.close()
+            raise
+        self._used = time.monotonic()
+
+    def close(self) -> None:
+        """Close the connection (the next request opens another)."""
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            sock.close()
+
+    def _connection(self, timeout: float) -> socket.socket:
+        sock = self._sock
+        if sock is not None and (time.monotonic() - self._used > _REUSE_WITHIN or _ended(sock)):
+            self.close()
+            sock = None
+        if sock is None:
+            sock = socket.create_connection((self.addr, self.port), timeout=timeout)
+            with contextlib.suppress(OSError):  # fewer, larger reads of a snapshot's bytes
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
+            self._sock = sock
+            self.connections += 1
+        return sock
+
+
+def _ended(sock: socket.socket) -> bool:
+    """Whether the server closed ``sock`` (readable between requests: only its end, or
+    a byte no request asked for, which makes it as useless)."""
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    try:
+        return bool(poller.poll(0))
+    except OSError:
+        return True
