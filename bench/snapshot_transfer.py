@@ -30,6 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import in_loopback_netns
 
 from relaunch.checkpoint import _layout as layout
+from relaunch.checkpoint._channel import Channel
 from relaunch.checkpoint._peer_client import fetch_step
 
 JOB = "bench"
@@ -91,15 +92,16 @@ def main() -> None:
             fetches, reusing, copies = [], [], []
             steady = os.path.join(work, "steady")
             kept = layout.rank_dir(steady, 0)
+            peer = Channel("127.0.0.1", server.port)  # as the agents: one connection
             try:
                 for i in range(args.repeat):
                     into = os.path.join(work, f"into-{i}")
                     t0 = time.perf_counter()
-                    fetch_step("127.0.0.1", server.port, JOB, 0, 1, into)
+                    fetch_step(peer, JOB, 0, 1, into)
                     fetches.append(time.perf_counter() - t0)
                     shutil.rmtree(into)
                     t0 = time.perf_counter()
-                    fetch_step("127.0.0.1", server.port, JOB, 0, 1, steady, reuse=0)
+                    fetch_step(peer, JOB, 0, 1, steady, reuse=0)
                     reusing.append(time.perf_counter() - t0)
                     # the copy becomes the older one, whose pages the next fetch reuses
                     os.rename(layout.step_dir(kept, 1), layout.step_dir(kept, 0))
@@ -108,6 +110,7 @@ def main() -> None:
                     copies.append(time.perf_counter() - t0)
                     os.unlink(os.path.join(work, "copy"))
             finally:
+                peer.close()
                 server.close()
             f, c = statistics.median(fetches), statistics.median(copies)
             r = statistics.median(reusing[1:] or reusing)  # the first has no pages to reuse

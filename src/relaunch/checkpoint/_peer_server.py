@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 
 from relaunch.checkpoint import _layout as layout
 from relaunch.checkpoint import _wire as wire
-from relaunch.checkpoint._channel import IDLE_TIMEOUT
+from relaunch.checkpoint._channel import IDLE_TIMEOUT, no_delay
 
 __all__ = ["SnapshotServer", "held_steps"]
 
@@ -180,6 +180,7 @@ class SnapshotServer:
                 log.warning("snapshot server: refused a connection from %s", peer[0])
                 conn.close()
                 continue
+            no_delay(conn)
             with self._lock:
                 self._threads = {t for t in self._threads if t.is_alive()}
                 if len(self._threads) >= _MAX_CONNECTIONS:
