@@ -4,9 +4,10 @@ Every save of a rank asks its agent twice (``saved``, ``wait_ack``) and makes it
 successor list, fetch and acknowledge: five questions a step per rank. Asked on a
 connection each, every one paid a connect, the server's accept and a thread of its own
 there; with a snapshot a step, two nodes of two ranks on two cores spent more CPU in
-their agents than in training (``bench/goodput.py``). A :class:`Channel` asks them all
-on one connection, which the server serves until the client closes it or stays quiet
-for :data:`IDLE_TIMEOUT` seconds. Standard library only.
+their agents than in their workers (README, "One connection each way"). A
+:class:`Channel` asks them all on one connection, which the server serves until the
+client closes it or stays quiet for :data:`IDLE_TIMEOUT` seconds. Standard library
+only.
 """
 
 from __future__ import annotations
