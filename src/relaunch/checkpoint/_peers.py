@@ -1,16 +1,17 @@
 """Copies of every node's snapshots on another node, moved by the agents.
 
-Each agent serves its snapshot directory over TCP (``_peer_server``, the messages
-of ``_wire``, ``_peer_client`` the other end) and, in every rendezvous round, publishes in the round's store
-where it serves and which global ranks its workers run
-(``relaunch/snapshot_peer/<group rank>``). The nodes of a round form a ring: the node
-of group rank g keeps copies of the snapshots of the node of group rank g-1 (mod the
-round's size), pulled by a thread every half second (:class:`PeerCopies`), so one lost
-node never takes both copies of a snapshot. The copies sit in the node's snapshot
-directory in the same layout as its own ranks' (``rank-N/step-N``), written under a
-partial name, their length and CRC-32 checked against the manifest, then renamed;
-they mirror the source: the same newest ``keep`` steps, a step whose CRC changed (a
-timeline the job left after a restore) fetched again.
+Each agent serves its snapshot directory over TCP (``_peer_server``, the messages of
+``_wire``, ``_peer_client`` the other end, over a kept ``_channel``) and, in every
+rendezvous round, publishes in the round's store where it serves and which global
+ranks its workers run (``relaunch/snapshot_peer/<group rank>``). The nodes of a round
+form a ring: the node of group rank g keeps copies of the snapshots of the node of
+group rank g-1 (mod the round's size), pulled by a thread that long-polls it
+(:class:`PeerCopies`), so one lost node never takes both copies of a snapshot. The
+copies sit in the node's snapshot directory in the same layout as its own ranks'
+(``rank-N/step-N``), written under a partial name, their length and CRC-32 checked
+against the manifest, then renamed; they mirror the source: the same newest ``keep``
+steps, a step whose CRC changed (a timeline the job left after a restore) fetched
+again.
 
 Before a round's workers start, a node whose memory has no snapshot of a rank it now
 runs (a spare or a later node that took a lost node's ranks, ranks that moved when the
