@@ -214,6 +214,25 @@ def test_one_connection_carries_a_peer_s_requests_while_it_serves(tmp_path: Path
         server.close()
 
 
+def test_a_node_of_many_workers_keeps_a_connection_for_each(tmp_path: Path) -> None:
+    """``--nproc-per-node cpu`` on a big machine: a hundred workers each keep their
+    connection to the agent, and its successor's puller is served beside them."""
+    root = tmp_path / "source"
+    root.mkdir()
+    server = SnapshotServer(str(root), JOB, "127.0.0.1")
+    workers = [Channel("127.0.0.1", server.port) for _ in range(100)]
+    try:
+        for worker in workers:
+            assert list_steps(worker, JOB).steps == {}
+        with Channel("127.0.0.1", server.port) as puller:
+            assert list_steps(puller, JOB).steps == {}
+        assert server.open_connections >= 100
+    finally:
+        for worker in workers:
+            worker.close()
+        server.close()
+
+
 def test_a_server_that_closes_ends_its_open_connections(tmp_path: Path) -> None:
     """The agent's end does not wait for its peers' and workers' idle connections."""
     root = tmp_path / "source"

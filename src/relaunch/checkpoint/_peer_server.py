@@ -25,7 +25,9 @@ __all__ = ["SnapshotServer", "held_steps"]
 log = logging.getLogger(__name__)
 
 _PINS = ".peer-pins"
-_MAX_CONNECTIONS = 64
+_MAX_CONNECTIONS = 1024
+"""Connections served at once. Each local worker keeps one (``--nproc-per-node cpu``
+can mean a hundred or more), each successor's puller one, a node fetching ranks a few."""
 _LONG_POLL = 1.0
 """Seconds a list with ``since`` or a wait_ack waits before it answers anyway."""
 _SUCCESSOR_GONE = 3.0
@@ -54,7 +56,7 @@ def held_steps(root: str) -> wire.Steps:
 
 class SnapshotServer:
     """Serves this node's snapshot directory to the other agents of the job and to its
-    own workers: a listening thread and a thread per connection (at most 64 at once),
+    own workers: a listening thread and a thread per connection (at most 1,024 at once),
     each named and joined. A connection carries request after request
     (:class:`~._channel.Channel`) until its client closes it or is quiet for
     ``idle_timeout`` seconds.
@@ -184,6 +186,8 @@ class SnapshotServer:
             with self._lock:
                 self._threads = {t for t in self._threads if t.is_alive()}
                 if len(self._threads) >= _MAX_CONNECTIONS:
+                    log.warning("snapshot server: %s connections open, refused one more",
+                                len(self._threads))  # fmt: skip
                     conn.close()
                     continue
                 n += 1
