@@ -18,11 +18,11 @@ import socket
 import time
 from collections.abc import Iterator
 from types import TracebackType
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 from relaunch.checkpoint import _wire as wire
 
-__all__ = ["IDLE_TIMEOUT", "Channel", "no_delay"]
+__all__ = ["IDLE_TIMEOUT", "Channel", "Channels", "Server", "no_delay"]
 
 IDLE_TIMEOUT = 30.0
 """Seconds a server keeps a connection on which no request comes."""
@@ -31,7 +31,28 @@ _REUSE_WITHIN = IDLE_TIMEOUT / 2
 closing it at that very moment."""
 
 
-class Channel:
+_C = TypeVar("_C", bound="_Closing")
+
+
+class _Closing:
+    """``with``: :meth:`close` at the end."""
+
+    def __enter__(self: _C) -> _C:
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        value: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+
+class Channel(_Closing):
     """Requests to the snapshot server at ``addr:port``, one at a time (one thread),
     on one connection while it serves. A failure inside :meth:`exchange` (the server
     gone, a ``get`` refused or cut short) closes the connection, and the next request
@@ -47,17 +68,6 @@ class Channel:
         self._used = 0.0
         self.connections = 0
         """Connections opened so far."""
-
-    def __enter__(self) -> Channel:
-        return self
-
-    def __exit__(
-        self,
-        kind: type[BaseException] | None,
-        value: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     def ask(self, doc: dict[str, Any], timeout: float) -> bytes:
         """Send one request, return the answer's line. OSError when the server cannot be
@@ -99,6 +109,36 @@ class Channel:
             self._sock = sock
             self.connections += 1
         return sock
+
+
+class Server(Protocol):
+    """Where a snapshot server listens (a peer record)."""
+
+    @property
+    def addr(self) -> str: ...
+    @property
+    def port(self) -> int: ...
+
+
+class Channels(_Closing):
+    """A channel per server asked, closed together (a round's fetch asks each node to
+    list, then fetches from some of them)."""
+
+    def __init__(self) -> None:
+        self._open: dict[tuple[str, int], Channel] = {}
+
+    def close(self) -> None:
+        """Close every channel opened."""
+        for channel in self._open.values():
+            channel.close()
+
+    def to(self, server: Server) -> Channel:
+        """The channel to ``server``, opened at its first request."""
+        key = (server.addr, server.port)
+        channel = self._open.get(key)
+        if channel is None:
+            channel = self._open[key] = Channel(*key)
+        return channel
 
 
 def no_delay(sock: socket.socket) -> None:

@@ -140,16 +140,9 @@ def _receive(sock: socket.socket, path: str, nbytes: int) -> int:
 
 def _receive_small(sock: socket.socket, fd: int, nbytes: int) -> int:
     view = memoryview(bytearray(nbytes))
-    n = 0
-    while n < nbytes:
-        got = sock.recv_into(view[n:])
-        if not got:
-            raise wire.WireError(f"the peer closed with {nbytes - n} of {nbytes} bytes unsent")
-        n += got
-    crc = crc32(view)
-    while view:
-        view = view[os.write(fd, view) :]
-    return crc
+    _recv_exactly(sock, view, 0, nbytes)
+    _write_all(fd, view)
+    return crc32(view)
 
 
 def _receive_large(sock: socket.socket, fd: int, nbytes: int) -> int:
@@ -165,8 +158,7 @@ def _receive_large(sock: socket.socket, fd: int, nbytes: int) -> int:
                 buf, n = item
                 view = memoryview(buf)[:n]
                 crc[0] = crc32(view, crc[0])
-                while view:
-                    view = view[os.write(fd, view) :]
+                _write_all(fd, view)
                 free.put(buf)
         except OSError as exc:
             failed.append(exc)
@@ -178,14 +170,8 @@ def _receive_large(sock: socket.socket, fd: int, nbytes: int) -> int:
     try:
         while done < nbytes and not failed:
             buf = free.get()
-            view, n = memoryview(buf), 0
-            while n < len(buf) and done + n < nbytes:
-                got = sock.recv_into(view[n : min(len(buf), nbytes - done)])
-                if not got:
-                    raise wire.WireError(
-                        f"the peer closed with {nbytes - done - n} of {nbytes} bytes unsent"
-                    )
-                n += got
+            n = min(len(buf), nbytes - done)
+            _recv_exactly(sock, memoryview(buf)[:n], done, nbytes)
             full.put((buf, n))
             done += n
     finally:
@@ -194,3 +180,19 @@ def _receive_large(sock: socket.socket, fd: int, nbytes: int) -> int:
     if failed:
         raise failed[0]
     return crc[0]
+
+
+def _recv_exactly(sock: socket.socket, view: memoryview, done: int, nbytes: int) -> None:
+    """Fill ``view`` from ``sock``: bytes ``done`` onwards of the ``nbytes`` sent."""
+    n = 0
+    while n < len(view):
+        got = sock.recv_into(view[n:])
+        if not got:
+            left = nbytes - done - n
+            raise wire.WireError(f"the peer closed with {left} of {nbytes} bytes unsent")
+        n += got
+
+
+def _write_all(fd: int, view: memoryview) -> None:
+    while view:
+        view = view[os.write(fd, view) :]

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 from relaunch.checkpoint import _layout as layout
 from relaunch.checkpoint import _wire as wire
-from relaunch.checkpoint._channel import Channel
+from relaunch.checkpoint._channel import Channel, Channels
 from relaunch.checkpoint._fetch_choice import fetch_targets, two_timelines
 from relaunch.checkpoint._peer_client import ack, fetch_step, list_steps
 from relaunch.checkpoint._peer_record import PeerRecord
@@ -140,7 +140,8 @@ class PeerCopies:
             complete = True
             if world_size > 1 and self._last != (seat.round_number - 1, current.ranks):
                 ran = self._ran[1] if self._ran[0] == seat.round_number - 1 else ()
-                complete = self._fetch_missing(current, ran)
+                with Channels() as peers:
+                    complete = self._fetch_missing(current, ran, peers)
         # a fetch that failed is tried again at the next round
         self._last = (seat.round_number, current.ranks) if complete else (-2, ())
         self._ran = (seat.round_number, current.ranks)
@@ -178,7 +179,7 @@ class PeerCopies:
             log.debug("snapshots: no peer record of node %s: %s", group_rank, exc)
             return None
 
-    def _fetch_missing(self, r: _Round, ran: tuple[int, ...]) -> bool:
+    def _fetch_missing(self, r: _Round, ran: tuple[int, ...], peers: Channels) -> bool:
         """Before the workers start on ranks this node did not run in the round before:
         the snapshots they need are fetched from the round's nodes that hold them (none
         here: a spare or a later node taking a lost node's ranks; old ones: ranks that
@@ -200,8 +201,7 @@ class PeerCopies:
             if rec is None:
                 continue
             try:
-                with Channel(rec.addr, rec.port) as peer:
-                    steps = list_steps(peer, self._job).steps
+                steps = list_steps(peers.to(rec), self._job).steps
             except (OSError, wire.WireError) as exc:
                 log.warning("snapshots: cannot list node %s's snapshots: %s", g, exc)
                 continue
@@ -223,8 +223,7 @@ class PeerCopies:
             for rank, step in fetch_targets(r.ranks, held, offered, others).items():
                 for rec in offers[rank][step]:
                     try:
-                        with Channel(rec.addr, rec.port) as peer:
-                            moved += fetch_step(peer, self._job, rank, step, self._root)
+                        moved += fetch_step(peers.to(rec), self._job, rank, step, self._root)
                         self.fetched[rank] = step
                         held.setdefault(rank, set()).add(step)
                         break
