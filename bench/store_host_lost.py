@@ -13,16 +13,19 @@ restarted workers hang). For each kind of node, a fresh job: once every node
 trains, SIGKILL that node (its agent, workers and etcd member: the machine is
 gone); measured: the time until every surviving node trained a step at the smaller
 size. Also the embedded store's CPU at idle (its etcd and keeper processes, per node,
-over ``--idle`` seconds of training). Run by hand, not in CI.
+over ``--idle`` seconds of training) and the calls its members handled a second then,
+by etcd's method (their /metrics). Run by hand, not in CI.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import glob
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -31,6 +34,7 @@ import tempfile
 import textwrap
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -112,14 +116,31 @@ class Job:
         member's client port (an endpoint for a node that joins later)."""
         found = subprocess.run(["pgrep", "-af", "relaunch.store._etcd_keeper"],
                                capture_output=True, text=True, check=False).stdout  # fmt: skip
+        nodes = {p.pid: i for i, p in enumerate(self.procs)}
         members = {}
         for line in found.splitlines():
-            words = line.split()
-            for i, p in enumerate(self.procs):
-                if f"127.0.0.1-{p.pid}-" in line and "--listen-client-urls" in words:
-                    url = words[words.index("--listen-client-urls") + 1]
-                    members[i] = int(url.rsplit(":", 1)[1])
+            words = line.split()  # python -m relaunch.store._etcd_keeper AGENT_PID ...
+            if "--listen-client-urls" not in words:
+                continue
+            agent = words[words.index("relaunch.store._etcd_keeper") + 1]
+            if agent.isdigit() and int(agent) in nodes:
+                url = words[words.index("--listen-client-urls") + 1]
+                members[nodes[int(agent)]] = int(url.rsplit(":", 1)[1])
         return members
+
+    def etcd_requests(self) -> collections.Counter[str]:
+        """The calls the members handled so far, by etcd's gRPC method (its /metrics;
+        a lease refresh or a watch through the JSON gateway is one stream each)."""
+        calls: collections.Counter[str] = collections.Counter()
+        for port in self.members().values():
+            with contextlib.suppress(OSError):
+                url = f"http://127.0.0.1:{port}/metrics"
+                with urllib.request.urlopen(url, timeout=5) as reply:
+                    text = reply.read().decode()
+                for m in re.finditer(r'^grpc_server_started_total\{grpc_method="(\w+)".*\} (\S+)$',
+                                     text, re.MULTILINE):  # fmt: skip
+                    calls[m.group(1)] += int(float(m.group(2)))
+        return calls
 
     def kill(self, node: int) -> None:
         """SIGKILL the node whole; its memory (the etcd member's data) goes with it."""
@@ -168,14 +189,16 @@ def one(
             raise RuntimeError(f"{launcher}: the job never trained at {nodes} nodes")
         time.sleep(2.0)
         if launcher == "relaunch" and idle > 0:
-            before = job.etcd_cpu()
+            before, calls = job.etcd_cpu(), job.etcd_requests()
             time.sleep(idle)
-            after = job.etcd_cpu()
+            after, calls = job.etcd_cpu(), job.etcd_requests() - calls
             used = {p: after[p] - before.get(p, 0.0) for p in after}
             cpu = sum(used.values()) / idle / nodes * 100
             members = sorted((u / idle * 100 for p, u in used.items() if p.endswith(":etcd")),
                              reverse=True)  # fmt: skip
             print("    etcd members: " + ", ".join(f"{u:.2f}%" for u in members) + " of a core")
+            rates = ", ".join(f"{name} {n / idle:.1f}" for name, n in calls.most_common())
+            print(f"    calls a second at idle, all members: {calls.total() / idle:.1f} ({rates})")
         members = list(job.members()) if launcher == "relaunch" else [0]
         if kind == "host":
             victim = 0

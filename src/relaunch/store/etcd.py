@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import functools
 import json
 import logging
 import socket
@@ -29,6 +30,7 @@ from relaunch.store import _etcd_tickets as tickets
 from relaunch.store._etcd_history import applied_earlier
 from relaunch.store._etcd_http import EtcdEndpoints, first_kv, kv_value
 from relaunch.store._etcd_lease import OwnLease
+from relaunch.store._protocol import Watching
 
 __all__ = ["EtcdStore"]
 
@@ -55,6 +57,12 @@ def _b64(data: bytes | str) -> str:
 
 def _unb64(text: str) -> bytes:
     return base64.b64decode(text)
+
+
+def _prefix_end(start: bytes) -> bytes:
+    """The end of the range of every key that starts with ``start`` (etcd's
+    ``range_end``; ``\\0``: every key from ``start`` on)."""
+    return start[:-1] + bytes([start[-1] + 1]) if start and start[-1] < 0xFF else b"\0"
 
 
 class EtcdStore:
@@ -143,15 +151,19 @@ class EtcdStore:
         self._http.post("/kv/put", {"key": self._key(key), "value": _b64(value)})
 
     def _txn(
-        self, key: str, compare: dict[str, Any], value: bytes
+        self, key: str, compare: dict[str, Any], value: bytes, lease: int | None = None
     ) -> tuple[bool, dict[str, Any] | None, bool]:
-        """Put ``value`` if ``compare`` holds: whether it did, the key when it did not
-        (as etcd's JSON has it), and whether the call was sent more than once."""
+        """Put ``value`` (under ``lease``) if ``compare`` holds: whether it did, the key
+        when it did not (as etcd's JSON has it), and whether the call was sent more
+        than once."""
+        put = {"key": self._key(key), "value": _b64(value)}
+        if lease is not None:
+            put["lease"] = str(lease)
         reply, resent = self._http.post_sent(
             "/kv/txn",
             {
                 "compare": [{"key": self._key(key), "result": "EQUAL", **compare}],
-                "success": [{"request_put": {"key": self._key(key), "value": _b64(value)}}],
+                "success": [{"request_put": put}],
                 "failure": [{"request_range": {"key": self._key(key)}}],
             },
         )
@@ -161,11 +173,25 @@ class EtcdStore:
         return False, first_kv(answer.get("response_range", {})), resent
 
     def compare_set(self, key: str, expected: bytes | None, desired: bytes) -> tuple[bytes, bool]:
+        return self._compare_set(key, expected, desired, None)
+
+    def compare_set_ephemeral(
+        self, key: str, expected: bytes | None, desired: bytes, ttl: float
+    ) -> tuple[bytes, bool]:
+        """:meth:`compare_set`, the key written under this store's lease (granted at
+        first use with ``ttl`` seconds, as :meth:`set_ephemeral`'s): it vanishes when
+        this client stops refreshing the lease, and is not written again after a stall
+        (another node may have taken what it stands for)."""
+        return self._lease.under(ttl, functools.partial(self._compare_set, key, expected, desired))
+
+    def _compare_set(
+        self, key: str, expected: bytes | None, desired: bytes, lease: int | None
+    ) -> tuple[bytes, bool]:
         if expected is None:
             compare: dict[str, Any] = {"target": "CREATE", "create_revision": "0"}
         else:
             compare = {"target": "VALUE", "value": _b64(expected)}
-        written, kv, resent = self._txn(key, compare, desired)
+        written, kv, resent = self._txn(key, compare, desired, lease)
         if written:
             return desired, True
         current = b"" if kv is None else kv_value(kv)
@@ -251,20 +277,35 @@ class EtcdStore:
                     raise StoreTimeoutError(f"key {key!r} not set within {timeout} s")
                 self._watch(key, revision + 1, left)
 
-    def watch(self, key: str, timeout: float, cancel: threading.Event | None = None) -> bool:
+    def watch(self, key: str, timeout: float, cancel: threading.Event | None = None, *,
+              prefix: bool = False, watching: Watching | None = None) -> bool:  # fmt: skip
         """Wait up to ``timeout`` seconds for the next change of ``key`` (a put or a
-        delete); whether one came. False early when the member asked fails (the caller
-        looks again), and once ``cancel`` is set and :meth:`end_watches` called."""
-        _, revision = self._range(key, serializable=True)
-        return self._watch(key, revision + 1, timeout, cancel)
+        delete; with ``prefix``, of any key that starts with ``key``); whether one came.
+        False early when the member asked fails (the caller looks again), and once
+        ``cancel`` is set and :meth:`end_watches` called. ``watching`` is called once
+        the watch covers every change from then on (:class:`~relaunch.store.WatchStore`)."""
+        kv, revision = self._range(key, serializable=True)
+        if watching is not None:  # (the watch starts after this revision, whenever it connects)
+            watching(None if kv is None or prefix else kv_value(kv))
+        return self._watch(key, revision + 1, timeout, cancel, prefix=prefix)
 
     def _watch(
-        self, key: str, start_revision: int, timeout: float, cancel: threading.Event | None = None
+        self,
+        key: str,
+        start_revision: int,
+        timeout: float,
+        cancel: threading.Event | None = None,
+        *,
+        prefix: bool = False,
     ) -> bool:
-        """Return at the first event on ``key`` from ``start_revision`` (True), or at
-        ``timeout``, on a failure, or once ``cancel`` is set (False)."""
+        """Return at the first event on ``key`` (or under it, with ``prefix``) from
+        ``start_revision`` (True), or at ``timeout``, on a failure, or once ``cancel``
+        is set (False)."""
         client, name, skip = self._http.current()
-        body = {"create_request": {"key": self._key(key), "start_revision": str(start_revision)}}
+        create = {"key": self._key(key), "start_revision": str(start_revision)}
+        if prefix:
+            create["range_end"] = _b64(_prefix_end((self._prefix + key).encode()))
+        body = {"create_request": create}
         try:
             resp = client.session.post(
                 client.get_url("/watch"),
@@ -356,8 +397,7 @@ class EtcdStore:
 
     def _scan(self, prefix: str, *, keys_only: bool) -> dict[str, bytes]:
         start = (self._prefix + prefix).encode()
-        end = start[:-1] + bytes([start[-1] + 1]) if start and start[-1] < 0xFF else b"\0"
-        body: dict[str, Any] = {"key": _b64(start), "range_end": _b64(end)}
+        body: dict[str, Any] = {"key": _b64(start), "range_end": _b64(_prefix_end(start))}
         if keys_only:
             body["keys_only"] = True
         reply = self._http.post("/kv/range", body)
