@@ -1,28 +1,23 @@
 """A :class:`~relaunch.store.Store` over etcd v3 (its JSON gateway, through ``etcd3gw``).
 
-Compare-and-set is an etcd transaction; :meth:`EtcdStore.wait` is a watch
-(woken by the write, no polling); several endpoints are failed over in order
-(:mod:`relaunch.store._etcd_http`: the endpoints, TLS with ``ca_cert``, ``cert``,
-``key``, and user/password authentication). ``etcd3gw`` is imported when a store
-is created. Errors of ``requests``/``etcd3gw`` are translated at this boundary.
+Compare-and-set is an etcd transaction; :meth:`EtcdStore.wait` is a watch (woken
+by the write, no polling: :mod:`relaunch.store._etcd_watch`); several endpoints are
+failed over in order (:mod:`relaunch.store._etcd_http`: the endpoints, TLS with
+``ca_cert``, ``cert``, ``key``, and user/password authentication). ``etcd3gw`` is
+imported when a store is created. Errors of ``requests``/``etcd3gw`` are translated
+at this boundary.
 """
 
 from __future__ import annotations
 
 import base64
-import contextlib
 import functools
-import json
-import logging
-import socket
 import threading
 import time
 from collections.abc import Sequence
 from typing import Any
 
 from relaunch.errors import (
-    StoreClosedError,
-    StoreConnectionError,
     StoreError,
     StoreTimeoutError,
 )
@@ -30,16 +25,10 @@ from relaunch.store import _etcd_tickets as tickets
 from relaunch.store._etcd_history import applied_earlier
 from relaunch.store._etcd_http import EtcdEndpoints, first_kv, kv_value
 from relaunch.store._etcd_lease import OwnLease
+from relaunch.store._etcd_watch import WatchStreams
 from relaunch.store._protocol import Watching
 
 __all__ = ["EtcdStore"]
-
-logger = logging.getLogger(__name__)
-
-_CONNECT = 3.0
-"""Seconds a watch may take to connect (a member on a lost host never answers; the
-caller's next read fails over)."""
-
 
 _TXN_OPS = 64
 """Operations in one transaction of :meth:`EtcdStore.multi_get` and ``multi_set``
@@ -95,14 +84,12 @@ class EtcdStore:
             password=password,
             timeout=timeout,
         )
-        self._requests = self._http.requests
         self._timeout = self._http.timeout
         self._prefix = prefix
         self._lock = threading.Lock()
         self._lease = OwnLease(self._http.post)
-        self._streams: set[Any] = set()
+        self._streams = WatchStreams(self._http)
         """The watch streams in flight: :meth:`close` ends them (their threads wake)."""
-        self._closing = False
 
     def use_endpoints(self, endpoints: Sequence[tuple[str, int]], *, move: bool = False) -> None:
         """Try these endpoints from now on (a cluster whose members changed); the one
@@ -275,7 +262,7 @@ class EtcdStore:
                 left = end - time.monotonic()
                 if left <= 0:
                     raise StoreTimeoutError(f"key {key!r} not set within {timeout} s")
-                self._watch(key, revision + 1, left)
+                self._streams.follow(self._key(key), None, revision + 1, left)
 
     def watch(self, key: str, timeout: float, cancel: threading.Event | None = None, *,
               prefix: bool = False, watching: Watching | None = None) -> bool:  # fmt: skip
@@ -287,76 +274,8 @@ class EtcdStore:
         kv, revision = self._range(key, serializable=True)
         if watching is not None:  # (the watch starts after this revision, whenever it connects)
             watching(None if kv is None or prefix else kv_value(kv))
-        return self._watch(key, revision + 1, timeout, cancel, prefix=prefix)
-
-    def _watch(
-        self,
-        key: str,
-        start_revision: int,
-        timeout: float,
-        cancel: threading.Event | None = None,
-        *,
-        prefix: bool = False,
-    ) -> bool:
-        """Return at the first event on ``key`` (or under it, with ``prefix``) from
-        ``start_revision`` (True), or at ``timeout``, on a failure, or once ``cancel``
-        is set (False)."""
-        client, name, skip = self._http.current()
-        create = {"key": self._key(key), "start_revision": str(start_revision)}
-        if prefix:
-            create["range_end"] = _b64(_prefix_end((self._prefix + key).encode()))
-        body = {"create_request": create}
-        try:
-            resp = client.session.post(
-                client.get_url("/watch"),
-                json=body,
-                stream=True,
-                timeout=(min(self._timeout, _CONNECT), max(timeout, 0.01)),
-                verify=self._http.verify,
-            )
-        except self._requests.RequestException as exc:
-            # Move on to the next endpoint; the caller's next read fails over or fails.
-            logger.info("etcd watch on %s failed: %s", name, exc)
-            skip()
-            return False
-        with self._lock:
-            if self._closing:
-                resp.close()
-                raise StoreClosedError("the etcd store was closed during a wait")
-            if cancel is not None and cancel.is_set():
-                resp.close()
-                return False
-            self._streams.add(resp)
-        deadline = time.monotonic() + timeout
-        try:
-            # each read waits at most ``timeout``; a stream that keeps sending lines
-            # without our event (a member without a leader) ends at the deadline too
-            for line in resp.iter_lines():
-                if time.monotonic() >= deadline:
-                    return False
-                if not line:
-                    continue
-                try:
-                    result = json.loads(line)["result"]
-                    if result.get("events"):
-                        return True
-                    if result.get("canceled"):
-                        return False  # no event comes on this stream (the caller re-reads)
-                except (ValueError, KeyError, TypeError, AttributeError):
-                    logger.info("etcd watch on %s: a line that is not a watch reply: %.200r",
-                                name, line)  # fmt: skip
-                    return False  # the caller re-reads the key
-        except self._requests.exceptions.ConnectionError as exc:
-            if "timed out" in str(exc).lower() or "timeout" in type(exc.__context__).__name__:
-                return False  # the caller re-reads and decides whether time is up
-            raise StoreConnectionError(f"etcd watch on {key!r} broke: {exc}") from exc
-        except self._requests.RequestException:
-            return False
-        finally:
-            with self._lock:
-                self._streams.discard(resp)
-            resp.close()
-        return False
+        end = _b64(_prefix_end((self._prefix + key).encode())) if prefix else None
+        return self._streams.follow(self._key(key), end, revision + 1, timeout, cancel)
 
     # -- liveness: one lease per store (per node) -------------------------------------
 
@@ -409,18 +328,10 @@ class EtcdStore:
         with self._lock:
             if self._http.closed:
                 return
-            self._closing = True  # no watch starts from now on
-        self.end_watches()
+        self._streams.close()  # (and no watch starts from now on)
         self._lease.close(self._timeout + 1)
         self._http.close()
 
     def end_watches(self) -> None:
-        """Wake every thread in a watch now (its wait raises StoreConnectionError): a
-        socket shut down wakes a blocked read, where closing it would not."""
-        with self._lock:
-            streams = list(self._streams)
-        for resp in streams:
-            sock = getattr(getattr(resp.raw, "connection", None), "sock", None)
-            if isinstance(sock, socket.socket):
-                with contextlib.suppress(OSError):
-                    sock.shutdown(socket.SHUT_RDWR)
+        """Wake every thread in a watch now (its wait raises StoreConnectionError)."""
+        self._streams.end()
