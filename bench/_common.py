@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import statistics
 import subprocess
 import sys
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
@@ -102,3 +106,24 @@ class JsonLines:
                 if line:
                     self.rows.append(self._annotate(path, json.loads(line)))
         return self.rows
+
+
+def etcd_calls(ports: list[int]) -> collections.Counter[str]:
+    """The calls the etcd members serving on 127.0.0.1 at ``ports`` handled so far, by
+    etcd's gRPC method (their /metrics; a lease refresh or a watch through the JSON
+    gateway is one stream each)."""
+    calls: collections.Counter[str] = collections.Counter()
+    for port in ports:
+        with contextlib.suppress(OSError):
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+                text = reply.read().decode()
+            pattern = r'^grpc_server_started_total\{grpc_method="(\w+)".*\} (\S+)$'
+            for m in re.finditer(pattern, text, re.MULTILINE):
+                calls[m.group(1)] += int(float(m.group(2)))
+    return calls
+
+
+def calls_line(calls: collections.Counter[str], seconds: float) -> str:
+    """``calls`` (of :func:`etcd_calls`) a second: the total, then by method."""
+    rates = ", ".join(f"{name} {n / seconds:.1f}" for name, n in calls.most_common())
+    return f"{calls.total() / seconds:.1f} ({rates})"

@@ -17,7 +17,7 @@ CI), in a loopback-only network namespace (torch's store looks up each peer's na
     python bench/rendezvous_scale.py                      # N = 8 64 256 1024
     python bench/rendezvous_scale.py 1024 4096 16384 --procs 16 --torch-cap 60
     python bench/rendezvous_scale.py --lost-node          # time to notice a lost node
-    python bench/rendezvous_scale.py 64 256 --procs 4 --server etcd
+    python bench/rendezvous_scale.py 64 256 --procs 4 --server etcd [--keep-alive 0.5 --idle 20]
 
 ``--server etcd``: the store is an etcd cluster of ``--etcd-members`` (3) started as
 the embedded store's members are (what a c10d job of three nodes or more runs on by
@@ -56,7 +56,7 @@ from datetime import timedelta
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import free_port
+from _common import calls_line, etcd_calls, free_port
 
 from relaunch.rendezvous._settings import RendezvousSettings
 from relaunch.rendezvous.handler import DynamicRendezvousHandler
@@ -360,9 +360,12 @@ def _measure(
     server: list[int],
     keep_alive: float = 5.0,
     etcd: str = "",
+    idle: float = 0.0,
 ) -> str:
     """One round of ``n`` nodes of ``kind`` spread over ``procs`` processes: the row's
-    cells (seconds, ops, bytes, server CPU seconds), or "> cap" when it did not finish."""
+    cells (seconds, ops, bytes, server CPU seconds), or "> cap" when it did not finish.
+    With ``idle``, the store's CPU over that many seconds after the round (every node
+    beating, none leaving yet) is printed on a line of its own."""
     counts = [n // procs + (1 if i < n % procs else 0) for i in range(procs)]
     children = []
     for part in (c for c in counts if c):
@@ -398,6 +401,15 @@ def _measure(
                 failures + int(f),
             )
         cpu = _cpu_seconds(server) - cpu0
+        if idle > 0:
+            ports = [int(p) for p in etcd.split(",")] if etcd else []
+            before, calls = _cpu_seconds(server), etcd_calls(ports)
+            time.sleep(idle)
+            share = (_cpu_seconds(server) - before) / idle * 100
+            print(f"    {kind} N={n}: the store's CPU over {idle:.0f} s after the round: "
+                  f"{share:.1f}% of a core ({share / n:.3f}% per node)", flush=True)  # fmt: skip
+            if ports:
+                print(f"    calls a second: {calls_line(etcd_calls(ports) - calls, idle)}")
         bye = time.time()
         for child in children:  # every node has its rank: they may leave now
             assert child.stdin is not None
@@ -524,6 +536,10 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument("--etcd-members", type=int, default=3)
     parser.add_argument("--etcd-ports", default="", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--idle", type=float, default=0.0,
+        help="seconds after each round over which the store's CPU is measured (the nodes beating)",
+    )  # fmt: skip
     parser.add_argument("--lost-node", action="store_true")
     parser.add_argument(
         "--part", nargs=4, metavar=("KIND", "N", "TOTAL", "PORT"), help=argparse.SUPPRESS
@@ -580,7 +596,7 @@ def main() -> None:
         capped_at = None  # torch is not run past the N where it did not finish
         for n in args.sizes:
             ours = _measure("relaunch", n, port, args.procs, 600.0, server_pids,
-                            args.keep_alive, etcd)  # fmt: skip
+                            args.keep_alive, etcd, args.idle)  # fmt: skip
             if args.no_torch:
                 theirs = ""
             elif capped_at is not None:

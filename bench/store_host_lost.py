@@ -20,12 +20,10 @@ by etcd's method (their /metrics). Run by hand, not in CI.
 from __future__ import annotations
 
 import argparse
-import collections
 import contextlib
 import glob
 import os
 import random
-import re
 import shutil
 import signal
 import subprocess
@@ -34,11 +32,10 @@ import tempfile
 import textwrap
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import free_port, in_loopback_netns, median
+from _common import calls_line, etcd_calls, free_port, in_loopback_netns, median
 
 from relaunch.procs._sys import descendants
 from relaunch.store._etcd_member import healthy
@@ -128,20 +125,6 @@ class Job:
                 members[nodes[int(agent)]] = int(url.rsplit(":", 1)[1])
         return members
 
-    def etcd_requests(self) -> collections.Counter[str]:
-        """The calls the members handled so far, by etcd's gRPC method (its /metrics;
-        a lease refresh or a watch through the JSON gateway is one stream each)."""
-        calls: collections.Counter[str] = collections.Counter()
-        for port in self.members().values():
-            with contextlib.suppress(OSError):
-                url = f"http://127.0.0.1:{port}/metrics"
-                with urllib.request.urlopen(url, timeout=5) as reply:
-                    text = reply.read().decode()
-                for m in re.finditer(r'^grpc_server_started_total\{grpc_method="(\w+)".*\} (\S+)$',
-                                     text, re.MULTILINE):  # fmt: skip
-                    calls[m.group(1)] += int(float(m.group(2)))
-        return calls
-
     def kill(self, node: int) -> None:
         """SIGKILL the node whole; its memory (the etcd member's data) goes with it."""
         proc = self.procs[node]
@@ -189,16 +172,16 @@ def one(
             raise RuntimeError(f"{launcher}: the job never trained at {nodes} nodes")
         time.sleep(2.0)
         if launcher == "relaunch" and idle > 0:
-            before, calls = job.etcd_cpu(), job.etcd_requests()
+            ports = list(job.members().values())
+            before, calls = job.etcd_cpu(), etcd_calls(ports)
             time.sleep(idle)
-            after, calls = job.etcd_cpu(), job.etcd_requests() - calls
+            after, calls = job.etcd_cpu(), etcd_calls(ports) - calls
             used = {p: after[p] - before.get(p, 0.0) for p in after}
             cpu = sum(used.values()) / idle / nodes * 100
             members = sorted((u / idle * 100 for p, u in used.items() if p.endswith(":etcd")),
                              reverse=True)  # fmt: skip
             print("    etcd members: " + ", ".join(f"{u:.2f}%" for u in members) + " of a core")
-            rates = ", ".join(f"{name} {n / idle:.1f}" for name, n in calls.most_common())
-            print(f"    calls a second at idle, all members: {calls.total() / idle:.1f} ({rates})")
+            print(f"    calls a second at idle, all members: {calls_line(calls, idle)}")
         members = list(job.members()) if launcher == "relaunch" else [0]
         if kind == "host":
             victim = 0

@@ -79,9 +79,9 @@ class KeepAlive:
         self._deaths: KeyWatch | None = None
         if has_leases(store) and has_watch(store):
             self._steward_news = KeyWatch(store, liveness.steward_key, prefix=False,
-                                          name=f"steward-{node}", changed=self.wake)  # fmt: skip
+                                          name=f"steward-{node}")  # fmt: skip
             self._deaths = KeyWatch(store, liveness.alive_prefix, prefix=True,
-                                    name=f"deaths-{node}", changed=self.wake)  # fmt: skip
+                                    name=f"deaths-{node}")  # fmt: skip
 
     def open(self) -> None:
         """Listen on the lifeline and publish its address (once): before the node joins,

@@ -14,8 +14,10 @@ Both rarely change. On etcd a node is dead exactly when its ``alive/`` key is go
 rewritten only when its report changes. So a thread watches the key, and its reader
 reads when :meth:`KeyWatch.due` says:
 
-- the key changed (the keep-alive thread is also woken: the change is acted on at
-  once, not a beat later);
+- the key changed (acted on at the next beat, as before: a burst of changes, as
+  when hundreds of nodes join or leave at once, costs a read per beat, not one per
+  change; waking the keep-alive thread at each change made the steward read the
+  state back to back through a 256-node job's joins);
 - the watch in flight started after the last read (a watch ends after ``wait``
   seconds, and a change between two watches is seen by no watch): at idle, one read
   per ``wait`` (none for a single key: the watch reads its value as it begins);
@@ -44,8 +46,7 @@ after this and the next watch fails over)."""
 class KeyWatch:
     """Whether the reader of ``key`` (with ``prefix``: of every key under it) should
     read it now (:meth:`due`), or the key's value with no read while none is needed
-    (:meth:`value`), told by a thread that watches it and calls ``changed`` on a
-    change.
+    (:meth:`value`), told by a thread that watches it.
 
     Owns one thread (``relaunch-rdzv-<what>-<node>``) from the first :meth:`due`
     until :meth:`close`."""
@@ -57,11 +58,10 @@ class KeyWatch:
         *,
         prefix: bool,
         name: str,
-        changed: Callable[[], None],
         wait: float = _WAIT,
     ) -> None:
-        self._store, self._key, self._prefix, self._name = store, key, prefix, name
-        self._changed, self._wait = changed, wait
+        self._store, self._key, self._prefix = store, key, prefix
+        self._name, self._wait = name, wait
         self._lock = threading.Lock()
         self._watches = 0
         """Watches started so far (the number of the one in flight)."""
@@ -148,7 +148,5 @@ class KeyWatch:
             with self._lock:
                 self._watching = None
                 self._dirty = self._dirty or changed
-            if changed:
-                self._changed()
             if failed:
                 self._stop.wait(1.0)
