@@ -11,8 +11,8 @@ etcd those polls were most of the embedded store's requests at idle:
 
 Both rarely change. On etcd a node is dead exactly when its ``alive/`` key is gone
 (its lease ended), and the steward key lives under its holder's lease and is
-rewritten only when its report changes. So a thread watches the key, and its reader
-reads when :meth:`KeyWatch.due` says:
+rewritten only when its report changes (and every 10 s). So a thread watches the
+key, and its reader reads when :meth:`KeyWatch.due` says:
 
 - the key changed (acted on at the next beat, as before: a burst of changes, as
   when hundreds of nodes join or leave at once, costs a read per beat, not one per
@@ -48,8 +48,8 @@ class KeyWatch:
     read it now (:meth:`due`), or the key's value with no read while none is needed
     (:meth:`value`), told by a thread that watches it.
 
-    Owns one thread (``relaunch-rdzv-<what>-<node>``) from the first :meth:`due`
-    until :meth:`close`."""
+    Owns one thread (``relaunch-rdzv-<name>``) from the first :meth:`due` or
+    :meth:`value` until :meth:`close`."""
 
     def __init__(
         self,
