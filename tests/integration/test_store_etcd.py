@@ -11,7 +11,7 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -19,6 +19,7 @@ import pytest
 
 from multinode_support.etcd import Member, etcd_binary
 from multinode_support.etcd import start_cluster as _start_cluster
+from multinode_support.waiting import wait_for
 from relaunch.errors import ConfigError, RendezvousStateError, StoreError, StoreTimeoutError
 from relaunch.rendezvous.api import RendezvousParameters
 from relaunch.rendezvous.handler import DynamicRendezvousHandler
@@ -355,14 +356,6 @@ def test_the_steward_key_lives_under_its_holder_s_lease_and_the_others_watch_it(
         for i, store in enumerate(stores)
     ]
 
-    def within(seconds: float, check: Callable[[], bool]) -> bool:
-        end = time.monotonic() + seconds
-        while not check():
-            if time.monotonic() > end:
-                return False
-            time.sleep(0.05)  # (a beat of a node)
-        return True
-
     a, b = (Liveness(store, "p/", settings, time.time) for store in stores)
     watch_a, watch_b = CorruptWatch("job", 3.0), CorruptWatch("job", 3.0)
     try:
@@ -370,12 +363,11 @@ def test_the_steward_key_lives_under_its_holder_s_lease_and_the_others_watch_it(
         a.report_corrupt(RendezvousStateError("key 'p/state': bad round"))
         assert a.steward("a", watch_a, news[0])  # its report changed: said at once
         # b hears of the corruption from a's key, as its watch tells it of the change
-        assert within(
-            10, lambda: not b.steward("b", watch_b, news[1]) and "bad round" in caplog.text
-        )
+        wait_for(lambda: not b.steward("b", watch_b, news[1]) and "bad round" in caplog.text,
+                 10, what="b hearing of the corruption")  # fmt: skip
         stores[0].close()  # a is gone: its lease is revoked, the key with it
         # taken over as b's watch sees the key go (no key to age: 30 s here)
-        assert within(10, lambda: b.steward("b", watch_b, news[1]))
+        wait_for(lambda: b.steward("b", watch_b, news[1]), 10, what="b taking the role over")
         assert stores[1].peek("p/steward") is not None
     finally:
         for watch in news:
