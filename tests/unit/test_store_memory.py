@@ -88,12 +88,6 @@ def test_a_prefix_store_batches_and_keeps_leases_only_where_the_store_has_them()
         def keys_with_prefix(self, prefix: str) -> list[str]:
             return [k for k in ("round/1/alive/n1", "other") if k.startswith(prefix)]
 
-        def compare_set_ephemeral(
-            self, key: str, expected: bytes | None, desired: bytes, ttl: float
-        ) -> tuple[bytes, bool]:
-            self.ttls[key] = ttl
-            return self.compare_set(key, expected, desired)
-
     leases = Leases()
     lview = PrefixStore.over(leases, "round/1/")
     assert isinstance(lview, LeasePrefixStore) and isinstance(lview, LeaseStore)

@@ -7,9 +7,7 @@ Each beat costs this node O(1) store work: its heartbeat key, the steward key
 the state and everyone's liveness, and removes the dead; a node whose lifeline reported
 a lost node reads the state to remove it. The steward also reports a corrupt state in
 its key, so every node learns of it (and gives up on it after the dead-node delay)
-without reading the state itself. Where the store watches (etcd), the steward key and
-the liveness keys are read only when a watch says they changed
-(:mod:`relaunch.rendezvous._keywatch`): at idle most beats make no call at all.
+without reading the state itself.
 """
 
 from __future__ import annotations
@@ -21,13 +19,12 @@ from collections.abc import Callable
 from relaunch.errors import RelaunchError, RendezvousStateError
 from relaunch.rendezvous._backend import StateBackend
 from relaunch.rendezvous._corrupt import CorruptWatch
-from relaunch.rendezvous._keywatch import KeyWatch
 from relaunch.rendezvous._lifeline import Lifeline, Target, decode_address, encode_address
 from relaunch.rendezvous._ops import remove_lost
 from relaunch.rendezvous._places import assignment_of
 from relaunch.rendezvous._settings import RendezvousSettings
 from relaunch.rendezvous._state import RendezvousState
-from relaunch.store import has_leases, has_watch, together
+from relaunch.store import together
 
 __all__ = ["KeepAlive"]
 
@@ -73,15 +70,6 @@ class KeepAlive:
         self._lost: set[str] = set()
         self._lost_lock = threading.Lock()
         self._followed: str | None = None
-        # where the store watches (etcd): no polls at idle (relaunch.rendezvous._keywatch)
-        store, liveness = backend.store, backend.liveness
-        self._steward_news: KeyWatch | None = None
-        self._deaths: KeyWatch | None = None
-        if has_leases(store) and has_watch(store):
-            self._steward_news = KeyWatch(store, liveness.steward_key, prefix=False,
-                                          name=f"steward-{node}")  # fmt: skip
-            self._deaths = KeyWatch(store, liveness.alive_prefix, prefix=True,
-                                    name=f"deaths-{node}")  # fmt: skip
 
     def open(self) -> None:
         """Listen on the lifeline and publish its address (once): before the node joins,
@@ -110,9 +98,6 @@ class KeepAlive:
             thread.join(timeout=self._settings.heartbeat_timeout + 1.0)
             if thread.is_alive():
                 logger.warning("keep-alive thread %s did not stop", thread.name)
-        for news in (self._steward_news, self._deaths):
-            if news is not None:
-                news.close()
 
     def close_lifeline(self) -> None:
         """Close the lifeline (after the node left the state: its watcher then finds
@@ -198,11 +183,9 @@ class KeepAlive:
             rdzv.liveness.beat(self._node)
             with self._lost_lock:
                 lost, self._lost = self._lost, set()
-            steward = rdzv.liveness.steward(self._node, self._corrupt, self._steward_news)
+            steward = rdzv.liveness.steward(self._node, self._corrupt)
             self._after_beat()
-        # the steward looks for the dead every beat, or as its death watch says
-        look = steward and (self._deaths is None or self._deaths.due())
-        if not (look or lost):
+        if not (steward or lost):
             return
         try:
             state, raw = rdzv.load()
@@ -213,7 +196,7 @@ class KeepAlive:
         self._corrupt.ok()
         if steward:
             rdzv.liveness.report_corrupt(None)
-        self._follow_ring(self._clean(state, raw, lost, scan=look))
+        self._follow_ring(self._clean(state, raw, lost, scan=steward))
 
     def _clean(
         self, state: RendezvousState, raw: bytes | None, lost: set[str], *, scan: bool

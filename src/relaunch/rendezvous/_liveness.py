@@ -21,10 +21,7 @@ Keys, under ``relaunch/rdzv/<run_id>/``:
     this key (one small read), learns from it that the state is corrupt (and valid
     again), and takes the role over by compare-and-set once it is older than the
     dead-node delay (its holder stopped beating). So finding dead nodes costs the
-    store O(N) per interval in total, not O(N) per node. On a store with leases that
-    watches (etcd), the key is written under its holder's lease (it vanishes with
-    its holder), said again only every few dead-node delays, and read only when a
-    watch says it changed (:mod:`relaunch.rendezvous._keywatch`).
+    store O(N) per interval in total, not O(N) per node.
 """
 
 from __future__ import annotations
@@ -35,7 +32,6 @@ from collections.abc import Callable, Iterable
 
 from relaunch.errors import RendezvousStateError
 from relaunch.rendezvous._corrupt import CorruptWatch
-from relaunch.rendezvous._keywatch import KeyWatch
 from relaunch.rendezvous._settings import RendezvousSettings
 from relaunch.store import Store, get_many, has_leases, peek, set_many
 
@@ -66,13 +62,8 @@ class Liveness:
     def hb_key(self, node: str) -> str:
         return f"{self._prefix}hb/{node}"
 
-    @property
-    def alive_prefix(self) -> str:
-        """The prefix of the nodes' liveness keys where the store has leases."""
-        return f"{self._prefix}alive/"
-
     def _alive_key(self, node: str) -> str:
-        return self.alive_prefix + node
+        return f"{self._prefix}alive/{node}"
 
     def announce(self, node: str) -> None:
         """Before ``node`` joins, where the store has leases: its liveness key under its
@@ -126,59 +117,35 @@ class Liveness:
         their heartbeat is younger than the dead-node delay."""
         if has_leases(self.store):
             cut = len(self._prefix) + len("alive/")
-            keys = self.store.keys_with_prefix(self.alive_prefix)
+            keys = self.store.keys_with_prefix(self._prefix + "alive/")
             return {key[cut:] for key in keys} & set(nodes)
         limit = self._clock() - self._settings.dead_after
         return {n for n, t in self.heartbeats(nodes).items() if t >= limit}
 
-    @property
-    def steward_key(self) -> str:
-        return f"{self._prefix}steward"
-
-    def steward(self, node: str, watch: CorruptWatch, news: KeyWatch | None = None) -> bool:
+    def steward(self, node: str, watch: CorruptWatch) -> bool:
         """Whether ``node`` is the steward this interval: it holds the role and says so
         again, or takes it over from a holder that stopped beating (compare-and-set:
         one node wins). One small read, and a small write while it holds the role.
         Another node's steward key that says the state is corrupt (or valid again) is
-        told to ``watch``.
-
-        With ``news`` (a store with leases that watches: etcd), the key is read only
-        when ``news`` says it may have changed, and it is written under the holder's
-        lease: it vanishes when the holder dies (the others take over as their watch
-        tells them), so the holder says so again only every few dead-node delays (a
-        holder whose beats stopped while its lease lives is taken over after
-        :data:`_LEASED_STALE` of them)."""
-        key = self.steward_key
-        # a read with no consensus round where the store has one (etcd): an answer a
-        # moment old at worst delays a takeover by that moment, or fails the
-        # compare-and-set that takes the role
-        raw = peek(self.store, key) if news is None else news.value(lambda: peek(self.store, key))
+        told to ``watch``."""
+        key = f"{self._prefix}steward"
+        # a read with no consensus round where the store has one (etcd): every node
+        # polls this key every beat; an answer a moment old at worst delays a takeover
+        # by that moment, or fails the compare-and-set that takes the role
+        raw = peek(self.store, key)
         held = None if raw is None else _parse(raw)
         mine = raw is not None and raw == self._steward_raw
         now = self._clock()
-        dead_after = self._settings.dead_after
-        stale, again = (
-            (dead_after, dead_after / 2)
-            if news is None
-            else (dead_after * _LEASED_STALE, dead_after * _LEASED_STALE / 3)
-        )
-        if held is not None and not mine and held[1] >= now - stale:
+        if held is not None and not mine and held[1] >= now - self._settings.dead_after:
             self._steward_raw = None
             self._hear(held[2], watch)
             return False
         said_at, said = self._said
-        if mine and said == self._reporting and now - said_at < again:
+        if mine and said == self._reporting and now - said_at < self._settings.dead_after / 2:
             return True  # said recently, and the same: no write
         doc = {"v": 1, "node": node, "ms": round(now * 1000), "corrupt": self._reporting}
         data = json.dumps(doc).encode()
-        if news is not None and has_leases(self.store):
-            current, written = self.store.compare_set_ephemeral(key, raw, data, dead_after)
-        else:
-            current, written = self.store.compare_set(key, raw, data)
-        if not written and current != data and news is not None:
-            news.invalidate()  # this read was behind the key: read it afresh next time
-            if current == self._steward_raw:
-                return True  # the key is as this node last wrote it
+        current, written = self.store.compare_set(key, raw, data)
         written = written or current == data  # a resent write's own bytes (commit's note)
         self._steward_raw = current if written else None
         self._said = (now, self._reporting) if written else (-math.inf, None)
@@ -196,12 +163,6 @@ class Liveness:
         elif self._heard:
             self._heard = False
             watch.ok()
-
-
-_LEASED_STALE = 15
-"""Dead-node delays after which a steward key under a lease is taken over all the
-same (its holder's keep-alive thread stopped while its lease is refreshed); the
-holder says so again every third of that."""
 
 
 def _millis(seconds: float) -> bytes:

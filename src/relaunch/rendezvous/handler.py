@@ -94,10 +94,8 @@ class DynamicRendezvousHandler:
         self._queue = RequestQueue(self._rdzv, self._spent)
         self._corrupt = CorruptWatch(settings.run_id, settings.dead_after)
         self._polled = PolledState(self._rdzv, self._corrupt, self._node)
-        # (a log line: read every five dead-node delays, not every one; on etcd that
-        # read was a tenth of a node's requests at idle)
         refused = RefusedLog(
-            self._ka_rdzv.store, self._rdzv.prefix, settings.run_id, 5 * settings.dead_after, clock
+            self._ka_rdzv.store, self._rdzv.prefix, settings.run_id, settings.dead_after, clock
         )
         self._keep_alive = KeepAlive(
             node=self._node,

@@ -16,7 +16,7 @@ import logging
 import math
 import threading
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 from relaunch.errors import StoreClosedError, StoreError
 
@@ -28,7 +28,6 @@ _LEASE_NOT_FOUND = "requested lease not found"
 """etcd's error for a write under a lease it no longer knows (gRPC NOT_FOUND)."""
 
 Post = Callable[[str, dict[str, Any]], dict[str, Any]]
-_T = TypeVar("_T")
 
 
 class OwnLease:
@@ -60,7 +59,7 @@ class OwnLease:
         with self._lock:
             self._kept.pop(key, None)
 
-    def under(self, ttl: float, call: Callable[[int], _T]) -> _T:
+    def under(self, ttl: float, call: Callable[[int], dict[str, Any]]) -> dict[str, Any]:
         """``call(lease)`` with the lease (granted now with ``ttl`` seconds if there is
         none); once more with a new lease when etcd no longer knows it: it expired
         before the refresh thread saw it. Raised to the caller instead, the writer of a

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import threading
-from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Protocol, TypeGuard, runtime_checkable
 
@@ -82,13 +80,6 @@ class LeaseStore(Store, Protocol):
         """Every key that starts with ``prefix``."""
         ...
 
-    def compare_set_ephemeral(
-        self, key: str, expected: bytes | None, desired: bytes, ttl: float
-    ) -> tuple[bytes, bool]:
-        """``compare_set``, the key set under the lease of :meth:`set_ephemeral` (not
-        written again by the client once the lease ended)."""
-        ...
-
 
 @runtime_checkable
 class ScanStore(Store, Protocol):
@@ -137,30 +128,6 @@ class TurnStore(Store, Protocol):
         ...
 
 
-Watching = Callable[[bytes | None], None]
-"""Told that a watch covers every change from now on, with the key's value then."""
-
-
-@runtime_checkable
-class WatchStore(Store, Protocol):
-    """A store that tells of a change as it is made (etcd's watch), on a stream of its
-    own (no connection that other calls need), for a key or every key under a prefix."""
-
-    def watch(self, key: str, timeout: float, cancel: threading.Event | None = None, *,
-              prefix: bool = False, watching: Watching | None = None) -> bool:  # fmt: skip
-        """Wait up to ``timeout`` seconds for the next change of ``key`` (with
-        ``prefix``: of any key that starts with it); whether one came. False early on a
-        failure (the caller looks again), and once ``cancel`` is set and
-        :meth:`end_watches` called. ``watching`` is called once every change from then
-        on is sure to end the wait (before the wait begins), with the key's value then
-        (None: unset, or a watch with ``prefix``)."""
-        ...
-
-    def end_watches(self) -> None:
-        """End every wait in :meth:`watch` now (for a thread that stops)."""
-        ...
-
-
 _CAPABLE: dict[tuple[type, type], bool] = {}
 
 
@@ -206,16 +173,6 @@ def has_tickets(store: Store) -> TypeGuard[TicketStore]:
 def has_turns(store: Store) -> TypeGuard[TurnStore]:
     """Whether ``store`` is a :class:`TurnStore` (remembered per class)."""
     return _capable(store, TurnStore)
-
-
-def has_watch(store: Store) -> TypeGuard[WatchStore]:
-    """Whether ``store`` is a :class:`WatchStore` (remembered per class); a view (a
-    prefix or a signature over a lease store: ``relaunch.store._view``) is one when
-    the store under it is."""
-    if not _capable(store, WatchStore):
-        return False
-    under = getattr(store, "store", None)
-    return under is None or has_watch(under)
 
 
 def together(store: Store) -> AbstractContextManager[None]:

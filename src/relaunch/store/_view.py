@@ -4,15 +4,11 @@ on the way to the underlying store and back; every call goes through those three
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable
 from contextlib import AbstractContextManager
 
-from relaunch.store import _protocol
 from relaunch.store._protocol import (
     LeaseStore,
     Store,
-    Watching,
     get_many,
     peek,
     set_many,
@@ -22,8 +18,6 @@ from relaunch.store._protocol import (
 )
 
 __all__ = ["LeaseView", "StoreView"]
-
-_CompareSet = Callable[[str, bytes | None, bytes], tuple[bytes, bool]]
 
 
 class StoreView:
@@ -53,14 +47,8 @@ class StoreView:
         self.store.set(self._key(key), self._seal(key, value))
 
     def compare_set(self, key: str, expected: bytes | None, desired: bytes) -> tuple[bytes, bool]:
-        return self._compare_set(self.store.compare_set, key, expected, desired)
-
-    def _compare_set(
-        self, call: _CompareSet, key: str, expected: bytes | None, desired: bytes
-    ) -> tuple[bytes, bool]:
-        """``call`` (a compare-and-set of the store below) with the view's key and values."""
         sealed = None if expected is None else self._seal(key, expected)
-        current, written = call(self._key(key), sealed, self._seal(key, desired))
+        current, written = self.store.compare_set(self._key(key), sealed, self._seal(key, desired))
         return self._open(key, current) or b"", written
 
     def add(self, key: str, amount: int) -> int:
@@ -109,30 +97,3 @@ class LeaseView(StoreView):
 
     def keys_with_prefix(self, prefix: str) -> list[str]:
         return [self._unkey(key) for key in self.store.keys_with_prefix(self._key(prefix))]
-
-    def compare_set_ephemeral(
-        self, key: str, expected: bytes | None, desired: bytes, ttl: float
-    ) -> tuple[bytes, bool]:
-        def call(key: str, expected: bytes | None, desired: bytes) -> tuple[bytes, bool]:
-            return self.store.compare_set_ephemeral(key, expected, desired, ttl)
-
-        return self._compare_set(call, key, expected, desired)
-
-    def watch(self, key: str, timeout: float, cancel: threading.Event | None = None, *,
-              prefix: bool = False, watching: Watching | None = None) -> bool:  # fmt: skip
-        """The underlying store's :meth:`~relaunch.store.WatchStore.watch`
-        (:func:`~relaunch.store.has_watch` says whether it has one)."""
-        store = self.store
-        if not _protocol.has_watch(store):
-            raise TypeError(f"{type(store).__name__} cannot watch")
-        opened = None
-        if watching is not None:
-
-            def opened(raw: bytes | None) -> None:
-                watching(self._open(key, raw))
-
-        return store.watch(self._key(key), timeout, cancel, prefix=prefix, watching=opened)
-
-    def end_watches(self) -> None:
-        if _protocol.has_watch(self.store):
-            self.store.end_watches()

@@ -1,23 +1,27 @@
 """A :class:`~relaunch.store.Store` over etcd v3 (its JSON gateway, through ``etcd3gw``).
 
-Compare-and-set is an etcd transaction; :meth:`EtcdStore.wait` is a watch (woken
-by the write, no polling: :mod:`relaunch.store._etcd_watch`); several endpoints are
-failed over in order (:mod:`relaunch.store._etcd_http`: the endpoints, TLS with
-``ca_cert``, ``cert``, ``key``, and user/password authentication). ``etcd3gw`` is
-imported when a store is created. Errors of ``requests``/``etcd3gw`` are translated
-at this boundary.
+Compare-and-set is an etcd transaction; :meth:`EtcdStore.wait` is a watch
+(woken by the write, no polling); several endpoints are failed over in order
+(:mod:`relaunch.store._etcd_http`: the endpoints, TLS with ``ca_cert``, ``cert``,
+``key``, and user/password authentication). ``etcd3gw`` is imported when a store
+is created. Errors of ``requests``/``etcd3gw`` are translated at this boundary.
 """
 
 from __future__ import annotations
 
 import base64
-import functools
+import contextlib
+import json
+import logging
+import socket
 import threading
 import time
 from collections.abc import Sequence
 from typing import Any
 
 from relaunch.errors import (
+    StoreClosedError,
+    StoreConnectionError,
     StoreError,
     StoreTimeoutError,
 )
@@ -25,10 +29,15 @@ from relaunch.store import _etcd_tickets as tickets
 from relaunch.store._etcd_history import applied_earlier
 from relaunch.store._etcd_http import EtcdEndpoints, first_kv, kv_value
 from relaunch.store._etcd_lease import OwnLease
-from relaunch.store._etcd_watch import WatchStreams
-from relaunch.store._protocol import Watching
 
 __all__ = ["EtcdStore"]
+
+logger = logging.getLogger(__name__)
+
+_CONNECT = 3.0
+"""Seconds a watch may take to connect (a member on a lost host never answers; the
+caller's next read fails over)."""
+
 
 _TXN_OPS = 64
 """Operations in one transaction of :meth:`EtcdStore.multi_get` and ``multi_set``
@@ -46,12 +55,6 @@ def _b64(data: bytes | str) -> str:
 
 def _unb64(text: str) -> bytes:
     return base64.b64decode(text)
-
-
-def _prefix_end(start: bytes) -> bytes:
-    """The end of the range of every key that starts with ``start`` (etcd's
-    ``range_end``; ``\\0``: every key from ``start`` on)."""
-    return start[:-1] + bytes([start[-1] + 1]) if start and start[-1] < 0xFF else b"\0"
 
 
 class EtcdStore:
@@ -84,12 +87,14 @@ class EtcdStore:
             password=password,
             timeout=timeout,
         )
+        self._requests = self._http.requests
         self._timeout = self._http.timeout
         self._prefix = prefix
         self._lock = threading.Lock()
         self._lease = OwnLease(self._http.post)
-        self._streams = WatchStreams(self._http)
+        self._streams: set[Any] = set()
         """The watch streams in flight: :meth:`close` ends them (their threads wake)."""
+        self._closing = False
 
     def use_endpoints(self, endpoints: Sequence[tuple[str, int]], *, move: bool = False) -> None:
         """Try these endpoints from now on (a cluster whose members changed); the one
@@ -138,19 +143,15 @@ class EtcdStore:
         self._http.post("/kv/put", {"key": self._key(key), "value": _b64(value)})
 
     def _txn(
-        self, key: str, compare: dict[str, Any], value: bytes, lease: int | None = None
+        self, key: str, compare: dict[str, Any], value: bytes
     ) -> tuple[bool, dict[str, Any] | None, bool]:
-        """Put ``value`` (under ``lease``) if ``compare`` holds: whether it did, the key
-        when it did not (as etcd's JSON has it), and whether the call was sent more
-        than once."""
-        put = {"key": self._key(key), "value": _b64(value)}
-        if lease is not None:
-            put["lease"] = str(lease)
+        """Put ``value`` if ``compare`` holds: whether it did, the key when it did not
+        (as etcd's JSON has it), and whether the call was sent more than once."""
         reply, resent = self._http.post_sent(
             "/kv/txn",
             {
                 "compare": [{"key": self._key(key), "result": "EQUAL", **compare}],
-                "success": [{"request_put": put}],
+                "success": [{"request_put": {"key": self._key(key), "value": _b64(value)}}],
                 "failure": [{"request_range": {"key": self._key(key)}}],
             },
         )
@@ -160,25 +161,11 @@ class EtcdStore:
         return False, first_kv(answer.get("response_range", {})), resent
 
     def compare_set(self, key: str, expected: bytes | None, desired: bytes) -> tuple[bytes, bool]:
-        return self._compare_set(key, expected, desired, None)
-
-    def compare_set_ephemeral(
-        self, key: str, expected: bytes | None, desired: bytes, ttl: float
-    ) -> tuple[bytes, bool]:
-        """:meth:`compare_set`, the key written under this store's lease (granted at
-        first use with ``ttl`` seconds, as :meth:`set_ephemeral`'s): it vanishes when
-        this client stops refreshing the lease, and is not written again after a stall
-        (another node may have taken what it stands for)."""
-        return self._lease.under(ttl, functools.partial(self._compare_set, key, expected, desired))
-
-    def _compare_set(
-        self, key: str, expected: bytes | None, desired: bytes, lease: int | None
-    ) -> tuple[bytes, bool]:
         if expected is None:
             compare: dict[str, Any] = {"target": "CREATE", "create_revision": "0"}
         else:
             compare = {"target": "VALUE", "value": _b64(expected)}
-        written, kv, resent = self._txn(key, compare, desired, lease)
+        written, kv, resent = self._txn(key, compare, desired)
         if written:
             return desired, True
         current = b"" if kv is None else kv_value(kv)
@@ -262,20 +249,73 @@ class EtcdStore:
                 left = end - time.monotonic()
                 if left <= 0:
                     raise StoreTimeoutError(f"key {key!r} not set within {timeout} s")
-                self._streams.follow(self._key(key), None, revision + 1, left)
+                self._watch(key, revision + 1, left)
 
-    def watch(self, key: str, timeout: float, cancel: threading.Event | None = None, *,
-              prefix: bool = False, watching: Watching | None = None) -> bool:  # fmt: skip
+    def watch(self, key: str, timeout: float, cancel: threading.Event | None = None) -> bool:
         """Wait up to ``timeout`` seconds for the next change of ``key`` (a put or a
-        delete; with ``prefix``, of any key that starts with ``key``); whether one came.
-        False early when the member asked fails (the caller looks again), and once
-        ``cancel`` is set and :meth:`end_watches` called. ``watching`` is called once
-        the watch covers every change from then on (:class:`~relaunch.store.WatchStore`)."""
-        kv, revision = self._range(key, serializable=True)
-        if watching is not None:  # (the watch starts after this revision, whenever it connects)
-            watching(None if kv is None or prefix else kv_value(kv))
-        end = _b64(_prefix_end((self._prefix + key).encode())) if prefix else None
-        return self._streams.follow(self._key(key), end, revision + 1, timeout, cancel)
+        delete); whether one came. False early when the member asked fails (the caller
+        looks again), and once ``cancel`` is set and :meth:`end_watches` called."""
+        _, revision = self._range(key, serializable=True)
+        return self._watch(key, revision + 1, timeout, cancel)
+
+    def _watch(
+        self, key: str, start_revision: int, timeout: float, cancel: threading.Event | None = None
+    ) -> bool:
+        """Return at the first event on ``key`` from ``start_revision`` (True), or at
+        ``timeout``, on a failure, or once ``cancel`` is set (False)."""
+        client, name, skip = self._http.current()
+        body = {"create_request": {"key": self._key(key), "start_revision": str(start_revision)}}
+        try:
+            resp = client.session.post(
+                client.get_url("/watch"),
+                json=body,
+                stream=True,
+                timeout=(min(self._timeout, _CONNECT), max(timeout, 0.01)),
+                verify=self._http.verify,
+            )
+        except self._requests.RequestException as exc:
+            # Move on to the next endpoint; the caller's next read fails over or fails.
+            logger.info("etcd watch on %s failed: %s", name, exc)
+            skip()
+            return False
+        with self._lock:
+            if self._closing:
+                resp.close()
+                raise StoreClosedError("the etcd store was closed during a wait")
+            if cancel is not None and cancel.is_set():
+                resp.close()
+                return False
+            self._streams.add(resp)
+        deadline = time.monotonic() + timeout
+        try:
+            # each read waits at most ``timeout``; a stream that keeps sending lines
+            # without our event (a member without a leader) ends at the deadline too
+            for line in resp.iter_lines():
+                if time.monotonic() >= deadline:
+                    return False
+                if not line:
+                    continue
+                try:
+                    result = json.loads(line)["result"]
+                    if result.get("events"):
+                        return True
+                    if result.get("canceled"):
+                        return False  # no event comes on this stream (the caller re-reads)
+                except (ValueError, KeyError, TypeError, AttributeError):
+                    logger.info("etcd watch on %s: a line that is not a watch reply: %.200r",
+                                name, line)  # fmt: skip
+                    return False  # the caller re-reads the key
+        except self._requests.exceptions.ConnectionError as exc:
+            if "timed out" in str(exc).lower() or "timeout" in type(exc.__context__).__name__:
+                return False  # the caller re-reads and decides whether time is up
+            raise StoreConnectionError(f"etcd watch on {key!r} broke: {exc}") from exc
+        except self._requests.RequestException:
+            return False
+        finally:
+            with self._lock:
+                self._streams.discard(resp)
+            resp.close()
+        return False
 
     # -- liveness: one lease per store (per node) -------------------------------------
 
@@ -316,7 +356,8 @@ class EtcdStore:
 
     def _scan(self, prefix: str, *, keys_only: bool) -> dict[str, bytes]:
         start = (self._prefix + prefix).encode()
-        body: dict[str, Any] = {"key": _b64(start), "range_end": _b64(_prefix_end(start))}
+        end = start[:-1] + bytes([start[-1] + 1]) if start and start[-1] < 0xFF else b"\0"
+        body: dict[str, Any] = {"key": _b64(start), "range_end": _b64(end)}
         if keys_only:
             body["keys_only"] = True
         reply = self._http.post("/kv/range", body)
@@ -328,10 +369,18 @@ class EtcdStore:
         with self._lock:
             if self._http.closed:
                 return
-        self._streams.close()  # (and no watch starts from now on)
+            self._closing = True  # no watch starts from now on
+        self.end_watches()
         self._lease.close(self._timeout + 1)
         self._http.close()
 
     def end_watches(self) -> None:
-        """Wake every thread in a watch now (its wait raises StoreConnectionError)."""
-        self._streams.end()
+        """Wake every thread in a watch now (its wait raises StoreConnectionError): a
+        socket shut down wakes a blocked read, where closing it would not."""
+        with self._lock:
+            streams = list(self._streams)
+        for resp in streams:
+            sock = getattr(getattr(resp.raw, "connection", None), "sock", None)
+            if isinstance(sock, socket.socket):
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
