@@ -10,8 +10,9 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -279,6 +280,91 @@ def test_keys_set_under_a_lease_etcd_dropped_are_written_again(etcd: Member) -> 
     finally:
         store.close()
         other.close()
+
+
+class _Gateway:
+    """An endpoint in front of a real member: ``before(path, body)`` runs first and
+    may answer the call itself (a status and a body); else the call is passed on."""
+
+    def __init__(
+        self, member: Member, before: Callable[[str, bytes], tuple[int, bytes] | None]
+    ) -> None:
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                answered = before(self.path, body)
+                if answered is None:
+                    request = urllib.request.Request(
+                        f"http://{member.endpoint}{self.path}", data=body, method="POST"
+                    )
+                    try:
+                        with urllib.request.urlopen(request, timeout=5) as reply:
+                            answered = (200, reply.read())
+                    except urllib.error.HTTPError as refused:  # (etcd's own errors)
+                        answered = (refused.code, refused.read())
+                status, text = answered
+                self.send_response(status)
+                self.send_header("Content-Length", str(len(text)))
+                self.end_headers()
+                self.wfile.write(text)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        self._thread = threading.Thread(
+            target=self.server.serve_forever, name="test-gateway", daemon=True
+        )
+        self._thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self._thread.join(10)
+
+
+def test_a_write_whose_new_lease_expires_too_takes_another(etcd: Member) -> None:
+    """A machine so slow that the new lease a write took also expired before the
+    write reached etcd: the write takes another (within the store's timeout) instead
+    of failing the node's rendezvous."""
+    other = store_for(etcd)
+    expired: list[str] = []
+
+    def expire_first_two(path: str, body: bytes) -> tuple[int, bytes] | None:
+        lease = json.loads(body).get("lease")
+        if path.endswith("/kv/put") and lease and len(expired) < 2:
+            other.request("/kv/lease/revoke", {"ID": lease})  # as if it expired
+            expired.append(lease)
+        return None
+
+    gateway = _Gateway(etcd, expire_first_two)
+    store = EtcdStore([("127.0.0.1", gateway.port)], prefix="t/")
+    try:
+        store.set_ephemeral("alive/a", b"1", 60.0)
+        assert len(set(expired)) == 2  # two leases lost, a third one holds the key
+        assert other.get("alive/a") == b"1"
+        assert len(other.request("/lease/leases", {})["leases"]) == 1
+    finally:
+        store.close()
+        gateway.close()
+        other.close()
+
+
+def test_a_member_whose_gateway_lost_its_own_connection_is_passed_over(etcd: Member) -> None:
+    """etcd's JSON gateway answers 500 "unexpected EOF" (gRPC INTERNAL) when its
+    connection to its own gRPC server is cut mid-call (seen under load): the call goes
+    to the next member, as for one that cannot serve."""
+    cut = json.dumps({"error": "unexpected EOF", "code": 13, "message": "unexpected EOF"})
+    gateway = _Gateway(etcd, lambda path, body: (500, cut.encode()))
+    store = EtcdStore([("127.0.0.1", gateway.port), ("127.0.0.1", etcd.client_port)], prefix="t/")
+    try:
+        store.set("k", b"v")
+        assert store.get("k") == b"v"
+        assert store.compare_set("k", b"v", b"w") == (b"w", True)
+    finally:
+        store.close()
+        gateway.close()
 
 
 def test_a_wait_in_flight_ends_when_the_store_is_closed(etcd: Member) -> None:

@@ -91,7 +91,7 @@ class EtcdStore:
         self._timeout = self._http.timeout
         self._prefix = prefix
         self._lock = threading.Lock()
-        self._lease = OwnLease(self._http.post)
+        self._lease = OwnLease(self._http.post, self._timeout)
         self._streams: set[Any] = set()
         """The watch streams in flight: :meth:`close` ends them (their threads wake)."""
         self._closing = False
