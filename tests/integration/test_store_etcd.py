@@ -351,12 +351,16 @@ def test_a_write_whose_new_lease_expires_too_takes_another(etcd: Member) -> None
         other.close()
 
 
-def test_a_member_whose_gateway_lost_its_own_connection_is_passed_over(etcd: Member) -> None:
+@pytest.mark.parametrize(("error", "code"), [("unexpected EOF", 13), ("raft proposal dropped", 2)])
+def test_a_member_that_cannot_serve_this_call_is_passed_over(
+    etcd: Member, error: str, code: int
+) -> None:
     """etcd's JSON gateway answers 500 "unexpected EOF" (gRPC INTERNAL) when its
-    connection to its own gRPC server is cut mid-call (seen under load): the call goes
-    to the next member, as for one that cannot serve."""
-    cut = json.dumps({"error": "unexpected EOF", "code": 13, "message": "unexpected EOF"})
-    gateway = _Gateway(etcd, lambda path, body: (500, cut.encode()))
+    connection to its own gRPC server is cut mid-call (seen under load), and "raft
+    proposal dropped" while its leader changes (seen as a job ended): the call goes to
+    the next member, as for one that cannot serve."""
+    refusal = json.dumps({"error": error, "code": code, "message": error}).encode()
+    gateway = _Gateway(etcd, lambda path, body: (500, refusal))
     store = EtcdStore([("127.0.0.1", gateway.port), ("127.0.0.1", etcd.client_port)], prefix="t/")
     try:
         store.set("k", b"v")

@@ -245,13 +245,16 @@ found no endpoint that answered within the whole timeout)."""
 def _unavailable(status: int, text: str) -> bool:
     """Whether an error reply means "this endpoint cannot serve now, try another": no
     leader, a member stopping or removed (its gateway's own connection closed: gRPC
-    UNAVAILABLE, code 14), its raft stopped, or its gateway's connection to its own gRPC
-    server cut mid-call (INTERNAL, code 13, "unexpected EOF": seen with 1,024 simulated
-    nodes on one 3-member cluster; the call may have been applied, as after a timeout)."""
+    UNAVAILABLE, code 14), its raft stopped or dropping proposals (a leader changing, or
+    a member leaving as a job ends: the call was not applied), or its gateway's
+    connection to its own gRPC server cut mid-call (INTERNAL, code 13, "unexpected EOF":
+    seen with 1,024 simulated nodes on one 3-member cluster; the call may have been
+    applied, as after a timeout)."""
     try:
         reply = json.loads(text)
         code = reply.get("code") if isinstance(reply, dict) else None
     except ValueError:
         code = None
     cut = code == 13 and ("EOF" in text or "transport is closing" in text)
-    return status == 503 or "leader" in text or code == 14 or "raft: stopped" in text or cut
+    raft = "raft: stopped" in text or "proposal dropped" in text
+    return status == 503 or "leader" in text or code == 14 or raft or cut
