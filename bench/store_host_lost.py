@@ -3,6 +3,7 @@ embedded store against torchrun's c10d, side by side in the same run.
 
     python bench/store_host_lost.py [--runs 2] [--nodes 4] [--idle 10] [--load 2] [--kinds host]
     python bench/store_host_lost.py --sequence 6 [--gap 1:5] [--load 2]
+    python bench/store_host_lost.py --floor [--idle 20] [--nodes 8]
 
 ``--nodes`` agents on this machine (loopback, in a network namespace of their own)
 x 1 worker of a tiny DDP job on gloo (a step: an all-reduce and 50 ms of sleep),
@@ -14,7 +15,8 @@ trains, SIGKILL that node (its agent, workers and etcd member: the machine is
 gone); measured: the time until every surviving node trained a step at the smaller
 size. Also the embedded store's CPU at idle (its etcd and keeper processes, per node,
 over ``--idle`` seconds of training) and the calls its members handled a second then,
-by etcd's method (their /metrics). Run by hand, not in CI.
+by etcd's method (their /metrics); with ``--floor``, only that, then again with every
+agent stopped (etcd with no client). Run by hand, not in CI.
 """
 
 from __future__ import annotations
@@ -172,16 +174,7 @@ def one(
             raise RuntimeError(f"{launcher}: the job never trained at {nodes} nodes")
         time.sleep(2.0)
         if launcher == "relaunch" and idle > 0:
-            ports = list(job.members().values())
-            before, calls = job.etcd_cpu(), etcd_calls(ports)
-            time.sleep(idle)
-            after, calls = job.etcd_cpu(), etcd_calls(ports) - calls
-            used = {p: after[p] - before.get(p, 0.0) for p in after}
-            cpu = sum(used.values()) / idle / nodes * 100
-            members = sorted((u / idle * 100 for p, u in used.items() if p.endswith(":etcd")),
-                             reverse=True)  # fmt: skip
-            print("    etcd members: " + ", ".join(f"{u:.2f}%" for u in members) + " of a core")
-            print(f"    calls a second at idle, all members: {calls_line(calls, idle)}")
+            cpu = _idle(job, idle)
         members = list(job.members()) if launcher == "relaunch" else [0]
         if kind == "host":
             victim = 0
@@ -196,6 +189,49 @@ def one(
         left = [n for n in range(nodes) if n != victim]
         at = _wait_training(job, left, nodes - 1, t0, limit)
         return (None if at is None else at - t0), cpu
+    finally:
+        job.close()
+        shutil.rmtree(out, ignore_errors=True)
+
+
+def _idle(job: Job, seconds: float) -> float:
+    """The embedded store's CPU over ``seconds`` (% of a core per node), its members'
+    and their calls printed."""
+    ports = list(job.members().values())
+    before, calls = job.etcd_cpu(), etcd_calls(ports)
+    time.sleep(seconds)
+    after, calls = job.etcd_cpu(), etcd_calls(ports) - calls
+    used = {p: after[p] - before.get(p, 0.0) for p in after}
+    members = sorted((u / seconds * 100 for p, u in used.items() if p.endswith(":etcd")),
+                     reverse=True)  # fmt: skip
+    print("    etcd members: " + ", ".join(f"{u:.2f}%" for u in members) + " of a core")
+    print(f"    calls a second at idle, all members: {calls_line(calls, seconds)}")
+    return sum(used.values()) / seconds / job.nodes * 100
+
+
+def floor(args: argparse.Namespace) -> None:
+    """``--floor``: the embedded store's CPU at idle, then with every agent stopped
+    (SIGSTOP: no calls; the workers and the members run on): what etcd costs with no
+    client, and so what the clients' calls cost."""
+    out = Path(tempfile.mkdtemp(prefix="relaunch-bench-floor-"))
+    job = Job("relaunch", args.nodes, out)
+    try:
+        if _wait_training(job, list(range(args.nodes)), args.nodes, 0.0, 120) is None:
+            raise RuntimeError(f"the job never trained at {args.nodes} nodes")
+        time.sleep(2.0)
+        print(f"{args.nodes} nodes, load {args.load}, {args.idle:.0f} s each; training:")
+        training = _idle(job, args.idle)
+        for proc in job.procs:
+            proc.send_signal(signal.SIGSTOP)
+        try:
+            time.sleep(4.0)  # (their last calls answered)
+            print("every agent stopped:")
+            alone = _idle(job, args.idle)
+        finally:
+            for proc in job.procs:
+                proc.send_signal(signal.SIGCONT)
+        print(f"embedded store CPU per node: {training:.2f}% training, {alone:.2f}% with no "
+              f"client: the calls {training - alone:.2f}%")  # fmt: skip
     finally:
         job.close()
         shutil.rmtree(out, ignore_errors=True)
@@ -356,6 +392,8 @@ def main() -> None:
                         help="relaunch only: one job loses K nodes one after another")  # fmt: skip
     parser.add_argument("--gap", default="1:5", help="seconds between recovery and next loss")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--floor", action="store_true",
+                        help="relaunch only: the store's CPU at idle, then with no client")  # fmt: skip
     args = parser.parse_args()
     unknown = set(args.kinds.split(",")) - {"host", "member", "other"}
     if unknown:
@@ -366,7 +404,9 @@ def main() -> None:
         for _ in range(args.load)
     ]
     try:
-        if args.sequence:
+        if args.floor:
+            floor(args)
+        elif args.sequence:
             sequence(args)
         else:
             _table(args)

@@ -735,3 +735,76 @@ def test_spent_keys_a_lost_store_refuses_are_kept_for_the_next_try() -> None:
         assert (store.get("a"), store.get("b")) == (None, None)
     finally:
         store.close()
+
+
+def test_on_a_store_with_leases_the_steward_key_is_read_only_once_it_may_be_overdue() -> None:
+    from relaunch.rendezvous._corrupt import CorruptWatch
+    from relaunch.rendezvous._liveness import Liveness
+
+    store, now = Leased("steward"), [1000.0]
+    settings = RendezvousSettings(
+        run_id="job", min_nodes=1, max_nodes=2, keep_alive_interval=0.5, keep_alive_max_attempt=4
+    )
+    a, b = (Liveness(store, "p/", settings, lambda: now[0]) for _ in range(2))
+    watch = CorruptWatch("job", settings.dead_after)
+    assert a.steward("a", watch) and not b.steward("b", watch)
+    store.reads = 0
+    for _ in range(3):  # a's key, written at 1000, cannot be overdue before 1002
+        now[0] += 0.5
+        assert not b.steward("b", watch)
+    assert store.reads == 0
+    now[0] += 0.5  # 1002: b looks (a, stopped since 1000, is not overdue yet)
+    assert not b.steward("b", watch) and store.reads == 1
+    now[0] += 0.5  # overdue: b takes over at its first beat past the dead-node delay
+    assert b.steward("b", watch)
+    assert not a.steward("a", watch)
+    store.reads = 0
+    now[0] += 0.5
+    assert b.steward("b", watch) and b.steward("b", watch)  # said lately: no read, no write
+    now[0] += 0.5
+    assert b.steward("b", watch) and store.reads == 0  # says so again: a write, no read
+    now[0] += 1.0  # b's key, taken by a behind its back, fails b's next write
+    store.set("p/steward", json.dumps({"v": 1, "node": "a", "ms": now[0] * 1000}).encode())
+    assert not b.steward("b", watch) and store.reads == 0
+
+
+class Leased(MemoryStore):
+    """A memory store with leases in name only (a key "expires" when a test deletes
+    it): the logic that uses them is what is tested; ``reads`` counts the reads of the
+    keys that end with ``counted``."""
+
+    def __init__(self, counted: str) -> None:
+        super().__init__()
+        self.counted, self.reads = counted, 0
+
+    def get(self, key: str) -> bytes | None:
+        self.reads += key.endswith(self.counted)
+        return super().get(key)
+
+    def set_ephemeral(self, key: str, value: bytes, ttl: float) -> None:
+        self.set(key, value)
+
+    def keys_with_prefix(self, prefix: str) -> list[str]:
+        with self._cond:
+            return [k for k in self._data if k.startswith(prefix)]
+
+
+def test_on_a_store_with_leases_the_steward_reads_the_state_when_a_lease_key_goes() -> None:
+    store = Leased("/state")
+    hs = [make(store, 2, 3, keep_alive_max_attempt=10) for _ in range(3)]  # 0.1 s beats
+    victim = hs[-1]
+    try:
+        together(*(h.next_rendezvous for h in hs))
+        store.reads = 0
+        time.sleep(2.0)  # 20 beats of the steward: the state read once per dead-node delay
+        assert store.reads <= 6
+        victim._keep_alive.stop()  # the node is gone: no heartbeat, no goodbye
+        store.delete(f"relaunch/rdzv/job/alive/{victim.node_id}")  # its lease expired
+        until(lambda: all(h.num_nodes_waiting() > 0 for h in hs[:2]))
+        infos = together(*(h.next_rendezvous for h in hs[:2]))
+        assert sorted(i.rank for i in infos) == [0, 1]
+    finally:
+        victim._keep_alive.stop()
+        victim._shut = True  # its store is shared: do not leave on its behalf
+        shut(*hs[:2])
+        store.close()

@@ -75,17 +75,22 @@ class StateBackend:
         self.liveness.announce(node)
 
     def remove_dead(
-        self, state: RendezvousState, now: float, leaving: Collection[str] = ()
+        self,
+        state: RendezvousState,
+        now: float,
+        leaving: Collection[str] = (),
+        alive: Collection[str] | None = None,
     ) -> tuple[RendezvousState, list[str]]:
         """:func:`remove_dead` of the nodes the state knows, by their liveness keys (one
         read of O(N) bytes: only the steward, a join's applier and a waiting node call
-        it, never every node at every beat). The ``leaving`` nodes (a batch of leave
-        requests) count as alive: they leave, not die, so a complete round stays
+        it, never every node at every beat; none when the caller read ``alive`` just
+        before, :meth:`Liveness.everyone_alive`). The ``leaving`` nodes (a batch of
+        leave requests) count as alive: they leave, not die, so a complete round stays
         complete for the others."""
         if not state.last_heartbeats:
             return state, []
-        alive = self.liveness.alive(state.last_heartbeats) | set(leaving)
-        return remove_dead(state, now, self.settings, alive)
+        seen = self.liveness.alive(state.last_heartbeats) if alive is None else set(alive)
+        return remove_dead(state, now, self.settings, seen | set(leaving))
 
     def fresh(self) -> RendezvousState:
         return RendezvousState(run_id=self.settings.run_id)

@@ -10,8 +10,8 @@ Keys, under ``relaunch/rdzv/<run_id>/``:
     stops beating and dates its heartbeat once, so that it is alive until its leave's
     deadline (:meth:`Liveness.leaving`). On a store with leases (etcd) the node's
     ``alive/<node>`` key, under its lease, decides instead (etcd's clock, no skew
-    between hosts), and the heartbeat, written once per dead-node delay there, only
-    tells ``relaunch status`` how recent the node is.
+    between hosts), and the heartbeat, written every 5 s there (:data:`STATUS_BEAT`),
+    only tells ``relaunch status`` how recent the node is.
 ``steward``
     ``{"v": 1, "node": N, "ms": T, "corrupt": null or "why"}``: the node that reads
     everyone's liveness this interval, when it last said so, and whether the state it
@@ -21,7 +21,12 @@ Keys, under ``relaunch/rdzv/<run_id>/``:
     this key (one small read), learns from it that the state is corrupt (and valid
     again), and takes the role over by compare-and-set once it is older than the
     dead-node delay (its holder stopped beating). So finding dead nodes costs the
-    store O(N) per interval in total, not O(N) per node.
+    store O(N) per interval in total, not O(N) per node. Where the store has leases
+    (etcd), a node reads the key only when it may be overdue (the time in it plus the
+    dead-node delay): once per dead-node delay, not every interval (most of the
+    embedded store's calls at idle were these reads); it takes the role over as soon
+    as before, and hears of a corrupt state up to a dead-node delay later. The holder
+    there rewrites its key without reading it first.
 """
 
 from __future__ import annotations
@@ -35,7 +40,11 @@ from relaunch.rendezvous._corrupt import CorruptWatch
 from relaunch.rendezvous._settings import RendezvousSettings
 from relaunch.store import Store, get_many, has_leases, peek, set_many
 
-__all__ = ["Liveness", "heartbeat_times"]
+__all__ = ["STATUS_BEAT", "Liveness", "heartbeat_times"]
+
+STATUS_BEAT = 5.0
+"""Seconds between a node's heartbeat writes, at least, where the store has leases
+(its heartbeat is then only the age ``relaunch status`` shows)."""
 
 
 class Liveness:
@@ -58,6 +67,9 @@ class Liveness:
         """When this node last wrote its heartbeat."""
         self._said: tuple[float, str | None] = (-math.inf, None)
         """When this node, as the steward, last wrote its key, and the report in it."""
+        self._quiet_until = -math.inf
+        """Before then another node's steward key cannot be overdue (stores with leases:
+        this node does not read it until then)."""
 
     def hb_key(self, node: str) -> str:
         return f"{self._prefix}hb/{node}"
@@ -87,10 +99,11 @@ class Liveness:
 
     def beat(self, node: str) -> None:
         """Write ``node``'s heartbeat (one small write), on a store with leases only once
-        per dead-node delay (the lease decides who is alive; a write costs etcd a raft
-        round, so that is only ``relaunch status``'s heartbeat age)."""
+        per :data:`STATUS_BEAT` (the lease decides who is alive; a write costs etcd a
+        raft round, so that is only ``relaunch status``'s heartbeat age)."""
         now = self._clock()
-        if has_leases(self.store) and now - self._beaten < self._settings.dead_after:
+        every = max(self._settings.dead_after, STATUS_BEAT)
+        if has_leases(self.store) and now - self._beaten < every:
             return
         self.store.set(self.hb_key(node), _millis(now))
         self._beaten = now
@@ -116,33 +129,52 @@ class Liveness:
         """Those of ``nodes`` that are alive: their lease's key is there (etcd), else
         their heartbeat is younger than the dead-node delay."""
         if has_leases(self.store):
-            cut = len(self._prefix) + len("alive/")
-            keys = self.store.keys_with_prefix(self._prefix + "alive/")
-            return {key[cut:] for key in keys} & set(nodes)
+            return set(self.everyone_alive() & set(nodes))
         limit = self._clock() - self._settings.dead_after
         return {n for n, t in self.heartbeats(nodes).items() if t >= limit}
+
+    def everyone_alive(self) -> frozenset[str]:
+        """Every node whose lease's key is there (a store with leases only: one read of
+        the keys, O(N) bytes)."""
+        assert has_leases(self.store)
+        cut = len(self._prefix) + len("alive/")
+        return frozenset(key[cut:] for key in self.store.keys_with_prefix(self._prefix + "alive/"))
 
     def steward(self, node: str, watch: CorruptWatch) -> bool:
         """Whether ``node`` is the steward this interval: it holds the role and says so
         again, or takes it over from a holder that stopped beating (compare-and-set:
-        one node wins). One small read, and a small write while it holds the role.
-        Another node's steward key that says the state is corrupt (or valid again) is
-        told to ``watch``."""
+        one node wins). One small read, and a small write while it holds the role; on
+        a store with leases, the holder writes without reading (its compare-and-set
+        fails if another node took the role, which it does only once the key is
+        overdue), and the others read only once it may be overdue. Another node's
+        steward key that says the state is corrupt (or valid again) is told to
+        ``watch``."""
         key = f"{self._prefix}steward"
-        # a read with no consensus round where the store has one (etcd): every node
-        # polls this key every beat; an answer a moment old at worst delays a takeover
-        # by that moment, or fails the compare-and-set that takes the role
-        raw = peek(self.store, key)
-        held = None if raw is None else _parse(raw)
-        mine = raw is not None and raw == self._steward_raw
         now = self._clock()
-        if held is not None and not mine and held[1] >= now - self._settings.dead_after:
-            self._steward_raw = None
-            self._hear(held[2], watch)
-            return False
         said_at, said = self._said
-        if mine and said == self._reporting and now - said_at < self._settings.dead_after / 2:
-            return True  # said recently, and the same: no write
+        said_lately = said == self._reporting and now - said_at < self._settings.dead_after / 2
+        if has_leases(self.store) and self._steward_raw is not None:
+            if said_lately:
+                return True
+            raw: bytes | None = self._steward_raw
+        elif now < self._quiet_until:
+            return False
+        else:
+            # a read with no consensus round where the store has one (etcd): an answer
+            # a moment old at worst delays a takeover by that moment, or fails the
+            # compare-and-set that takes the role
+            raw = peek(self.store, key)
+            held = None if raw is None else _parse(raw)
+            mine = raw is not None and raw == self._steward_raw
+            now = self._clock()
+            if held is not None and not mine and held[1] >= now - self._settings.dead_after:
+                self._steward_raw = None
+                self._hear(held[2], watch)
+                if has_leases(self.store):  # (its holder says so again before then)
+                    self._quiet_until = held[1] + self._settings.dead_after
+                return False
+            if mine and said_lately:
+                return True  # said recently, and the same: no write
         doc = {"v": 1, "node": node, "ms": round(now * 1000), "corrupt": self._reporting}
         data = json.dumps(doc).encode()
         current, written = self.store.compare_set(key, raw, data)

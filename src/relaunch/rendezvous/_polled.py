@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 
 from relaunch.errors import RendezvousClosedError, RendezvousStateError, StoreConnectionError
 from relaunch.rendezvous._backend import StateBackend
@@ -18,15 +17,12 @@ __all__ = ["PolledState", "load_through_corruption"]
 
 logger = logging.getLogger(__name__)
 
-_PROBE_EVERY = 5.0
-"""Seconds between the store reads of a poll that has an epoch watch (a safety net:
-a stream stuck silent costs at most this much delay; a broken one is seen at once)."""
-
 
 class PolledState:
     """One cheap read per poll: the cached state while the epoch did not move. On a
     store with leases (etcd), the epoch is watched (:class:`EpochWatch`) and a poll
-    reads the store once every 5 s at most. :meth:`close` stops the watch."""
+    reads the store only while the watch cannot vouch for it. :meth:`close` stops the
+    watch."""
 
     def __init__(self, backend: StateBackend, corrupt: CorruptWatch, node: str) -> None:
         self._rdzv = backend
@@ -40,7 +36,6 @@ class PolledState:
             if has_leases(backend.store)
             else None
         )
-        self._probed = 0.0
 
     def close(self) -> None:
         if self._watch is not None:
@@ -83,12 +78,13 @@ class PolledState:
         return self._cached
 
     def _changed(self, state: RendezvousState) -> bool:
-        now = time.monotonic()
-        if self._watch is not None and now - self._probed < _PROBE_EVERY:
+        # (a watch vouches for at most its wait's bound, 5 s, since its own read of the
+        # store: a stream stuck silent costs at most that much delay, as a read of the
+        # store every 5 s here would; a broken one is seen at once)
+        if self._watch is not None:
             seen = self._watch.changed_since(state.epoch)
             if seen is not None:
                 return seen
-        self._probed = now
         return self._rdzv.changed_since(state)
 
 

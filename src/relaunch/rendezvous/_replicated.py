@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import threading
 import time
@@ -97,6 +98,7 @@ class EmbeddedStore:
         self._member: EtcdMember | None = None
         self._members: list[Member] = []
         self._down: dict[str, float] = {}
+        self._listed_at = -math.inf  # when the member list was last read (monotonic)
         self._preferred: tuple[str, int] | None = None  # where the client was last moved
         self._up_since: dict[str, float] = {}
         """When this node first saw each member started (monotonic)."""
@@ -200,11 +202,11 @@ class EmbeddedStore:
         return self._cfg.interval if self._member is not None else 3 * self._cfg.interval
 
     def _refresh(self) -> None:
-        """Read the member list, check each member's health, point the client at the
-        started members."""
+        """Read the member list (:meth:`_listed`), check each member's health, point the
+        client at the started members."""
         assert self._store is not None
-        members = list_members(self._store)
         now = time.monotonic()
+        members = self._listed(now)
         refused = set()
         for m in members:
             # members check each other; the others leave that to them (no traffic)
@@ -231,6 +233,22 @@ class EmbeddedStore:
                 log.warning("embedded store: this node's etcd member stopped; it may join again")
             self._member.stop()
             self._member = None
+
+    def _listed(self, now: float) -> list[Member]:
+        """The members: read from the cluster, except by a member while every member
+        is up and seated, which reads the list once per ``3 * interval`` (it changes
+        only when a member is lost, which its health checks see at once, or when a seat
+        is filled, which is read while seats are free; a read of the list costs etcd
+        as much as a write at idle)."""
+        assert self._store is not None
+        with self._view_lock:
+            cached = self._members
+        up = [m for m in cached if m.started and not m.learner]
+        settled = len(up) >= self._cfg.target and not self._down and not self._refused
+        if self._member is not None and settled and now - self._listed_at < 3 * self._cfg.interval:
+            return cached
+        self._listed_at = now
+        return list_members(self._store)
 
     def _me(self) -> str | None:
         return self._name if self._member is not None else None

@@ -42,6 +42,9 @@ __all__ = ["DynamicRendezvousHandler"]
 
 logger = logging.getLogger(__name__)
 
+_REFUSED_EVERY = 5.0
+"""Seconds between two looks for refused nodes (to log them), at least."""
+
 
 class _Closeable(Protocol):
     def close(self) -> None: ...
@@ -94,9 +97,9 @@ class DynamicRendezvousHandler:
         self._queue = RequestQueue(self._rdzv, self._spent)
         self._corrupt = CorruptWatch(settings.run_id, settings.dead_after)
         self._polled = PolledState(self._rdzv, self._corrupt, self._node)
-        refused = RefusedLog(
-            self._ka_rdzv.store, self._rdzv.prefix, settings.run_id, settings.dead_after, clock
-        )
+        # (a warning a few seconds late costs nothing; a read every beat costs etcd)
+        every = max(settings.dead_after, _REFUSED_EVERY)
+        refused = RefusedLog(self._ka_rdzv.store, self._rdzv.prefix, settings.run_id, every, clock)
         self._keep_alive = KeepAlive(
             node=self._node,
             backend=self._ka_rdzv,
