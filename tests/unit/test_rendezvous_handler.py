@@ -737,6 +737,27 @@ def test_spent_keys_a_lost_store_refuses_are_kept_for_the_next_try() -> None:
         store.close()
 
 
+class Leased(MemoryStore):
+    """A memory store with leases in name only (a key "expires" when a test deletes
+    it): the logic that uses them is what is tested; ``reads`` counts the reads of the
+    keys that end with ``counted``."""
+
+    def __init__(self, counted: str) -> None:
+        super().__init__()
+        self.counted, self.reads = counted, 0
+
+    def get(self, key: str) -> bytes | None:
+        self.reads += key.endswith(self.counted)
+        return super().get(key)
+
+    def set_ephemeral(self, key: str, value: bytes, ttl: float) -> None:
+        self.set(key, value)
+
+    def keys_with_prefix(self, prefix: str) -> list[str]:
+        with self._cond:
+            return [k for k in self._data if k.startswith(prefix)]
+
+
 def test_on_a_store_with_leases_the_steward_key_is_read_only_once_it_may_be_overdue() -> None:
     from relaunch.rendezvous._corrupt import CorruptWatch
     from relaunch.rendezvous._liveness import Liveness
@@ -768,25 +789,31 @@ def test_on_a_store_with_leases_the_steward_key_is_read_only_once_it_may_be_over
     assert not b.steward("b", watch) and store.reads == 0
 
 
-class Leased(MemoryStore):
-    """A memory store with leases in name only (a key "expires" when a test deletes
-    it): the logic that uses them is what is tested; ``reads`` counts the reads of the
-    keys that end with ``counted``."""
+def test_on_a_store_with_leases_a_node_that_heard_of_a_corrupt_state_hears_of_its_end() -> None:
+    from relaunch.rendezvous._corrupt import CorruptWatch
+    from relaunch.rendezvous._liveness import Liveness
 
-    def __init__(self, counted: str) -> None:
-        super().__init__()
-        self.counted, self.reads = counted, 0
-
-    def get(self, key: str) -> bytes | None:
-        self.reads += key.endswith(self.counted)
-        return super().get(key)
-
-    def set_ephemeral(self, key: str, value: bytes, ttl: float) -> None:
-        self.set(key, value)
-
-    def keys_with_prefix(self, prefix: str) -> list[str]:
-        with self._cond:
-            return [k for k in self._data if k.startswith(prefix)]
+    store, now = Leased("steward"), [1000.0]
+    settings = RendezvousSettings(
+        run_id="job", min_nodes=1, max_nodes=2, keep_alive_interval=0.5, keep_alive_max_attempt=4
+    )
+    a, b = (Liveness(store, "p/", settings, lambda: now[0]) for _ in range(2))
+    # (b's grace ends at once: error() says whether b takes the state for corrupt now)
+    watch_a, watch_b = CorruptWatch("job", 2.0), CorruptWatch("job", 1e-9)
+    assert a.steward("a", watch_a) and not b.steward("b", watch_b)
+    now[0] += 0.5
+    a.report_corrupt(RendezvousStateError("key 'p/state': bad round"))
+    assert a.steward("a", watch_a)  # said at once
+    now[0] += 1.5  # b's first look since: it hears of it (up to a dead-node delay late)
+    assert a.steward("a", watch_a) and not b.steward("b", watch_b)
+    assert watch_b.error() is not None
+    now[0] += 0.2
+    a.report_corrupt(None)
+    assert a.steward("a", watch_a)
+    store.reads = 0
+    now[0] += 0.3  # and of its end at its next beat, not a dead-node delay later
+    assert not b.steward("b", watch_b) and store.reads == 1
+    assert watch_b.error() is None
 
 
 def test_on_a_store_with_leases_the_steward_reads_the_state_when_a_lease_key_goes() -> None:

@@ -211,9 +211,13 @@ class KeepAlive:
         self._corrupt.ok()
         if steward:
             rdzv.liveness.report_corrupt(None)
+        if alive is not None and not alive.issuperset(state.last_heartbeats):
+            # a node placed since ``alive`` was read has a younger key: read them again,
+            # and the state again next beat
+            alive = None
         self._follow_ring(self._clean(state, raw, lost, scan=steward, alive=alive))
-        if alive is not None:  # (the state is clean of the dead the keys showed)
-            self._looked = (alive, self._clock())
+        # the state is clean of the dead these keys showed: until they change, no read
+        self._looked = (alive, self._clock()) if alive is not None else (None, -math.inf)
 
     def _clean(
         self,
@@ -224,12 +228,10 @@ class KeepAlive:
         scan: bool,
         alive: frozenset[str] | None,
     ) -> RendezvousState:
-        """Remove the ``lost`` nodes, and the dead ones too with ``scan`` (by ``alive``,
-        read before the state, at the first try); the state now."""
+        """Remove the ``lost`` nodes, and the dead ones too with ``scan`` (at the first
+        try by ``alive``, the keys of the live leases when given: read before the
+        state, they cover every node in it); the state now."""
         rdzv = self._rdzv
-        if alive is not None and not alive.issuperset(state.last_heartbeats):
-            # a node placed since ``alive`` was read has a younger key: read them again
-            alive = None
         while not self._stop.is_set():
             now = self._clock()
             new, dead = rdzv.remove_dead(state, now, alive=alive) if scan else (state, [])

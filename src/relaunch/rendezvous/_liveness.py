@@ -16,17 +16,20 @@ Keys, under ``relaunch/rdzv/<run_id>/``:
     ``{"v": 1, "node": N, "ms": T, "corrupt": null or "why"}``: the node that reads
     everyone's liveness this interval, when it last said so, and whether the state it
     last read was corrupt. The steward reads the state and every node's liveness once
-    per beat (two reads of O(N) bytes), removes the dead, and rewrites its key every
-    half dead-node delay (at once when its report changes); every other node reads
-    this key (one small read), learns from it that the state is corrupt (and valid
-    again), and takes the role over by compare-and-set once it is older than the
-    dead-node delay (its holder stopped beating). So finding dead nodes costs the
-    store O(N) per interval in total, not O(N) per node. Where the store has leases
-    (etcd), a node reads the key only when it may be overdue (the time in it plus the
-    dead-node delay): once per dead-node delay, not every interval (most of the
-    embedded store's calls at idle were these reads); it takes the role over as soon
-    as before, and hears of a corrupt state up to a dead-node delay later. The holder
-    there rewrites its key without reading it first.
+    per beat (two reads of O(N) bytes; on a store with leases the state only when the
+    liveness keys changed, :class:`~relaunch.rendezvous._keepalive.KeepAlive`), removes
+    the dead, and rewrites its key every half dead-node delay (at once when its report
+    changes); every other node reads this key (one small read), learns from it that
+    the state is corrupt (and valid again), and takes the role over by compare-and-set
+    once it is older than the dead-node delay (its holder stopped beating). So finding
+    dead nodes costs the store O(N) per interval in total, not O(N) per node. Where the
+    store has leases (etcd), a node reads the key only when it may be overdue (the time
+    in it plus the dead-node delay, by its own clock at most): every half to whole
+    dead-node delay, not every interval (most of the embedded store's calls at idle
+    were these reads); it takes the role over as soon as before, and hears of a
+    corrupt state up to a dead-node delay later (of its end every interval, as before:
+    a node that heard of one reads the key every interval until the key says the state
+    is valid). The holder there rewrites its key without reading it first.
 """
 
 from __future__ import annotations
@@ -97,13 +100,21 @@ class Liveness:
         now = _millis(self._clock())
         set_many(self.store, {self.hb_key(node): now for node in nodes})
 
+    @property
+    def beat_every(self) -> float:
+        """Seconds between a live node's heartbeat writes, at most (past a stall): the
+        keep-alive interval, or on a store with leases :data:`STATUS_BEAT` (the lease
+        decides who is alive; a write costs etcd a raft round, so the heartbeat is only
+        ``relaunch status``'s age there)."""
+        if has_leases(self.store):
+            return max(self._settings.dead_after, STATUS_BEAT)
+        return self._settings.keep_alive_interval
+
     def beat(self, node: str) -> None:
-        """Write ``node``'s heartbeat (one small write), on a store with leases only once
-        per :data:`STATUS_BEAT` (the lease decides who is alive; a write costs etcd a
-        raft round, so that is only ``relaunch status``'s heartbeat age)."""
+        """Write ``node``'s heartbeat (one small write; on a store with leases only
+        once per :attr:`beat_every`)."""
         now = self._clock()
-        every = max(self._settings.dead_after, STATUS_BEAT)
-        if has_leases(self.store) and now - self._beaten < every:
+        if has_leases(self.store) and now - self._beaten < self.beat_every:
             return
         self.store.set(self.hb_key(node), _millis(now))
         self._beaten = now
@@ -170,8 +181,10 @@ class Liveness:
             if held is not None and not mine and held[1] >= now - self._settings.dead_after:
                 self._steward_raw = None
                 self._hear(held[2], watch)
-                if has_leases(self.store):  # (its holder says so again before then)
-                    self._quiet_until = held[1] + self._settings.dead_after
+                if has_leases(self.store) and not self._heard:
+                    # its holder says so again before then (a clock ahead of this
+                    # one's does not make this node wait longer than the delay)
+                    self._quiet_until = min(held[1], now) + self._settings.dead_after
                 return False
             if mine and said_lately:
                 return True  # said recently, and the same: no write

@@ -247,8 +247,9 @@ class EmbeddedStore:
         settled = len(up) >= self._cfg.target and not self._down and not self._refused
         if self._member is not None and settled and now - self._listed_at < 3 * self._cfg.interval:
             return cached
+        members = list_members(self._store)
         self._listed_at = now
-        return list_members(self._store)
+        return members
 
     def _me(self) -> str | None:
         return self._name if self._member is not None else None

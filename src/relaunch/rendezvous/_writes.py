@@ -227,11 +227,14 @@ def _await_last_calls(
     clock: Callable[[], float], seconds: float,
 ) -> None:  # fmt: skip
     """Until each of ``nodes`` deleted its heartbeat (a leaving node's last call, after
-    it read its ack) or let it go stale (a dead one), for ``seconds`` at most: a node
-    whose call met the closed server would retry its connection for seconds."""
+    it read its ack) or let it go stale (a dead one: older than the dead-node delay, or
+    on a store with leases than a live node's heartbeats are apart), for ``seconds`` at
+    most: a node whose call met the closed server would retry its connection for
+    seconds."""
     end = time.monotonic() + seconds
+    stale = max(settings.dead_after, rdzv.liveness.beat_every)
     while nodes and time.monotonic() < end:
         beats = rdzv.liveness.heartbeats(nodes)
-        nodes = {n for n, t in beats.items() if t >= clock() - settings.dead_after}
+        nodes = {n for n, t in beats.items() if t >= clock() - stale}
         if nodes:  # (a look reads every heartbeat still there: longer gaps for more)
             time.sleep(_LAST_CALL_POLL + len(nodes) * 1e-5)

@@ -97,7 +97,7 @@ class DynamicRendezvousHandler:
         self._queue = RequestQueue(self._rdzv, self._spent)
         self._corrupt = CorruptWatch(settings.run_id, settings.dead_after)
         self._polled = PolledState(self._rdzv, self._corrupt, self._node)
-        # (a warning a few seconds late costs nothing; a read every beat costs etcd)
+        # (a warning a few seconds late costs nothing; each look costs etcd a call)
         every = max(settings.dead_after, _REFUSED_EVERY)
         refused = RefusedLog(self._ka_rdzv.store, self._rdzv.prefix, settings.run_id, every, clock)
         self._keep_alive = KeepAlive(
