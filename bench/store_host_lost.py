@@ -34,6 +34,7 @@ import tempfile
 import textwrap
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -163,16 +164,27 @@ class Job:
                 self.kill(i)
 
 
-def one(
-    launcher: str, kind: str, nodes: int, limit: float, idle: float
-) -> tuple[float | None, float | None]:
+@contextlib.contextmanager
+def _training(launcher: str, nodes: int) -> Iterator[Job]:
+    """A fresh job of ``nodes`` nodes, every one training (settled 2 s more); closed,
+    its directory removed, at the end."""
     out = Path(tempfile.mkdtemp(prefix="relaunch-bench-lost-"))
     job = Job(launcher, nodes, out)
-    cpu = None
     try:
         if _wait_training(job, list(range(nodes)), nodes, 0.0, 120) is None:
             raise RuntimeError(f"{launcher}: the job never trained at {nodes} nodes")
         time.sleep(2.0)
+        yield job
+    finally:
+        job.close()
+        shutil.rmtree(out, ignore_errors=True)
+
+
+def one(
+    launcher: str, kind: str, nodes: int, limit: float, idle: float
+) -> tuple[float | None, float | None]:
+    cpu = None
+    with _training(launcher, nodes) as job:
         if launcher == "relaunch" and idle > 0:
             cpu = _idle(job, idle)
         members = list(job.members()) if launcher == "relaunch" else [0]
@@ -189,9 +201,6 @@ def one(
         left = [n for n in range(nodes) if n != victim]
         at = _wait_training(job, left, nodes - 1, t0, limit)
         return (None if at is None else at - t0), cpu
-    finally:
-        job.close()
-        shutil.rmtree(out, ignore_errors=True)
 
 
 def _idle(job: Job, seconds: float) -> float:
@@ -213,12 +222,7 @@ def floor(args: argparse.Namespace) -> None:
     """``--floor``: the embedded store's CPU at idle, then with every agent stopped
     (SIGSTOP: no calls; the workers and the members run on): what etcd costs with no
     client, and so what the clients' calls cost."""
-    out = Path(tempfile.mkdtemp(prefix="relaunch-bench-floor-"))
-    job = Job("relaunch", args.nodes, out)
-    try:
-        if _wait_training(job, list(range(args.nodes)), args.nodes, 0.0, 120) is None:
-            raise RuntimeError(f"the job never trained at {args.nodes} nodes")
-        time.sleep(2.0)
+    with _training("relaunch", args.nodes) as job:
         print(f"{args.nodes} nodes, load {args.load}, {args.idle:.0f} s each; training:")
         training = _idle(job, args.idle)
         for proc in job.procs:
@@ -232,9 +236,6 @@ def floor(args: argparse.Namespace) -> None:
                 proc.send_signal(signal.SIGCONT)
         print(f"embedded store CPU per node: {training:.2f}% training, {alone:.2f}% with no "
               f"client: the calls {training - alone:.2f}%")  # fmt: skip
-    finally:
-        job.close()
-        shutil.rmtree(out, ignore_errors=True)
 
 
 def sequence(args: argparse.Namespace) -> None:

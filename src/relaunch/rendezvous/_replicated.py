@@ -66,7 +66,7 @@ from relaunch.rendezvous._member_specs import (
     first_member,
     joining_member,
 )
-from relaunch.rendezvous._seats import Member, join_steps, parse_members, plan
+from relaunch.rendezvous._seats import Member, join_steps, parse_members, plan, seated
 from relaunch.store._etcd_member import (
     EtcdMember,
     MemberSpec,
@@ -195,8 +195,7 @@ class EmbeddedStore:
         interval, and the others only look for a free seat and the members' addresses,
         less often (idle CPU of etcd)."""
         with self._view_lock:
-            up = [m for m in self._members if m.started and not m.learner]
-            growing = sum(1 for m in up if m.id not in self._down) < self._cfg.target
+            growing = seated(self._members, self._down) < self._cfg.target
         if growing:
             return min(0.5, self._cfg.interval)
         return self._cfg.interval if self._member is not None else 3 * self._cfg.interval
@@ -235,16 +234,13 @@ class EmbeddedStore:
             self._member = None
 
     def _listed(self, now: float) -> list[Member]:
-        """The members: read from the cluster, except by a member while every member
-        is up and seated, which reads the list once per ``3 * interval`` (it changes
-        only when a member is lost, which its health checks see at once, or when a seat
-        is filled, which is read while seats are free; a read of the list costs etcd
-        as much as a write at idle)."""
+        """The members, read from the cluster; by a member while every member is up and
+        seated, once per ``3 * interval`` (a loss its health checks see at once, and a
+        seat filled is read while seats are free)."""
         assert self._store is not None
         with self._view_lock:
             cached = self._members
-        up = [m for m in cached if m.started and not m.learner]
-        settled = len(up) >= self._cfg.target and not self._down and not self._refused
+        settled = not self._down and not self._refused and seated(cached) >= self._cfg.target
         if self._member is not None and settled and now - self._listed_at < 3 * self._cfg.interval:
             return cached
         members = list_members(self._store)

@@ -11,7 +11,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["JoinSteps", "Member", "Plan", "join_steps", "parse_members", "plan"]
+__all__ = ["JoinSteps", "Member", "Plan", "join_steps", "parse_members", "plan", "seated"]
 
 log = logging.getLogger(__name__)
 
@@ -154,3 +154,8 @@ def join_steps(members: Sequence[Member], target: int) -> JoinSteps | None:
     learners = [m for m in members if m.learner]
     voting = len(members) - len(learners) + len(learners[:1])
     return JoinSteps(promote_first=learners[0].id if learners else None, voting=voting % 2 == 0)
+
+
+def seated(members: Sequence[Member], down: Collection[str] = ()) -> int:
+    """How many of ``members`` vote and run, those seen ``down`` left out."""
+    return sum(1 for m in members if m.started and not m.learner and m.id not in down)
