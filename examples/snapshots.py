@@ -75,6 +75,13 @@ def main() -> None:
                              "layers 1024 wide) instead of the tiny default")  # fmt: skip
     parser.add_argument("--log-to", metavar="DIR", default=None)
     parser.add_argument("--sleep", type=float, default=0.0)
+    parser.add_argument(
+        "--linger",
+        metavar="RANK:SECONDS",
+        default=None,
+        help="a run from step 0: RANK waits SECONDS after its last step (a "
+        "node lost while the others wait at the exit barrier)",
+    )
     parser.add_argument("--disk-every", metavar="K", type=int, default=0,
                         help="no snapshots: rank 0 torch.saves to --disk-dir every K steps "
                              "(the usual script, for comparison; runs under torchrun)")  # fmt: skip
@@ -164,6 +171,8 @@ def main() -> None:
     if log is not None:
         log.write(json.dumps({"rank": rank, "final": digest, "attempt": attempt}) + "\n")
         log.close()
+    if args.linger and start == 0 and rank == int(args.linger.split(":")[0]):
+        time.sleep(float(args.linger.split(":")[1]))
     if rank == 0:
         print(f"trained {args.steps} steps (resumed at step {start}); weights {digest[:16]}")
     del ddp

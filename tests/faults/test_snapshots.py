@@ -461,3 +461,52 @@ def test_a_replicated_state_reaches_a_node_that_joins(job: Job, tmp_path: Path) 
     assert "from another rank" in said or "from memory" in said, said
     assert "snapshot refused" not in said, said
     assert len(job.finals()) == 1, said  # the same weights on both ranks
+
+
+@pytest.mark.parametrize("held", ["30", "0.05"])
+def test_the_spares_restore_the_newest_step_from_a_node_outside_their_round(
+    tmp_path: Path, held: str
+) -> None:
+    """What bench/goodput.py once met: rank 0's node finished and waited at the exit
+    barrier when rank 1's node was lost; the two spares, waiting already, took both
+    places of the next round, and the node at the barrier, back a moment later, found
+    none. It held the only copies of both ranks' newest steps, the round's nodes had
+    nothing, and every rank started afresh. A round started again holds its nodes' seats
+    for ``last_call_timeout`` (30 s: the node at the barrier takes its seat back); with
+    0.05 s the spares take both, and fetch both ranks from the node outside their round.
+    Either way: step 59, no fresh start."""
+    job = Job(tmp_path, "outside", f"127.0.0.1:{free_port()}")
+    try:
+        args = ("--sleep", "0.05", "--linger", "1:300")
+        flags = ("--rdzv-conf", f"last_call_timeout={held}")
+        job.start("a", *args, nproc=1, flags=flags)
+        job.start("b", *args, nproc=1, flags=flags)
+        wait_for(lambda: {r["rank"] for r in job.rows() if "step" in r} == {0, 1}, 120,
+                 what="a round of a and b", detail=job.output)  # fmt: skip
+        logs = tmp_path / "logs-spares"
+        for spare in ("s1", "s2"):
+            job.start(spare, *args, nproc=1, flags=(*flags, "--log-dir", str(logs / spare)))
+
+        def spares_ready() -> bool:
+            ready = [
+                p for p in logs.glob("*/*/events.jsonl") if "fork_server_started" in p.read_text()
+            ]
+            return len(ready) == 2
+
+        wait_for(spares_ready, 120, what="the spares' fork servers", detail=job.output)
+        wait_for(lambda: {r["rank"] for r in job.rows() if "final" in r} == {0, 1}, 120,
+                 what="both ranks' last step", detail=job.output)  # fmt: skip
+        lost = next(n for n in ("a", "b") if _hosts_rank(job, n, 1))
+        done = "b" if lost == "a" else "a"
+        (pid,) = {r["pid"] for r in job.rows() if r.get("rank") == 0 and "pid" in r}
+        wait_for(lambda: not os.path.exists(f"/proc/{pid}"), 60, what="rank 0's exit")
+        job.kill_agent(lost)
+        codes = job.wait()
+        said = job.output()
+        assert codes == {**dict.fromkeys(("s1", "s2", done), 0), lost: -9}, said
+        assert "a fresh start" not in said, said
+        assert said.count("restored step 59 from") == 2, said  # each rank, on its node
+        if held != "30":
+            assert said.count("from nodes outside the round") == 2, said
+    finally:
+        job.close()

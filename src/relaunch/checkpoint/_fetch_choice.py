@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-__all__ = ["fetch_targets", "two_timelines"]
+__all__ = ["fetch_targets", "short_of", "two_timelines"]
 
 
 def two_timelines(
@@ -60,3 +60,19 @@ def fetch_targets(
         if newest > max(held.get(rank, set()), default=-1):
             out[rank] = newest
     return out
+
+
+def short_of(
+    ranks: Iterable[int],
+    held: dict[int, set[int]],
+    offered: dict[int, set[int]],
+    others: dict[int, set[int]],
+) -> bool:
+    """Whether what the round's nodes hold leaves the round short: a rank of ``ranks``
+    (here or ``offered``) or of the round's ``others`` with nothing to restore, or no
+    step that every one of them can restore (the nodes outside the round are asked then)."""
+    have = [held.get(rank, set()) | offered.get(rank, set()) for rank in ranks]
+    have += others.values()
+    if not have:
+        return False
+    return any(not steps for steps in have) or not set.intersection(*have)

@@ -15,10 +15,9 @@ again.
 
 Before a round's workers start, a node whose memory has no snapshot of a rank it now
 runs (a spare or a later node that took a lost node's ranks, ranks that moved when the
-nodes were ranked again) fetches that rank's newest snapshot from whichever node of the
-round holds it; its own copies of a step the job wrote again while it sat out go first
-(:func:`two_timelines`), and its successor mirrors nothing of it meanwhile. Standard
-library only: the agent never imports torch.
+nodes were ranked again) fetches that rank's newest snapshot from whichever node holds
+it: the round's, or, when they lack it, the job's others that still run (``_fetch``).
+Standard library only: the agent never imports torch.
 """
 
 from __future__ import annotations
@@ -26,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import shutil
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -34,8 +32,8 @@ from dataclasses import dataclass, field
 
 from relaunch.checkpoint import _layout as layout
 from relaunch.checkpoint import _wire as wire
-from relaunch.checkpoint._channel import Channel, Channels
-from relaunch.checkpoint._fetch_choice import fetch_targets, two_timelines
+from relaunch.checkpoint._channel import Channel
+from relaunch.checkpoint._fetch import Fetch, Need, record
 from relaunch.checkpoint._peer_client import ack, fetch_step, list_steps
 from relaunch.checkpoint._peer_record import PeerRecord
 from relaunch.checkpoint._peer_server import SnapshotServer, held_steps
@@ -58,7 +56,8 @@ class PeerRound:
     """This node's place in a rendezvous round, as the peer copies need it: the round's
     store, its number, this node's group rank among ``world_size`` nodes, the global
     ranks its workers run, the address its peers reach it at, and the hosts allowed to
-    fetch from it (None: any)."""
+    fetch from it (None: any); ``earlier``: the stores of the rounds before, newest
+    first (a fetch that the round's nodes leave short asks the last round's others)."""
 
     store: Store
     round_number: int
@@ -67,6 +66,7 @@ class PeerRound:
     ranks: tuple[int, ...]
     addr: str
     allowed: frozenset[str] | None = None
+    earlier: tuple[Store, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -140,8 +140,15 @@ class PeerCopies:
             complete = True
             if world_size > 1 and self._last != (seat.round_number - 1, current.ranks):
                 ran = self._ran[1] if self._ran[0] == seat.round_number - 1 else ()
-                with Channels() as peers:
-                    complete = self._fetch_missing(current, ran, peers)
+                me = (seat.addr, self._server.port)
+                need = Need(store, group_rank, world_size, current.ranks, ran, me, seat.earlier)
+                fetch = Fetch(self._root, self._job, _KEY)
+                try:
+                    complete = fetch.run(need)
+                except Exception:  # never raises: the workers start with what is here
+                    log.exception("snapshots: fetching this node's ranks failed")
+                    complete = False
+                self.fetched = fetch.fetched
         # a fetch that failed is tried again at the next round
         self._last = (seat.round_number, current.ranks) if complete else (-2, ())
         self._ran = (seat.round_number, current.ranks)
@@ -168,101 +175,6 @@ class PeerCopies:
         if self._source is not None:
             self._source.close()
 
-    def _peer(self, r: _Round, group_rank: int, timeout: float) -> PeerRecord | None:
-        key = f"{_KEY}{group_rank}"
-        try:
-            if timeout > 0:
-                r.store.wait([key], timeout=timeout)
-            raw = r.store.get(key)
-            return None if raw is None else PeerRecord.from_bytes(raw, key)
-        except (StoreError, wire.WireError) as exc:
-            log.debug("snapshots: no peer record of node %s: %s", group_rank, exc)
-            return None
-
-    def _fetch_missing(self, r: _Round, ran: tuple[int, ...], peers: Channels) -> bool:
-        """Before the workers start on ranks this node did not run in the round before:
-        the snapshots they need are fetched from the round's nodes that hold them (none
-        here: a spare or a later node taking a lost node's ranks; old ones: ranks that
-        moved, or a node that sat out rounds), at one step for all of them
-        (:func:`fetch_targets`). A snapshot here of a rank it did not run in the round before
-        (not in ``ran``) goes when another node holds that step with other bytes, and a
-        step the others hold with different bytes is fetched from none
-        (:func:`two_timelines`). Returns whether every one it chose was fetched."""
-        mine = {rank: dict(steps) for rank, steps in held_steps(self._root).items()}
-        held = {rank: set(steps) for rank, steps in mine.items()}
-        t0 = time.monotonic()
-        offers: dict[int, dict[int, list[PeerRecord]]] = {}  # rank -> step -> holders
-        others: dict[int, set[int]] = {}  # the round's other ranks -> the steps they hold
-        deadline = t0 + 5.0  # the round's nodes publish as they start it, all at once
-        listed: dict[tuple[int, int], set[int]] = {}  # (rank, step) -> the CRCs elsewhere
-        for g in range(r.world_size):
-            left = max(0.001, deadline - time.monotonic())
-            rec = None if g == r.group_rank else self._peer(r, g, timeout=left)
-            if rec is None:
-                continue
-            try:
-                steps = list_steps(peers.to(rec), self._job).steps
-            except (OSError, wire.WireError) as exc:
-                log.warning("snapshots: cannot list node %s's snapshots: %s", g, exc)
-                continue
-            for rank in r.ranks:
-                for step, crc in steps.get(rank, []):
-                    offers.setdefault(rank, {}).setdefault(step, []).append(rec)
-                    listed.setdefault((rank, step), set()).add(crc)
-            for rank in rec.ranks:  # what the ranks that node runs will offer to load()
-                others[rank] = {step for step, _crc in steps.get(rank, [])}
-        stale, ambiguous = two_timelines(mine, listed, ran)
-        self._drop_stale(stale, held)
-        moved = 0
-        offered = {rank: set(by_step) for rank, by_step in offers.items()}
-        for rank, step in ambiguous:
-            offered[rank].discard(step)
-        complete = False
-        for _ in range(3):  # a step no holder could send: the next best without it
-            failed = 0
-            for rank, step in fetch_targets(r.ranks, held, offered, others).items():
-                for rec in offers[rank][step]:
-                    try:
-                        moved += fetch_step(peers.to(rec), self._job, rank, step, self._root)
-                        self.fetched[rank] = step
-                        held.setdefault(rank, set()).add(step)
-                        break
-                    except (OSError, wire.WireError) as exc:
-                        log.warning(
-                            "snapshots: rank %s step %s from %s: %s", rank, step, rec.addr, exc
-                        )
-                else:
-                    offered[rank].discard(step)
-                    failed += 1
-            if not failed:
-                complete = True
-                break
-        self._report(moved, t0)
-        return complete
-
-    def _drop_stale(self, stale: set[tuple[int, int]], held: dict[int, set[int]]) -> None:
-        """Drop this node's snapshots ``stale`` (rank, step) (:func:`two_timelines`)."""
-        for rank, step in sorted(stale):
-            folder = layout.step_dir(layout.rank_dir(self._root, rank), step)
-            shutil.rmtree(folder, ignore_errors=True)
-            held[rank].discard(step)
-        if stale:
-            log.warning(
-                "snapshots: dropped this node's %s: the job wrote them again while it sat out",
-                ", ".join(f"rank {rank} step {step}" for rank, step in sorted(stale)),
-            )
-
-    def _report(self, moved: int, t0: float) -> None:
-        if self.fetched:
-            seconds = time.monotonic() - t0
-            ranks = ", ".join(f"{k} (step {v})" for k, v in sorted(self.fetched.items()))
-            print(
-                f"relaunch: snapshots: fetched ranks {ranks} from the nodes that hold them, "
-                f"before their workers start ({moved / 1e6:.1f} MB in {seconds:.2f} s)",
-                file=sys.stderr,
-                flush=True,
-            )
-
     def _pull_loop(self) -> None:
         version: int | None = None
         source: PeerRecord | None = None
@@ -280,7 +192,7 @@ class PeerCopies:
                 continue
             try:
                 if r is not read_in or source is None:
-                    found = self._peer(r, (r.group_rank - 1) % r.world_size, timeout=0)
+                    found = record(r.store, f"{_KEY}{(r.group_rank - 1) % r.world_size}", timeout=0)
                     read_in, read_at = r, time.monotonic()
                     if found != source:
                         source, version = found, None  # a new predecessor: start over

@@ -23,7 +23,8 @@ Keys, under ``relaunch/rdzv/<run_id>/``:
     its lease's key on etcd, and the node that finds the dead this interval. The
     heartbeat times in the state are when each node was placed, not heartbeats.
 ``round/<r>/``
-    The prefix of the store handed out with round ``r``.
+    The prefix of the store handed out with round ``r`` (and, to be read, with the two
+    rounds after it: where round ``r``'s nodes serve their snapshots).
 
 A node deletes its own ``req/<t>``, ``ack/<t>`` and ``assign/<r>/<node>`` once it has
 its place in a later round (:mod:`relaunch.rendezvous._spent`): the store holds the live

@@ -61,6 +61,10 @@ class RendezvousInfo:
     """The incarnation this node's workers start at: 0, or, for a node that took the
     place of a lost one in a running round (tiered recovery), a number above every
     earlier incarnation of those ranks (``RELAUNCH_INPROCESS_INCARNATION``)."""
+    earlier: tuple[Store, ...] = ()
+    """The stores of the two rounds before this one, newest first, as their nodes left
+    them (a node of this round reads where the last round's nodes serve their
+    snapshots); () for the first round, or a backend whose rounds share no store."""
 
 
 class RendezvousHandler(Protocol):

@@ -227,13 +227,18 @@ class DynamicRendezvousHandler:
             world_size,
         )
         return RendezvousInfo(
-            store=PrefixStore.over(self._store, f"{self._rdzv.prefix}round/{round_}/"),
+            store=self._round_store(round_),
             rank=rank,
             world_size=world_size,
             round=round_,
             peers=peers,
             incarnation=place.incarnation,
+            earlier=tuple(self._round_store(n) for n in (round_ - 1, round_ - 2) if n >= 0),
         )
+
+    def _round_store(self, round_: int) -> PrefixStore:
+        """The store of round ``round_``: its keys under a prefix of their own."""
+        return PrefixStore.over(self._store, f"{self._rdzv.prefix}round/{round_}/")
 
     def is_closed(self) -> bool:
         """Whether the rendezvous is closed for good (one small store read when unchanged)."""
