@@ -473,8 +473,9 @@ def test_the_spares_restore_the_newest_step_from_a_node_outside_their_round(
     none. It held the only copies of both ranks' newest steps, the round's nodes had
     nothing, and every rank started afresh. A round started again holds its nodes' seats
     for ``last_call_timeout`` (30 s: the node at the barrier takes its seat back); with
-    0.05 s the spares take both, and fetch both ranks from the node outside their round.
-    Either way: step 59, no fresh start."""
+    0.05 s the spares take both, and fetch both ranks from the node outside their round
+    (unless the node at the barrier asked first: a race it nearly always loses). Either
+    way: step 59, no fresh start."""
     job = Job(tmp_path, "outside", f"127.0.0.1:{free_port()}")
     try:
         args = ("--sleep", "0.05", "--linger", "1:300")
@@ -506,7 +507,8 @@ def test_the_spares_restore_the_newest_step_from_a_node_outside_their_round(
         assert codes == {**dict.fromkeys(("s1", "s2", done), 0), lost: -9}, said
         assert "a fresh start" not in said, said
         assert said.count("restored step 59 from") == 2, said  # each rank, on its node
-        if held != "30":
+        spares = [(tmp_path / f"agent-outside-{n}.out").read_text() for n in ("s1", "s2")]
+        if not any("not needed" in out for out in spares):  # (held 0.05 s: nearly always)
             assert said.count("from nodes outside the round") == 2, said
     finally:
         job.close()

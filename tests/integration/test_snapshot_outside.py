@@ -156,19 +156,27 @@ def test_nodes_outside_the_round_are_not_asked_when_the_round_holds_what_it_need
         silent.close()
 
 
-def test_a_step_outside_the_round_with_other_bytes_than_the_round_s_is_not_offered() -> None:
+def test_a_step_held_with_other_bytes_anywhere_is_not_offered_from_outside() -> None:
     """A node outside the round may hold a step of a timeline the job left: a step of
-    this node's rank that the round's nodes, or this node, hold with other bytes is not
-    offered from it; the others are."""
+    this node's ranks that any node (of the round, outside it, this one) holds with other
+    bytes is not offered from outside; the others are. Nor is a step with two CRCs
+    counted as one the round's other ranks can restore."""
     seen = _Seen()
-    inside, outside = PeerRecord("10.0.0.1", 1, (0,)), PeerRecord("10.0.0.2", 2, ())
+    inside = PeerRecord("10.0.0.1", 1, (0,))
+    out1, out2 = PeerRecord("10.0.0.2", 2, ()), PeerRecord("10.0.0.3", 3, ())
     seen.add(inside, {1: [(9, 0xA)], 0: [(9, 0x1), (10, 0x2)]}, mine=(1, 3))
+    seen.runners[0] = set()  # rank 0's node holds none: it fetches too
+    seen.hold({3: [(5, 0xF)]})  # this node's own
     seen.add_outside(
-        outside, {1: [(9, 0xB), (10, 0xC)], 3: [(4, 0xD), (5, 0xE)]}, (1, 3), here={3: {5: 0xF}}
+        [
+            (out1, {1: [(9, 0xB), (10, 0xC)], 3: [(4, 0xD), (5, 0xE)], 0: [(10, 0x3)]}),
+            (out2, {1: [(11, 0x5)], 3: [(4, 0xD)]}),
+        ],
+        mine=(1, 3),
     )
-    assert seen.offers == {1: {9: [inside], 10: [outside]}, 3: {4: [outside]}}
-    assert seen.anywhere == {0: {9, 10}, 1: {9, 10}, 3: {4, 5}}
-    assert seen.outside == {("10.0.0.2", 2)}
+    assert seen.offers == {1: {9: [inside], 10: [out1], 11: [out2]}, 3: {4: [out1, out2]}}
+    assert seen.others() == {0: {9}}  # step 10 of rank 0: two CRCs
+    assert seen.outside == {("10.0.0.2", 2), ("10.0.0.3", 3)}
 
 
 def test_the_round_is_short_when_a_rank_has_nothing_or_no_step_is_common() -> None:

@@ -6,9 +6,11 @@ of the round with nothing to restore, or with no step that every rank can restor
 the nodes of the round before that are not in this one are asked too, those that still
 run: a node whose workers finished and waited at the exit barrier, a node back after
 its held seat lapsed, each holding its ranks' newest snapshots and its predecessor's
-copies. They were the last round's, so their snapshots are of the job's timeline up to
-this round's restore; a step they list with other bytes than a node of the round is
-taken from none of them. Up to :data:`OUTSIDE_MOST` are asked at once, within
+copies (the round before that when the last one published no node: it never started).
+They were the last round's, so their snapshots are of the job's timeline up to this
+round's restore; a step that any node (of the round, outside it, this one) holds with
+other bytes is taken from none of them, and they count only when they give every rank
+a step to restore. Up to :data:`OUTSIDE_MOST` are asked at once, within
 :data:`OUTSIDE_TIMEOUT` seconds (a lost machine answers nothing), and only then: when
 the round holds what it needs, a lost node's address costs the recovery nothing.
 Standard library only: the agent never imports torch.
@@ -26,7 +28,7 @@ from dataclasses import dataclass, field
 
 from relaunch.checkpoint import _layout as layout
 from relaunch.checkpoint import _wire as wire
-from relaunch.checkpoint._channel import Channels
+from relaunch.checkpoint._channel import Channel, Channels
 from relaunch.checkpoint._fetch_choice import fetch_targets, short_of, two_timelines
 from relaunch.checkpoint._peer_client import fetch_step, list_steps
 from relaunch.checkpoint._peer_record import PeerRecord
@@ -58,8 +60,8 @@ class _Seen:
     """(rank, step) of this node's ranks -> the CRC-32s the round's nodes list for it."""
     runners: dict[int, set[int]] = field(default_factory=dict)
     """The round's other ranks -> the steps the node that runs them holds."""
-    anywhere: dict[int, set[int]] = field(default_factory=dict)
-    """Every rank -> the steps this node or any node asked holds of it."""
+    crcs: dict[tuple[int, int], set[int]] = field(default_factory=dict)
+    """(rank, step) of every rank -> the CRC-32s this node and every node asked hold."""
     outside: set[tuple[str, int]] = field(default_factory=set)
     """The servers asked that are not the round's."""
 
@@ -71,33 +73,49 @@ class _Seen:
             for step, crc in steps.get(rank, []):
                 self.offers.setdefault(rank, {}).setdefault(step, []).append(rec)
                 self.listed.setdefault((rank, step), set()).add(crc)
-        self._hold(steps)
+        self.hold(steps)
+
+    def hold(self, steps: dict[int, list[tuple[int, int]]]) -> None:
+        """Some node (this one, one asked) holds ``steps``: rank -> (step, CRC-32)."""
+        for rank, pairs in steps.items():
+            for step, crc in pairs:
+                self.crcs.setdefault((rank, step), set()).add(crc)
 
     def add_outside(
         self,
-        rec: PeerRecord,
-        steps: dict[int, list[tuple[int, int]]],
+        listings: list[tuple[PeerRecord, dict[int, list[tuple[int, int]]]]],
         mine: tuple[int, ...],
-        here: dict[int, dict[int, int]],
     ) -> None:
-        """A node outside the round lists ``steps``: a step of this node's ranks that
-        the round's nodes or this one (``here``) hold with other bytes is not offered."""
-        for rank in mine:
-            for step, crc in steps.get(rank, []):
-                known = self.listed.get((rank, step), set()) | {here.get(rank, {}).get(step, crc)}
-                if known == {crc}:
-                    self.offers.setdefault(rank, {}).setdefault(step, []).append(rec)
-        self.outside.add((rec.addr, rec.port))
-        self._hold(steps)
-
-    def _hold(self, steps: dict[int, list[tuple[int, int]]]) -> None:
-        for rank, pairs in steps.items():
-            self.anywhere.setdefault(rank, set()).update(step for step, _crc in pairs)
+        """Nodes outside the round list these steps: a step of this node's ranks is
+        offered from them only when no node (of the round, outside it, this one) holds
+        it with other bytes."""
+        for _rec, steps in listings:
+            self.hold(steps)
+        for rec, steps in listings:
+            for rank in mine:
+                for step, crc in steps.get(rank, []):
+                    if self.crcs[(rank, step)] == {crc}:
+                        self.offers.setdefault(rank, {}).setdefault(step, []).append(rec)
+            self.outside.add((rec.addr, rec.port))
 
     def others(self) -> dict[int, set[int]]:
         """What the round's other ranks will restore from: their node's snapshots, or,
-        where it holds none (it fetches too), what this node or any node asked holds."""
-        return {rank: held or self.anywhere.get(rank, set()) for rank, held in self.runners.items()}
+        where it holds none (it fetches too), the steps this node or any node asked
+        holds of them, with the same bytes wherever held."""
+        anywhere: dict[int, set[int]] = {}
+        for (rank, step), crcs in self.crcs.items():
+            if len(crcs) == 1:
+                anywhere.setdefault(rank, set()).add(step)
+        return {rank: held or anywhere.get(rank, set()) for rank, held in self.runners.items()}
+
+    def copy(self) -> _Seen:
+        return _Seen(
+            offers={rank: {s: list(h) for s, h in by.items()} for rank, by in self.offers.items()},
+            listed={key: set(c) for key, c in self.listed.items()},
+            runners={rank: set(steps) for rank, steps in self.runners.items()},
+            crcs={key: set(c) for key, c in self.crcs.items()},
+            outside=set(self.outside),
+        )
 
     def offered(self, ambiguous: Iterable[tuple[int, int]]) -> dict[int, set[int]]:
         """This node's ranks -> the steps offered, less the ``ambiguous`` ones."""
@@ -124,24 +142,27 @@ class Need:
     earlier: tuple[Store, ...] = ()
 
 
+@dataclass
 class Fetch:
-    """Fetches the snapshots a round's workers need into ``root`` (:meth:`run`)."""
+    """Fetches the snapshots a round's workers need into ``root`` (:meth:`run`), those
+    of job ``job``, the round's nodes' records at ``key<group rank>``."""
 
-    def __init__(self, root: str, job: str, key: str) -> None:
-        self._root = root
-        self._job = job
-        self._key = key
-        self.fetched: dict[int, int] = {}
-        """Global rank -> step fetched (the last run's)."""
-        self.from_outside: set[int] = set()
-        """The ranks of :attr:`fetched` that came from a node outside the round."""
+    _root: str
+    _job: str
+    _key: str
+    fetched: dict[int, int] = field(default_factory=dict)
+    """Global rank -> step fetched (the last run's)."""
+    from_outside: set[int] = field(default_factory=set)
+    """The ranks of :attr:`fetched` that came from a node outside the round."""
 
     def run(self, need: Need) -> bool:
         """Fetch, at one step for all of this node's ranks (:func:`fetch_targets`), what
         they lack; a snapshot here of a rank it did not run in the round before goes when
         another node of the round holds that step with other bytes, and a step the
         round's others hold with different bytes is fetched from none
-        (:func:`two_timelines`). Returns whether every one it chose was fetched."""
+        (:func:`two_timelines`). When the round's nodes leave it short
+        (:func:`short_of`), the last round's others are asked too, and count when they
+        make it whole. Returns whether every one it chose was fetched."""
         t0 = time.monotonic()
         mine = {rank: dict(steps) for rank, steps in held_steps(self._root).items()}
         held = {rank: set(steps) for rank, steps in mine.items()}
@@ -150,14 +171,26 @@ class Fetch:
             inside = self._ask_round(need, peers, seen)
             stale, ambiguous = two_timelines(mine, seen.listed, need.ran)
             self._drop_stale(stale, held)
-            for rank, steps in held.items():
-                seen.anywhere.setdefault(rank, set()).update(steps)
-            if need.earlier and short_of(need.ranks, held, seen.offered(ambiguous), seen.others()):
-                here = {r: {s: c for s, c in by.items() if s in held[r]} for r, by in mine.items()}
-                self._ask_outside(need, inside | {need.me}, peers, seen, here)
+            seen.hold(
+                {r: [(s, c) for s, c in by.items() if s in held[r]] for r, by in mine.items()}
+            )
+            if need.earlier and self._short(need, held, seen, ambiguous):
+                asked = seen.copy()
+                self._ask_outside(need, inside | {need.me}, asked)
+                # the nodes outside the round count only when they make a step that every
+                # rank can restore: else the round's choice, as if none had been asked (a
+                # node that did not find the round short chose without them)
+                if not self._short(need, held, asked, ambiguous):
+                    seen = asked
             moved, complete = self._fetch(need.ranks, held, seen, ambiguous, peers)
         self._report(moved, t0)
         return complete
+
+    @staticmethod
+    def _short(
+        need: Need, held: dict[int, set[int]], seen: _Seen, ambiguous: set[tuple[int, int]]
+    ) -> bool:
+        return short_of(need.ranks, held, seen.offered(ambiguous), seen.others())
 
     def _ask_round(self, need: Need, peers: Channels, seen: _Seen) -> set[tuple[str, int]]:
         """List the snapshots of the round's other nodes; their servers."""
@@ -180,24 +213,18 @@ class Fetch:
                 seen.runners[rank] = {step for step, _crc in steps.get(rank, [])}
         return inside
 
-    def _ask_outside(
-        self,
-        need: Need,
-        inside: set[tuple[str, int]],
-        peers: Channels,
-        seen: _Seen,
-        here: dict[int, dict[int, int]],
-    ) -> None:
-        """List, all at once, the snapshots of the last round's nodes not in this one."""
+    def _ask_outside(self, need: Need, inside: set[tuple[str, int]], seen: _Seen) -> None:
+        """List, all at once, the snapshots of the last round's nodes not in this one
+        (``inside``: the round's and this node's servers)."""
         records = self._left(need.earlier, inside)
-        channels = [peers.to(rec) for rec in records]
         listings: list[wire.Listing | None] = [None] * len(records)
 
         def list_one(i: int) -> None:
-            try:
-                listings[i] = list_steps(channels[i], self._job, timeout=OUTSIDE_TIMEOUT)
+            rec = records[i]
+            try:  # a channel of its own, closed here: a thread left late leaks nothing
+                with Channel(rec.addr, rec.port) as channel:
+                    listings[i] = list_steps(channel, self._job, timeout=OUTSIDE_TIMEOUT)
             except (OSError, wire.WireError) as exc:
-                rec = records[i]
                 log.info("snapshots: %s:%s, outside the round: %s", rec.addr, rec.port, exc)
 
         threads = [
@@ -212,14 +239,15 @@ class Fetch:
         for t in threads:
             t.join(max(0.0, deadline - time.monotonic()))
         late = sum(t.is_alive() for t in threads)
-        if late:  # (each ends within its socket timeout; its channel is closed by then)
+        if late:
             log.warning("snapshots: %d nodes outside the round still listing; left", late)
-        found = 0
-        for rec, listing, t in zip(records, listings, threads, strict=True):
-            if not t.is_alive() and listing is not None and any(listing.steps.values()):
-                seen.add_outside(rec, listing.steps, need.ranks, here)
-                found += 1
-        log.info("snapshots: %d of %d nodes outside the round hold some", found, len(records))
+        found = [
+            (rec, listing.steps)
+            for rec, listing, t in zip(records, listings, threads, strict=True)
+            if not t.is_alive() and listing is not None and any(listing.steps.values())
+        ]
+        seen.add_outside(found, need.ranks)
+        log.info("snapshots: %d of %d nodes outside the round hold some", len(found), len(records))
 
     def _left(self, earlier: tuple[Store, ...], inside: set[tuple[str, int]]) -> list[PeerRecord]:
         """The records of the newest round before this one that has any, less the nodes
@@ -239,7 +267,7 @@ class Fetch:
                     rec = _decode(key, raw)
                     if rec is not None and (rec.addr, rec.port) not in inside:
                         found.append(rec)
-                if None in raws:  # the round's nodes are numbered 0, 1, ...: past the last
+                if all(raw is None for raw in raws):  # numbered 0, 1, ...: past the last
                     break
             if published:  # (a round that never started: the one before it)
                 return found[:OUTSIDE_MOST]

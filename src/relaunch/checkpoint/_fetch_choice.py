@@ -1,6 +1,6 @@
 """What a node fetches before its workers start: pure decisions over the steps and
-CRC-32s that this node and the round's other nodes hold
-(:class:`~relaunch.checkpoint._peers.PeerCopies` does the I/O)."""
+CRC-32s that this node and the other nodes hold
+(:class:`~relaunch.checkpoint._fetch.Fetch` does the I/O)."""
 
 from __future__ import annotations
 
