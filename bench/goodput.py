@@ -90,6 +90,8 @@ class Cluster:
         self._dir = self.shm / f"snapshots-{self.started}"
         head = [sys.executable, "-m", "relaunch"] if self.launcher == "relaunch" else ["torchrun"]
         extra = [f"--snapshot-dir={self._dir}"] if self.launcher == "relaunch" else []
+        if self.args.rdzv_conf:
+            extra.append(f"--rdzv-conf={self.args.rdzv_conf}")
         cmd = [
             *head, f"--nnodes={'1:' if self.args.elastic else ''}{self.args.nodes}",
             f"--nproc-per-node={self.args.nproc}",
@@ -275,6 +277,9 @@ def main() -> None:
     parser.add_argument("--replicated", action="store_true",
                         help="the snapshots are restored with load(replicated=True), "
                              "across the world's size changes")  # fmt: skip
+    parser.add_argument("--rdzv-conf", default="",
+                        help="passed to both launchers, e.g. last_call_timeout=0.05 (a round "
+                             "started again holds its nodes' seats that long)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--limit", type=float, default=600.0, help="seconds a run may take")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
