@@ -17,8 +17,7 @@ Before a round's workers start, a node whose memory has no snapshot of a rank it
 runs (a spare or a later node that took a lost node's ranks, ranks that moved when the
 nodes were ranked again) fetches that rank's newest snapshot from whichever node holds
 it: the round's, or, when they lack it, the last round's others that still run
-(``_fetch``).
-Standard library only: the agent never imports torch.
+(``_fetch``). Standard library only: the agent never imports torch.
 """
 
 from __future__ import annotations
