@@ -11,16 +11,15 @@ loopback, a real TCP store.
 
 from __future__ import annotations
 
-import os
+import functools
 import socket
 import threading
-import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from relaunch.checkpoint import _layout as layout
+from multinode_support.snapshot_files import snapshot_bytes, write_snapshot
 from relaunch.checkpoint._fetch import _Seen
 from relaunch.checkpoint._fetch_choice import short_of
 from relaunch.checkpoint._peers import PeerCopies, PeerRecord, PeerRound
@@ -32,19 +31,8 @@ pytestmark = pytest.mark.timeout(60)
 JOB = "outside"
 
 
-def _snapshot(root: Path, rank: int, step: int, data: bytes) -> None:
-    folder = layout.step_dir(layout.rank_dir(str(root), rank), step)
-    os.makedirs(folder)
-    with open(os.path.join(folder, layout.DATA), "wb") as f:
-        f.write(data)
-    m = layout.Manifest(JOB, rank, 2, step, len(data), zlib.crc32(data), {"t": "leaf"})
-    layout.write_manifest(folder, m)
-
-
-def _data(root: Path, rank: int, step: int) -> bytes:
-    path = os.path.join(layout.step_dir(layout.rank_dir(str(root), rank), step), layout.DATA)
-    with open(path, "rb") as f:
-        return f.read()
+_snapshot = functools.partial(write_snapshot, job=JOB)
+_data = snapshot_bytes
 
 
 class Job:

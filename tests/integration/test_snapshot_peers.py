@@ -9,6 +9,7 @@ drops a copy its source does not have.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import socket
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from multinode_support.snapshot_files import snapshot_bytes, write_snapshot
 from multinode_support.waiting import wait_for
 from relaunch.checkpoint import _layout as layout
 from relaunch.checkpoint._channel import Channel
@@ -34,19 +36,8 @@ pytestmark = pytest.mark.timeout(60)
 JOB = "peers"
 
 
-def _snapshot(root: Path, rank: int, step: int, data: bytes, job: str = JOB) -> None:
-    folder = layout.step_dir(layout.rank_dir(str(root), rank), step)
-    os.makedirs(folder)
-    with open(os.path.join(folder, layout.DATA), "wb") as f:
-        f.write(data)
-    m = layout.Manifest(job, rank, 2, step, len(data), zlib.crc32(data), {"t": "leaf"})
-    layout.write_manifest(folder, m)
-
-
-def _data(root: Path, rank: int, step: int) -> bytes:
-    path = os.path.join(layout.step_dir(layout.rank_dir(str(root), rank), step), layout.DATA)
-    with open(path, "rb") as f:
-        return f.read()
+_snapshot = functools.partial(write_snapshot, job=JOB)
+_data = snapshot_bytes
 
 
 class Ring:
