@@ -58,6 +58,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import calls_line, etcd_calls, free_port
 
+from relaunch.rendezvous._embedded_setup import member_cpus
 from relaunch.rendezvous._settings import RendezvousSettings
 from relaunch.rendezvous.handler import DynamicRendezvousHandler
 from relaunch.store.tcp import TCPStoreClient
@@ -472,11 +473,16 @@ def _die_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
 
 
-def start_etcd(members: int, data: str) -> tuple[list[subprocess.Popen[bytes]], list[int]]:
+def start_etcd(
+    members: int, data: str, cpus: int | None
+) -> tuple[list[subprocess.Popen[bytes]], list[int]]:
     """An etcd cluster of ``members`` on 127.0.0.1, started as the embedded store's
-    members are (100 ms heartbeats, 0.5 s elections), its data in ``data``; the
-    processes and their client ports, once each answers healthy."""
+    members are (100 ms heartbeats, 0.5 s elections, ``cpus`` scheduler threads each,
+    None: one per core), its data in ``data``; the processes and their client ports,
+    once each answers healthy."""
     from relaunch.store._etcd_member import find_etcd, healthy
+
+    env = None if cpus is None else {**os.environ, "GOMAXPROCS": str(cpus)}
 
     binary = find_etcd()
     if binary is None:
@@ -494,7 +500,7 @@ def start_etcd(members: int, data: str) -> tuple[list[subprocess.Popen[bytes]], 
                    "--initial-cluster", cluster, "--initial-cluster-state", "new",
                    "--log-level", "error", "--heartbeat-interval", "100",
                    "--election-timeout", "500"]  # fmt: skip
-            procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL,
+            procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, env=env,
                                           stderr=subprocess.DEVNULL, preexec_fn=_die_with_parent))  # fmt: skip
         end = time.monotonic() + 60
         while not all(healthy(f"http://127.0.0.1:{c}") for c, _ in ports):
@@ -535,6 +541,11 @@ def main() -> None:
         "store runs it (--etcd-members; relaunch's nodes only, torch's have no etcd handler)",
     )  # fmt: skip
     parser.add_argument("--etcd-members", type=int, default=3)
+    parser.add_argument(
+        "--store-cpus", default="auto",
+        help="the members' scheduler threads, as --rdzv-conf store_cpus (auto: as for a "
+        "job of the largest size given)",
+    )  # fmt: skip
     parser.add_argument("--etcd-ports", default="", help=argparse.SUPPRESS)
     parser.add_argument(
         "--idle", type=float, default=0.0,
@@ -566,6 +577,7 @@ def main() -> None:
     members: list[subprocess.Popen[bytes]] = []
     data = ""
     etcd = ""
+    cpus: int | None = None
     if args.server == "torch":
         import torch.distributed as dist
 
@@ -576,7 +588,8 @@ def main() -> None:
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
         data = tempfile.mkdtemp(prefix="relaunch-bench-etcd-", dir="/dev/shm")
         try:
-            members, ports = start_etcd(args.etcd_members, data)
+            cpus = member_cpus({"store_cpus": args.store_cpus}, max(args.sizes))
+            members, ports = start_etcd(args.etcd_members, data, cpus)
         except BaseException:
             shutil.rmtree(data, ignore_errors=True)
             raise
@@ -588,7 +601,12 @@ def main() -> None:
         )
         assert proc.stdout is not None
         port, server_pids = int(proc.stdout.readline()), [proc.pid]
-    where = f"{len(members)} etcd members" if members else f"TCP store ({args.server} server)"
+    threads = f"{cpus} scheduler thread(s)" if cpus else "a scheduler thread per core"
+    where = (
+        f"{len(members)} etcd members ({threads})"
+        if members
+        else f"TCP store ({args.server} server)"
+    )
     print(f"{where} on 127.0.0.1:{port}; nodes in {args.procs} process(es)", flush=True)
     head = f"{'s':>8} {'ops':>9} {'MB':>9} {'cpu s':>7}"
     print(f"{'N':>6} relaunch: {head} {'leave s':>7}   torch: {head}", flush=True)

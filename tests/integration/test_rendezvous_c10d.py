@@ -27,6 +27,7 @@ from multinode_support.etcd import voting_names
 from multinode_support.ports import free_port
 from multinode_support.waiting import wait_for
 from relaunch.errors import RendezvousError, StoreConnectionError
+from relaunch.procs._sys import descendants
 from relaunch.rendezvous.api import RendezvousParameters
 from relaunch.rendezvous.registry import create_handler
 
@@ -163,6 +164,34 @@ def test_a_job_s_nodes_leave_together_and_the_host_closes_after_their_last_call(
         assert node.proc.stderr is not None
         said = node.proc.stderr.read().decode()
         assert not any(w in said for w in ("WARNING", "failed", "could not")), said
+
+
+def _comm(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def _environ(pid: int) -> dict[str, str]:
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        pairs = [item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item]
+    return {k.decode(): v.decode() for k, v in pairs}
+
+
+@pytest.mark.parametrize(("cpus", "expected"), [(None, "1"), ("3", "3"), ("all", "inherited")])
+def test_the_members_run_on_the_scheduler_threads_asked(
+    nodes: list[Node], cpus: str | None, expected: str
+) -> None:
+    endpoint = f"127.0.0.1:{free_port()}"
+    conf = CONF + ",store_members=1" + ("" if cpus is None else f",store_cpus={cpus}")
+    nodes.append(Node(endpoint, 1, 1, conf))
+    assert nodes[0].next()["world"] == 1
+    (etcd,) = [p for p in descendants(nodes[0].proc.pid) if _comm(p) == "etcd"]
+    inherited = os.environ.get("GOMAXPROCS")
+    assert _environ(etcd).get("GOMAXPROCS") == (inherited if expected == "inherited" else expected)
+    nodes[0].exit()
 
 
 def test_late_node_admitted_at_next_round(nodes: list[Node]) -> None:

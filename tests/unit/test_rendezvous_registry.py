@@ -7,6 +7,7 @@ import pytest
 from relaunch._endpoint import split_endpoint
 from relaunch.errors import ConfigError
 from relaunch.rendezvous import RendezvousParameters, create_handler
+from relaunch.rendezvous._embedded_setup import ONE_CPU_UP_TO, member_cpus
 from relaunch.rendezvous.registry import _is_local_address
 
 
@@ -65,6 +66,24 @@ def test_local_address_needs_no_dns() -> None:
 def test_a_bad_number_of_store_members_is_refused_before_any_network(value: str) -> None:
     with pytest.raises(ConfigError, match=r"store_members: expected auto or a number.*0\.\.9"):
         create_handler(params(store_members=value))
+
+
+@pytest.mark.parametrize("value", ["x", "0", "-2", "1.5", "", "1025"])
+def test_a_bad_number_of_store_cpus_is_refused_before_any_network(value: str) -> None:
+    with pytest.raises(ConfigError, match=r"store_cpus: expected auto, all .* 1\.\.1024"):
+        create_handler(params(store_cpus=value))
+
+
+@pytest.mark.parametrize(
+    ("value", "max_nodes", "expected"),
+    [("auto", 4, 1), ("auto", ONE_CPU_UP_TO, 1), ("auto", ONE_CPU_UP_TO + 1, None),
+     ("all", 4, None), ("ALL", 4, None), (" 3 ", 4096, 3)],
+)  # fmt: skip
+def test_store_cpus_sets_the_members_scheduler_threads(
+    value: str, max_nodes: int, expected: int | None
+) -> None:
+    assert member_cpus({"store_cpus": value}, max_nodes) == expected
+    assert member_cpus({}, 4) == 1
 
 
 def test_store_members_with_an_etcd_that_is_not_there_is_refused(

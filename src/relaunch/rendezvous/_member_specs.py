@@ -40,6 +40,8 @@ class EmbeddedSettings:
     """Where the members' logs go (None: nowhere)."""
     interval: float = 2.0
     """Seconds between the member checks."""
+    cpus: int | None = None
+    """Each member's Go scheduler threads (None: one per core)."""
 
 
 def bind_address(cfg: EmbeddedSettings) -> str:
@@ -58,6 +60,7 @@ def first_member(cfg: EmbeddedSettings, name: str, client_port: int) -> MemberSp
         initial_cluster=f"{name}=http://{bracket(cfg.address)}:{peer}",
         new_cluster=True,
         token=f"relaunch-{cfg.run_id}",
+        cpus=cfg.cpus,
     )
 
 
@@ -79,4 +82,5 @@ def joining_member(
         initial_cluster=",".join(cluster),
         new_cluster=False,
         token=f"relaunch-{cfg.run_id}",
+        cpus=cfg.cpus,
     )

@@ -32,7 +32,12 @@ from typing import TYPE_CHECKING
 
 from relaunch._endpoint import C10D_PORT, ETCD_PORT, own_address, split_endpoint
 from relaunch.errors import ConfigError, RendezvousError, StoreConnectionError
-from relaunch.rendezvous._embedded_setup import embedded_client, members_wanted, start_embedded
+from relaunch.rendezvous._embedded_setup import (
+    embedded_client,
+    member_cpus,
+    members_wanted,
+    start_embedded,
+)
 from relaunch.rendezvous._settings import (
     COMMON_CONF_KEYS,
     RendezvousSettings,
@@ -55,7 +60,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_PORT = C10D_PORT
 """The c10d endpoint port when none is given (torchrun's)."""
 
-C10D_CONF_KEYS = (*COMMON_CONF_KEYS, "is_host", "read_timeout", "store_members")
+C10D_CONF_KEYS = (*COMMON_CONF_KEYS, "is_host", "read_timeout", "store_members", "store_cpus")
 ETCD_CONF_KEYS = (
     *COMMON_CONF_KEYS,
     "protocol",
@@ -166,7 +171,11 @@ def _create_c10d(params: RendezvousParameters) -> DynamicRendezvousHandler:
     read_timeout = conf_seconds(conf, "read_timeout", 60.0)
     explicit = _flag(conf, "is_host")
     is_host = _is_local_address(host, params.local_addr) if explicit is None else explicit
+    member_cpus(conf, params.max_nodes)  # (checked where no member runs too)
     target, binary = members_wanted(conf, params.max_nodes)
+    if "store_cpus" in conf and not (target and binary is not None):
+        logger.warning("--rdzv-conf store_cpus has no effect: this job's rendezvous store is "
+                       "a TCP store, not etcd members (store_members)")  # fmt: skip
     if target and binary is not None:
         embedded, replicated = start_embedded(
             params, settings, (host, port), is_host, (target, binary), read_timeout

@@ -170,6 +170,9 @@ class MemberSpec:
     new_cluster: bool
     """True: the first member of a new cluster; False: joins an existing one."""
     token: str
+    cpus: int | None = None
+    """The member's Go scheduler threads (``GOMAXPROCS``); None: Go's default, one per
+    core of the machine."""
 
     @property
     def client_url(self) -> str:
@@ -178,6 +181,11 @@ class MemberSpec:
     @property
     def peer_url(self) -> str:
         return f"http://{bracket(self.address)}:{self.peer_port}"
+
+
+def _member_env(cpus: int | None) -> dict[str, str] | None:
+    """The keeper's environment, which etcd inherits (None: the agent's own)."""
+    return None if cpus is None else {**os.environ, "GOMAXPROCS": str(cpus)}
 
 
 def bracket(address: str) -> str:
@@ -240,6 +248,7 @@ class EtcdMember:
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=out,
+                env=_member_env(spec.cpus),
                 start_new_session=True,  # a kill of the agent's group leaves it to clean up
             )
         except OSError:
