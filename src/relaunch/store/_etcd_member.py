@@ -183,6 +183,40 @@ class MemberSpec:
         return f"http://{bracket(self.address)}:{self.peer_port}"
 
 
+def _etcd_args(spec: MemberSpec) -> list[str]:
+    """etcd's command line for ``spec`` (less its data dir, which the keeper adds)."""
+    bind = "0.0.0.0" if ":" not in spec.address else "[::]"
+    if spec.address.startswith("127."):
+        bind = spec.address
+    return [
+        "--name", spec.name,
+        "--listen-client-urls", f"http://{bind}:{spec.client_port}",
+        "--advertise-client-urls", spec.client_url,
+        "--listen-peer-urls", f"http://{bind}:{spec.peer_port}",
+        "--initial-advertise-peer-urls", spec.peer_url,
+        "--initial-cluster", spec.initial_cluster,
+        "--initial-cluster-state", "new" if spec.new_cluster else "existing",
+        "--initial-cluster-token", spec.token,
+        "--log-level", "error",
+        # the agents decide reconfigurations themselves (learners first, a member
+        # removed only when down or leaving with the others healthy): etcd's check
+        # would also refuse the removal of a member in a cluster younger than 5 s
+        "--strict-reconfig-check=false",
+        # a lost leader (the endpoint's node, often) is replaced in 0.5-1 s, not
+        # 1-2 s: the survivors train again that much sooner. Heartbeats stay at
+        # 100 ms (idle CPU); pre-vote (on) keeps a slow follower from deposing a
+        # live leader
+        "--heartbeat-interval", "100",
+        "--election-timeout", "500",
+        # keep 5 minutes of history: every write keeps a revision (~120 bytes of
+        # the database, in node memory), and a 1,024-node job's heartbeats alone
+        # (one per node per dead-node delay) passed etcd's 2 GB quota in ~9 hours,
+        # after which etcd refuses every write and the job loses its store
+        "--auto-compaction-mode", "periodic",
+        "--auto-compaction-retention", "5m",
+    ]  # fmt: skip
+
+
 def _member_env(cpus: int | None) -> dict[str, str] | None:
     """The keeper's environment, which etcd inherits (None: the agent's own)."""
     return None if cpus is None else {**os.environ, "GOMAXPROCS": str(cpus)}
@@ -201,36 +235,6 @@ class EtcdMember:
         # in node memory where there is some: etcd syncs its log at every write
         shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
         self._data = tempfile.mkdtemp(prefix=f"relaunch-etcd-{os.getpid()}-", dir=shm)
-        bind = "0.0.0.0" if ":" not in spec.address else "[::]"
-        if spec.address.startswith("127."):
-            bind = spec.address
-        args = [
-            "--name", spec.name,
-            "--listen-client-urls", f"http://{bind}:{spec.client_port}",
-            "--advertise-client-urls", spec.client_url,
-            "--listen-peer-urls", f"http://{bind}:{spec.peer_port}",
-            "--initial-advertise-peer-urls", spec.peer_url,
-            "--initial-cluster", spec.initial_cluster,
-            "--initial-cluster-state", "new" if spec.new_cluster else "existing",
-            "--initial-cluster-token", spec.token,
-            "--log-level", "error",
-            # the agents decide reconfigurations themselves (learners first, a member
-            # removed only when down or leaving with the others healthy): etcd's check
-            # would also refuse the removal of a member in a cluster younger than 5 s
-            "--strict-reconfig-check=false",
-            # a lost leader (the endpoint's node, often) is replaced in 0.5-1 s, not
-            # 1-2 s: the survivors train again that much sooner. Heartbeats stay at
-            # 100 ms (idle CPU); pre-vote (on) keeps a slow follower from deposing a
-            # live leader
-            "--heartbeat-interval", "100",
-            "--election-timeout", "500",
-            # keep 5 minutes of history: every write keeps a revision (~120 bytes of
-            # the database, in node memory), and a 1,024-node job's heartbeats alone
-            # (one per node per dead-node delay) passed etcd's 2 GB quota in ~9 hours,
-            # after which etcd refuses every write and the job loses its store
-            "--auto-compaction-mode", "periodic",
-            "--auto-compaction-retention", "5m",
-        ]  # fmt: skip
         out: int | BinaryIO = subprocess.DEVNULL
         if log_dir is not None:
             out = open(os.path.join(log_dir, f"etcd-{spec.name}.log"), "ab")  # noqa: SIM115
@@ -243,7 +247,7 @@ class EtcdMember:
                     str(os.getpid()),
                     self._data,
                     binary,
-                    *args,
+                    *_etcd_args(spec),
                 ],
                 stdin=subprocess.DEVNULL,
                 stdout=out,
