@@ -111,8 +111,10 @@ def start_embedded(
     is_host: bool,
     members: tuple[int, str],
     read_timeout: float,
+    cpus: int | None,
 ) -> tuple[EmbeddedStore, EtcdStore]:
-    """Start this node's part of the embedded store; its client for the rendezvous."""
+    """Start this node's part of the embedded store (``cpus``: its member's scheduler
+    threads, :func:`member_cpus`); its client for the rendezvous."""
     host, port = endpoint
     target, binary = members
     embedded = EmbeddedStore(
@@ -127,7 +129,7 @@ def start_embedded(
             lease_ttl=settings.dead_after,
             read_timeout=read_timeout,
             log_dir=os.environ.get("RELAUNCH_ETCD_LOG_DIR"),
-            cpus=member_cpus(params.conf, params.max_nodes),
+            cpus=cpus,
         )
     )
     return embedded, embedded.start()

@@ -171,14 +171,14 @@ def _create_c10d(params: RendezvousParameters) -> DynamicRendezvousHandler:
     read_timeout = conf_seconds(conf, "read_timeout", 60.0)
     explicit = _flag(conf, "is_host")
     is_host = _is_local_address(host, params.local_addr) if explicit is None else explicit
-    member_cpus(conf, params.max_nodes)  # (checked where no member runs too)
+    cpus = member_cpus(conf, params.max_nodes)  # (checked where no member runs too)
     target, binary = members_wanted(conf, params.max_nodes)
     if "store_cpus" in conf and not (target and binary is not None):
         logger.warning("--rdzv-conf store_cpus has no effect: this job's rendezvous store is "
                        "a TCP store, not etcd members (store_members)")  # fmt: skip
     if target and binary is not None:
         embedded, replicated = start_embedded(
-            params, settings, (host, port), is_host, (target, binary), read_timeout
+            params, settings, (host, port), is_host, (target, binary), read_timeout, cpus
         )
         return _c10d_handler(params, settings, replicated, (host, port), embedded=embedded)
     server = _tcp_server(host, port, explicit, read_timeout) if is_host else None
