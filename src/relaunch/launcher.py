@@ -152,6 +152,7 @@ class _Snapshots:
                 ranks=start.ranks,
                 addr=start.addr,
                 allowed=info.peers,
+                admits=info.admits,
                 earlier=info.earlier,
             )
         )

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from multinode_support.snapshot_files import snapshot_bytes, write_snapshot
-from relaunch.checkpoint._fetch import _Seen
+from relaunch.checkpoint._fetch import OUTSIDE_MOST, _Seen
 from relaunch.checkpoint._fetch_choice import short_of
 from relaunch.checkpoint._peers import PeerCopies, PeerRecord, PeerRound
 from relaunch.store import PrefixStore
@@ -177,3 +177,25 @@ def test_the_round_is_short_when_a_rank_has_nothing_or_no_step_is_common() -> No
     assert short_of([0, 1], {0: {3}}, {1: {7}}, {})
     # a round with no ranks to restore
     assert not short_of([], {}, {}, {})
+
+
+def test_the_nodes_that_ran_a_rank_are_asked_first_when_many_are_outside(job: Job) -> None:
+    """A large round before this one: 40 nodes, of which only the one at group rank 35
+    still answers, holding rank 35's snapshot. A fetch asks at most ``OUTSIDE_MOST``
+    (32) nodes outside the round: the node that ran the rank (and its ring successor)
+    come first, not the lowest group ranks. (The round's other node holds rank 36.)"""
+    assert OUTSIDE_MOST < 35
+    done = job.node("done")
+    _snapshot(job.root("done"), 35, 7, b"rank 35 at 7")
+    _snapshot(job.root("other"), 36, 7, b"rank 36 at 7")
+    gone = socket.socket()  # a port that refuses: the machines of the others are gone
+    gone.bind(("127.0.0.1", 0))
+    refused = gone.getsockname()[1]
+    gone.close()
+    past = job.round_store(0)
+    for g in range(40):
+        port = done.port if g == 35 else refused
+        past.set(f"relaunch/snapshot_peer/{g}", PeerRecord("127.0.0.1", port, (g,)).to_bytes())
+    job.round(1, {"spare": (35,), "other": (36,)})
+    assert job.nodes["spare"].fetched == {35: 7}
+    assert _data(job.root("spare"), 35, 7) == b"rank 35 at 7"

@@ -10,7 +10,8 @@ copies (the round before that when the last one published no node: it never star
 They were the last round's, so their snapshots are of the job's timeline up to this
 round's restore; a step that any node (of the round, outside it, this one) holds with
 other bytes is taken from none of them, and they count only when they give every rank
-a step to restore. Up to :data:`OUTSIDE_MOST` are asked at once, within
+a step to restore. Up to :data:`OUTSIDE_MOST` are asked at once (first those that
+ran this node's ranks and their ring successors, which hold their copies), within
 :data:`OUTSIDE_TIMEOUT` seconds (a lost machine answers nothing), and only then: when
 the round holds what it needs, a lost node's address costs the recovery nothing.
 Standard library only: the agent never imports torch.
@@ -216,7 +217,7 @@ class Fetch:
     def _ask_outside(self, need: Need, inside: set[tuple[str, int]], seen: _Seen) -> None:
         """List, all at once, the snapshots of the last round's nodes not in this one
         (``inside``: the round's and this node's servers)."""
-        records = self._left(need.earlier, inside)
+        records = self._left(need, inside)
         listings: list[wire.Listing | None] = [None] * len(records)
 
         def list_one(i: int) -> None:
@@ -249,11 +250,13 @@ class Fetch:
         seen.add_outside(found, need.ranks)
         log.info("snapshots: %d of %d nodes outside the round hold some", len(found), len(records))
 
-    def _left(self, earlier: tuple[Store, ...], inside: set[tuple[str, int]]) -> list[PeerRecord]:
+    def _left(self, need: Need, inside: set[tuple[str, int]]) -> list[PeerRecord]:
         """The records of the newest round before this one that has any, less the nodes
-        ``inside`` this round (and this node): at most :data:`OUTSIDE_MOST`."""
-        for store in earlier:
-            found: list[PeerRecord] = []
+        ``inside`` this round (and this node): at most :data:`OUTSIDE_MOST`, those that
+        ran one of this node's ranks there and their ring successors (which hold their
+        copies) first."""
+        for store in need.earlier:
+            found: dict[int, PeerRecord] = {}
             published = False
             for start in range(0, _SCAN_MOST, _CHUNK):
                 keys = [f"{self._key}{g}" for g in range(start, start + _CHUNK)]
@@ -262,15 +265,15 @@ class Fetch:
                 except RelaunchError as exc:
                     log.warning("snapshots: cannot read the last round's nodes: %s", exc)
                     return []
-                for key, raw in zip(keys, raws, strict=True):
+                for g, (key, raw) in enumerate(zip(keys, raws, strict=True), start):
                     published |= raw is not None
                     rec = _decode(key, raw)
-                    if rec is not None and (rec.addr, rec.port) not in inside:
-                        found.append(rec)
+                    if rec is not None:
+                        found[g] = rec
                 if all(raw is None for raw in raws):  # numbered 0, 1, ...: past the last
                     break
             if published:  # (a round that never started: the one before it)
-                return found[:OUTSIDE_MOST]
+                return _nearest_first(found, need.ranks, inside)[:OUTSIDE_MOST]
         return []
 
     def _fetch(
@@ -344,6 +347,23 @@ def record(store: Store, key: str, timeout: float) -> PeerRecord | None:
     except (RelaunchError, wire.WireError) as exc:
         log.debug("snapshots: no peer record at %s: %s", key, exc)
         return None
+
+
+def _nearest_first(
+    found: dict[int, PeerRecord], ranks: Iterable[int], inside: set[tuple[str, int]]
+) -> list[PeerRecord]:
+    """The records of a past round (group rank -> record) not ``inside`` this one: first
+    the nodes that ran one of ``ranks`` there and their ring successors, then the rest,
+    each by group rank."""
+    wanted = set(ranks)
+    ran = {g for g, rec in found.items() if wanted.intersection(rec.ranks)}
+    size = max(found, default=-1) + 1
+    near = ran | {(g + 1) % size for g in ran}
+    return [
+        found[g]
+        for g in sorted(found, key=lambda g: (g not in near, g))
+        if (found[g].addr, found[g].port) not in inside
+    ]
 
 
 def _decode(key: str, raw: bytes | None) -> PeerRecord | None:

@@ -80,6 +80,7 @@ class SnapshotServer:
         self._idle_timeout = idle_timeout
         self._job = job
         self._allowed = allowed
+        self._admits_late: Callable[[str], bool] | None = None
         self._clock = clock
         v6 = ":" in host  # "::" serves IPv4 too, its peers as ::ffff:a.b.c.d
         self._sock = socket.create_server(
@@ -111,9 +112,13 @@ class SnapshotServer:
         with self._lock:
             return len(self._conns)
 
-    def set_allowed(self, allowed: frozenset[str] | None) -> None:
-        """The addresses admitted besides loopback (the round's nodes); None: any."""
-        self._allowed = allowed
+    def set_allowed(
+        self, allowed: frozenset[str] | None, late: Callable[[str], bool] | None = None
+    ) -> None:
+        """The addresses admitted besides loopback (the round's nodes; None: any), and
+        ``late``, asked about an address that is not among them (a node of the job that
+        joined after this node's round; with a job secret)."""
+        self._allowed, self._admits_late = allowed, late
 
     def expect_successor(self, within: float | None) -> None:
         """A round started: a successor will poll within ``within`` seconds (None: this
@@ -178,8 +183,10 @@ class SnapshotServer:
                 continue
             except OSError:
                 return
-            if not self._admits(peer[0]):
-                log.warning("snapshot server: refused a connection from %s", peer[0])
+            host = peer[0].removeprefix("::ffff:")
+            admitted = self._admits(host)
+            if not admitted and self._admits_late is None:
+                log.warning("snapshot server: refused a connection from %s", host)
                 conn.close()
                 continue
             no_delay(conn)
@@ -192,7 +199,9 @@ class SnapshotServer:
                     continue
                 n += 1
                 t = threading.Thread(
-                    target=self._serve, args=(conn,), name=f"relaunch-snapshot-conn-{n}"
+                    target=self._serve,
+                    args=(conn, None if admitted else host),
+                    name=f"relaunch-snapshot-conn-{n}",
                 )
                 t.daemon = True
                 self._threads.add(t)
@@ -204,14 +213,19 @@ class SnapshotServer:
 
     def _admits(self, host: str) -> bool:
         allowed = self._allowed
-        host = host.removeprefix("::ffff:")
         return allowed is None or host.startswith(_LOOPBACK) or host in allowed
 
-    def _serve(self, conn: socket.socket) -> None:
+    def _serve(self, conn: socket.socket, unknown: str | None) -> None:
         """Answer the requests on ``conn`` until the client closes it or stays quiet for
-        the idle timeout."""
+        the idle timeout; first, for a host the round does not name (``unknown``), ask
+        whether it is a node of the job (here, not in the acceptor: it may read the
+        store)."""
         try:
             with conn:
+                late = self._admits_late
+                if unknown is not None and (late is None or not late(unknown)):
+                    log.warning("snapshot server: refused a connection from %s", unknown)
+                    return
                 conn.settimeout(self._idle_timeout)
                 self._requests(conn)
         finally:

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 from relaunch.errors import RelaunchError, RendezvousClosedError
+from relaunch.rendezvous._admission import JobAddresses
 from relaunch.rendezvous._backend import StateBackend
 from relaunch.rendezvous._corrupt import CorruptWatch
 from relaunch.rendezvous._join import RoundJoin
@@ -232,6 +233,7 @@ class DynamicRendezvousHandler:
             world_size=world_size,
             round=round_,
             peers=peers,
+            admits=None if peers is None else JobAddresses(self._rdzv, peers),
             incarnation=place.incarnation,
             earlier=tuple(self._round_store(n) for n in (round_ - 1, round_ - 2) if n >= 0),
         )

@@ -1,0 +1,64 @@
+"""With a per-job secret: which addresses belong to the job's nodes now.
+
+A round's servers admit the round's nodes (``RendezvousInfo.peers``). What a node
+serves beyond its round outlives that list: a node whose workers finished, or whose
+seat lapsed, still holds the newest snapshots of its ranks, and the nodes of the next
+round that ask it for them may have joined after its last round (spares taking the
+lost nodes' places). :class:`JobAddresses` answers for those: an address that the
+round's list does not name is looked up in the state as it is now, which only the
+job's nodes can write (every record signed with the secret).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from relaunch.errors import RelaunchError
+from relaunch.rendezvous._backend import StateBackend
+from relaunch.rendezvous._state import peer_addresses
+
+__all__ = ["JobAddresses"]
+
+log = logging.getLogger(__name__)
+
+REREAD_AFTER = 1.0
+"""Seconds between two reads of the state for addresses not known: a stranger that
+connects again and again costs the store one read a second at most."""
+
+
+class JobAddresses:
+    """Called with an IP address: whether a node of the job has it, as the state last
+    read says (read again when the address is not there and the last read is older
+    than :data:`REREAD_AFTER`). Thread-safe; a failed read admits no one new."""
+
+    def __init__(
+        self,
+        backend: StateBackend,
+        known: frozenset[str],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._backend = backend
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._known = known
+        self._read_at = clock()
+
+    def __call__(self, address: str) -> bool:
+        with self._lock:
+            if address in self._known:
+                return True
+            now = self._clock()
+            if now - self._read_at < REREAD_AFTER:
+                return False
+            self._read_at = now
+            try:
+                state, _ = self._backend.load()
+            except RelaunchError as exc:  # a lost store, a corrupt or unsigned state
+                log.info("cannot read the state to admit %s: %s", address, exc)
+                return False
+            for node in state.known():
+                self._known |= peer_addresses([node]) or frozenset()  # (IP literals only)
+            return address in self._known
