@@ -23,6 +23,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,7 @@ import pytest
 
 from multinode_support.cluster import free_port
 from multinode_support.etcd import etcd_binary, start_cluster
+from multinode_support.netns import network
 from multinode_support.stopping import stop_sessions
 from multinode_support.waiting import wait_for
 
@@ -37,6 +39,15 @@ pytestmark = pytest.mark.timeout(300)
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "snapshots.py"
 STEPS = 60
+
+
+@dataclass(frozen=True)
+class Host:
+    """A node on a host of its own: a network namespace, its address and interface."""
+
+    space: str
+    addr: str
+    interface: str
 
 
 class Job:
@@ -55,18 +66,23 @@ class Job:
         nnodes: int | str = 2,
         nproc: int = 2,
         flags: tuple[str, ...] = (),
+        host: Host | None = None,
     ) -> None:
+        """``host``: the node's network namespace, address and interface (else loopback)."""
         rdzv = [
             f"--nnodes={nnodes}", f"--rdzv-backend={self.backend}",
             f"--rdzv-endpoint={self.endpoint}", f"--rdzv-id={self.run_id}",
-            "--local-addr=127.0.0.1",
+            f"--local-addr={host.addr if host else '127.0.0.1'}",
         ]  # fmt: skip
+        prefix = ("ip", "netns", "exec", host.space) if host else ()
         cmd = [
-            sys.executable, "-m", "relaunch", *rdzv, f"--nproc-per-node={nproc}",
+            *prefix, sys.executable, "-m", "relaunch", *rdzv, f"--nproc-per-node={nproc}",
             "--max-restarts=2", "--monitor-interval=0.1", *flags,
             str(EXAMPLE), "--steps", str(STEPS), "--log-to", str(self.out), *script_args,
         ]  # fmt: skip
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        if host:
+            env["GLOO_SOCKET_IFNAME"] = host.interface
         with open(self.tmp / f"agent-{self.run_id}-{node}.out", "wb") as log:
             self.procs[node] = subprocess.Popen(
                 cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
@@ -478,37 +494,67 @@ def test_the_spares_restore_the_newest_step_from_a_node_outside_their_round(
     way: step 59, no fresh start."""
     job = Job(tmp_path, "outside", f"127.0.0.1:{free_port()}")
     try:
-        args = ("--sleep", "0.05", "--linger", "1:300")
-        flags = ("--rdzv-conf", f"last_call_timeout={held}")
-        job.start("a", *args, nproc=1, flags=flags)
-        job.start("b", *args, nproc=1, flags=flags)
-        wait_for(lambda: {r["rank"] for r in job.rows() if "step" in r} == {0, 1}, 120,
-                 what="a round of a and b", detail=job.output)  # fmt: skip
-        logs = tmp_path / "logs-spares"
-        for spare in ("s1", "s2"):
-            job.start(spare, *args, nproc=1, flags=(*flags, "--log-dir", str(logs / spare)))
-
-        def spares_ready() -> bool:
-            ready = [
-                p for p in logs.glob("*/*/events.jsonl") if "fork_server_started" in p.read_text()
-            ]
-            return len(ready) == 2
-
-        wait_for(spares_ready, 120, what="the spares' fork servers", detail=job.output)
-        wait_for(lambda: {r["rank"] for r in job.rows() if "final" in r} == {0, 1}, 120,
-                 what="both ranks' last step", detail=job.output)  # fmt: skip
-        lost = next(n for n in ("a", "b") if _hosts_rank(job, n, 1))
-        done = "b" if lost == "a" else "a"
-        (pid,) = {r["pid"] for r in job.rows() if r.get("rank") == 0 and "pid" in r}
-        wait_for(lambda: not os.path.exists(f"/proc/{pid}"), 60, what="rank 0's exit")
-        job.kill_agent(lost)
-        codes = job.wait()
-        said = job.output()
-        assert codes == {**dict.fromkeys(("s1", "s2", done), 0), lost: -9}, said
-        assert "a fresh start" not in said, said
-        assert said.count("restored step 59 from") == 2, said  # each rank, on its node
-        spares = [(tmp_path / f"agent-outside-{n}.out").read_text() for n in ("s1", "s2")]
-        if not any("not needed" in out for out in spares):  # (held 0.05 s: nearly always)
-            assert said.count("from nodes outside the round") == 2, said
+        _lose_a_node_as_the_job_ends(job, f"last_call_timeout={held}", {})
     finally:
         job.close()
+
+
+@pytest.mark.netns
+def test_with_a_job_secret_the_spares_on_other_hosts_restore_from_the_node_outside(
+    tmp_path: Path,
+) -> None:
+    """The same with a job secret, each node on a host of its own (a network namespace,
+    veth to a bridge): the node at the barrier admits the round's nodes of its last
+    round, and the spares, which joined after it, only once the (signed) state names
+    them; before, it refused them and every rank started afresh."""
+    key = tmp_path / "secret"
+    key.write_text("a job secret of enough bytes\n")
+    key.chmod(0o600)
+    with network(4, tag="sx", octet=218) as net:
+        hosts = {
+            name: Host(net.spaces[i], net.addr(i), net.inner(i))
+            for i, name in enumerate(("a", "b", "s1", "s2"))
+        }
+        job = Job(tmp_path, "outside", f"{net.addr(0)}:29455")
+        try:
+            conf = f"last_call_timeout=0.05,secret_file={key},store_members=0"
+            _lose_a_node_as_the_job_ends(job, conf, hosts)
+        finally:
+            job.close()
+
+
+def _lose_a_node_as_the_job_ends(job: Job, conf: str, hosts: dict[str, Host]) -> None:
+    """Nodes a and b train, spares s1 and s2 wait; once both ranks took their last step
+    and rank 0's worker ended, the node of rank 1 is SIGKILLed: the spares restore
+    step 59, from the node outside their round when they took both places."""
+    args = ("--sleep", "0.05", "--linger", "1:300")
+    flags = ("--rdzv-conf", conf)
+    job.start("a", *args, nproc=1, flags=flags, host=hosts.get("a"))
+    job.start("b", *args, nproc=1, flags=flags, host=hosts.get("b"))
+    wait_for(lambda: {r["rank"] for r in job.rows() if "step" in r} == {0, 1}, 120,
+             what="a round of a and b", detail=job.output)  # fmt: skip
+    logs = job.tmp / "logs-spares"
+    for spare in ("s1", "s2"):
+        job.start(spare, *args, nproc=1, flags=(*flags, "--log-dir", str(logs / spare)),
+                  host=hosts.get(spare))  # fmt: skip
+
+    def spares_ready() -> bool:
+        ready = [p for p in logs.glob("*/*/events.jsonl") if "fork_server_started" in p.read_text()]
+        return len(ready) == 2
+
+    wait_for(spares_ready, 120, what="the spares' fork servers", detail=job.output)
+    wait_for(lambda: {r["rank"] for r in job.rows() if "final" in r} == {0, 1}, 120,
+             what="both ranks' last step", detail=job.output)  # fmt: skip
+    lost = next(n for n in ("a", "b") if _hosts_rank(job, n, 1))
+    done = "b" if lost == "a" else "a"
+    (pid,) = {r["pid"] for r in job.rows() if r.get("rank") == 0 and "pid" in r}
+    wait_for(lambda: not os.path.exists(f"/proc/{pid}"), 60, what="rank 0's exit")
+    job.kill_agent(lost)
+    codes = job.wait()
+    said = job.output()
+    assert codes == {**dict.fromkeys(("s1", "s2", done), 0), lost: -9}, said
+    assert "a fresh start" not in said, said
+    assert said.count("restored step 59 from") == 2, said  # each rank, on its node
+    spares = [(job.tmp / f"agent-{job.run_id}-{n}.out").read_text() for n in ("s1", "s2")]
+    if not any("not needed" in out for out in spares):  # (held 0.05 s: nearly always)
+        assert said.count("from nodes outside the round") == 2, said
