@@ -6,6 +6,7 @@ import contextlib
 import http.server
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -96,6 +97,36 @@ def test_store_operations(etcd: Member) -> None:
             time.sleep(0.1)
             store.set("later", b"1")
             waiter.result(timeout=20)
+    finally:
+        store.close()
+
+
+def _ranges(member: Member) -> int:
+    """The reads (gRPC ``Range``) ``member`` handled so far (its /metrics)."""
+    with urllib.request.urlopen(f"http://{member.endpoint}/metrics", timeout=5) as reply:
+        text = reply.read().decode()
+    pattern = r'^grpc_server_started_total\{grpc_method="Range".*\} (\S+)$'
+    return sum(int(float(m.group(1))) for m in re.finditer(pattern, text, re.MULTILINE))
+
+
+def test_a_wait_begun_as_the_last_one_timed_out_watches_on_from_its_read(etcd: Member) -> None:
+    """A watcher's loop: a wait on a key times out, and the next begins at once. It
+    watches from the revision the last one read the key at (no read of its own), and so
+    sees a change made between the two; a wait on another key reads it as ever."""
+    store = store_for(etcd)
+    try:
+        with pytest.raises(StoreTimeoutError):
+            store.wait(["next"], 0.2)  # a read, a watch, a read (it was not set)
+        before = _ranges(etcd)
+        with pytest.raises(StoreTimeoutError):
+            store.wait(["next"], 0.2)
+        assert _ranges(etcd) - before == 1  # only the read as it timed out
+        store.set("next", b"1")  # between two waits
+        store.wait(["next"], 20.0)  # seen by the watch from the last read's revision
+        before = _ranges(etcd)
+        with pytest.raises(StoreTimeoutError):
+            store.wait(["other"], 0.2)
+        assert _ranges(etcd) - before == 2
     finally:
         store.close()
 

@@ -214,6 +214,10 @@ def _etcd_args(spec: MemberSpec) -> list[str]:
         # after which etcd refuses every write and the job loses its store
         "--auto-compaction-mode", "periodic",
         "--auto-compaction-retention", "5m",
+        # its database file (in node memory) committed once a second, not 10 times: a
+        # write is answered once in the raft log, before that commit; an idle member's
+        # CPU 0.85% -> 0.75% of a core (the wake-ups alone)
+        "--backend-batch-interval", "1s",
     ]  # fmt: skip
 
 
