@@ -54,11 +54,12 @@ class JobAddresses:
             if now - self._read_at < REREAD_AFTER:
                 return False
             self._read_at = now
-            try:
-                state, _ = self._backend.load()
-            except RelaunchError as exc:  # a lost store, a corrupt or unsigned state
-                log.info("cannot read the state to admit %s: %s", address, exc)
-                return False
-            for node in state.known():
-                self._known |= peer_addresses([node]) or frozenset()  # (IP literals only)
+        try:  # (not under the lock: a slow store holds up no other connection's answer)
+            state, _ = self._backend.load()
+        except RelaunchError as exc:  # a lost store, a corrupt or unsigned state
+            log.info("cannot read the state to admit %s: %s", address, exc)
+            return False
+        found = frozenset().union(*(peer_addresses([n]) or () for n in state.known()))
+        with self._lock:
+            self._known |= found  # (IP literals only: a node named otherwise is left out)
             return address in self._known

@@ -243,7 +243,7 @@ class EtcdStore:
 
     def wait(self, keys: list[str], timeout: float) -> None:
         # A wait that timed out read its key last (absent, at revision R); a wait on the
-        # same key begun at once after (a watcher's loop) watches from R + 1 instead of
+        # same key begun within a second (a watcher's loop) watches from R + 1 instead of
         # reading it again: the same certainty (every change after R is delivered), one
         # consensus read less per loop (at idle, 4% of the embedded store's calls)
         start = time.monotonic()
