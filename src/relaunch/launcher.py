@@ -151,7 +151,6 @@ class _Snapshots:
                 world_size=info.world_size,
                 ranks=start.ranks,
                 addr=start.addr,
-                allowed=info.peers,
                 admits=info.admits,
                 earlier=info.earlier,
             )

@@ -32,11 +32,11 @@ from relaunch.checkpoint._peer_server import SnapshotServer
 root, job, addr, round_node, late_file = sys.argv[1:]
 server = SnapshotServer(root, job, addr)
 
-def late(host):  # the rendezvous' answer: the nodes the state names now
+def admits(host):  # the rendezvous' answer: the round's node, the nodes the state names now
     with open(late_file) as f:
-        return host in f.read().split()
+        return host == round_node or host in f.read().split()
 
-server.set_allowed(frozenset({round_node}), late)
+server.set_admits(admits)
 print(json.dumps({"port": server.port}), flush=True)
 sys.stdin.readline()
 server.close()

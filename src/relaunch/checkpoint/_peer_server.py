@@ -72,15 +72,14 @@ class SnapshotServer:
         job: str,
         host: str,
         *,
-        allowed: frozenset[str] | None = None,
         clock: Callable[[], float] = time.monotonic,
         idle_timeout: float = IDLE_TIMEOUT,
     ) -> None:
         self._root = root
         self._idle_timeout = idle_timeout
         self._job = job
-        self._allowed = allowed
-        self._admits_late: Callable[[str], bool] | None = None
+        self._admits: Callable[[str], bool] | None = None
+        """Whether a host other than loopback may connect (None: any)."""
         self._clock = clock
         v6 = ":" in host  # "::" serves IPv4 too, its peers as ::ffff:a.b.c.d
         self._sock = socket.create_server(
@@ -112,13 +111,10 @@ class SnapshotServer:
         with self._lock:
             return len(self._conns)
 
-    def set_allowed(
-        self, allowed: frozenset[str] | None, late: Callable[[str], bool] | None = None
-    ) -> None:
-        """The addresses admitted besides loopback (the round's nodes; None: any), and
-        ``late``, asked about an address that is not among them (a node of the job that
-        joined after this node's round; with a job secret)."""
-        self._allowed, self._admits_late = allowed, late
+    def set_admits(self, admits: Callable[[str], bool] | None) -> None:
+        """Asked whether a host other than loopback may connect (with a job secret: the
+        round's nodes, and a node of the job that joined after the round); None: any."""
+        self._admits = admits
 
     def expect_successor(self, within: float | None) -> None:
         """A round started: a successor will poll within ``within`` seconds (None: this
@@ -184,11 +180,7 @@ class SnapshotServer:
             except OSError:
                 return
             host = peer[0].removeprefix("::ffff:")
-            admitted = self._admits(host)
-            if not admitted and self._admits_late is None:
-                log.warning("snapshot server: refused a connection from %s", host)
-                conn.close()
-                continue
+            vetted = self._admits is None or host.startswith(_LOOPBACK)
             no_delay(conn)
             with self._lock:
                 self._threads = {t for t in self._threads if t.is_alive()}
@@ -200,7 +192,7 @@ class SnapshotServer:
                 n += 1
                 t = threading.Thread(
                     target=self._serve,
-                    args=(conn, None if admitted else host),
+                    args=(conn, None if vetted else host),
                     name=f"relaunch-snapshot-conn-{n}",
                 )
                 t.daemon = True
@@ -211,19 +203,15 @@ class SnapshotServer:
                         conn.shutdown(socket.SHUT_RDWR)
             t.start()
 
-    def _admits(self, host: str) -> bool:
-        allowed = self._allowed
-        return allowed is None or host.startswith(_LOOPBACK) or host in allowed
-
     def _serve(self, conn: socket.socket, unknown: str | None) -> None:
         """Answer the requests on ``conn`` until the client closes it or stays quiet for
-        the idle timeout; first, for a host the round does not name (``unknown``), ask
-        whether it is a node of the job (here, not in the acceptor: it may read the
-        store)."""
+        the idle timeout; first, for a host other than loopback (``unknown``), ask
+        whether it may connect (here, not in the acceptor: the answer may read the
+        rendezvous store)."""
         try:
             with conn:
-                late = self._admits_late
-                if unknown is not None and (late is None or not late(unknown)):
+                admits = self._admits
+                if unknown is not None and admits is not None and not admits(unknown):
                     log.warning("snapshot server: refused a connection from %s", unknown)
                     return
                 conn.settimeout(self._idle_timeout)

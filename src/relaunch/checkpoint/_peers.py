@@ -55,9 +55,8 @@ _REREAD_AFTER = 1.0
 class PeerRound:
     """This node's place in a rendezvous round, as the peer copies need it: the round's
     store, its number, this node's group rank among ``world_size`` nodes, the global
-    ranks its workers run, the address its peers reach it at, and the hosts allowed to
-    fetch from it (None: any; ``admits``: asked about another host, a node of the job
-    that joined after the round); ``earlier``: the stores of the rounds before, newest
+    ranks its workers run, the address its peers reach it at, whether a host other than
+    loopback may fetch from it (``admits``; None: any); ``earlier``: the stores of the rounds before, newest
     first (a fetch that the round's nodes leave short asks the last round's others)."""
 
     store: Store
@@ -66,7 +65,6 @@ class PeerRound:
     world_size: int
     ranks: tuple[int, ...]
     addr: str
-    allowed: frozenset[str] | None = None
     admits: Callable[[str], bool] | None = None
     earlier: tuple[Store, ...] = ()
 
@@ -126,7 +124,7 @@ class PeerCopies:
         current = _Round(store, group_rank, world_size, tuple(sorted(seat.ranks)))
         with self._lock:
             self._round = None  # no pull from the last round's ring meanwhile
-        self._server.set_allowed(seat.allowed, seat.admits)
+        self._server.set_admits(seat.admits)
         # this round's successor starts polling when it started the round too
         self._server.expect_successor(_SUCCESSOR_START if world_size > 1 else None)
         with self._server.settling():

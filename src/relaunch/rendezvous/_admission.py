@@ -12,6 +12,7 @@ job's nodes can write (every record signed with the secret).
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -43,23 +44,30 @@ class JobAddresses:
         self._backend = backend
         self._clock = clock
         self._lock = threading.Lock()
+        self._reading = threading.Lock()
+        """Held through a read of the state: a caller that waited for it sees what it
+        found (two spares connecting at once are both admitted by one read)."""
         self._known = known
-        self._read_at = clock()
+        self._read_at = -math.inf
 
     def __call__(self, address: str) -> bool:
         with self._lock:
             if address in self._known:
                 return True
-            now = self._clock()
-            if now - self._read_at < REREAD_AFTER:
+        with self._reading:  # (the others' answers for known hosts do not wait for it)
+            with self._lock:
+                if address in self._known:
+                    return True
+                now = self._clock()
+                if now - self._read_at < REREAD_AFTER:
+                    return False
+                self._read_at = now
+            try:
+                state, _ = self._backend.load()
+            except RelaunchError as exc:  # a lost store, a corrupt or unsigned state
+                log.info("cannot read the state to admit %s: %s", address, exc)
                 return False
-            self._read_at = now
-        try:  # (not under the lock: a slow store holds up no other connection's answer)
-            state, _ = self._backend.load()
-        except RelaunchError as exc:  # a lost store, a corrupt or unsigned state
-            log.info("cannot read the state to admit %s: %s", address, exc)
-            return False
-        found = frozenset().union(*(peer_addresses([n]) or () for n in state.known()))
-        with self._lock:
-            self._known |= found  # (IP literals only: a node named otherwise is left out)
-            return address in self._known
+            found = frozenset().union(*(peer_addresses([n]) or () for n in state.known()))
+            with self._lock:
+                self._known |= found  # (IP literals only: a node named otherwise is left out)
+                return address in self._known

@@ -58,10 +58,10 @@ class RendezvousInfo:
     """With a per-job secret: the IP addresses of the round's nodes (the workers' store
     admits connections from these and loopback only); None: no such restriction."""
     admits: Callable[[str], bool] | None = None
-    """With :attr:`peers`: whether an IP address is a node of the job now, the state
-    read again (at most once a second) for one :attr:`peers` does not name. For what a
-    node serves beyond its round: its snapshots, which a node that joined after it may
-    fetch (a spare that took a lost node's place)."""
+    """With :attr:`peers`: whether an IP address is a node of the job now: one of
+    :attr:`peers`, or one the state names when read again (at most once a second). For
+    what a node serves beyond its round: its snapshots, which a node that joined after
+    it may fetch (a spare that took a lost node's place)."""
     incarnation: int = 0
     """The incarnation this node's workers start at: 0, or, for a node that took the
     place of a lost one in a running round (tiered recovery), a number above every
