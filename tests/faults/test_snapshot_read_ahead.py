@@ -27,6 +27,7 @@ SCRIPT = textwrap.dedent(
     for step in range(start, 3):
         checkpoint.save(step, {"x": torch.full((1000,), float(step)), "step": step})
     checkpoint.wait()
+    dist.barrier()  # the other rank's step 2 is complete too before this one fails
     if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
         sys.exit(3)  # after three snapshots: the restart reads them back
     assert got is not None and got[0] == 2, got
