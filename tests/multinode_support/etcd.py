@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
+import http.server
 import signal
 import subprocess
 import sys
+import threading
 import time
+import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from multinode_support.cluster import free_ports
 
-__all__ = ["VOTING", "Member", "etcd_binary", "start_cluster", "voting_names"]
+__all__ = ["VOTING", "Answer", "Gateway", "Member", "etcd_binary", "start_cluster", "voting_names"]
+
+Answer = Callable[[str, bytes, Callable[[], tuple[int, bytes]]], tuple[int, bytes] | None]
+"""What a :class:`Gateway` does with a call: ``(path, body, forward)`` -> the answer."""
 
 
 def etcd_binary() -> Path | None:
@@ -130,3 +137,48 @@ def voting_names(urls: list[str], prefix: list[str] | None = None) -> list[str]:
     out = subprocess.run([*(prefix or []), sys.executable, "-c", VOTING, *urls],
                          capture_output=True, text=True, timeout=30, check=False).stdout  # fmt: skip
     return out.split()
+
+
+class Gateway:
+    """An endpoint in front of a real member: each call goes to ``answer(path, body,
+    forward)``, which may pass it on (``forward()``: the member's status and body) and
+    returns the status and body to answer with, or None to hang up without an answer."""
+
+    def __init__(self, member: Member, answer: Answer) -> None:
+        def forward(path: str, body: bytes) -> tuple[int, bytes]:
+            request = urllib.request.Request(
+                f"http://{member.endpoint}{path}", data=body, method="POST"
+            )
+            try:
+                with urllib.request.urlopen(request, timeout=5) as reply:
+                    return 200, reply.read()
+            except urllib.error.HTTPError as refused:  # (etcd's own errors)
+                return refused.code, refused.read()
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                answered = answer(self.path, body, lambda: forward(self.path, body))
+                if answered is None:
+                    self.close_connection = True  # no answer at all
+                    return
+                status, text = answered
+                self.send_response(status)
+                self.send_header("Content-Length", str(len(text)))
+                self.end_headers()
+                self.wfile.write(text)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        self._thread = threading.Thread(
+            target=self.server.serve_forever, name="test-gateway", daemon=True
+        )
+        self._thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()  # joins the handler threads
+        self._thread.join(10)

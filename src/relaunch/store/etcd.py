@@ -252,16 +252,20 @@ class EtcdStore:
             last, known = self._absent, None
             if last is not None and last[0] == key and start - last[2] < 1.0:
                 known, self._absent = last[1], None
+            read = False  # (a wait that times out has read the key itself, last)
             while True:
-                kv, revision = (None, known) if known is not None else self._range(key)
-                known = None
+                if known is not None:
+                    kv, revision, known = None, known, None
+                else:
+                    (kv, revision), read = self._range(key), True
                 if kv is not None:
                     break
                 left = end - time.monotonic()
-                if left <= 0:
+                if left <= 0 and read:
                     self._absent = (key, revision, time.monotonic())
                     raise StoreTimeoutError(f"key {key!r} not set within {timeout} s")
-                self._watch(key, revision + 1, left)
+                if left > 0:
+                    self._watch(key, revision + 1, left)
 
     def watch(self, key: str, timeout: float, cancel: threading.Event | None = None) -> bool:
         """Wait up to ``timeout`` seconds for the next change of ``key`` (a put or a
@@ -345,18 +349,35 @@ class EtcdStore:
     def claim_ephemeral(self, key: str, value: bytes, ttl: float) -> bool:
         """Create ``key`` under this store's lease unless it exists (as
         :meth:`set_ephemeral`, but not written again after a stall: another node may
-        hold it by then); whether this call created it."""
+        hold it by then); whether this call created it. A call sent again after a
+        member applied it and did not answer finds the key there: it is this call's
+        when it holds ``value`` under this store's lease (a lock its node would
+        otherwise hold, unknowing, for as long as it lives)."""
+        full, data = self._key(key), _b64(value)
+        sent: list[tuple[int, bool]] = []  # (the lease, whether the call was sent again)
 
         def create(lease: int) -> dict[str, Any]:
-            put = {"key": self._key(key), "value": _b64(value), "lease": str(lease)}
-            absent = {"key": self._key(key), "result": "EQUAL", "target": "CREATE",
+            put = {"key": full, "value": data, "lease": str(lease)}
+            absent = {"key": full, "result": "EQUAL", "target": "CREATE",
                       "create_revision": "0"}  # fmt: skip
-            return self._http.post(
-                "/kv/txn", {"compare": [absent], "success": [{"request_put": put}]}
+            reply, resent = self._http.post_sent(
+                "/kv/txn",
+                {
+                    "compare": [absent],
+                    "success": [{"request_put": put}],
+                    "failure": [{"request_range": {"key": full}}],
+                },
             )
+            sent.append((lease, resent))
+            return reply
 
         reply = self._lease.under(ttl, create)
-        return bool(reply.get("succeeded", False))
+        if reply.get("succeeded", False):
+            return True
+        lease, resent = sent[-1]
+        kv = first_kv(((reply.get("responses") or [{}])[0]).get("response_range", {}))
+        ours = kv is not None and kv.get("value") == data and kv.get("lease") == str(lease)
+        return resent and ours
 
     def keys_with_prefix(self, prefix: str) -> list[str]:
         """The keys that start with ``prefix`` (one range request)."""
