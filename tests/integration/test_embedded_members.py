@@ -9,14 +9,20 @@ import glob
 import json
 import os
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-from multinode_support.etcd import Member, etcd_binary, start_cluster
+from multinode_support.etcd import Gateway, Member, etcd_binary, start_cluster
 from multinode_support.ports import free_port
-from relaunch.rendezvous._member_calls import leave_cluster, list_members, promote_when_in_sync
+from relaunch.errors import StoreError
+from relaunch.rendezvous._member_calls import (
+    add_member,
+    leave_cluster,
+    list_members,
+    promote_when_in_sync,
+)
 from relaunch.store._etcd_member import EtcdMember, MemberSpec, hand_over
 
 pytest.importorskip("etcd3gw")
@@ -122,3 +128,27 @@ def test_a_leader_that_leaves_hands_the_lead_over_first(first: Member) -> None:
         store.close()
     assert not learner.running()
     assert not glob.glob(f"/dev/shm/relaunch-etcd-{os.getpid()}-*")
+
+
+def test_an_add_applied_by_a_send_never_answered_leaves_no_member_behind(first: Member) -> None:
+    """The first endpoint adds the member and hangs up; the add sent again to the next
+    endpoint is refused (its peer URL is taken). The member that never starts is removed
+    before the error is raised: it would hold a seat until a steward removed it."""
+
+    def answer(
+        path: str, body: bytes, forward: Callable[[], tuple[int, bytes]]
+    ) -> tuple[int, bytes] | None:
+        answered = forward()
+        return None if path.endswith("/cluster/member/add") else answered
+
+    gateway = Gateway(first, answer)
+    endpoints = [("127.0.0.1", gateway.port), ("127.0.0.1", first.client_port)]
+    store = EtcdStore(endpoints, timeout=10.0)
+    url = f"http://127.0.0.1:{free_port('127.0.0.1')}"
+    try:
+        with pytest.raises(StoreError):
+            add_member(store, url, learner=True)
+        assert [m for m in list_members(store) if url in m.peer_urls] == []
+    finally:
+        store.close()
+        gateway.close()

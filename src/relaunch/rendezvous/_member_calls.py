@@ -13,6 +13,7 @@ import time
 import zlib
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from relaunch.errors import StoreConnectionError, StoreError
 from relaunch.rendezvous._seats import Member, parse_members
@@ -21,6 +22,7 @@ from relaunch.store.etcd import EtcdStore
 
 __all__ = [
     "Leave",
+    "add_member",
     "answers",
     "await_others",
     "client_endpoints",
@@ -55,6 +57,22 @@ class Leave:
 
 def list_members(store: EtcdStore) -> list[Member]:
     return parse_members(store.request("/cluster/member/list", {}))
+
+
+def add_member(store: EtcdStore, peer_url: str, *, learner: bool) -> dict[str, Any]:
+    """Add a member at ``peer_url`` (the caller holds the members' lock); etcd's reply.
+    When the call fails, a member at ``peer_url`` that never started is this call's,
+    applied by an endpoint that did not answer (the call sent again was refused:
+    "Peer URLs already exists"): it is removed before the error is raised, or it would
+    hold a seat, a vote at that, until a steward removed it."""
+    try:
+        return store.request("/cluster/member/add", {"peerURLs": [peer_url], "isLearner": learner})
+    except StoreError:
+        with contextlib.suppress(StoreError):
+            for m in list_members(store):
+                if peer_url in m.peer_urls and not m.name:
+                    remove_member(store, m.id, peer_url)
+        raise
 
 
 def reach(store: EtcdStore, endpoint: tuple[str, int], read_timeout: float) -> None:

@@ -49,6 +49,7 @@ from relaunch._endpoint import port_free, quiet_port
 from relaunch.errors import StoreConnectionError, StoreError
 from relaunch.rendezvous._member_calls import (
     Leave,
+    add_member,
     await_others,
     client_endpoints,
     leave_in_turn,
@@ -307,9 +308,7 @@ class EmbeddedStore:
             # the first of a pair a learner: it has no vote until promoted, so a member
             # that never starts cannot cost the quorum; the second a voting member at
             # once (the running ones hold the quorum while it starts)
-            reply = store.request(
-                "/cluster/member/add", {"peerURLs": [peer_url], "isLearner": not steps.voting}
-            )
+            reply = add_member(store, peer_url, learner=not steps.voting)
             added = str(int(reply["member"]["ID"]))
             spec = joining_member(self._cfg, self._name, peer, added, parse_members(reply))
             self._launch(spec)
