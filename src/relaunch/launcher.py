@@ -316,6 +316,7 @@ def _snapshot_area(config: LaunchConfig) -> SnapshotArea:
         limit=config.snapshot_limit,
         durable=config.checkpoint_dir,
         peers=peers,
+        guarded="secret_file" in config.rdzv_conf,
     )
 
 

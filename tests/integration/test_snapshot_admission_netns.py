@@ -1,5 +1,6 @@
-"""With a job secret, a node's snapshot server admits the round's nodes, and a node
-of the job that joined after the round (asked of the rendezvous, ``late``): hosts on
+"""With a job secret, a node's snapshot server admits no other host before its first
+round, then the round's nodes, and a node of the job that joined after the round
+(asked of the rendezvous, ``late``): hosts on
 addresses of their own, each in a network namespace (veth to a bridge). The case: a
 node whose workers finished serves the only copies of the newest steps, and the
 spares that took the lost nodes' places ask it for them; before, it refused them.
@@ -30,14 +31,16 @@ import json, sys
 from relaunch.checkpoint._peer_server import SnapshotServer
 
 root, job, addr, round_node, late_file = sys.argv[1:]
-server = SnapshotServer(root, job, addr)
+server = SnapshotServer(root, job, addr, guarded=True)  # a job secret
 
 def admits(host):  # the rendezvous' answer: the round's node, the nodes the state names now
     with open(late_file) as f:
         return host == round_node or host in f.read().split()
 
-server.set_admits(admits)
 print(json.dumps({"port": server.port}), flush=True)
+sys.stdin.readline()  # the first round starts
+server.set_admits(admits)
+print("round", flush=True)
 sys.stdin.readline()
 server.close()
 """
@@ -88,6 +91,12 @@ def test_a_node_that_joined_after_the_round_is_served_and_a_stranger_is_not(
         assert server.stdout is not None
         assert select.select([server.stdout], [], [], 60)[0], "the server said nothing"
         port = json.loads(server.stdout.readline())["port"]
+        # before its first round, a guarded server knows of no host of the job
+        assert ask(net, 1, port).startswith("refused")
+        assert server.stdin is not None
+        server.stdin.write("\n")
+        server.stdin.flush()
+        assert server.stdout.readline() == "round\n"
         assert ask(net, 1, port) == "[3]"  # a node of the round
         assert ask(net, 2, port).startswith("refused")  # not in the job (yet)
         late.write_text(net.addr(2))  # it joined: the state names it now
@@ -95,6 +104,7 @@ def test_a_node_that_joined_after_the_round_is_served_and_a_stranger_is_not(
         _, err = server.communicate("\n", timeout=30)
         assert server.returncode == 0, err
         assert err.count(f"refused a connection from {net.addr(2)}") == 1, err
+        assert err.count(f"refused a connection from {net.addr(1)}") == 1, err
     finally:
         if server.poll() is None:
             os.killpg(server.pid, signal.SIGKILL)

@@ -48,10 +48,13 @@ class SnapshotArea:
         limit: int | None,
         durable: str | None,
         peers: str | None = None,
+        guarded: bool = False,
         interval: float = 0.5,
     ) -> None:
         """``peers``: the address the snapshot server binds (other nodes fetch this
-        node's snapshots there); None for a job of one node (no peer copies)."""
+        node's snapshots there); None for a job of one node (no peer copies).
+        ``guarded`` (a job secret): that server refuses every other host until the
+        first round names the job's."""
         self.job = job
         self.keep = keep
         self._given = directory
@@ -61,6 +64,7 @@ class SnapshotArea:
         self.root = ""
         self._copier: DurableCopier | None = None
         self._peers_bind = peers
+        self._guarded = guarded
         self._peers: PeerCopies | None = None
         self._bad_restores = 0
 
@@ -88,7 +92,9 @@ class SnapshotArea:
             name = f"relaunch-{layout.safe_job(self.job)[:40]}-{os.getpid()}-{suffix}"
             self.root = os.path.join(base, name)
         if self._peers_bind is not None:
-            self._peers = PeerCopies(self.root, self.job, bind=self._peers_bind)
+            self._peers = PeerCopies(
+                self.root, self.job, bind=self._peers_bind, guarded=self._guarded
+            )
         if self.durable is not None:
             self._copier = DurableCopier(
                 self.root, self.durable, keep=self.keep, interval=self._interval

@@ -36,6 +36,11 @@ waiting for copies)."""
 _LOOPBACK = ("127.", "::1", "::ffff:127.")
 
 
+def _nobody(host: str) -> bool:
+    """No host but loopback (a guarded server before its first round)."""
+    return False
+
+
 def held_steps(root: str) -> wire.Steps:
     """``(step, crc32)`` of every complete snapshot under ``root``, by rank, newest first
     (a snapshot whose manifest cannot be read is left out)."""
@@ -74,11 +79,14 @@ class SnapshotServer:
         *,
         clock: Callable[[], float] = time.monotonic,
         idle_timeout: float = IDLE_TIMEOUT,
+        guarded: bool = False,
     ) -> None:
+        """``guarded`` (a job secret): a host other than loopback is refused until
+        :meth:`set_admits` says which may connect (the first round's)."""
         self._root = root
         self._idle_timeout = idle_timeout
         self._job = job
-        self._admits: Callable[[str], bool] | None = None
+        self._admits: Callable[[str], bool] | None = _nobody if guarded else None
         """Whether a host other than loopback may connect (None: any)."""
         self._clock = clock
         v6 = ":" in host  # "::" serves IPv4 too, its peers as ::ffff:a.b.c.d

@@ -89,10 +89,12 @@ class PeerCopies:
     SWEEP_EVERY = 2.0
     """Seconds between the looks for folders of ranks no longer run here (``_sweep``)."""
 
-    def __init__(self, root: str, job: str, *, bind: str) -> None:
+    def __init__(self, root: str, job: str, *, bind: str, guarded: bool = False) -> None:
+        """``guarded`` (a job secret): other hosts are refused until the first round
+        says which may connect (:meth:`round_started`)."""
         self._root = root
         self._job = job
-        self._server = SnapshotServer(root, job, bind)
+        self._server = SnapshotServer(root, job, bind, guarded=guarded)
         self._round: _Round | None = None
         self._lock = threading.Lock()
         self._stop = threading.Event()

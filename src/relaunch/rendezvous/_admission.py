@@ -31,37 +31,44 @@ connects again and again costs the store one read a second at most."""
 
 
 class JobAddresses:
-    """Called with an IP address: whether a node of the job has it, as the state last
-    read says (read again when the address is not there and the last read is older
-    than :data:`REREAD_AFTER`). Thread-safe; a failed read admits no one new."""
+    """Called with an IP address: whether a node of the job has it, as the state says
+    (read again when the address is not known: at once, or once :data:`REREAD_AFTER`
+    has passed since the last read; a read begun after the call came answers it).
+    Thread-safe; a failed read admits no one new."""
 
     def __init__(
         self,
         backend: StateBackend,
         known: frozenset[str],
         clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         self._backend = backend
         self._clock = clock
+        self._sleep = sleep
         self._lock = threading.Lock()
         self._reading = threading.Lock()
-        """Held through a read of the state: a caller that waited for it sees what it
-        found (two spares connecting at once are both admitted by one read)."""
+        """Held through a read of the state, and the wait before it: a caller that
+        waited for it sees what the read found (two spares connecting at once are both
+        admitted by one read; strangers in a row cost one read a second)."""
         self._known = known
         self._read_at = -math.inf
+        """When the last read began."""
 
     def __call__(self, address: str) -> bool:
+        asked = self._clock()
         with self._lock:
             if address in self._known:
                 return True
         with self._reading:  # (the others' answers for known hosts do not wait for it)
             with self._lock:
-                if address in self._known:
-                    return True
-                now = self._clock()
-                if now - self._read_at < REREAD_AFTER:
-                    return False
-                self._read_at = now
+                if address in self._known or self._read_at >= asked:
+                    return address in self._known  # (a read begun after the call answers it)
+                wait = self._read_at + REREAD_AFTER - self._clock()
+            if wait > 0:  # a node that joined just after the last read is not refused
+                self._sleep(wait)
+            with self._lock:
+                self._read_at = self._clock()
             try:
                 state, _ = self._backend.load()
             except RelaunchError as exc:  # a lost store, a corrupt or unsigned state
