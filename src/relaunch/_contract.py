@@ -206,7 +206,7 @@ def read_exit_file(path: str) -> ExitRecord | None:
     try:
         with open(path) as f:
             data = json.load(f)
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # (nested too deep: RecursionError)
         return None
     if not isinstance(data, dict) or data.get("version") != EXIT_FILE_VERSION:
         return None
@@ -224,7 +224,7 @@ def read_marker(path: str) -> tuple[int | None, bool | None]:
     try:
         with open(path) as f:
             data = json.load(f)
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None, None
     if not isinstance(data, dict) or data.get("version") != 1:
         return None, None

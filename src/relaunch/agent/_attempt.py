@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import time
@@ -11,6 +10,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from relaunch._contract import ERROR_FILE_ENV, INCARNATION_ENV, AttemptFiles
+from relaunch._json import loads as json_loads
 from relaunch.agent._env import substitute_local_rank, worker_env, worker_streams
 from relaunch.agent._spec import Worker, WorkerGroup, WorkerSpec
 from relaunch.errors import ProcessFailure
@@ -138,7 +138,7 @@ def return_values(
         value: object = None
         try:
             with open(slots[worker.local_rank].files.result_file) as f:
-                data = json.load(f)
+                data = json_loads(f.read())
             if isinstance(data, dict) and data.get("version") == 1:
                 value = data.get("value")
         except (OSError, ValueError) as exc:

@@ -12,6 +12,7 @@ import sysconfig
 from collections.abc import Mapping
 
 from relaunch._contract import read_module_list
+from relaunch._json import loads as json_loads
 from relaunch.events import Emit, ForkServerReady, ForkServerRefused, ForkServerStarted
 from relaunch.procs import Entrypoint, ForkServer
 
@@ -162,7 +163,7 @@ def decode_modules(raw: bytes | None) -> list[str]:
     if not raw or len(raw) > 2 * 1024 * 1024:
         return []
     try:
-        doc = json.loads(raw)
+        doc = json_loads(raw)
     except ValueError:
         return []
     if not isinstance(doc, dict) or doc.get("version") != _MODULES_VERSION:

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from relaunch._endpoint import any_address, quiet_port
+from relaunch._json import loads as json_loads
 from relaunch.errors import (
     FailureFormatError,
     ProcessFailure,
@@ -105,7 +106,7 @@ def read_worker_store(
                 ) from exc
     raw = info.store.get(_WORKER_STORE_KEY)
     try:
-        data = json.loads(raw or b"")
+        data = json_loads(raw or b"")
         return str(data["addr"]), int(data["port"])
     except (ValueError, KeyError, TypeError) as exc:
         raise RendezvousError(
@@ -150,7 +151,7 @@ def gather_failures(
                 continue
             pending.discard(rank)
             try:
-                data = json.loads(raw)
+                data = json_loads(raw)
                 for grank, failure in data["failures"].items():
                     found.setdefault(int(grank), ProcessFailure.from_json(failure))
             except (ValueError, KeyError, TypeError, AttributeError, FailureFormatError) as exc:

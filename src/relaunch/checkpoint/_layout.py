@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from relaunch._contract import SNAPSHOT_DIR_ENV, snapshot_rank_dir
+from relaunch._json import loads as json_loads
 from relaunch.errors import SnapshotError
 
 __all__ = [
@@ -293,7 +294,7 @@ def parse_manifest(raw: bytes, path: str) -> Manifest:
     """The manifest in ``raw`` (read from, or sent for, ``path``); CorruptSnapshot naming
     the field that is missing or wrong."""
     try:
-        doc = json.loads(raw.decode("utf-8"))
+        doc = json_loads(raw.decode("utf-8"))
     except ValueError as exc:  # UnicodeDecodeError included
         raise CorruptSnapshot(f"{path}: unreadable manifest ({exc})") from exc
     if not isinstance(doc, dict):
@@ -375,7 +376,7 @@ def read_restores(root: str) -> tuple[list[Restore], int]:
     found, bad = [], 0
     for line in lines:
         try:
-            doc = json.loads(line)
+            doc = json_loads(line)
             ok = isinstance(doc, dict) and doc.get("v") == 1
             ints = [doc.get(k) for k in ("step", "newest")] if ok else []
             ok = ok and _is_count(doc.get("rank")) and all(v is None or _is_count(v) for v in ints)

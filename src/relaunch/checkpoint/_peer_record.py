@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from relaunch._json import loads as json_loads
 from relaunch.checkpoint import _wire as wire
 
 __all__ = ["PeerRecord"]
@@ -27,7 +28,7 @@ class PeerRecord:
     def from_bytes(cls, raw: bytes, key: str) -> PeerRecord:
         """WireError naming ``key`` and the field when the record is not one."""
         try:
-            doc = json.loads(raw)
+            doc = json_loads(raw)
         except ValueError as exc:
             raise wire.WireError(f"{key}: not JSON ({exc})") from exc
         ok = isinstance(doc, dict) and doc.get("v") == 1

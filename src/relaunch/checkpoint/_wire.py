@@ -35,6 +35,7 @@ import socket
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+from relaunch._json import loads as json_loads
 from relaunch.errors import SnapshotError
 
 __all__ = [
@@ -157,7 +158,7 @@ def next_line(sock: socket.socket, limit: int) -> bytes | None:
 
 def _object(raw: bytes, what: str) -> dict[str, Any]:
     try:
-        doc = json.loads(raw)
+        doc = json_loads(raw)
     except ValueError as exc:
         raise WireError(f"{what}: not JSON ({exc}): {raw[:120]!r}") from exc
     if not isinstance(doc, dict):
@@ -230,7 +231,7 @@ def decode_listing(raw: bytes) -> Listing:
         raise WireError(f"list answer: ranks: expected an object, got {type(ranks).__name__}")
     out: Steps = {}
     for key, steps in ranks.items():
-        if not key.isdigit():
+        if not (key.isascii() and key.isdigit()):  # ("²" is a digit, not a number)
             raise WireError(f"list answer: ranks: expected a rank number, got {key!r}")
         if not isinstance(steps, list):
             raise WireError(f"list answer: ranks.{key}: expected a list")

@@ -15,6 +15,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from relaunch._json import loads as json_loads
 from relaunch.procs._sys import parent_death_signal
 
 __all__ = ["ForkServer", "ForkedProcess"]
@@ -129,7 +130,7 @@ class ForkServer:
         *lines, self._buffer = self._buffer.split(b"\n")
         for line in lines:
             try:
-                message = json.loads(line)
+                message = json_loads(line)
             except ValueError:
                 log.warning("fork server: unreadable message %r", line[:200])
                 continue

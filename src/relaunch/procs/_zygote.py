@@ -101,7 +101,7 @@ class Server:
         *lines, self.buffer = self.buffer.split(b"\n")
         out = []
         for line in lines:
-            with contextlib.suppress(ValueError):
+            with contextlib.suppress(ValueError, RecursionError):
                 message = json.loads(line)
                 if isinstance(message, dict) and message.get("version") == VERSION:
                     out.append(message)

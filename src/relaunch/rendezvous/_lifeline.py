@@ -27,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from relaunch._endpoint import family_of
+from relaunch._json import loads as json_loads
 
 __all__ = ["Lifeline", "Target", "decode_address", "encode_address"]
 
@@ -53,7 +54,7 @@ def encode_address(host: str, port: int) -> bytes:
 def decode_address(raw: bytes) -> tuple[str, int]:
     """``(host, port)`` of a published lifeline; ValueError naming what is wrong."""
     try:
-        doc = json.loads(raw)
+        doc = json_loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ValueError(f"not JSON ({exc})") from None
     if not isinstance(doc, dict) or doc.get("v") != _VERSION:

@@ -38,6 +38,7 @@ import json
 import math
 from collections.abc import Callable, Iterable
 
+from relaunch._json import loads as json_loads
 from relaunch.errors import RendezvousStateError
 from relaunch.rendezvous._corrupt import CorruptWatch
 from relaunch.rendezvous._settings import RendezvousSettings
@@ -219,8 +220,8 @@ def _parse(raw: bytes) -> tuple[str, float, str | None] | None:
     """``(node, seconds, corrupt)`` of a steward key, or None when it is not one (a
     corrupt key is taken over)."""
     try:
-        doc = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+        doc = json_loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError):
         return None
     if not isinstance(doc, dict) or doc.get("v") != 1:
         return None

@@ -14,6 +14,7 @@ import logging
 import math
 from collections.abc import Callable
 
+from relaunch._json import loads as json_loads
 from relaunch._text import printable
 from relaunch.errors import RendezvousError
 from relaunch.rendezvous._settings import RendezvousSettings
@@ -41,7 +42,7 @@ def claim_program(
             "has none: give it the same --rdzv-conf secret_file as the other nodes"
         )
     try:
-        theirs = json.loads(current)
+        theirs = json_loads(current)
         same = theirs.get("fingerprint") == fingerprint
         described = str(theirs.get("program"))[:300]
     except (ValueError, AttributeError, UnicodeDecodeError):
@@ -68,7 +69,7 @@ def log_refused(store: Store, prefix: str, run_id: str, seen: int) -> int:
     for n in range(seen + 1, count + 1):
         note = store.get(f"{prefix}refused/{n}")
         try:
-            doc = json.loads(note or b"")
+            doc = json_loads(note or b"")
             who, what = str(doc["node"]), str(doc["program"])
         except (ValueError, KeyError, TypeError):
             who, what = "?", repr((note or b"")[:120])

@@ -27,6 +27,7 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
 
+from relaunch._json import loads as json_loads
 from relaunch.errors import RendezvousStateError, StoreTimeoutError
 from relaunch.rendezvous._ops import perform_requests
 from relaunch.rendezvous._places import JoinAck, assignment_of, successors
@@ -222,7 +223,7 @@ class RequestQueue:
             logger.warning("rendezvous request %s never written; skipped", key)
             return None
         try:
-            doc = json.loads(raw)
+            doc = json_loads(raw)
             version = doc.get("version") if isinstance(doc, dict) else None
             if version not in (1, REQUEST_VERSION) or isinstance(version, bool):
                 raise ValueError(f"not a request of version 1 or {REQUEST_VERSION}")

@@ -14,6 +14,7 @@ import math
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 
+from relaunch._json import loads as json_loads
 from relaunch.errors import StatusError
 
 __all__ = [
@@ -255,7 +256,7 @@ def _load(raw: bytes, key: str) -> object:
     if len(raw) > MAX_REPORT_BYTES:
         raise StatusError(f"{key}: {len(raw)} bytes, expected at most {MAX_REPORT_BYTES}")
     try:
-        return json.loads(raw)
+        return json_loads(raw)
     except ValueError as exc:
         raise StatusError(f"{key}: not JSON ({exc})") from exc
 

@@ -5,7 +5,6 @@ changed while calls run in other threads (a cluster whose members changed)."""
 from __future__ import annotations
 
 import base64
-import json
 import logging
 import math
 import threading
@@ -13,6 +12,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from relaunch._json import loads as json_loads
 from relaunch.errors import ConfigError, StoreClosedError, StoreConnectionError, StoreError
 
 __all__ = ["EtcdEndpoints", "first_kv", "kv_value"]
@@ -251,7 +251,7 @@ def _unavailable(status: int, text: str) -> bool:
     seen with 1,024 simulated nodes on one 3-member cluster; the call may have been
     applied, as after a timeout)."""
     try:
-        reply = json.loads(text)
+        reply = json_loads(text)
         code = reply.get("code") if isinstance(reply, dict) else None
     except ValueError:
         code = None

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import BinaryIO, Literal
 from urllib.parse import urlsplit
 
+from relaunch._json import loads as json_loads
 from relaunch.errors import ConfigError, StoreConnectionError
 
 __all__ = [
@@ -119,7 +120,7 @@ def _post_json(url: str, body: dict[str, object], timeout: float) -> dict[str, o
         url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
     )
     with urllib.request.urlopen(request, timeout=timeout) as reply:
-        doc = json.loads(reply.read(1 << 16))
+        doc = json_loads(reply.read(1 << 16))
     if not isinstance(doc, dict):
         raise ValueError(f"{url}: expected a JSON object, got {type(doc).__name__}")
     return doc

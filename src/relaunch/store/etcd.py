@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import json
 import logging
 import socket
 import threading
@@ -19,6 +18,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from relaunch._json import loads as json_loads
 from relaunch.errors import (
     StoreClosedError,
     StoreConnectionError,
@@ -312,7 +312,7 @@ class EtcdStore:
                 if not line:
                     continue
                 try:
-                    result = json.loads(line)["result"]
+                    result = json_loads(line)["result"]
                     if result.get("events"):
                         return True
                     if result.get("canceled"):

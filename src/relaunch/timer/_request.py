@@ -82,7 +82,10 @@ def parse_request(line: bytes | str) -> TimerRequest:
     Raises:
         ValueError: the line is not a version-1 request with valid fields.
     """
-    data: Any = json.loads(line)
+    try:
+        data: Any = json.loads(line)
+    except RecursionError:
+        raise ValueError("a JSON document nested too deeply") from None
     if not isinstance(data, dict):
         raise ValueError(f"expected a JSON object, got {type(data).__name__}")
     if data.get("version") != TIMER_REQUEST_VERSION:

@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterable
 from typing import Protocol
 
 from relaunch._contract import lost_key_of
+from relaunch._json import loads as json_loads
 from relaunch.inprocess._core._exceptions import BarrierTimeoutError, InternalError
 from relaunch.inprocess._core._logs import get_logger
 from relaunch.inprocess._core._records import Interruption, InterruptionRecord, decode_records
@@ -298,7 +299,7 @@ class CoordinationStore:
         doc = json.dumps({"version": 1, "ranks": sorted(ranks)})
         blob = self._decide(self.key(name), doc)
         try:
-            value = json.loads(blob)
+            value = json_loads(blob)
             return {int(r) for r in value["ranks"]}
         except (ValueError, KeyError, TypeError) as exc:
             raise InternalError(f"corrupt frozen rank set {blob!r}") from exc
@@ -340,7 +341,7 @@ class CoordinationStore:
         doc = json.dumps({"version": 1, "ranks": {str(r): i for r, i in sorted(admitted.items())}})
         blob = self._decide(self.it_key(iteration, "joined"), doc)
         try:
-            value = json.loads(blob)
+            value = json_loads(blob)
             if value.get("version") != 1:
                 raise ValueError("unknown version")
             return {int(r): int(i) for r, i in value["ranks"].items()}

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from relaunch._json import loads as json_loads
 from relaunch.inprocess._core._exceptions import RestartError
 from relaunch.inprocess._core._state import Mode, State
 
@@ -75,7 +76,7 @@ def encode_state(state: Any) -> bytes:
 
 def decode_state(raw: bytes, key: str) -> State:
     try:
-        doc = json.loads(raw)
+        doc = json_loads(raw)
         fields = dict(doc["state"])
         if doc.get("version") != _VERSION:
             raise ValueError(f"version {doc.get('version')!r}")
@@ -129,7 +130,7 @@ class StoreMixin:
         out = []
         for name, raw in zip(names, self.multi_get(names), strict=True):
             try:
-                out.append(_tuples(json.loads(raw)["key"]))
+                out.append(_tuples(json_loads(raw)["key"]))
             except (ValueError, KeyError, TypeError) as exc:
                 raise RestartError(f"{name}: not a key record: {raw[:120]!r}") from exc
         return out

@@ -9,6 +9,7 @@ import json
 import time
 from dataclasses import dataclass, field
 
+from relaunch._json import loads as json_loads
 from relaunch.inprocess._core._exceptions import InternalError
 
 __all__ = ["Interruption", "InterruptionRecord", "decode_records"]
@@ -72,7 +73,7 @@ class InterruptionRecord:
     def decode(cls, line: str) -> InterruptionRecord:
         """Parse one JSON line; raise :class:`InternalError` when it is not a record."""
         try:
-            doc = json.loads(line)
+            doc = json_loads(line)
             if not isinstance(doc, dict) or doc.get("version") != _VERSION:
                 raise ValueError(f"unknown record version in {line!r}")
             rank = doc["initial_rank"]

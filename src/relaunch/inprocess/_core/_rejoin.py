@@ -30,6 +30,7 @@ import time
 from collections.abc import Mapping
 
 from relaunch._contract import INCARNATION_ENV, JOIN_WAIT_ENV, PRELOAD_ENV, read_module_list
+from relaunch._json import loads as json_loads
 from relaunch.inprocess._core._coord import COMPLETE, CoordinationStore
 from relaunch.inprocess._core._exceptions import BarrierTimeoutError, InternalError
 from relaunch.inprocess._core._logs import get_logger
@@ -121,7 +122,7 @@ def encode_roster(roster: Mapping[int, State], incarnations: Mapping[int, int]) 
 def decode_roster(text: str) -> tuple[dict[int, State], dict[int, int]]:
     """Parse :func:`encode_roster`'s document; InternalError naming what is wrong."""
     try:
-        doc = json.loads(text)
+        doc = json_loads(text)
         if not isinstance(doc, dict) or doc.get("version") != _VERSION:
             raise ValueError("unknown roster version")
         roster: dict[int, State] = {}
