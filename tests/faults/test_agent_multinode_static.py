@@ -217,6 +217,65 @@ def test_sigterm_ends_an_agent_waiting_in_rendezvous(tmp_path: Path, backend: st
     assert agent.returncode == 128 + signal.SIGTERM, err
 
 
+DONE_FIRST = """
+import os, sys, time
+import torch.distributed as dist
+dist.init_process_group("gloo")
+if dist.get_rank() == 0:  # done at once: its node waits at the exit barrier
+    with open(os.path.join(sys.argv[1], "pid0"), "w") as f:
+        f.write(str(os.getpid()))
+    sys.exit(0)
+time.sleep(600)  # the other node's worker is still training
+"""
+
+
+@pytest.mark.timeout(120)
+def test_sigterm_ends_an_agent_waiting_at_the_exit_barrier(tmp_path: Path) -> None:
+    """Node 0's workers succeeded and it waits for node 1's at the exit barrier: a
+    SIGTERM (Ctrl-C, scancel) ends it now, with 128 + 15, not after node 1 or the
+    barrier's timeout (before, it waited them out and then exited 0)."""
+    script = tmp_path / "done_first.py"
+    script.write_text(DONE_FIRST)
+    port = free_port()
+    common = [
+        "--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=static",
+        "--master-addr=127.0.0.1", f"--master-port={port}", "--local-addr=127.0.0.1",
+        "--rdzv-id=barrier", "--no-warm-standby", "--exit-barrier-timeout=90",
+    ]  # fmt: skip
+    with contextlib.ExitStack() as stack:
+        nodes = [
+            stack.enter_context(subprocess.Popen(
+                [PY, "-m", "relaunch", *common, f"--node-rank={rank}", str(script),
+                 str(tmp_path)],
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            ))
+            for rank in range(2)
+        ]  # fmt: skip
+        try:
+            pid_file = tmp_path / "pid0"
+            deadline = time.monotonic() + 60
+            while not (pid_file.exists() and pid_file.read_text()):
+                assert time.monotonic() < deadline and nodes[0].poll() is None
+                time.sleep(0.05)
+            worker = int(pid_file.read_text())
+            while os.path.exists(f"/proc/{worker}"):  # (its agent reaps it)
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            time.sleep(1.0)  # its agent saw it exit and waits at the barrier
+            nodes[0].send_signal(signal.SIGTERM)
+            _, err = nodes[0].communicate(timeout=30)
+            assert nodes[0].returncode == 128 + signal.SIGTERM, err
+        finally:
+            for node in nodes:
+                if node.poll() is None:
+                    node.send_signal(signal.SIGTERM)
+                try:
+                    node.communicate(timeout=30)
+                except subprocess.TimeoutExpired:
+                    node.kill()
+                    node.communicate()
+
+
 def _catches(pid: int, sig: int) -> bool:
     """Whether process ``pid`` has a handler of its own for ``sig`` (``SigCgt``)."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from relaunch._endpoint import any_address, quiet_port
 from relaunch._json import loads as json_loads
+from relaunch.agent._spec import StopRequest
 from relaunch.errors import (
     FailureFormatError,
     ProcessFailure,
@@ -175,6 +176,9 @@ class BarrierEnd(enum.Enum):
     TIMED_OUT = "timed_out"
     """Not every node arrived within the timeout (or the store failed): the other nodes'
     outcome is unknown."""
+    STOPPED = "stopped"
+    """This agent was told to stop (a signal) while it waited: it stops now, not after
+    the other nodes or the timeout."""
 
 
 def exit_barrier(
@@ -234,17 +238,20 @@ def finish_round(
     info: RendezvousInfo | None,
     timeout: float,
     emit: Emit,
+    stop: StopRequest | None = None,
 ) -> BarrierEnd:
     """This node's workers succeeded: wait for the round's other nodes (the lost ones
     nobody replaced excepted); then the job is over: rank 0 closes the rendezvous, so
     spares still waiting in it learn that they are not needed. A node that leaves the
     round meanwhile (to restart it after a failure, or lost) ends the wait: the job
-    goes on, this node with it."""
+    goes on, this node with it; so does ``stop`` (a signal to this agent)."""
     if info is None:
         return BarrierEnd.PASSED
     tiers = handler if isinstance(handler, TieredMembership) else None
 
     def over() -> BarrierEnd | None:
+        if stop is not None and stop.signum is not None:
+            return BarrierEnd.STOPPED
         if handler.is_closed():
             return BarrierEnd.CLOSED
         return BarrierEnd.ROUND_ENDED if handler.round_ended() else None

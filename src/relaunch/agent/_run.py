@@ -274,13 +274,13 @@ class AgentRun:
         self._group.state = WorkerState.SUCCEEDED
         self._emit(events.WorkersSucceeded(attempt=self._attempt, after_return=notes))
         timeout = self._spec.exit_barrier_timeout
-        end = finish_round(self._handler, self._info, timeout, self._emit)
+        end = finish_round(self._handler, self._info, timeout, self._emit, self._stop)
         if end is BarrierEnd.ROUND_ENDED:  # the job goes on: this node too
             self._emit(events.RoundReopened())
             self._restart()
             return None
-        if end is BarrierEnd.CLOSED:
-            return self._job_closed()
+        if end in (BarrierEnd.CLOSED, BarrierEnd.STOPPED):  # (STOPPED: a signal to the agent)
+            return self._job_closed() if end is BarrierEnd.CLOSED else self._stopped()
         note = barrier_note(self._info, timeout) if end is BarrierEnd.TIMED_OUT else None
         values = return_values(self._spec, self._group.workers, self._slots())
         return RunResult(state=WorkerState.SUCCEEDED, return_values=values, reason=note)
