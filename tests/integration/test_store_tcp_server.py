@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -641,3 +642,103 @@ def test_a_large_value_read_by_many_slow_clients_is_held_once(server: TCPStoreSe
     finally:
         for sock in socks:
             sock.close()
+
+
+class _SplittingProxy:
+    """Between one client and the server: passes the bytes both ways, except that once
+    armed (``head``, ``reply``) it passes the ``head`` bytes of the client's next request
+    and holds the rest until :meth:`release` (a request that reaches the server in two
+    pieces); ``answered`` is set once ``reply`` bytes came back for that head."""
+
+    def __init__(self, server_port: int) -> None:
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = int(self._listener.getsockname()[1])
+        self._server_port = server_port
+        self._lock = threading.Lock()
+        self._head: int | None = None
+        self._held = bytearray()
+        self._reply = 0
+        self.answered = threading.Event()
+        self._socks: list[socket.socket] = []
+        self._threads = [threading.Thread(target=self._accept, name="test-proxy")]
+        self._threads[0].start()
+
+    def _accept(self) -> None:
+        client, _ = self._listener.accept()
+        upstream = socket.create_connection(("127.0.0.1", self._server_port), timeout=10)
+        self._socks += [client, upstream]
+        for name, target in (("up", self._up), ("down", self._down)):
+            t = threading.Thread(target=target, args=(client, upstream), name=f"test-proxy-{name}")
+            self._threads.append(t)
+            t.start()
+
+    def _up(self, client: socket.socket, upstream: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := client.recv(65536):
+                with self._lock:
+                    if self._head is not None:  # (the whole request comes in one piece here)
+                        upstream.sendall(data[: self._head])
+                        self._held += data[self._head :]
+                        self._head = 0
+                        continue
+                    if self._held:  # (held: what follows waits behind it)
+                        self._held += data
+                        continue
+                upstream.sendall(data)
+
+    def _down(self, client: socket.socket, upstream: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := upstream.recv(65536):
+                client.sendall(data)
+                with self._lock:
+                    self._reply -= len(data)
+                    if self._reply <= 0 and self._head == 0:
+                        self.answered.set()
+
+    def arm(self, head: int, reply: int) -> None:
+        with self._lock:
+            self._head, self._reply = head, reply
+
+    def release(self) -> None:
+        with self._lock:
+            self._head = None
+            held, self._held = bytes(self._held), bytearray()
+            self._socks[1].sendall(held)
+
+    def close(self) -> None:
+        self._listener.close()
+        for sock in self._socks:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+        for t in self._threads:
+            t.join(10)
+
+
+def test_a_compare_and_set_that_another_write_cut_into_is_not_written(
+    server: TCPStoreServer,
+) -> None:
+    """The server runs each command once it has it whole: a compare-and-set that comes
+    in two pieces (a big state's) can have another client's write run between its GET
+    and its COMPARE_SET, which then fails. It says so (it said written: the rendezvous
+    published a round, or acked joins, that the state never held)."""
+    proxy = _SplittingProxy(server.port)
+    mine = TCPStoreClient("127.0.0.1", proxy.port, timeout=10)
+    other = TCPStoreClient("127.0.0.1", server.port, timeout=10)
+    try:
+        mine.set("state", b"old")
+        key = b"/state"
+        head = bytes([wire.Query.CHECK]) + wire.pack_u64(1) + wire.pack_bytes(key)
+        head += bytes([wire.Query.GET]) + wire.pack_bytes(key)
+        proxy.arm(len(head), reply=1 + 8 + len(b"old"))  # CHECK's answer, GET's
+        with ThreadPoolExecutor(1, thread_name_prefix="test-cas") as pool:
+            cas = pool.submit(mine.compare_set, "state", b"old", b"mine")
+            assert proxy.answered.wait(10)  # its CHECK and GET ran
+            assert other.compare_set("state", b"old", b"other") == (b"other", True)
+            proxy.release()
+            assert cas.result(timeout=10) == (b"other", False)
+        assert other.get("state") == b"other"
+    finally:
+        mine.close()
+        other.close()
+        proxy.close()

@@ -167,23 +167,28 @@ class TCPStoreClient:
         """
         k = self._key(key)
         want = b"" if expected is None else bytes(expected)
+        data = self._value(key, desired)
         request = b"".join(
             [
                 keys_request(wire.Query.CHECK, [k]),
                 one_key(wire.Query.GET, k),
                 one_key(wire.Query.COMPARE_SET, k),
                 wire.pack_bytes(want),
-                wire.pack_bytes(self._value(key, desired)),
+                wire.pack_bytes(data),
             ]
         )
 
         def parse(conn: Connection) -> tuple[bytes, bool]:
+            # the server runs each command once it has it whole: a request that comes in
+            # more than one piece (a big state's) may have another client's write run
+            # between its GET and its COMPARE_SET. Written: the key matched before, and
+            # holds this call's value after
             existed = conn.u8(self._timeout) == wire.CheckResponse.READY
             before = conn.blob(self._timeout)
             after = conn.blob(self._timeout)
-            if not existed:
-                return (after, True) if not want else (b"", False)
-            return after, before == want
+            if not existed and want:
+                return b"", False
+            return after, (before == want or not existed) and after == data
 
         return self._call(request, parse)
 
