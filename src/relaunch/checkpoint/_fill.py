@@ -237,7 +237,16 @@ class Filler:
             self._pool = ThreadPoolExecutor(
                 self._threads, thread_name_prefix="relaunch-snapshot-fill"
             )
-        tasks = [self._pool.submit(fn, item) for item in items]
+        tasks = []
+        try:
+            for item in items:
+                tasks.append(self._pool.submit(fn, item))
+        except RuntimeError:
+            # the interpreter is shutting down (a script that ends with a save in
+            # flight): its pools take no more tasks before the atexit hook that waits
+            # for this save runs; the rest is done here, or the last step is lost
+            done = [task.result() for task in tasks]
+            return done + [fn(item) for item in items[len(tasks) :]]
         try:
             return [task.result() for task in tasks]
         finally:
