@@ -76,7 +76,11 @@ OPTS: dict[str, Opt] = {
                          "after which it is declared hung and the group restarts (0: off)."),
     "snapshot_dir": Opt(None, "Where this node keeps its ranks' relaunch.checkpoint snapshots "
                          "(default: a new folder under /dev/shm, removed when the job ends)."),
-    "snapshot_keep": Opt("2", "Snapshots each rank keeps, newest first."),
+    "snapshot_keep": Opt(
+        "2",
+        "Snapshots each rank keeps, newest first; at least 2 (the ranks complete a save "
+        "at different moments: a fault between them restores the one before it).",
+    ),
     "snapshot_limit": Opt(None, "Most bytes this node's snapshots may take, e.g. 16G "
                            "(default: half the file system that holds them)."),
     "checkpoint_dir": Opt(None, "Shared storage that receives copies of the snapshots in the "

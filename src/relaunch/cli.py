@@ -281,7 +281,7 @@ def parse_args(argv: Sequence[str] | None = None) -> LaunchConfig:
         status_host=_check_host(values, "status_host") or "127.0.0.1",
         log_line_prefix_template=_template(values),
         snapshot_dir=_check_dir(values, "snapshot_dir"),
-        snapshot_keep=values.integer("snapshot_keep", 1),
+        snapshot_keep=values.integer("snapshot_keep", 2),
         snapshot_limit=values.parsed("snapshot_limit", _parse.parse_bytes)
         if values.given("snapshot_limit") else None,
         checkpoint_dir=_check_dir(values, "checkpoint_dir"),

@@ -272,7 +272,7 @@ class LaunchConfig:
         _check_text("status_host", self.status_host)
         _check_text("watchdog_file", self.watchdog_file, optional=True)
         _check_text("snapshot_dir", self.snapshot_dir, optional=True)
-        _check_int("snapshot_keep", self.snapshot_keep, 1)
+        _check_int("snapshot_keep", self.snapshot_keep, 2)
         if self.snapshot_limit is not None:
             _check_int("snapshot_limit", self.snapshot_limit, 1)
         _check_text("checkpoint_dir", self.checkpoint_dir, optional=True)

@@ -220,6 +220,7 @@ def test_log_line_prefix_template_from_torchelastic_env(
         (["--rdzv-backend", "zk"], "--rdzv-backend: expected one of static, c10d, etcd, got 'zk'"),
         (["--monitor-interval", "nan"], "--monitor-interval: expected a finite number > 0"),
         (["--hang-timeout", "-1"], "--hang-timeout: expected a finite number >= 0"),
+        (["--snapshot-keep", "1"], "--snapshot-keep: expected an integer >= 2, got '1'"),
         (["--hang_timeout", "soon"], "--hang_timeout: expected a finite number >= 0"),
         (["--nnodes", "2", "--node-rank", "2"], "--node-rank: expected a rank below"),
         (["--nnodes", "1:2"], "--nnodes: expected N (the static backend"),

@@ -168,7 +168,7 @@ def _where_from_env(env: Any) -> Any:
         job=job,
         rank=_int(env, "RANK", "0", 0),
         world_size=_int(env, "WORLD_SIZE", "1", 1),
-        keep=_int(env, layout.ENV_KEEP, "2", 1),
+        keep=_int(env, layout.ENV_KEEP, "2", 2),
         limit=_int(env, layout.ENV_LIMIT, "0", 0) or None,
         durable=os.path.join(durable, layout.safe_job(job)) if durable else None,
         agent=_agent(env.get(layout.ENV_AGENT)),

@@ -11,8 +11,7 @@ where it is reused: the writer keeps its mappings from one save to the next
 (``_mapped``), and after each save it locks the file that the next save will reuse (the
 oldest snapshot kept), off the training thread; a reused file not locked yet (a
 restarted worker's first save, into a snapshot of its last life) is locked by ``save``.
-A new file (the first saves of a job, ``--snapshot-keep 1``, a retiring file an agent is
-copying) gets the pinned buffer: locking it would mean faulting in all its pages on the
+A new file (the first saves of a job, a retiring file an agent is copying) gets the pinned buffer: locking it would mean faulting in all its pages on the
 training thread first. Only tmpfs (/dev/shm) is tried: the kernel refuses long-term
 pins of a disk file system's pages (and the failed call leaves an error for the next
 kernel launch); a directory on disk, or a refusal, gets the pinned buffer from then on.
