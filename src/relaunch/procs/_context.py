@@ -19,6 +19,7 @@ from relaunch.procs._logs import TeeTailer, TeeTarget
 from relaunch.procs._standby import Standby
 from relaunch.procs._sys import (
     descendants,
+    is_live,
     is_stopped,
     kill_group,
     members,
@@ -308,9 +309,15 @@ class WorkerProcesses:
         for _, fd in self._pidfds:  # not waited on from here
             os.close(fd)
         self._pidfds = []
-        sessions = {p.pid for p in self._procs.values()} | set(self._retired)
-        strays = {d for pid in sessions for d in descendants(pid)}
         live = [p for p in self._procs.values() if p.poll() is None]
+        running = {p.pid for p in live}
+        # The pid of a worker that exited may be another process's now: its session's
+        # members are looked for only while no live process has that pid (a session
+        # with members holds its number), and its descendants not at all (they were
+        # handed to this agent, or to init)
+        gone = ({p.pid for p in self._procs.values()} | set(self._retired)) - running
+        sessions = running | {pid for pid in gone if not is_live(pid)}
+        strays = {d for pid in running for d in descendants(pid)}
         for proc in live:
             # A stopped process cannot act on SIGTERM: no grace for it.
             kill_group(proc.pid, signal.SIGKILL if is_stopped(proc.pid) else sig)

@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 __all__ = [
     "descendants",
+    "is_live",
     "is_stopped",
     "kill_group",
     "members",
@@ -150,6 +151,17 @@ def descendants(pid: int) -> list[int]:
         found.append(child)
         todo.extend(children.get(child, []))
     return found
+
+
+def is_live(pid: int) -> bool:
+    """Whether a process that has not exited has ``pid`` (a zombie has exited)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    state = stat[stat.rfind(b")") + 2 :][:1]
+    return state not in (b"Z", b"X", b"")
 
 
 def members(sessions: set[int]) -> list[int]:
