@@ -202,3 +202,42 @@ def test_forked_workers_die_with_the_server(tmp_path: Path) -> None:
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(pytest.main([__file__]))
+
+
+SLEEPS = """
+import time
+time.sleep(60)
+"""
+
+
+def test_a_refusal_leaves_the_workers_already_forked_running(tmp_path: Path) -> None:
+    """The fork server refuses a fork (a replacement for a lost in-process rank, after
+    its preload started a thread): the workers it forked before keep running until the
+    attempt's workers are stopped (closing it then killed them: they have it as their
+    parent-death parent, and an in-process recovery became a group restart)."""
+    from relaunch.agent._forking import NodeForkServer
+
+    said: list[object] = []
+    node = NodeForkServer(
+        modules_file=str(tmp_path / "modules.txt"), log_dir=str(tmp_path), delay=0.0,
+        emit=said.append,
+    )  # fmt: skip
+    node.prewarm(env=dict(os.environ), modules=["json"])
+    server = node.usable()
+    assert server is not None
+    wait_for(lambda: (server.pump(0.05), server.ready)[1])
+    entry, specs = job(tmp_path, SLEEPS, n=1)
+    procs = WorkerProcesses(entry, specs, fork_server=server)
+    try:
+        procs.start()
+        assert procs.forked == [0]
+        node.refused("a thread was started")
+        assert node.usable() is None  # the next workers start fresh
+        assert procs.poll() == {0: None}  # (it died with the server at once)
+        (pid,) = procs.pids().values()
+        assert process_state(pid) not in (None, "Z")
+    finally:
+        procs.close(grace=5.0)
+        node.workers_stopped()
+    assert not server.alive()
+    node.close()

@@ -38,6 +38,9 @@ class NodeForkServer:
         self._server: ForkServer | None = None
         self._refused: str | None = None
         self._ready = False
+        self._retired: ForkServer | None = None
+        """A server that refused a fork: kept until the workers it forked are stopped
+        (they die with it: its forked children have it as their parent-death parent)."""
 
     def usable(self) -> ForkServer | None:
         """The server to fork this attempt's workers from, if one runs."""
@@ -104,9 +107,16 @@ class NodeForkServer:
             reason,
         )
         self._emit(ForkServerRefused(reason=reason))
-        self.close()
+        self._retired, self._server = self._server, None
+
+    def workers_stopped(self) -> None:
+        """The attempt's workers were stopped: a server that refused a fork may go now."""
+        retired, self._retired = self._retired, None
+        if retired is not None:
+            retired.close()
 
     def close(self) -> None:
+        self.workers_stopped()
         server, self._server = self._server, None
         if server is not None:
             server.close()

@@ -250,6 +250,7 @@ class NodeWorkers:
         if procs is None:
             return
         codes = procs.close(sig, grace=self._spec.stop_grace)
+        self._forking.workers_stopped()
         if self._timer is not None:
             for pid in procs.pids().values():
                 self._timer.clear_pid(pid)
