@@ -74,6 +74,11 @@ def test_a_live_target_and_a_wrong_address_are_never_reported(
         line.watch(Target("nobody", "127.0.0.1", _closed_port()))
         with pytest.raises(queue.Empty):
             lost.get(timeout=0.5)
+        # nor a name the resolver refuses (a label over 63 characters: UnicodeError,
+        # which ended the lifeline's thread: no loss was reported from then on)
+        line.watch(Target("odd", "a" * 70 + ".example", 1))
+        with pytest.raises(queue.Empty):
+            lost.get(timeout=0.5)
         line.watch(Target("live", *live.address))
         with pytest.raises(queue.Empty):
             lost.get(timeout=0.5)

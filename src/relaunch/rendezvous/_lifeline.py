@@ -232,7 +232,7 @@ def _connect(target: Target) -> socket.socket | type[OSError]:
         sock = socket.create_connection((target.host, target.port), timeout=_CHECK_TIMEOUT)
     except ConnectionRefusedError:
         return ConnectionRefusedError
-    except OSError:
+    except (OSError, UnicodeError):  # (a name idna refuses: a label over 63 characters)
         return OSError
     sock.setblocking(False)
     return sock
