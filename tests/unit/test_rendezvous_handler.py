@@ -835,3 +835,28 @@ def test_on_a_store_with_leases_the_steward_reads_the_state_when_a_lease_key_goe
         victim._shut = True  # its store is shared: do not leave on its behalf
         shut(*hs[:2])
         store.close()
+
+
+def test_the_steward_writes_an_epoch_key_a_lost_writer_left_out(store: MemoryStore) -> None:
+    """A writer lost between its compare-and-set and its ``epoch/<n>`` key: the nodes
+    that wait on that key saw no later change until their next rendezvous. The steward,
+    as it reads the state, writes the keys missing up to its epoch."""
+    from relaunch.rendezvous._backend import StateBackend
+    from relaunch.rendezvous._state import RendezvousState
+
+    settings = RendezvousSettings(run_id="job", min_nodes=1, max_nodes=1)
+    backend = StateBackend(store, settings, clock=lambda: 1000.0)
+    store.set(backend.epoch_key(1), b"1")
+    store.set(backend.epoch_key(3), b"1")
+    assert backend.fill_epochs(RendezvousState(run_id="job", epoch=3)) == [2]
+    assert store.get(backend.epoch_key(2)) == b"1"
+    assert backend.fill_epochs(RendezvousState(run_id="job", epoch=3)) == []
+    assert backend.fill_epochs(RendezvousState(run_id="job", epoch=5)) == [4, 5]
+    # through a node's keep-alive: it is the steward of its one-node job
+    h = make(store, 1, 1)
+    h.next_rendezvous()
+    epoch = json.loads(store.get("relaunch/rdzv/job/state") or b"{}")["epoch"]
+    assert epoch >= 1
+    store.delete(f"relaunch/rdzv/job/epoch/{epoch}")
+    until(lambda: store.get(f"relaunch/rdzv/job/epoch/{epoch}") is not None)
+    shut(h)

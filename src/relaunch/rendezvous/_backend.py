@@ -43,7 +43,7 @@ from relaunch.rendezvous._ops import needs_wake, remove_dead
 from relaunch.rendezvous._places import Assignment, assignment_of, successors
 from relaunch.rendezvous._settings import RendezvousSettings
 from relaunch.rendezvous._state import RendezvousState, decode_state, encode_state
-from relaunch.store import Store, set_many
+from relaunch.store import Store, get_many, set_many
 
 __all__ = ["StateBackend", "key_prefix"]
 
@@ -53,6 +53,10 @@ logger = logging.getLogger(__name__)
 def key_prefix(run_id: str) -> str:
     """Where the rendezvous of ``run_id`` keeps its keys."""
     return f"relaunch/rdzv/{run_id}/"
+
+
+FILL_BACK = 16
+"""Epochs a new steward looks back over for a missing ``epoch/<n>`` key."""
 
 
 class StateBackend:
@@ -70,6 +74,8 @@ class StateBackend:
         self.prefix = key_prefix(settings.run_id)
         self.state_key = self.prefix + "state"
         self.liveness = Liveness(store, self.prefix, settings, clock)
+        self._epochs_filled = 0
+        """The epoch up to which :meth:`fill_epochs` found every ``epoch/<n>`` key."""
 
     def announce(self, node: str) -> None:
         """Write ``node``'s liveness keys where they come before it joins (a lease's)."""
@@ -98,6 +104,25 @@ class StateBackend:
 
     def epoch_key(self, epoch: int) -> str:
         return f"{self.prefix}epoch/{epoch}"
+
+    def fill_epochs(self, state: RendezvousState) -> list[int]:
+        """Write the ``epoch/<n>`` keys up to ``state``'s epoch that are missing (the
+        steward's, after it read the state); the epochs filled. A writer lost between
+        its compare-and-set and that key left one out, and the nodes waiting on it saw
+        no later change until their next rendezvous (a reopened round missed, workers
+        hung in a collective). Reads the keys of the epochs since its last call only
+        (none at idle), the last :data:`FILL_BACK` at its first."""
+        top = state.epoch
+        first = max(self._epochs_filled + 1, top - FILL_BACK + 1, 1)
+        if first > top:
+            return []
+        keys = [self.epoch_key(n) for n in range(first, top + 1)]
+        missing = [key for key, raw in zip(keys, get_many(self.store, keys), strict=True)
+                   if raw is None]  # fmt: skip
+        if missing:
+            set_many(self.store, dict.fromkeys(missing, b"1"))
+        self._epochs_filled = top
+        return [first + keys.index(key) for key in missing]
 
     def _decode(self, raw: bytes) -> RendezvousState:
         return decode_state(

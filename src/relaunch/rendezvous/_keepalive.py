@@ -211,6 +211,10 @@ class KeepAlive:
         self._corrupt.ok()
         if steward:
             rdzv.liveness.report_corrupt(None)
+            filled = rdzv.fill_epochs(state)
+            if filled:
+                logger.warning("rendezvous %s: epoch keys %s were missing (a writer lost "
+                               "after its write): written", state.run_id, filled)  # fmt: skip
         if alive is not None and not alive.issuperset(state.last_heartbeats):
             # a node placed since ``alive`` was read has a younger key: read them again,
             # and the state again next beat
