@@ -8,13 +8,16 @@ that is taken costs one warning, never the job.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import socket
 import threading
 import time
 import urllib.parse
 from collections.abc import Callable, Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
 
 from relaunch.errors import RelaunchError
 from relaunch.status._board import escape
@@ -127,10 +130,43 @@ def _summary_json(doc: Mapping[str, object]) -> bytes:
     return json.dumps(summarize(as_document(doc)), indent=1).encode()
 
 
+_Request = socket.socket | tuple[bytes, socket.socket]
+
+
 class _Server(ThreadingHTTPServer):
     daemon_threads = False
-    block_on_close = True  # close() joins the request threads
+    block_on_close = True  # close() joins the request threads, once their connections end
     cache: _Cache
+
+    def __init__(self, address: tuple[str, int], handler: type[_Handler]) -> None:
+        self._open: set[socket.socket] = set()
+        self._open_lock = threading.Lock()
+        super().__init__(address, handler)
+
+    def process_request(self, request: _Request, client_address: Any) -> None:
+        if isinstance(request, socket.socket):
+            with self._open_lock:
+                self._open.add(request)
+        super().process_request(request, client_address)
+
+    def shutdown_request(self, request: _Request) -> None:
+        if isinstance(request, socket.socket):
+            with self._open_lock:
+                self._open.discard(request)
+        super().shutdown_request(request)
+
+    def end_connections(self) -> None:
+        """End every connection still open: a client that sends a byte every few seconds
+        and never ends its request held its thread, and so the agent's exit, for good."""
+        with self._open_lock:
+            open_now = list(self._open)
+        for conn in open_now:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+
+
+class _Server6(_Server):
+    address_family = socket.AF_INET6
 
 
 class StatusServer:
@@ -149,7 +185,8 @@ class StatusServer:
     def start(self) -> bool:
         """Listen; False (and one warning) when the address cannot be bound."""
         try:
-            server = _Server(self._address, _Handler)
+            v6 = ":" in self._address[0]  # (an IPv6 host: the page on IPv6)
+            server = (_Server6 if v6 else _Server)(self._address, _Handler)
         except OSError as exc:
             host, port = self._address
             log.warning("status page not served: cannot listen on %s:%s (%s)", host, port, exc)
@@ -170,6 +207,7 @@ class StatusServer:
         if server is None:
             return
         server.shutdown()
+        server.end_connections()
         server.server_close()
         if self._thread is not None:
             self._thread.join(timeout)
