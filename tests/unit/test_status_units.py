@@ -35,6 +35,7 @@ from relaunch.status import (
     job_document,
     render_html,
     render_metrics,
+    render_text,
 )
 
 SCHEMA = json.loads((Path(__file__).parents[2] / "docs" / "status.schema.json").read_text())
@@ -245,3 +246,26 @@ def test_the_snapshots_show_in_the_document_the_views_and_the_metrics() -> None:
     back = decode_report(json.dumps(old).encode(), key="k")
     assert back.restores == 0 and all(w.snapshot is None for w in back.workers)
     assert job_document(state, {"a_1_0": back}, backend="c10d", now=1.0)["snapshots"] is None
+
+
+def test_a_report_s_text_is_shown_not_read_as_markup() -> None:
+    """``relaunch status`` draws the nodes' reports with rich: a host named ``[/]`` made
+    it fail (MarkupError), and ``[link=...]`` printed a terminal escape sequence."""
+    import io
+
+    from rich.console import Console
+
+    board, _ = board_after_a_failure()
+    rows = [WorkerRow(local_rank=0, rank=0, pid=21, state="running", iteration=2, active=True)]
+    state = RendezvousState(
+        run_id="job", round=1, complete=True, participants={"a_1_0": 0, "b_2_0": 1}
+    )
+    doc = job_document(state, {"a_1_0": board.report(rows)}, backend="c10d", now=100.0)
+    nodes = doc["nodes"]
+    assert isinstance(nodes, list)
+    nodes[0]["host"], nodes[1]["host"] = "[/]", "[link=http://x]a[/link]"
+    out = io.StringIO()
+    Console(file=out, width=200, force_terminal=True).print(render_text(doc))
+    said = out.getvalue()
+    assert "[/]" in said and "[link=http://x]a[/link]" in said
+    assert "\x1b]8" not in said  # no hyperlink escape

@@ -111,17 +111,19 @@ def _tables(job: JobDocument) -> tuple[Table, Table]:
         workers.add_column(column)
     for row in job["nodes"]:
         report = row["report"]
-        nodes.add_row(
+        cells = (
             "-" if row["rank"] is None else str(row["rank"]),
-            row["role"],
+            escape(row["role"]),
             escape(row["host"] or "?"),
             escape(row["addr"]),
             _age(row["heartbeat_age"]),
             escape("?" if report is None else report["state"]),
             "-" if report is None else str(report["attempt"]),
         )
+        # Text, not str: a report's "[/]" or "[link=...]" is shown, not read as markup
+        nodes.add_row(*map(Text, cells))
         for w in () if report is None else report["workers"]:
-            workers.add_row(*_worker_cells(w, escape(row["host"] or row["addr"])))
+            workers.add_row(*map(Text, _worker_cells(w, escape(row["host"] or row["addr"]))))
     return nodes, workers
 
 
