@@ -125,6 +125,10 @@ def test_a_report_round_trips_and_stays_bounded() -> None:
         ({"workers": [{"local_rank": -1}]}, "workers[0].local_rank"),
         ({"faults": {"meteor": 1}}, "faults"),
         ({"updated": None}, "updated"),
+        # numbers the page and /metrics cannot draw: a date past the year 9999, an int
+        # no float holds (the page got no answer; /metrics failed)
+        ({"updated": 1e17}, "updated"),
+        ({"restarts": 10**309}, "restarts"),
     ],
 )
 def test_a_corrupt_report_is_refused_naming_the_field(

@@ -10,7 +10,6 @@ decoding is strict: a record that is not what this module writes is a
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 
@@ -144,6 +143,21 @@ def encode_report(report: NodeReport) -> bytes:
         doc[key] = doc[key][len(doc[key]) // 4 + 1 :] if key == "timeline" else doc[key][:-1]
 
 
+_MOST_INT = 2**53
+"""The largest integer a report holds (a float holds it exactly: /metrics' values)."""
+_MOST_NUMBER = 1e11
+"""The largest number (seconds: a time up to the year 5138, a duration): what the page
+and ``relaunch status`` turn into a date without failing."""
+
+
+def _bounded(value: object) -> float | None:
+    """``value`` as a float when it is a number within :data:`_MOST_NUMBER` (NaN, the
+    infinities and an int too big for a float are not)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value) if -_MOST_NUMBER <= value <= _MOST_NUMBER else None
+
+
 class _Reader:
     """Checks one JSON object's fields; every refusal names the key and the field."""
 
@@ -161,23 +175,24 @@ class _Reader:
 
     def integer(self, name: str, *, low: int = 0) -> int:
         value = self.doc.get(name)
-        if isinstance(value, int) and not isinstance(value, bool) and value >= low:
+        if isinstance(value, int) and not isinstance(value, bool) and low <= value <= _MOST_INT:
             return value
-        raise self.fail(name, f"an integer >= {low}")
+        raise self.fail(name, f"an integer in {low}..2**53")
 
     def optional_integer(self, name: str, *, low: int = 0) -> int | None:
         value = self.doc.get(name)
         if value is None:
             return None
-        if isinstance(value, int) and not isinstance(value, bool) and value >= low:
+        if isinstance(value, int) and not isinstance(value, bool) and low <= value <= _MOST_INT:
             return value
-        raise self.fail(name, f"an integer >= {low} or null")
+        raise self.fail(name, f"an integer in {low}..2**53 or null")
 
     def number(self, name: str) -> float:
         value = self.doc.get(name)
-        if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
-            return float(value)
-        raise self.fail(name, "a finite number")
+        number = _bounded(value)
+        if number is not None:
+            return number
+        raise self.fail(name, f"a number within +-{_MOST_NUMBER:.0e}")
 
     def text(self, name: str) -> str:
         value = self.doc.get(name)
