@@ -90,6 +90,9 @@ def test_json_round_trip(tmp_path: Path) -> None:
         lambda d: d.update(exitcode=True),
         lambda d: d.update(traceback=3),
         lambda d: d.update(error_file_data=[]),
+        lambda d: d.update(timestamp=1700000000000),  # milliseconds: no date to show
+        lambda d: d.update(time=10**400),  # a float cannot hold it
+        lambda d: d.update(time=float("nan")),
     ],
 )
 def test_from_json_is_strict(mutate: object) -> None:

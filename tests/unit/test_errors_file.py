@@ -145,3 +145,18 @@ def test_named_pipe_or_device_is_unreadable_not_a_hang(tmp_path: Path) -> None:
     os.mkfifo(pipe)
     assert _problem(str(pipe)).kind is ProblemKind.UNREADABLE
     assert _problem("/dev/zero").kind is ProblemKind.UNREADABLE
+
+
+def test_times_out_of_range_are_left_out_and_huge_numbers_are_refused(tmp_path: Path) -> None:
+    """A timestamp in milliseconds (its date out of range failed the failure's report,
+    in place of the summary), a huge ``relaunch_time`` (an OverflowError), an int of
+    5,000 digits (json's ValueError, past the handler): the record is read without the
+    time, or refused as malformed; read_error_file never raises."""
+    data = json.loads(json.dumps(TORCH_LAYOUT))
+    data["message"]["extraInfo"]["timestamp"] = "1700000000000"
+    data["message"]["extraInfo"]["relaunch_time"] = 10**400
+    result = read_error_file(_write(tmp_path, json.dumps(data)))
+    assert isinstance(result, ErrorRecord)
+    assert (result.timestamp, result.time, result.message) == (None, None, "ValueError: boom")
+    result = read_error_file(_write(tmp_path, '{"message": "x", "timestamp": ' + "9" * 5000 + "}"))
+    assert isinstance(result, ErrorFileProblem)

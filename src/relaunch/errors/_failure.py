@@ -11,7 +11,13 @@ from datetime import datetime
 from typing import Any, cast
 
 from relaunch.errors._exceptions import WorkerError
-from relaunch.errors._file import NOT_AVAILABLE, ErrorFileProblem, ProblemKind, read_error_file
+from relaunch.errors._file import (
+    LATEST,
+    NOT_AVAILABLE,
+    ErrorFileProblem,
+    ProblemKind,
+    read_error_file,
+)
 
 __all__ = ["FailureFormatError", "ProcessFailure"]
 
@@ -168,6 +174,11 @@ class ProcessFailure:
                 expected = " or ".join(t.__name__ for t in types)
                 raise FailureFormatError(
                     f"failure record field {name!r} must be {expected}, got {value!r:.80}"
+                )
+            if name in ("timestamp", "time") and not 0 <= cast(float, value) <= LATEST:
+                raise FailureFormatError(
+                    f"failure record field {name!r} must be seconds since 1970 (at most "
+                    f"{LATEST:.0e}), got {value!r:.80}"
                 )
             if name == "time":
                 value = float(cast(float, value))

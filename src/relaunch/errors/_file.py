@@ -34,6 +34,7 @@ from relaunch._contract import ERROR_FILE_ENV, error_record
 
 __all__ = [
     "ERROR_FILE_ENV",
+    "LATEST",
     "NOT_AVAILABLE",
     "ErrorFileProblem",
     "ErrorRecord",
@@ -160,7 +161,7 @@ def read_error_file(path: str) -> ErrorRecord | ErrorFileProblem:
         return ErrorFileProblem(path=path, kind=ProblemKind.EMPTY, detail=f"{len(raw)} bytes")
     try:
         data = json.loads(stripped)
-    except (json.JSONDecodeError, RecursionError) as exc:
+    except (ValueError, RecursionError) as exc:  # (ValueError: an int of 4,300+ digits)
         kind = ProblemKind.NOT_JSON
         extra = isinstance(exc, json.JSONDecodeError) and exc.msg == "Extra data"
         if stripped.startswith("{") and not stripped.endswith("}") and not extra:
@@ -199,8 +200,8 @@ def _parse(data: Any) -> ErrorRecord:
     callstack = extra.get("py_callstack")
     if callstack is not None and not isinstance(callstack, str):
         raise ValueError('"message.extraInfo.py_callstack" must be a string')
-    precise = extra.get("relaunch_time")
-    if not _is_number(precise):
+    precise: Any = extra.get("relaunch_time")
+    if not (_is_number(precise) and 0 <= precise <= LATEST):
         precise = None
     if "errorCode" in message:
         code = message["errorCode"]
@@ -217,6 +218,11 @@ def _parse(data: Any) -> ErrorRecord:
     )
 
 
+LATEST = 1e11
+"""The latest time an error file's times may say, in seconds (the year 5138): a time
+past it (milliseconds, a huge number) is left out of the record."""
+
+
 def _is_number(value: Any) -> bool:
     if isinstance(value, bool):
         return False
@@ -224,13 +230,16 @@ def _is_number(value: Any) -> bool:
 
 
 def _timestamp(value: Any) -> int | None:
+    """Seconds since 1970, or None where the value is none or past :data:`LATEST` (a
+    time in milliseconds: its date, out of range, failed the failure's report)."""
     if value is None:
         return None
+    seconds: float | None = None
     if _is_number(value):
-        return int(value)
-    if isinstance(value, str):
-        try:
-            return int(value.strip())
-        except ValueError:
-            pass
-    raise ValueError(f"timestamp must be an integer or a string of digits, got {value!r}")
+        seconds = value
+    elif isinstance(value, str):
+        with contextlib.suppress(ValueError):
+            seconds = int(value.strip())
+    if seconds is None:
+        raise ValueError(f"timestamp must be an integer or a string of digits, got {value!r}")
+    return int(seconds) if 0 <= seconds <= LATEST else None
