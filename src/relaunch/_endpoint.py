@@ -7,6 +7,7 @@ backends (which connect to it); a leaf module, importing nothing of relaunch but
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import random
 import re
@@ -57,13 +58,15 @@ def split_endpoint(
         port_text = rest[1:] if rest else None
     elif stripped.count(":") == 1:
         host, _, port_text = stripped.partition(":")
-    else:
+    elif _is_ip(stripped) or not _is_ip(stripped.rpartition(":")[0]):
         host = stripped  # a name, an IPv4 address, or a bare IPv6 address
+    else:  # an IPv6 address and a port, unbracketed (fe80::1:29500: no address itself)
+        host, _, port_text = stripped.rpartition(":")
     if port_text is None:
         if default_port is None:
             raise error
         port = default_port
-    elif port_text.isdigit() and min_port <= int(port_text) <= 65535:
+    elif port_text.isascii() and port_text.isdigit() and min_port <= int(port_text) <= 65535:
         port = int(port_text)
     else:
         raise error
@@ -158,3 +161,11 @@ def quiet_port(address: str, spare: int = 0, tries: int = 200) -> int:
     with socket.socket(family_of(address), socket.SOCK_STREAM) as probe:
         probe.bind((address, 0))
         return int(probe.getsockname()[1])
+
+
+def _is_ip(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True

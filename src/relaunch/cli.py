@@ -43,7 +43,8 @@ def _check_host(values: Values, dest: str) -> str | None:
     host = values.text(dest)
     if host is not None and not re.fullmatch(r"\[[\w.:-]+\]|[\w.:-]+", host.strip()):
         values.fail(dest, "a host name or IP address (IPv6 in brackets)")
-    return None if host is None else host.strip()
+    # the host itself: "[::1]" is "::1" (the brackets went on again where a port joins it)
+    return None if host is None else host.strip().removeprefix("[").removesuffix("]")
 
 
 def _nproc(values: Values) -> int | str:

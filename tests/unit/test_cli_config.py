@@ -160,7 +160,11 @@ def test_parse_endpoint() -> None:
     assert parse_endpoint("10.0.0.1:0", None) == "10.0.0.1:0"
     assert parse_endpoint("[::1]", 5) == "[::1]:5"
     assert parse_endpoint("[fe80::1]:7", None) == "[fe80::1]:7"
-    for bad in ("h", "h:", "h:70000", "h:x", "[::1", "[::1]x", "a b:1", ":1", "[::1]"):
+    # an IPv6 address and a port, unbracketed: the port after the last colon when the
+    # whole is no address (torchrun reads it so); an address that is one stays whole
+    assert parse_endpoint("fe80::1:29500", 5) == "[fe80::1]:29500"
+    assert parse_endpoint("fe80::1:2950", 5) == "[fe80::1:2950]:5"
+    for bad in ("h", "h:", "h:70000", "h:x", "[::1", "[::1]x", "a b:1", ":1", "[::1]", "h:²"):
         with pytest.raises(ConfigError, match=r"^--rdzv-endpoint: expected HOST:PORT"):
             parse_endpoint(bad, None)
 

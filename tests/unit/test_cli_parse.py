@@ -127,6 +127,10 @@ def test_c10d_and_etcd_endpoints_get_default_ports(script: str) -> None:
     assert config.rendezvous_parameters().node_rank is None
     config = parse_args(["--rdzv-backend", "c10d", "--rdzv-endpoint", "[::1]", script])
     assert config.rdzv_endpoint == "[::1]:29400"
+    # a bracketed --master-addr, as the refusal of a bare one asks (it came out as
+    # '[[::1]]:29500' and was refused, naming --rdzv-endpoint)
+    config = parse_args(["--nnodes", "2", "--master-addr", "[::1]", "--node-rank", "0", script])
+    assert (config.rdzv_endpoint, config.master_addr) == ("[::1]:29500", "::1")
     argv = ["--rdzv_backend", "etcd", "--rdzv_endpoint", "10.0.0.1,10.0.0.2:2380"]
     config = parse_args([*argv, script])
     assert config.rdzv_endpoint == "10.0.0.1:2379,10.0.0.2:2380"
