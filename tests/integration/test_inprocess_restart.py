@@ -177,6 +177,20 @@ def test_exception_restarts_all_ranks_in_process() -> None:
         assert_clean(rank)
 
 
+def test_a_rank_that_comes_late_to_the_first_barrier_is_not_declared_missing() -> None:
+    # rank 1 enters the wrapper 6 s after rank 0 (heartbeat timeout 3 s): the initial
+    # barrier waits for it; rank 0's monitor judged its heartbeat from the start and
+    # declared it missing, and the job ran on without it (NVIDIA's judges heartbeats
+    # once past that barrier)
+    ranks = run_job(2, [], env={"IPX_LATE": "1:6"})
+    report = _report(ranks)
+    for rank in ranks:
+        assert rank.proc.returncode == 0, report
+        assert starts(rank) == [(0, rank.initial, 2)], report
+        assert rank.of("return")[0]["value"] == f"value-{rank.initial}", report
+        assert_clean(rank)
+
+
 @pytest.mark.timeout(90)
 def test_a_silent_call_without_hang_protection_is_not_a_hang() -> None:
     # soft 2 s, hard 4 s: a 5 s sleep inside disable_hang_protection() on every rank

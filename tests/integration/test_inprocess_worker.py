@@ -131,6 +131,9 @@ def main() -> None:
         _emit(event="done", iteration=it, rank=rank, initial=initial)
         return f"value-{initial}"
 
+    late = os.environ.get("IPX_LATE", "")  # "RANK:SECONDS": that rank comes late
+    if late and int(late.split(":")[0]) == initial:
+        time.sleep(float(late.split(":")[1]))
     try:
         value = train()
     except inprocess.RestartError as exc:

@@ -82,6 +82,7 @@ def _enter(call: RankCall, roster: dict[int, State]) -> None:
     call.state = state
     state.set_distributed_vars()
     call.shared.iteration = state.iteration
+    call.shared.started = 1
     doc = _rejoin.encode_roster(roster, call.coord.incarnations)
     call.coord.publish_roster(state.iteration, doc)
 

@@ -267,7 +267,8 @@ class _Loop:
                 self.coord.heartbeat(self.s.initial_rank)
                 self.last_beat = time.monotonic()
             self._check_progress()
-            self._check_others()
+            if self.shared.started:  # (a rank that comes late to the initial barrier is
+                self._check_others()  # not missing: the barrier waits for it)
 
     def _record_death(self) -> None:
         """The rank's process ended: record it dead, unless it left normally."""

@@ -35,6 +35,7 @@ _SLOTS = {
     "iteration": "q",
     "stop": "q",
     "killed": "q",
+    "started": "q",
 }
 """The shared fields, in their order, and their ``struct`` format (8 bytes each)."""
 _SIZE = 8 * len(_SLOTS)
@@ -65,6 +66,11 @@ class SharedProgress:
     iteration: int = _slot("iteration", "The iteration a death of this rank is recorded in.")
     stop: int = _slot("stop", "1 when the rank leaves normally: the monitor process exits.")
     killed: int = _slot("killed", "1 once the monitor process killed the rank for a hard timeout.")
+    started: int = _slot(
+        "started",
+        "1 once the rank has its first roster (past the initial barrier, or admitted): its "
+        "monitor process judges the other ranks' heartbeats from then on, as NVIDIA's does.",
+    )
 
     def __init__(self) -> None:
         self._map = mmap.mmap(-1, _SIZE, flags=mmap.MAP_SHARED)
