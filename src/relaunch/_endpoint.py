@@ -20,6 +20,7 @@ __all__ = [
     "C10D_PORT",
     "ETCD_PORT",
     "any_address",
+    "is_ip",
     "join_endpoint",
     "own_address",
     "port_free",
@@ -58,7 +59,7 @@ def split_endpoint(
         port_text = rest[1:] if rest else None
     elif stripped.count(":") == 1:
         host, _, port_text = stripped.partition(":")
-    elif _is_ip(stripped) or not _is_ip(stripped.rpartition(":")[0]):
+    elif is_ip(stripped) or not is_ip(stripped.rpartition(":")[0]):
         host = stripped  # a name, an IPv4 address, or a bare IPv6 address
     else:  # an IPv6 address and a port, unbracketed (fe80::1:29500: no address itself)
         host, _, port_text = stripped.rpartition(":")
@@ -163,7 +164,8 @@ def quiet_port(address: str, spare: int = 0, tries: int = 200) -> int:
         return int(probe.getsockname()[1])
 
 
-def _is_ip(text: str) -> bool:
+def is_ip(text: str) -> bool:
+    """Whether ``text`` is an IPv4 or IPv6 address literal."""
     try:
         ipaddress.ip_address(text)
     except ValueError:

@@ -17,7 +17,6 @@ port (:meth:`Lifeline.close` comes last), so its watcher finds nothing to report
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import logging
 import selectors
@@ -26,7 +25,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from relaunch._endpoint import family_of
+from relaunch._endpoint import family_of, is_ip
 from relaunch._json import loads as json_loads
 
 __all__ = ["Lifeline", "Target", "decode_address", "encode_address"]
@@ -100,7 +99,7 @@ class Lifeline:
         """Listen (on ``host`` when it is an IP address, else on every address) and
         start the thread; OSError when it cannot listen."""
         family = family_of(self._host)
-        bind = self._host if _is_ip(self._host) else "::" if family == socket.AF_INET6 else ""
+        bind = self._host if is_ip(self._host) else "::" if family == socket.AF_INET6 else ""
         listener = socket.socket(family, socket.SOCK_STREAM)
         try:
             listener.bind((bind, 0))
@@ -236,11 +235,3 @@ def _connect(target: Target) -> socket.socket | type[OSError]:
         return OSError
     sock.setblocking(False)
     return sock
-
-
-def _is_ip(host: str) -> bool:
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    return True

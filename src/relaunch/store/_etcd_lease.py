@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from relaunch.errors import StoreClosedError, StoreError
+from relaunch.store._etcd_http import first_kv
 
 __all__ = ["OwnLease"]
 
@@ -29,15 +30,18 @@ _LEASE_NOT_FOUND = "requested lease not found"
 """etcd's error for a write under a lease it no longer knows (gRPC NOT_FOUND)."""
 
 Post = Callable[[str, dict[str, Any]], dict[str, Any]]
+PostSent = Callable[[str, dict[str, Any]], tuple[dict[str, Any], bool]]
+"""A call, and whether it was sent more than once (a member may have applied it)."""
 
 
 class OwnLease:
     """The lease of one store (``post``: its JSON calls). Thread-safe."""
 
-    def __init__(self, post: Post, patience: float) -> None:
+    def __init__(self, post: Post, patience: float, post_sent: PostSent) -> None:
         """``patience``: the seconds a write keeps taking new leases while each one
         expires before the write reaches etcd (the store's timeout)."""
         self._post = post
+        self._post_sent = post_sent
         self._patience = patience
         self._lock = threading.Lock()
         self._id: int | None = None
@@ -57,6 +61,35 @@ class OwnLease:
 
     def _write(self, key: str, value: str, lease: int) -> dict[str, Any]:
         return self._post("/kv/put", {"key": key, "value": value, "lease": str(lease)})
+
+    def claim(self, key: str, value: str, ttl: float) -> bool:
+        """Create ``key`` (base64) holding ``value`` (base64) under the lease unless it
+        exists; whether this call created it (not written again after etcd dropped
+        the lease: another node may hold it by then). A call sent again after a member
+        applied it and did not answer finds the key there: this call's when it holds
+        ``value`` under this lease."""
+        sent: list[tuple[int, bool]] = []  # (the lease, whether the call was sent again)
+
+        def create(lease: int) -> dict[str, Any]:
+            put = {"key": key, "value": value, "lease": str(lease)}
+            absent = {"key": key, "result": "EQUAL", "target": "CREATE", "create_revision": "0"}
+            failure = [{"request_range": {"key": key}}]
+            body = {"compare": [absent], "success": [{"request_put": put}], "failure": failure}
+            reply, resent = self._post_sent("/kv/txn", body)
+            sent.append((lease, resent))
+            return reply
+
+        reply = self.under(ttl, create)
+        if reply.get("succeeded", False):
+            return True
+        lease, resent = sent[-1]
+        kv = first_kv(((reply.get("responses") or [{}])[0]).get("response_range", {}))
+        return (
+            resent
+            and kv is not None
+            and kv.get("value") == value
+            and (kv.get("lease") == str(lease))
+        )
 
     def forget(self, key: str) -> None:
         """``key`` (base64) was deleted: it is not written again."""

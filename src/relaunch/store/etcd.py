@@ -91,7 +91,7 @@ class EtcdStore:
         self._timeout = self._http.timeout
         self._prefix = prefix
         self._lock = threading.Lock()
-        self._lease = OwnLease(self._http.post, self._timeout)
+        self._lease = OwnLease(self._http.post, self._timeout, self._http.post_sent)
         self._streams: set[Any] = set()
         """The watch streams in flight: :meth:`close` ends them (their threads wake)."""
         self._closing = False
@@ -353,31 +353,7 @@ class EtcdStore:
         member applied it and did not answer finds the key there: it is this call's
         when it holds ``value`` under this store's lease (a lock its node would
         otherwise hold, unknowing, for as long as it lives)."""
-        full, data = self._key(key), _b64(value)
-        sent: list[tuple[int, bool]] = []  # (the lease, whether the call was sent again)
-
-        def create(lease: int) -> dict[str, Any]:
-            put = {"key": full, "value": data, "lease": str(lease)}
-            absent = {"key": full, "result": "EQUAL", "target": "CREATE",
-                      "create_revision": "0"}  # fmt: skip
-            reply, resent = self._http.post_sent(
-                "/kv/txn",
-                {
-                    "compare": [absent],
-                    "success": [{"request_put": put}],
-                    "failure": [{"request_range": {"key": full}}],
-                },
-            )
-            sent.append((lease, resent))
-            return reply
-
-        reply = self._lease.under(ttl, create)
-        if reply.get("succeeded", False):
-            return True
-        lease, resent = sent[-1]
-        kv = first_kv(((reply.get("responses") or [{}])[0]).get("response_range", {}))
-        ours = kv is not None and kv.get("value") == data and kv.get("lease") == str(lease)
-        return resent and ours
+        return self._lease.claim(self._key(key), _b64(value), ttl)
 
     def keys_with_prefix(self, prefix: str) -> list[str]:
         """The keys that start with ``prefix`` (one range request)."""
