@@ -71,3 +71,10 @@ def test_a_rank_of_a_peer_s_listing_is_an_ascii_number() -> None:
     listing = '{"v": 1, "ok": true, "version": 1, "ranks": {"\\u00b2": []}}'
     with pytest.raises(wire.WireError, match="expected a rank number"):
         wire.decode_listing(listing.encode())
+
+
+def test_an_integer_too_long_to_convert_is_malformed_json() -> None:
+    with pytest.raises(json.JSONDecodeError, match="4300 digits"):
+        loads(b"1" * 5000)
+    with pytest.raises(ValueError, match="not JSON"):  # (the lifeline's own refusal)
+        decode_address(b'{"v": 1, "host": "a", "port": ' + b"1" * 5000 + b"}")
