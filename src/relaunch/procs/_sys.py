@@ -155,13 +155,7 @@ def descendants(pid: int) -> list[int]:
 
 def is_live(pid: int) -> bool:
     """Whether a process that has not exited has ``pid`` (a zombie has exited)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return False
-    state = stat[stat.rfind(b")") + 2 :][:1]
-    return state not in (b"Z", b"X", b"")
+    return process_state(pid) not in (None, "Z", "X")
 
 
 def members(sessions: set[int]) -> list[int]:
