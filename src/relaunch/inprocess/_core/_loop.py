@@ -93,6 +93,13 @@ def _first_roster(call: RankCall) -> dict[int, State] | None:
     me, timeout = call.state.initial_rank, call.config.seconds("barrier_timeout")
     size = call.state.initial_world_size
     if call.incarnation > 0:
+        if call.exchanged:
+            # an assignment that exchanged states through the store (Tree) takes no
+            # replacement in; asking, it restarted its peers' iteration again and
+            # again (its join record) until its barrier timed out
+            log.warning("rank %s: a replacement is not admitted with the rank assignment "
+                        "%s: it ends", me, type(call.config.rank_assignment).__name__)  # fmt: skip
+            return None
         _rejoin.preload()  # ready before it asks: its peers must not wait for imports
         roster = _rejoin.wait_for_admission(call.coord, me, call.incarnation, timeout, POLL)
         if roster is not None:
