@@ -191,6 +191,36 @@ def test_a_rank_that_comes_late_to_the_first_barrier_is_not_declared_missing() -
         assert_clean(rank)
 
 
+def test_a_completion_barrier_that_times_out_restarts_every_rank() -> None:
+    # rank 1 lingers 5 s after its last collective (hang protection off), rank 0 waits
+    # at the completion barrier for 2 s: an interruption, as NVIDIA's, and both ranks
+    # run the next iteration (rank 0 left the job with BarrierTimeoutError, and rank 1
+    # went on alone)
+    fault = {"iteration": 0, "rank": 1, "kind": "unprotected", "step": "end"}
+    ranks = run_job(2, [fault], wrapper={"completion_timeout": 2})
+    report = _report(ranks)
+    for rank in ranks:
+        assert rank.proc.returncode == 0, report
+        assert starts(rank) == [(0, rank.initial, 2), (1, rank.initial, 2)], report
+        assert rank.of("return")[0]["value"] == f"value-{rank.initial}", report
+        assert_clean(rank)
+
+
+def test_an_assignment_of_the_user_s_is_called_by_each_rank_for_itself_with_the_store() -> None:
+    # as NVIDIA's wrapper calls it: it had the store as None (and raised), and every
+    # rank's answer came from each process's own call
+    ranks = run_job(2, [{"iteration": 0, "rank": 1, "kind": "exception", "step": 2}],
+                    env={"IPX_CUSTOM": "1"})  # fmt: skip
+    report = _report(ranks)
+    for rank in ranks:
+        assert rank.proc.returncode == 0, report
+        assert starts(rank) == [(0, rank.initial, 2), (1, rank.initial, 2)], report
+        calls = rank.of("assign")
+        assert calls and {(c["pid"], c["rank"]) for c in calls} == {
+            (rank.proc.pid, rank.initial)
+        }, report
+
+
 @pytest.mark.timeout(90)
 def test_a_silent_call_without_hang_protection_is_not_a_hang() -> None:
     # soft 2 s, hard 4 s: a 5 s sleep inside disable_hang_protection() on every rank

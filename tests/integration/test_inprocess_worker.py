@@ -91,6 +91,16 @@ def main() -> None:
                          key_or_fn=lambda s: f"host{s.initial_rank // per_host}"),
             ]
         )  # fmt: skip
+    if os.environ.get("IPX_CUSTOM"):  # an assignment of the user's: NVIDIA calls it so
+        ra = inprocess.rank_assignment
+
+        class Mine(ra.RankAssignment):
+            def __call__(self, ctx):  # type: ignore[no-untyped-def]
+                assert ctx.store is not None, "called without the store"
+                _emit(event="assign", pid=os.getpid(), rank=ctx.state.initial_rank)
+                return ra.ShiftRanks()(ctx)
+
+        kwargs["rank_assignment"] = Mine()
     if "max_active_world_size" in params:
         kwargs["rank_filter"] = inprocess.MaxActiveWorldSize(params["max_active_world_size"])
     if os.environ.get("IPX_UNHEALTHY"):
@@ -125,6 +135,9 @@ def main() -> None:
             assert int(tensor.item()) == world, (tensor, world)
             call_wrapper.ping()
             time.sleep(0.01)
+        for fault in mine:  # ("step": "end": after the last collective, before returning)
+            if fault.get("step") == "end":
+                _inject(fault["kind"], call_wrapper)
         if os.environ.get("IPX_REPORT_GLOO"):
             _report_gloo_timeouts(call_wrapper, dist.group.WORLD._get_backend(torch.device("cpu")))
         dist.destroy_process_group()

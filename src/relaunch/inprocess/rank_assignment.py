@@ -7,9 +7,10 @@ A :class:`RankAssignment` is called with a :class:`RankAssignmentCtx` (this rank
 were terminated) and returns it with the new state; a rank that has no place raises
 :class:`RankDiscarded`. Assignments compose with :class:`~relaunch.inprocess.Compose`
 (the last one runs first): the default is ``Compose(ActivateAllRanks(), ShiftRanks())``.
-The pure ones (everything but :class:`Tree` and :class:`FilterCountGroupedByKey`,
+The pure ones (relaunch's own but :class:`Tree` and :class:`FilterCountGroupedByKey`,
 which exchange data through the store) give every rank the same answer from the same
-inputs.
+inputs; every rank computes them for every rank. An assignment of your own is called
+as NVIDIA's wrapper calls it: by each rank for itself, with the store.
 """
 
 from __future__ import annotations
@@ -186,5 +187,16 @@ def _iter_instances(assignment: Any) -> Iterator[Any]:
 
 
 def uses_store(assignment: Any) -> bool:
-    """Whether an assignment exchanges data with the other ranks through the store."""
-    return any(isinstance(a, Tree | FilterCountGroupedByKey) for a in _iter_instances(assignment))
+    """Whether each rank calls the assignment for itself, with the store: ``Tree`` and
+    ``FilterCountGroupedByKey`` exchange data through it, and one of the user's may
+    (or may decide from this process's own facts, as under NVIDIA's wrapper); only
+    relaunch's pure ones are computed by every rank for every rank (they had the
+    store as None, and one of the user's every rank's answer from one process)."""
+    return any(
+        not hasattr(a, "instances") and type(a) not in _PURE for a in _iter_instances(assignment)
+    )
+
+
+_PURE = (ActivateAllRanks, MaxActiveWorldSize, ActiveWorldSizeDivisibleBy, ShiftRanks, FillGaps)
+"""relaunch's assignments that decide from the ranks' states alone (exact types: a
+subclass of the user's may do more)."""

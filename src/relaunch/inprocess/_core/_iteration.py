@@ -13,7 +13,11 @@ from typing import Any
 from relaunch.inprocess._core import _params, _sockets
 from relaunch.inprocess._core._call import POLL, RankCall
 from relaunch.inprocess._core._env import announce_to_agent, terminate_self
-from relaunch.inprocess._core._exceptions import RankShouldRestart, TimeoutError
+from relaunch.inprocess._core._exceptions import (
+    BarrierTimeoutError,
+    RankShouldRestart,
+    TimeoutError,
+)
 from relaunch.inprocess._core._groups import release_frames, reset_group_names
 from relaunch.inprocess._core._logs import get_logger
 from relaunch.inprocess._core._monitor_thread import MonitorThread
@@ -85,8 +89,18 @@ def run_iteration(
             coord.record_interrupted(it, record)
         return IterationEnd(completed=False, value=called.value)
     call.groups.release()  # the function's frame is gone: so are its DDP reducers
-    completion = cfg.seconds("completion_timeout")
-    return IterationEnd(coord.completion(it, me, active, completion, POLL), called.value)
+    try:
+        done = coord.completion(it, me, active, cfg.seconds("completion_timeout"), POLL)
+    except BarrierTimeoutError as exc:
+        # NVIDIA's: an interruption, every rank restarts (this one with them), not a
+        # leave of this rank (the others then went on without it)
+        log.warning("rank %s: iteration %s: %s: restarting", me, it, exc)
+        record = InterruptionRecord(
+            initial_rank=me, interruption=Interruption.EXCEPTION, message=repr(exc)
+        )
+        coord.record_interrupted(it, record)
+        return IterationEnd(completed=False, value=exc)
+    return IterationEnd(done, called.value)
 
 
 def _watched_call(
