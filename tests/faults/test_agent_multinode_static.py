@@ -38,19 +38,36 @@ dist.destroy_process_group()
 """
 
 
+def start_nodes(
+    stack: contextlib.ExitStack, common: list[str], script: Path, out_dir: Path,
+    env: dict[str, str], count: int,
+) -> list[subprocess.Popen[str]]:  # fmt: skip
+    """Start node ranks 0 .. count-1 (each reaped as ``stack`` closes)."""
+    return [
+        stack.enter_context(subprocess.Popen(
+            [PY, "-m", "relaunch", *common, f"--node-rank={rank}", str(script), str(out_dir)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        ))
+        for rank in range(count)
+    ]  # fmt: skip
+
+
+def static_flags(nnodes: int, port: int, run_id: str) -> list[str]:
+    """A static job of ``nnodes`` nodes of one worker each on loopback, no standby."""
+    return [
+        f"--nnodes={nnodes}", "--nproc-per-node=1", "--rdzv-backend=static",
+        "--master-addr=127.0.0.1", f"--master-port={port}", "--local-addr=127.0.0.1",
+        f"--rdzv-id={run_id}", "--no-warm-standby",
+    ]  # fmt: skip
+
+
 def run_nodes(
     common: list[str], script: Path, out_dir: Path, env: dict[str, str], count: int = 2
 ) -> list[tuple[int, str, str]]:
     """Run node ranks 0 .. count-1 to the end; (exit code, stdout, stderr) of each. Reaps
     them all; a node still running after 140 s fails the test with its threads' stacks."""
     with contextlib.ExitStack() as stack:
-        nodes = [
-            stack.enter_context(subprocess.Popen(
-                [PY, "-m", "relaunch", *common, f"--node-rank={rank}", str(script), str(out_dir)],
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-            ))
-            for rank in range(count)
-        ]  # fmt: skip
+        nodes = start_nodes(stack, common, script, out_dir, env, count)
         results = []
         try:
             for node in nodes:
@@ -168,12 +185,7 @@ def test_a_give_up_while_a_node_waits_at_the_barrier_stops_the_others(tmp_path: 
     # from seeing the job closed); node 0 ends too.
     script = tmp_path / "gives_up.py"
     script.write_text(textwrap.dedent(GIVES_UP_AS_ONE_ENDS))
-    port = free_port()
-    common = [
-        "--nnodes=3", "--nproc-per-node=1", "--rdzv-backend=static",
-        "--master-addr=127.0.0.1", f"--master-port={port}", "--max-restarts=0",
-        "--local-addr=127.0.0.1", "--rdzv-id=job3", "--no-warm-standby",
-    ]  # fmt: skip
+    common = [*static_flags(3, free_port(), "job3"), "--max-restarts=0"]
     results = run_nodes(common, script, tmp_path, dict(os.environ), count=3)
     reports = [err for _, _, err in results]
     assert [code for code, _, _ in results] == [1, 1, 1], reports
@@ -236,21 +248,9 @@ def test_sigterm_ends_an_agent_waiting_at_the_exit_barrier(tmp_path: Path) -> No
     barrier's timeout (before, it waited them out and then exited 0)."""
     script = tmp_path / "done_first.py"
     script.write_text(DONE_FIRST)
-    port = free_port()
-    common = [
-        "--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=static",
-        "--master-addr=127.0.0.1", f"--master-port={port}", "--local-addr=127.0.0.1",
-        "--rdzv-id=barrier", "--no-warm-standby", "--exit-barrier-timeout=90",
-    ]  # fmt: skip
+    common = [*static_flags(2, free_port(), "barrier"), "--exit-barrier-timeout=90"]
     with contextlib.ExitStack() as stack:
-        nodes = [
-            stack.enter_context(subprocess.Popen(
-                [PY, "-m", "relaunch", *common, f"--node-rank={rank}", str(script),
-                 str(tmp_path)],
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            ))
-            for rank in range(2)
-        ]  # fmt: skip
+        nodes = start_nodes(stack, common, script, tmp_path, dict(os.environ), 2)
         try:
             pid_file = tmp_path / "pid0"
             deadline = time.monotonic() + 60
