@@ -33,6 +33,10 @@ from relaunch.rendezvous.registry import create_handler
 
 NODE = r"""
 import json, os, select, sys, time
+skew = float(os.environ.get("CLOCK_SKEW", "0"))  # this host's clock is off by that much
+if skew:
+    real_time = time.time
+    time.time = lambda: real_time() + skew
 from relaunch.rendezvous.api import RendezvousParameters
 from relaunch.rendezvous.registry import create_handler
 from relaunch.errors import RelaunchError
@@ -74,6 +78,7 @@ class Node:
         *,
         stderr: bool = False,
         return_delay: float = 0.0,
+        clock_skew: float = 0.0,
     ) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, "-c", NODE, endpoint, str(lo), str(hi), conf],
@@ -81,7 +86,7 @@ class Node:
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE if stderr else None,
             start_new_session=True,
-            env={**os.environ, "RETURN_DELAY": str(return_delay)},
+            env={**os.environ, "RETURN_DELAY": str(return_delay), "CLOCK_SKEW": str(clock_skew)},
         )
         assert self.next(timeout=60)["event"] == "ready"
 
@@ -225,6 +230,31 @@ def test_killed_node_survivors_continue_smaller(nodes: list[Node], store: str) -
     assert sorted(r["rank"] for r in survivors) == [0, 1]
     for node in reversed(nodes[:2]):
         node.exit()
+
+
+@pytest.mark.parametrize("lost", [1, 2])  # the node whose clock is ahead; behind
+def test_nodes_whose_clocks_differ_keep_their_round_and_a_silent_one_is_dropped(
+    nodes: list[Node], lost: int
+) -> None:
+    # three hosts whose clocks are 5 s apart (one 5 s ahead, one 5 s behind: NTP not
+    # running on them): no live node is taken for dead (a heartbeat was compared with
+    # the reader's clock, and the one behind was dead at its every beat: its round
+    # started again and again), and a node that goes silent (SIGSTOP: no beat, its
+    # connections open, as a machine that hangs) is dropped after the dead-node delay
+    # whatever its clock (the one ahead was alive 5 s longer)
+    endpoint = f"127.0.0.1:{free_port()}"
+    conf = CONF + ",store_members=0"  # (1 s dead-node delay)
+    nodes += [Node(endpoint, 2, 3, conf, clock_skew=skew) for skew in (0.0, 5.0, -5.0)]
+    assert {(r["round"], r["world"]) for r in (n.next() for n in nodes)} == {(0, 3)}
+    # 3 s: three dead-node delays, fifteen looks of the steward, and no node says more
+    assert select.select([n.proc.stdout for n in nodes], [], [], 3.0)[0] == []
+    os.killpg(nodes[lost].proc.pid, signal.SIGSTOP)
+    survivors = [n for i, n in enumerate(nodes) if i != lost]
+    rounds = [n.next(timeout=30) for n in survivors]
+    assert {(r["round"], r["world"]) for r in rounds} == {(1, 2)}
+    nodes[lost].kill()
+    for node in reversed(survivors):
+        assert node.exit() == {"event": "bye", "ok": True}
 
 
 def test_spare_takes_lost_nodes_place(nodes: list[Node]) -> None:

@@ -129,7 +129,6 @@ class StateBackend:
             raw,
             key=self.state_key,
             run_id=self.settings.run_id,
-            now=self.clock(),
             max_nodes=self.settings.max_nodes,
         )
 

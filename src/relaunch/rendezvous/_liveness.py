@@ -6,9 +6,16 @@ Keys, under ``relaunch/rdzv/<run_id>/``:
     The node's heartbeat: its wall-clock time in milliseconds, written by the node
     itself every keep-alive interval (one small write; the shared state is not
     rewritten), and first by the applier of its join request, before it places it.
-    A node whose heartbeat is older than the dead-node delay is dead. A leaving node
-    stops beating and dates its heartbeat once, so that it is alive until its leave's
-    deadline (:meth:`Liveness.leaving`). On a store with leases (etcd) the node's
+    A node whose heartbeat has not changed for the dead-node delay, by the reader's
+    own clock, is dead: the time in it is only credited to a value the reader sees
+    for the first time, up to the dead-node delay less two intervals (so a live node's
+    next beat always comes in time), so that no skew between the hosts' clocks makes
+    a live node dead (compared with the reader's clock, a heartbeat from a host whose
+    clock is 2 s behind was dead when written; one from a host whose clock ran an
+    hour ahead was alive for an hour once its node was lost). A leaving node stops
+    beating and writes its heartbeat once more as ``<ms>+<ms>``: the time, and how
+    long it stays alive from then (until its leave's deadline, a span: no clock is
+    compared; :meth:`Liveness.leaving`). On a store with leases (etcd) the node's
     ``alive/<node>`` key, under its lease, decides instead (etcd's clock, no skew
     between hosts), and the heartbeat, written every 5 s there (:data:`STATUS_BEAT`),
     only tells ``relaunch status`` how recent the node is.
@@ -21,12 +28,15 @@ Keys, under ``relaunch/rdzv/<run_id>/``:
     the dead, and rewrites its key every half dead-node delay (at once when its report
     changes); every other node reads this key (one small read), learns from it that
     the state is corrupt (and valid again), and takes the role over by compare-and-set
-    once it is older than the dead-node delay (its holder stopped beating). So finding
+    once it has not changed for the dead-node delay by the reader's clock (its holder
+    stopped beating; the time in it is not compared with the reader's clock: a holder
+    whose clock ran ahead would have held the role for that much longer once lost). So finding
     dead nodes costs the store O(N) per interval in total, not O(N) per node. Where the
     store has leases (etcd), a node reads the key only when it may be overdue (the time
     in it plus the dead-node delay, by its own clock at most): every half to whole
     dead-node delay, not every interval (most of the embedded store's calls at idle
-    were these reads); it takes the role over as soon as before, and hears of a
+    were these reads: it reads once the key it read last may have stood unchanged for
+    the dead-node delay); it takes the role over as soon as before, and hears of a
     corrupt state up to a dead-node delay later (of its end every interval, as before:
     a node that heard of one reads the key every interval until the key says the state
     is valid). The holder there rewrites its key without reading it first.
@@ -74,6 +84,11 @@ class Liveness:
         self._quiet_until = -math.inf
         """Before then another node's steward key cannot be overdue (stores with leases:
         this node does not read it until then)."""
+        self._seen: dict[str, tuple[bytes, float, float]] = {}
+        """Each node's heartbeat as this node last read it, since when it has been so,
+        and when this node read it (this node's clock)."""
+        self._steward_seen: tuple[bytes | None, float] = (None, -math.inf)
+        """The steward key as this node last read it, and since when (its clock)."""
 
     def hb_key(self, node: str) -> str:
         return f"{self._prefix}hb/{node}"
@@ -122,28 +137,57 @@ class Liveness:
 
     def leaving(self, node: str, until: float) -> None:
         """``node`` stopped beating to leave by ``until`` (its leave's deadline): its
-        heartbeat is dated so that it stays alive until then, one write for the whole
-        leave. Nothing where the store has leases (its client keeps its lease)."""
+        heartbeat says how long it stays alive from now (until then), one write for
+        the whole leave. Nothing where the store has leases (its client keeps its lease)."""
         if not has_leases(self.store):
-            self.store.set(self.hb_key(node), _millis(until - self._settings.dead_after))
+            now = self._clock()
+            span = _millis(max(until - now, 0.0))
+            self.store.set(self.hb_key(node), _millis(now) + b"+" + span)
 
     def forget(self, node: str) -> None:
         """``node`` left: its heartbeat goes with it."""
         self.store.delete(self.hb_key(node))
 
-    def heartbeats(self, nodes: Iterable[str]) -> dict[str, float]:
-        """The heartbeat times (seconds) of ``nodes`` that have one (one round trip
-        where the store reads many keys at once)."""
-        wanted = list(nodes)
-        return heartbeat_times(wanted, get_many(self.store, [self.hb_key(n) for n in wanted]))
-
     def alive(self, nodes: Iterable[str]) -> set[str]:
         """Those of ``nodes`` that are alive: their lease's key is there (etcd), else
-        their heartbeat is younger than the dead-node delay."""
+        their heartbeat changed within the dead-node delay (:meth:`beating`)."""
         if has_leases(self.store):
             return set(self.everyone_alive() & set(nodes))
-        limit = self._clock() - self._settings.dead_after
-        return {n for n, t in self.heartbeats(nodes).items() if t >= limit}
+        return self.beating(nodes, self._settings.dead_after)
+
+    def beating(self, nodes: Iterable[str], within: float) -> set[str]:
+        """Those of ``nodes`` whose heartbeat is there and changed within ``within``
+        seconds, by this node's clock (one read of the keys). A new value counts as
+        changed when the time in it says, by this node's clock, but not later than now,
+        nor earlier than this node's last read of the key (it changed since), nor than
+        ``within`` less two of the node's beats (a live node, whatever its clock, beats
+        again before it would be dead); a leaving node's counts as changed its span
+        less ``within`` from now (it is alive for that span)."""
+        wanted = list(nodes)
+        raws = get_many(self.store, [self.hb_key(n) for n in wanted])
+        now = self._clock()
+        credit = max(0.0, within - 2 * self.beat_every)
+        found = set()
+        for node, raw in zip(wanted, raws, strict=True):
+            beat = None if raw is None else _parse_beat(raw)
+            if raw is None or beat is None:  # none, or not a heartbeat: never written
+                self._seen.pop(node, None)
+                continue
+            seen = self._seen.get(node)
+            if seen is not None and seen[0] == raw:
+                since = seen[1]
+            else:
+                written, span = beat
+                age = min(max(now - written, 0.0), credit) if span is None else within - span
+                if seen is not None and span is None:
+                    age = min(age, max(now - seen[2], 0.0))
+                since = now - age
+            self._seen[node] = raw, since, now
+            if now - since <= within:
+                found.add(node)
+        if len(self._seen) > 2 * len(wanted) + 1024:  # nodes long gone (never read again)
+            self._seen = {n: s for n, s in self._seen.items() if now - s[2] <= 10 * within}
+        return found
 
     def everyone_alive(self) -> frozenset[str]:
         """Every node whose lease's key is there (a store with leases only: one read of
@@ -179,13 +223,15 @@ class Liveness:
             held = None if raw is None else _parse(raw)
             mine = raw is not None and raw == self._steward_raw
             now = self._clock()
-            if held is not None and not mine and held[1] >= now - self._settings.dead_after:
+            if raw != self._steward_seen[0]:
+                self._steward_seen = raw, now
+            since = self._steward_seen[1]
+            if held is not None and not mine and now - since <= self._settings.dead_after:
                 self._steward_raw = None
                 self._hear(held[2], watch)
                 if has_leases(self.store) and not self._heard:
-                    # its holder says so again before then (a clock ahead of this
-                    # one's does not make this node wait longer than the delay)
-                    self._quiet_until = min(held[1], now) + self._settings.dead_after
+                    # its holder says so again before then, or it is overdue
+                    self._quiet_until = since + self._settings.dead_after
                 return False
             if mine and said_lately:
                 return True  # said recently, and the same: no write
@@ -238,6 +284,20 @@ def heartbeat_times(nodes: Iterable[str], raws: Iterable[bytes | None]) -> dict[
     a node without one, or with one that is not a number, is left out (never written)."""
     found = {}
     for node, raw in zip(nodes, raws, strict=True):
-        if raw is not None and raw.isdigit() and len(raw) <= 16:
-            found[node] = int(raw) / 1000
+        beat = None if raw is None else _parse_beat(raw)
+        if beat is not None:
+            found[node] = beat[0]
     return found
+
+
+def _parse_beat(raw: bytes) -> tuple[float, float | None] | None:
+    """A heartbeat's time (seconds) and, a leaving node's, the span it is alive for
+    from then, from its value (``<ms>`` or ``<ms>+<ms>``); None when it is not one."""
+    written, plus, span = raw.partition(b"+")
+    if not (written.isdigit() and len(written) <= 16):
+        return None
+    if not plus:
+        return int(written) / 1000, None
+    if not (span.isdigit() and len(span) <= 16):
+        return None
+    return int(written) / 1000, int(span) / 1000

@@ -210,9 +210,7 @@ def wait_for_others(
                         [handover], max(min(settings.dead_after, deadline - now), 0.001)
                     )
             seen.discard(node)
-            _await_last_calls(
-                rdzv, seen, settings, clock, min(deadline - clock(), settings.dead_after)
-            )
+            _await_last_calls(rdzv, seen, settings, min(deadline - clock(), settings.dead_after))
             return
         if now >= deadline:
             raise RendezvousError(
@@ -223,18 +221,17 @@ def wait_for_others(
 
 
 def _await_last_calls(
-    rdzv: StateBackend, nodes: set[str], settings: RendezvousSettings,
-    clock: Callable[[], float], seconds: float,
-) -> None:  # fmt: skip
+    rdzv: StateBackend, nodes: set[str], settings: RendezvousSettings, seconds: float
+) -> None:
     """Until each of ``nodes`` deleted its heartbeat (a leaving node's last call, after
-    it read its ack) or let it go stale (a dead one: older than the dead-node delay, or
-    on a store with leases than a live node's heartbeats are apart), for ``seconds`` at
+    it read its ack) or let it go stale (a dead one: unchanged for the dead-node delay,
+    or on a store with leases for as long as a live node's heartbeats are apart,
+    :meth:`~relaunch.rendezvous._liveness.Liveness.beating`), for ``seconds`` at
     most: a node whose call met the closed server would retry its connection for
     seconds."""
     end = time.monotonic() + seconds
     stale = max(settings.dead_after, rdzv.liveness.beat_every)
     while nodes and time.monotonic() < end:
-        beats = rdzv.liveness.heartbeats(nodes)
-        nodes = {n for n, t in beats.items() if t >= clock() - stale}
+        nodes = rdzv.liveness.beating(nodes, stale)
         if nodes:  # (a look reads every heartbeat still there: longer gaps for more)
             time.sleep(_LAST_CALL_POLL + len(nodes) * 1e-5)
