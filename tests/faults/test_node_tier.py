@@ -5,6 +5,8 @@ that joins later, and no healthy process restarts (c10d on loopback, gloo)."""
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -76,6 +78,35 @@ def replaced_by_a_spare(tmp_path: Path, **rdzv: str) -> None:
     # the spare's workers were forked from its fork server, started while it waited
     started = [e["metadata"] for e in j.events("spare") if e["name"] == "workers_started"]
     assert started[0]["forked"] == [0, 1], started  # type: ignore[index]
+
+
+def test_a_node_taken_for_lost_while_its_agent_stalled_takes_its_place_back(
+    tmp_path: Path,
+) -> None:
+    # the agent of group rank 1 stops (SIGSTOP: no heartbeat, its connections open, as an
+    # agent that stalls), its workers run on: the other node takes it for lost after the
+    # dead-node delay and goes on without its ranks. Once the agent runs again it finds
+    # its own group rank vacant: it stops its workers, joins again and takes its place
+    # back (its ranks in new processes; the other node's never restart). Before, it
+    # declared its own ranks lost and never came back: the job stayed at world size 2
+    with two_nodes(tmp_path, steps=700) as j:
+        name = victim(j)
+        survivor = "b" if name == "a" else "a"
+        pids = {n: j.pid_of(n) for n in RANKS}
+        fault = j.newest_step()
+        agent = j.agents[name]
+        os.kill(agent.pid, signal.SIGSTOP)
+        try:
+            j.wait_event(survivor, "node_lost", timeout=60)
+        finally:
+            os.kill(agent.pid, signal.SIGCONT)
+        j.finish((survivor, name), after=fault)
+    lost = {n: p for n, p in pids.items() if n.startswith("1_")}
+    check_recovered(j, lost, {n: p for n, p in pids.items() if n not in lost}, (survivor,))
+    said = j.agent_output(name)
+    assert "took this node for lost" in said, said
+    took = [e for e in j.events(name) if e["name"] == "rendezvous_complete"]
+    assert took[-1]["metadata"]["replaces"] == 1, took  # type: ignore[index]
 
 
 def test_without_a_spare_the_job_goes_on_smaller_and_grows_back_when_a_node_joins(

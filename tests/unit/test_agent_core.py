@@ -460,6 +460,20 @@ def test_a_vacancy_is_acted_on_once_per_loss() -> None:
     assert decide(again, INPROC) == NodeLost({1: 9_000})
 
 
+def test_a_node_the_others_dropped_joins_again_and_its_workers_deaths_are_no_failure() -> None:
+    # its own group rank is vacant: the others took it for lost (its agent stalled past
+    # the dead-node delay) and went on without its ranks; it joins again (before, it
+    # declared its own ranks lost and never came back: the job stayed smaller)
+    ranks = running(2, inprocess=True)
+    dropped = obs(ranks, dropped=True, marked_inprocess=True)
+    assert decide(dropped, INPROC) == RestartGroup(reason="membership")
+    died = with_rank(ranks, RankView(local_rank=0, exitcode=1, inprocess=True))
+    assert decide(obs(died, dropped=True), INPROC) == RestartGroup(reason="membership")
+    # a node whose script returned finishes as it would have
+    returned = with_rank(ranks, RankView(local_rank=0, exitcode=0, returned=T0, inprocess=True))
+    assert decide(obs(returned, dropped=True), INPROC) == Monitor()
+
+
 def test_a_failure_wins_over_a_vacancy() -> None:
     ranks = with_rank(running(2), RankView(local_rank=0, exitcode=1))
     assert decide(obs(ranks, vacancies={1: 5}), INPROC) == RestartGroup(failed=(0,))

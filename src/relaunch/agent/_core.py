@@ -10,6 +10,10 @@ The actions, in the order :func:`decide` considers them:
 - :class:`Stop`: a signal asked the agent to stop (workers that all died of such a
   signal wait :data:`STOP_GRACE` for the agent's own before their failure counts:
   :func:`signalled_to_stop`);
+- :class:`RestartGroup` without ``failed``, when the others dropped this node (its own
+  group rank is vacant: they took it for lost, say its agent stalled past the dead-node
+  delay, and went on without its ranks): it joins again, as its own replacement or a
+  spare's place, and what its workers did meanwhile is no failure;
 - :class:`RestartGroup` with ``failed``: a worker failed (or hung) -- the group restarts;
 - :class:`DropRanks`: in-process workers died while in-process peers of theirs run on:
   the peers restart in their own processes; the dead ones are replaced by new
@@ -104,6 +108,9 @@ class Observation:
     """The vacancies (group rank, incarnation) this node already acted on."""
     marked_inprocess: bool = False
     """This node already told the rendezvous that its workers restart in-process."""
+    dropped: bool = False
+    """This node's own group rank is vacant: the other nodes took it for lost and went
+    on without its ranks (tiered recovery)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -273,6 +280,8 @@ def decide(obs: Observation, policy: Policy) -> Action:
     """The next action after one poll (see the module docstring for the order)."""
     if obs.stop_signal is not None:
         return Stop(obs.stop_signal)
+    if obs.dropped and not any(v.returned is not None for v in obs.ranks):
+        return RestartGroup(reason="membership")
     failed = [v for v in obs.ranks if _failed(v)]
     running_inprocess = {v.local_rank for v in obs.ranks if not _done(v) and v.inprocess}
     dropped = tuple(

@@ -71,10 +71,12 @@ class Membership:
         self.marked = False
         self._told: set[tuple[int, int]] = set()
         self._rank: int | None = None
+        self._dropped_said = False
 
     def new_round(self, group_rank: int, incarnation: int) -> None:
         """This node's place in a new round (``incarnation`` > 0: it replaced a lost one)."""
         self.declared, self.marked, self._rank = frozenset(), False, group_rank
+        self._dropped_said = False
         # (seats taken before this node came are not news to it)
         self._told = {(group_rank, incarnation), *self._replaced().items()}
 
@@ -85,6 +87,16 @@ class Membership:
         if info is None:
             return obs
         waiting = self._handler.num_nodes_waiting()
+        vacancies = self.vacancies()
+        dropped = self._rank in vacancies
+        if dropped and not self._dropped_said:
+            self._dropped_said = True
+            log.warning(
+                "the other nodes took this node for lost (no heartbeat from it for the "
+                "dead-node delay: its agent stalled?) and went on without its group rank "
+                "%d: its workers stop, and it joins again",
+                self._rank,
+            )
         return dataclasses.replace(
             obs,
             nodes_waiting=waiting,
@@ -93,7 +105,8 @@ class Membership:
             and not self._handler.round_ended()
             and not self._handler.is_closed()  # (static: a give-up reads as one waiting)
             and round_finishing(info),
-            vacancies=self.vacancies(),
+            vacancies={g: i for g, i in vacancies.items() if g != self._rank},
+            dropped=dropped,
         )
 
     def vacancies(self) -> dict[int, int]:
