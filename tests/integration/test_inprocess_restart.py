@@ -45,15 +45,19 @@ class Rank:
         return [e for e in self.events if e["event"] == name]
 
 
-def _marked_pids(token: str) -> list[int]:
+def _marked_pids(token: str, rank: int | None = None) -> list[int]:
+    """The processes that carry ``token`` (of initial rank ``rank`` only, if given)."""
     pids = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
             with open(f"/proc/{entry}/environ", "rb") as f:
-                if token.encode() in f.read():
-                    pids.append(int(entry))
+                environ = f.read()
+            if token.encode() in environ and (
+                rank is None or f"\0RANK={rank}\0".encode() in b"\0" + environ
+            ):
+                pids.append(int(entry))
         except OSError:
             continue
     return pids
@@ -68,8 +72,11 @@ def run_job(
     agent_store: bool = True,
     steps: int = 5,
     timeout: float = 60.0,
+    silent: frozenset[int] = frozenset(),
 ) -> list[Rank]:
-    """Start ``world`` ranks, wait for them, check nothing is left behind."""
+    """Start ``world`` ranks, wait for them, check nothing is left behind. The ranks
+    in ``silent`` stop themselves and their monitor processes (a ``silent`` fault): they
+    are killed once the others are done."""
     import torch.distributed as dist
 
     token = f"IPX_TOKEN_{uuid.uuid4().hex}"
@@ -108,7 +115,10 @@ def run_job(
                 text=True,
             )
             ranks.append(Rank(r, proc))
-        for rank in ranks:
+        for rank in sorted(ranks, key=lambda r: r.initial in silent):
+            if rank.initial in silent:
+                for pid in _marked_pids(token, rank=rank.initial):
+                    os.kill(pid, signal.SIGKILL)
             out, err = rank.proc.communicate(timeout=timeout)
             rank.events = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
             rank.stderr = err
@@ -304,6 +314,26 @@ def test_sigkill_of_a_rank_others_continue_at_n_minus_1() -> None:
     for rank in ranks[1:]:
         assert rank.proc.returncode == 0, report
         assert_clean(rank)
+
+
+@pytest.mark.timeout(120)
+def test_silent_ranks_are_declared_missing_by_the_ranks_that_watch_them() -> None:
+    # ranks 1-3 of 4 stop with their monitor processes (a machine gone silent: no
+    # heartbeat, no death). Rank 0's monitor process reads the heartbeats of 1 and 2
+    # only (about log2 of the world: each read every rank before, world squared reads an
+    # interval); once they are declared missing it takes over their watch and finds 3
+    # a moment later (a live rank's next beat). Rank 0 goes on alone (its restart may
+    # come twice, as before: a rank declared during the restart interrupts it again)
+    faults = [{"iteration": 0, "rank": r, "kind": "silent", "step": 2} for r in (1, 2, 3)]
+    ranks = run_job(4, faults, silent=frozenset({1, 2, 3}))
+    report = _report(ranks)
+    assert ranks[0].proc.returncode == 0, report
+    first, *then = starts(ranks[0])
+    assert first == (0, 0, 4) and then and all(w == 1 for _, _, w in then), report
+    assert ranks[0].of("return")[0]["value"] == "value-0", report
+    assert_clean(ranks[0])
+    for r in (1, 2, 3):
+        assert f"rank {r}: no heartbeat" in ranks[0].stderr, report
 
 
 @pytest.mark.timeout(90)

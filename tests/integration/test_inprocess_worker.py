@@ -198,6 +198,10 @@ def _inject(kind: str, call_wrapper: object) -> None:
         libc.pause()
     if kind == "sigstop":
         os.kill(os.getpid(), signal.SIGSTOP)
+    if kind == "silent":  # the rank and its monitor process stop: no heartbeat, no death
+        for child in _children():
+            os.kill(child, signal.SIGSTOP)
+        os.kill(os.getpid(), signal.SIGSTOP)
     if kind == "sigkill":
         os.kill(os.getpid(), signal.SIGKILL)
     if kind == "unprotected":  # silent past the hard timeout, with hang protection off

@@ -311,3 +311,27 @@ def test_a_port_of_the_programs_own_is_hosted_by_rank_0_even_under_an_agent() ->
     assert (own.host, own.port, own.hosted_by_rank0) == ("10.0.0.1", 29502, True)
     alone = resolve_store({}, 60.0, {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"})
     assert (alone.port, alone.hosted_by_rank0) == (29501, True)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 7, 8, 64, 1000, 16384])
+def test_each_rank_s_heartbeat_is_read_by_about_log2_of_the_world(world: int) -> None:
+    from relaunch.inprocess._core._monitor_process import watched
+
+    readers: dict[int, int] = dict.fromkeys(range(world), 0)
+    for rank in range(world):
+        mine = watched(rank, world)
+        assert rank not in mine and len(set(mine)) == len(mine)
+        assert len(mine) == (world - 1).bit_length()  # ceil(log2(world))
+        for r in mine:
+            readers[r] += 1
+    assert set(readers.values()) == {(world - 1).bit_length()}
+
+
+def test_a_lost_node_s_ranks_are_each_read_by_a_live_rank() -> None:
+    from relaunch.inprocess._core._monitor_process import watched
+
+    world, per_node = 64, 8
+    for node in range(world // per_node):
+        dead = set(range(node * per_node, (node + 1) * per_node))
+        read = {r for rank in set(range(world)) - dead for r in watched(rank, world)}
+        assert dead <= read, node

@@ -5,8 +5,9 @@ of the wrapper (fork is ~1 ms; spawning a new interpreter that imports torch cos
 ~1.5 s of CPU). It never returns into the rank's code: it ends with ``os._exit``.
 
 Every ``interval`` it
-- heartbeats into the store, and declares missing (``UNRESPONSIVE``) any other rank
-  whose heartbeat has not moved for ``heartbeat_timeout``;
+- heartbeats into the store, and declares missing (``UNRESPONSIVE``) a rank it watches
+  whose heartbeat has not moved for ``heartbeat_timeout`` (it watches about log2 of the
+  world's ranks: :func:`watched`);
 - kills its rank when it made no progress for ``hard_timeout`` while the wrapped
   function runs: SIGTERM, then SIGKILL after ``termination_grace_time``.
 It notices its rank's death at once (a pidfd) and records it as dead
@@ -40,7 +41,7 @@ from relaunch.inprocess._core._records import Interruption
 from relaunch.inprocess._core._state import State
 from relaunch.procs import terminate
 
-__all__ = ["MonitorProcess", "MonitorSettings"]
+__all__ = ["MonitorProcess", "MonitorSettings", "watched"]
 
 log = get_logger(__name__)
 
@@ -245,12 +246,18 @@ class _Loop:
     """The last read of the progress record held an impossible time (logged once)."""
     last_beat: float = -1e9
     seen: dict[int, tuple[int, float]] = field(default_factory=dict)
-    """Per other rank: its last heartbeat count, and when it was seen to change."""
+    """Per watched rank: its last heartbeat count, and when it was seen to change."""
 
     def __post_init__(self) -> None:
-        now = time.monotonic()
-        others = set(range(self.s.initial_world_size)) - {self.s.initial_rank}
-        self.seen = {r: (-1, now) for r in others}
+        self._watch(self.s.initial_rank, time.monotonic(), _FIRST, 0.0)
+
+    def _watch(self, rank: int, now: float, first: int, credit: float) -> None:
+        """Watch the ranks that ``rank`` watches (this one's own at the start; a rank's
+        that stopped, so that a dead run longer than the live run before it is still
+        found), as unchanged since ``credit`` seconds ago once read (``first``)."""
+        for r in watched(rank, self.s.initial_world_size):
+            if r != self.s.initial_rank and r not in self.seen:
+                self.seen[r] = (first, now - credit)
 
     def run(self) -> int:
         while True:
@@ -320,6 +327,9 @@ class _Loop:
         gone: set[int] | None = None
         for r, value in beats.items():
             last, when = self.seen[r]
+            if last == _INHERITED:
+                self.seen[r] = (value, when)
+                continue
             if value != last:
                 self.seen[r] = (value, now)
                 continue
@@ -329,11 +339,40 @@ class _Loop:
                 # A replacement of a rank is judged by its own incarnation.
                 self.coord.incarnations.update(self.coord.join_requests())
                 gone = self.coord.exited_ranks() | self.coord.dead_ranks()
+            self.seen[r] = (value, float("inf"))  # (until it beats again: a replacement)
+            # (its watch, credited all but the time a live rank's next beat takes to be
+            # read: a dead one is found with it, not a heartbeat timeout later, and a
+            # second restart with it)
+            beat = 2 * self.s.heartbeat_interval + self.s.interval
+            self._watch(r, now, _INHERITED, max(0.0, self.s.heartbeat_timeout - beat))
             if r in gone:
-                self.seen[r] = (value, float("inf"))  # never check again
                 continue
             log.warning("rank %s: no heartbeat for %.1f s: declared missing", r, now - when)
             self.coord.record_dead(
                 int(self.shared.iteration), r, Interruption.UNRESPONSIVE, "no heartbeat"
             )
-            self.seen[r] = (value, float("inf"))
+
+
+_FIRST = -1
+"""A watched rank's count before its first read (any count read is a change)."""
+_INHERITED = -2
+"""An inherited rank's before its first read (the count read is taken as unchanged)."""
+
+
+def watched(rank: int, world: int) -> list[int]:
+    """The ranks whose heartbeats the monitor process of initial rank ``rank`` reads:
+    those 1, 2, 4, 8, ... places after it in the ring of ``world`` initial ranks.
+
+    Each rank is read by about log2(``world``) others, and a run of dead ranks (a lost
+    node's) is still read by live ones as long as the run of ranks before it lives, so
+    one heartbeat timeout finds them all; a rank that stops passes its own watch on to
+    its watchers (:meth:`_Loop._watch`), which covers any longer run a moment later. Every monitor
+    process reading every rank (as before 2026-12-01) cost the store ``world`` squared
+    key reads an interval (four a second): 4 million a second at 1,024 ranks.
+    """
+    out: list[int] = []
+    step = 1
+    while step < world:
+        out.append((rank + step) % world)
+        step *= 2
+    return out
