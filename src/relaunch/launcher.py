@@ -34,7 +34,7 @@ from relaunch.checkpoint._area import SnapshotArea
 from relaunch.checkpoint._peers import PeerRound
 from relaunch.config import LaunchConfig
 from relaunch.errors import ChildFailedError, ConfigError, RelaunchError, StoreError
-from relaunch.procs import Entrypoint
+from relaunch.procs import Entrypoint, raise_open_files_limit
 from relaunch.rendezvous import RendezvousHandler, ReplicatedStore, SharedBoard
 from relaunch.status import StatusServer
 from relaunch.store import Store
@@ -262,6 +262,7 @@ def launch(config: LaunchConfig, environ: Mapping[str, str] | None = None) -> in
     configuration the rendezvous backend refuses.
     """
     environ = os.environ if environ is None else environ
+    raise_open_files_limit()  # (the stores this node hosts: a connection per node, per worker)
     received: list[int] = []
     agents: list[LocalAgent] = []
     joining = _Joining()

@@ -105,3 +105,41 @@ def test_no_python_runs_a_binary(workdir: Path) -> None:
     result = _relaunch(argv, workdir)
     assert result.returncode == 0, result.stderr
     assert sorted(result.stdout.split()) == ["lr=0", "lr=1"]
+
+
+_LIMITS = """\
+import os, resource, sys
+def soft(pid):
+    with open(f"/proc/{pid}/limits") as f:
+        return next(int(line.split()[3]) for line in f if line.startswith("Max open files"))
+def parent(pid):
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+agent = os.getppid()  # (or the fork server's process, or a standby's: the agent's child)
+while b"-m\\0relaunch\\0" not in open(f"/proc/{agent}/cmdline", "rb").read():
+    agent = parent(agent)
+sys.stdout.write("worker=%d agent=%d\\n" % (resource.getrlimit(resource.RLIMIT_NOFILE)[0], soft(agent)))
+"""
+
+
+@pytest.mark.parametrize("start", [[], ["--no-warm-standby"]], ids=["standby", "popen"])
+def test_the_agent_may_open_every_file_allowed_and_its_workers_what_they_were_given(
+    tmp_path: Path, start: list[str]
+) -> None:
+    # the agent serves a connection per node and some per worker: at the common soft
+    # limit of 1,024 files a job of 128 nodes of 8 ranks ran out. It raises its own to
+    # the hard limit (as Go programs do, etcd among them); its workers get the limit
+    # relaunch was given, as under torchrun
+    import resource
+
+    _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard <= 256:
+        pytest.skip(f"the hard limit on open files is {hard}: nothing to raise")
+    (tmp_path / "limits.py").write_text(_LIMITS)
+    result = subprocess.run(
+        [sys.executable, "-m", "relaunch", "--standalone", *start, "limits.py"],
+        cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=60, check=False,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard)),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert f"worker=256 agent={hard}" in result.stdout, result.stdout + result.stderr

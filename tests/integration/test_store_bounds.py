@@ -6,6 +6,8 @@ Real server, real torch clients."""
 from __future__ import annotations
 
 import datetime
+import subprocess
+import sys
 import threading
 import time
 
@@ -106,3 +108,73 @@ def test_a_10000_node_state_fits() -> None:
 def test_the_limit_is_validated() -> None:
     with pytest.raises(ConfigError, match="max_value_bytes"):
         TCPStoreServer(host="127.0.0.1", port=0, max_value_bytes=10)
+
+
+_AT_ITS_LIMIT = """
+import logging, os, resource, sys
+logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(message)s")
+from relaunch.store.tcp import TCPStoreServer
+server = TCPStoreServer(host="127.0.0.1", port=0).start()
+used = len(os.listdir("/proc/self/fd"))
+resource.setrlimit(resource.RLIMIT_NOFILE, (used + int(sys.argv[1]), resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+print(server.port, flush=True)
+sys.stdin.read()
+server.close()
+"""
+
+
+def test_a_server_out_of_file_descriptors_says_so_once_and_serves_the_waiting_clients() -> None:
+    # the server's process may open 20 files more: of 40 clients, about 20 wait in the
+    # backlog until some close. It stops watching its socket and says so once; before,
+    # the socket stayed ready, and the server spun on it (a core) with a line per turn
+    with subprocess.Popen(
+        [sys.executable, "-c", _AT_ITS_LIMIT, "20"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    ) as proc:  # fmt: skip
+        said = _served_at_the_limit(proc)
+    lines = "".join(said)
+    assert lines.count("no file descriptor left") == 1, lines
+    assert "cannot accept" not in lines, lines
+
+
+def _served_at_the_limit(proc: subprocess.Popen[str]) -> list[str]:
+    """40 clients of the server in ``proc``: the first served close once it says it is
+    out of file descriptors, and every other is served then. Its stderr's lines."""
+    said: list[str] = []
+    assert proc.stdout is not None and proc.stderr is not None and proc.stdin is not None
+    reader = threading.Thread(target=lambda: said.extend(proc.stderr), name="stderr")  # type: ignore[arg-type]
+    reader.start()
+    served: list[TCPStoreClient] = []
+    lock = threading.Lock()
+    port = int(proc.stdout.readline())
+
+    def one() -> None:
+        client = TCPStoreClient("127.0.0.1", port, timeout=60)
+        client.add("n", 1)
+        with lock:
+            served.append(client)
+
+    threads = [threading.Thread(target=one, name=f"client-{i}") for i in range(40)]
+    try:
+        for t in threads:
+            t.start()
+        wait_for(lambda: any("no file descriptor left" in line for line in said), timeout=30)
+        with lock:
+            first = list(served)
+        assert 10 <= len(first) < 40, len(first)
+        for client in first:
+            client.close()
+        for t in threads:
+            t.join(60)
+        assert len(served) == 40
+        assert served[-1].add("n", 0) == 40
+    finally:
+        for t in threads:
+            if t.ident is not None:
+                t.join(60)
+        for client in served:
+            client.close()  # (idempotent)
+        proc.stdin.close()
+        proc.wait(30)
+        reader.join(10)
+    return said

@@ -53,6 +53,7 @@ def test_procs() -> None:
         "WorkerProcesses",
         "is_stopped",
         "process_state",
+        "raise_open_files_limit",
         "set_child_subreaper",
         "terminate",
     ]

@@ -8,6 +8,7 @@ messages of ``_wire``; :mod:`._peer_client` is the other end. Standard library o
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import shutil
@@ -25,6 +26,8 @@ __all__ = ["SnapshotServer", "held_steps"]
 log = logging.getLogger(__name__)
 
 _PINS = ".peer-pins"
+_SHORT_OF_FILES = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+_PAUSE = 0.25  # seconds before an accept short of descriptors is tried again
 _MAX_CONNECTIONS = 1024
 """Connections served at once. Each local worker keeps one (``--nproc-per-node cpu``
 can mean a hundred or more), each successor's puller one, a node fetching ranks a few."""
@@ -180,13 +183,24 @@ class SnapshotServer:
 
     def _accept_loop(self) -> None:
         n = 0
+        short = False  # (out of file descriptors: said once until an accept succeeds)
         while not self._stop.is_set():
             try:
                 conn, peer = self._sock.accept()
             except TimeoutError:
                 continue
-            except OSError:
-                return
+            except OSError as exc:
+                if self._stop.is_set() or exc.errno not in _SHORT_OF_FILES:
+                    return  # (closed)
+                # No file descriptor left (the agent's other servers may hold them):
+                # the peer waits in the backlog (this loop ended for good before)
+                if not short:
+                    log.warning("snapshot server: cannot accept a connection (%s): tries "
+                                "again every %.2f s", exc.strerror or exc, _PAUSE)  # fmt: skip
+                short = True
+                self._stop.wait(_PAUSE)
+                continue
+            short = False
             host = peer[0].removeprefix("::ffff:")
             vetted = self._admits is None or host.startswith(_LOOPBACK)
             no_delay(conn)

@@ -4,7 +4,13 @@ from relaunch.procs._context import Entrypoint, ProcessSpec, WorkerProcesses
 from relaunch.procs._forkserver import ForkServer
 from relaunch.procs._logs import RunLogDir, Std, TeeTarget
 from relaunch.procs._standby import Standby
-from relaunch.procs._sys import is_stopped, process_state, set_child_subreaper, terminate
+from relaunch.procs._sys import (
+    is_stopped,
+    process_state,
+    raise_open_files_limit,
+    set_child_subreaper,
+    terminate,
+)
 
 __all__ = [
     "Entrypoint",
@@ -17,6 +23,7 @@ __all__ = [
     "WorkerProcesses",
     "is_stopped",
     "process_state",
+    "raise_open_files_limit",
     "set_child_subreaper",
     "terminate",
 ]

@@ -18,12 +18,12 @@ from relaunch.procs._forkserver import ForkedProcess, ForkServer
 from relaunch.procs._logs import TeeTailer, TeeTarget
 from relaunch.procs._standby import Standby
 from relaunch.procs._sys import (
+    child_preexec,
     descendants,
     is_live,
     is_stopped,
     kill_group,
     members,
-    parent_death_signal,
     reap_orphans,
 )
 
@@ -226,7 +226,7 @@ class WorkerProcesses:
                 stdout=out,
                 stderr=err,
                 start_new_session=True,
-                preexec_fn=parent_death_signal(),
+                preexec_fn=child_preexec(),
             )
         except OSError as exc:
             raise WorkerError(

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from relaunch._json import loads as json_loads
-from relaunch.procs._sys import parent_death_signal
+from relaunch.procs._sys import child_preexec
 
 __all__ = ["ForkServer", "ForkedProcess"]
 
@@ -89,7 +89,7 @@ class ForkServer:
                 stderr=log_fd,
                 pass_fds=fds,
                 start_new_session=True,
-                preexec_fn=parent_death_signal(),
+                preexec_fn=child_preexec(),
             )
         except BaseException:
             ours.close()

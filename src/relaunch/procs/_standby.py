@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from relaunch.errors import WorkerError
-from relaunch.procs._sys import parent_death_signal
+from relaunch.procs._sys import child_preexec
 
 __all__ = ["Standby"]
 
@@ -38,7 +38,7 @@ class Standby:
                 cwd=cwd,
                 pass_fds=(read_fd,),
                 start_new_session=True,
-                preexec_fn=parent_death_signal(),
+                preexec_fn=child_preexec(),
             )
         except BaseException:
             os.close(self._write_fd)

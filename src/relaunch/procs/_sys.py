@@ -1,4 +1,5 @@
-"""Linux process primitives: parent-death signal, subreaper, descendants, group kill."""
+"""Linux process primitives: parent-death signal, subreaper, the limit on open files,
+descendants, group kill."""
 
 from __future__ import annotations
 
@@ -8,18 +9,20 @@ import ctypes.util
 import functools
 import logging
 import os
+import resource
 import signal
 import time
 from collections.abc import Callable
 
 __all__ = [
+    "child_preexec",
     "descendants",
     "is_live",
     "is_stopped",
     "kill_group",
     "members",
-    "parent_death_signal",
     "process_state",
+    "raise_open_files_limit",
     "reap_orphans",
     "set_child_subreaper",
     "set_parent_death_signal",
@@ -51,7 +54,7 @@ def set_parent_death_signal(sig: int = signal.SIGKILL, *, parent: int | None = N
 
     Runs in the child between fork and exec. If the parent is already gone (we were
     reparented before the call took effect), exit at once. ``parent``: the parent's
-    pid read *before* the fork (see :func:`parent_death_signal`); without it the
+    pid read *before* the fork (see :func:`child_preexec`); without it the
     check only covers a parent that dies during the call.
     """
     expected = os.getppid() if parent is None else parent
@@ -60,9 +63,46 @@ def set_parent_death_signal(sig: int = signal.SIGKILL, *, parent: int | None = N
         os._exit(1)
 
 
-def parent_death_signal(sig: int = signal.SIGKILL) -> Callable[[], None]:
-    """A ``preexec_fn`` that sets the parent-death signal, checked against this process."""
-    return functools.partial(set_parent_death_signal, sig, parent=os.getpid())
+def child_preexec(sig: int = signal.SIGKILL) -> Callable[[], None]:
+    """A ``preexec_fn`` for the processes that run the user's code: the parent-death
+    signal, checked against this process, and the limit on open files this process was
+    given (where :func:`raise_open_files_limit` raised its own)."""
+    return functools.partial(_child_setup, sig, os.getpid(), _given_nofile)
+
+
+def _child_setup(sig: int, parent: int, nofile: int | None) -> None:
+    if nofile is not None:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, _hard_nofile()))
+    set_parent_death_signal(sig, parent=parent)
+
+
+_given_nofile: int | None = None
+"""The soft limit on open files this process was started with, once raised."""
+
+
+def _hard_nofile() -> int:
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+
+
+def raise_open_files_limit() -> None:
+    """Raise this process's soft limit on open files to its hard limit, as Go programs
+    do at their start (etcd among them). An agent serves a connection per node (the
+    rendezvous store) and one or more per worker (the workers' store): at the common
+    soft limit of 1,024 a job of 128 nodes of 8 ranks ran out. The processes started
+    with :func:`child_preexec` get the limit back (the workers' environment is the one
+    the job was given, as under torchrun). Idempotent; a refusal is logged only."""
+    global _given_nofile
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft == resource.RLIM_INFINITY or soft >= hard:
+        return
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (ValueError, OSError) as exc:
+        log.debug("cannot raise the limit on open files from %d to %d: %s", soft, hard, exc)
+        return
+    if _given_nofile is None:
+        _given_nofile = soft
 
 
 def set_child_subreaper() -> bool:

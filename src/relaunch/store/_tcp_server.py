@@ -17,6 +17,7 @@ import threading
 from relaunch.errors import ConfigError, StoreClosedError, StoreConnectionError
 from relaunch.store import _tcp_handlers as handlers
 from relaunch.store import _tcp_wire as wire
+from relaunch.store._tcp_accept import Acceptor
 from relaunch.store._tcp_conn import resolve_host
 from relaunch.store._tcp_handlers import Client
 from relaunch.store._tcp_peer import Peer
@@ -29,7 +30,6 @@ log = logging.getLogger(__name__)
 _RECV_SIZE = 256 * 1024
 _DRAIN = 4 * 1024 * 1024  # read from one client at most per turn (see _on_readable)
 _HIGH_WATER = 16 * 1024 * 1024  # stop reading a client whose replies pile up past this
-_ACCEPTS_PER_EVENT = 512
 _BACKLOG = 4096
 _JOIN_TIMEOUT = 10.0
 
@@ -68,7 +68,7 @@ class TCPStoreServer:
         self._max_value = max_value_bytes
         self._allowed = allowed
         """Client IP addresses admitted (loopback always); None: every address."""
-        self._refused: set[str] = set()
+        self._acceptor: Acceptor | None = None
         if listen_socket is not None and listen_socket.type != socket.SOCK_STREAM:
             raise ConfigError("listen_socket: expected a bound SOCK_STREAM socket")
         self._host = host
@@ -152,7 +152,7 @@ class TCPStoreServer:
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
         self._selector = selectors.DefaultSelector()
-        self._selector.register(listen, selectors.EVENT_READ, "listen")
+        self._acceptor = Acceptor(listen, self._selector, self._allowed)
         self._selector.register(self._wake_r, selectors.EVENT_READ, "wake")
         thread = threading.Thread(
             target=self._run, name=f"relaunch-tcpstore-{self._port}", daemon=True
@@ -214,18 +214,19 @@ class TCPStoreServer:
         return sock
 
     def _run(self) -> None:
-        selector = self._selector
-        assert selector is not None
+        selector, acceptor = self._selector, self._acceptor
+        assert selector is not None and acceptor is not None
         try:
             while True:
-                for key, mask in selector.select():
+                for key, mask in selector.select(acceptor.timeout()):
                     data = key.data
                     if isinstance(data, Peer):
                         self._serve(data, mask)
                     elif data == "listen":
-                        self._accept()
+                        self._accept(acceptor)
                     else:
                         return
+                acceptor.tick()
                 while self._dirty:
                     conn = self._dirty.pop()
                     self._serve(conn, selectors.EVENT_WRITE)
@@ -255,36 +256,12 @@ class TCPStoreServer:
             if sock is not None:
                 sock.close()
 
-    def _accept(self) -> None:
-        assert self._listen is not None and self._selector is not None
-        for _ in range(_ACCEPTS_PER_EVENT):
-            try:
-                sock, peer = self._listen.accept()
-            except BlockingIOError:
-                return
-            except OSError as exc:
-                log.warning("TCP store server cannot accept a connection: %s", exc)
-                return
-            if not self._admits(str(peer[0])):
-                sock.close()
-                continue
-            sock.setblocking(False)
-            with contextlib.suppress(OSError):
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn = Peer(sock, f"{peer[0]}:{peer[1]}")
+    def _accept(self, acceptor: Acceptor) -> None:
+        assert self._selector is not None
+        for sock, addr in acceptor.accept(len(self._conns)):
+            conn = Peer(sock, addr)
             self._conns.add(conn)
             self._selector.register(sock, selectors.EVENT_READ, conn)
-
-    def _admits(self, ip: str) -> bool:
-        if self._allowed is None:
-            return True
-        address = ip.removeprefix("::ffff:")
-        if address in self._allowed or address.startswith("127.") or address == "::1":
-            return True
-        if address not in self._refused:
-            self._refused.add(address)
-            log.warning("TCP store server refuses %s: not a node of this round", address)
-        return False
 
     def _drop(self, conn: Peer, reason: str | None) -> None:
         if conn.closed:
@@ -297,10 +274,11 @@ class TCPStoreServer:
         self._state.cancel(conn)
         self._conns.discard(conn)
         self._dirty.discard(conn)
-        assert self._selector is not None
+        assert self._selector is not None and self._acceptor is not None
         with contextlib.suppress(KeyError, ValueError):
             self._selector.unregister(conn.sock)
         conn.sock.close()
+        self._acceptor.freed()
 
     def _on_readable(self, conn: Peer) -> None:
         try:
