@@ -93,13 +93,13 @@ def test_a_node_taken_for_lost_while_its_agent_stalled_takes_its_place_back(
         name = victim(j)
         survivor = "b" if name == "a" else "a"
         pids = {n: j.pid_of(n) for n in RANKS}
-        fault = j.newest_step()
         agent = j.agents[name]
         os.kill(agent.pid, signal.SIGSTOP)
         try:
             j.wait_event(survivor, "node_lost", timeout=60)
         finally:
             os.kill(agent.pid, signal.SIGCONT)
+        fault = j.newest_step()  # (its workers stepped on till the others went on)
         j.finish((survivor, name), after=fault)
     lost = {n: p for n, p in pids.items() if n.startswith("1_")}
     check_recovered(j, lost, {n: p for n, p in pids.items() if n not in lost}, (survivor,))
@@ -107,6 +107,35 @@ def test_a_node_taken_for_lost_while_its_agent_stalled_takes_its_place_back(
     assert "took this node for lost" in said, said
     took = [e for e in j.events(name) if e["name"] == "rendezvous_complete"]
     assert took[-1]["metadata"]["replaces"] == 1, took  # type: ignore[index]
+
+
+def test_a_node_taken_for_lost_while_its_agent_stalled_finds_a_spare_in_its_place(
+    tmp_path: Path,
+) -> None:
+    # as above, but a spare took the stalled node's group rank: once its agent runs
+    # again it finds its place taken (the seat's incarnation moved on), stops its
+    # workers (the spare's replace them) and waits as a spare. Before, it went on with
+    # its workers beside the spare's, the same ranks twice
+    with two_nodes(tmp_path, steps=700) as j:
+        j.start("spare")
+        j.wait_event("spare", "fork_server_started", timeout=60)
+        name = victim(j)
+        survivor = "b" if name == "a" else "a"
+        pids = {n: j.pid_of(n) for n in RANKS}
+        agent = j.agents[name]
+        os.kill(agent.pid, signal.SIGSTOP)
+        try:
+            j.wait_event("spare", "rendezvous_complete", timeout=60)
+        finally:
+            os.kill(agent.pid, signal.SIGCONT)
+        fault = j.newest_step()  # (its workers stepped on till the others went on)
+        j.finish((survivor, "spare"), after=fault)
+    lost = {n: p for n, p in pids.items() if n.startswith("1_")}
+    check_recovered(j, lost, {n: p for n, p in pids.items() if n not in lost}, (survivor,))
+    said = j.agent_output(name)
+    assert "took this node for lost" in said, said
+    took = [e for e in j.events("spare") if e["name"] == "rendezvous_complete"]
+    assert took[0]["metadata"]["replaces"] == 1, took  # type: ignore[index]
 
 
 def test_without_a_spare_the_job_goes_on_smaller_and_grows_back_when_a_node_joins(

@@ -128,3 +128,58 @@ def test_a_state_written_by_a_host_an_hour_ahead_is_not_corrupt() -> None:
     store.set(backend.state_key, encode_state(never))
     with pytest.raises(RendezvousStateError, match="last_heartbeats_ms"):
         backend.load()
+
+
+class SteppingReader:
+    """Host ``a`` reads, and its wall clock steps by ``step`` seconds mid-run (a
+    correction); its ticks (monotonic) do not. Host ``b`` beats on a steady clock."""
+
+    def __init__(self) -> None:
+        self.store = MemoryStore()
+        self.now, self.wall_step = 1_000_000.0, 0.0
+        self.a = Liveness(
+            self.store, "p/", SETTINGS, lambda: self.now + self.wall_step, lambda: self.now
+        )
+        self.b = Liveness(self.store, "p/", SETTINGS, lambda: self.now)
+
+
+@pytest.mark.parametrize("step", [-3600.0, 3600.0])
+def test_a_step_of_the_reader_s_wall_clock_changes_no_one_s_liveness(step: float) -> None:
+    # the reader's clock steps just after a node's last beat (by the wall clock: back
+    # an hour, the lost node stayed alive the hour; ahead an hour, dead at once)
+    hosts = SteppingReader()
+    for _ in range(4):
+        hosts.b.beat("b")
+        assert hosts.a.alive(["b"]) == {"b"}
+        hosts.now += 0.5
+    stopped = hosts.now - 0.5
+    hosts.wall_step = step
+    while hosts.a.alive(["b"]) == {"b"}:
+        hosts.now += 0.5
+        assert hosts.now - stopped <= 3.0
+    assert hosts.now - stopped >= 2.0
+
+
+@pytest.mark.parametrize("step", [-3600.0, 3600.0])
+def test_a_step_of_the_steward_s_wall_clock_keeps_its_role(step: float) -> None:
+    hosts = SteppingReader()
+    watch_a, watch_b = CorruptWatch("job", 2.0), CorruptWatch("job", 2.0)
+    assert hosts.a.steward("a", watch_a)
+    for i in range(12):  # (back an hour by the wall clock: b took the role)
+        if i == 4:
+            hosts.wall_step = step
+        hosts.now += 0.5
+        assert hosts.a.steward("a", watch_a)
+        assert not hosts.b.steward("b", watch_b)
+
+
+def test_a_leaving_node_s_span_counts_for_a_close_timeout_at_most() -> None:
+    # a span no leave takes (a corrupt or hostile value) does not keep a node alive
+    hosts = Hosts(0.0)
+    hosts.b.beat("b")
+    assert hosts.a.alive(["b"]) == {"b"}
+    left = hosts.now
+    hosts.b.leaving("b", until=hosts.now + 10 * SETTINGS.close_timeout)
+    while hosts.a.alive(["b"]) == {"b"}:
+        hosts.step(5.0)
+    assert hosts.now - left <= SETTINGS.close_timeout + 5.0

@@ -280,7 +280,7 @@ def decide(obs: Observation, policy: Policy) -> Action:
     """The next action after one poll (see the module docstring for the order)."""
     if obs.stop_signal is not None:
         return Stop(obs.stop_signal)
-    if obs.dropped and not any(v.returned is not None for v in obs.ranks):
+    if obs.dropped and not any(v.returned is not None or v.exitcode == 0 for v in obs.ranks):
         return RestartGroup(reason="membership")
     failed = [v for v in obs.ranks if _failed(v)]
     running_inprocess = {v.local_rank for v in obs.ranks if not _done(v) and v.inprocess}

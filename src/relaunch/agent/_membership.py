@@ -71,32 +71,30 @@ class Membership:
         self.marked = False
         self._told: set[tuple[int, int]] = set()
         self._rank: int | None = None
+        self._incarnation = 0
         self._dropped_said = False
 
     def new_round(self, group_rank: int, incarnation: int) -> None:
         """This node's place in a new round (``incarnation`` > 0: it replaced a lost one)."""
         self.declared, self.marked, self._rank = frozenset(), False, group_rank
-        self._dropped_said = False
+        self._incarnation, self._dropped_said = incarnation, False
         # (seats taken before this node came are not news to it)
         self._told = {(group_rank, incarnation), *self._replaced().items()}
 
-    def observe(self, obs: Observation, info: RendezvousInfo | None) -> Observation:
+    def observe(
+        self, obs: Observation, info: RendezvousInfo | None, *, running: bool = True
+    ) -> Observation:
         """``obs`` with its membership fields filled in; those of the rendezvous are read
-        with ``info`` (the running round) only (a few cheap reads)."""
+        with ``info`` (the running round) only (a few cheap reads), and while some
+        worker is not ``running`` only whether the others dropped this node."""
         obs = dataclasses.replace(obs, declared=self.declared, marked_inprocess=self.marked)
         if info is None:
             return obs
-        waiting = self._handler.num_nodes_waiting()
         vacancies = self.vacancies()
-        dropped = self._rank in vacancies
-        if dropped and not self._dropped_said:
-            self._dropped_said = True
-            log.warning(
-                "the other nodes took this node for lost (no heartbeat from it for the "
-                "dead-node delay: its agent stalled?) and went on without its group rank "
-                "%d: its workers stop, and it joins again",
-                self._rank,
-            )
+        dropped = self._dropped(vacancies)
+        if not running:
+            return dataclasses.replace(obs, dropped=dropped)
+        waiting = self._handler.num_nodes_waiting()
         return dataclasses.replace(
             obs,
             nodes_waiting=waiting,
@@ -108,6 +106,24 @@ class Membership:
             vacancies={g: i for g, i in vacancies.items() if g != self._rank},
             dropped=dropped,
         )
+
+    def _dropped(self, vacancies: Mapping[int, int]) -> bool:
+        """Whether the others took this node for lost (its agent stalled past the
+        dead-node delay, say): its group rank is vacant, or another node holds it."""
+        rank = self._rank
+        if rank is None:
+            return False
+        holder = self._replaced().get(rank, self._incarnation)
+        dropped = rank in vacancies or holder != self._incarnation
+        if dropped and not self._dropped_said:
+            self._dropped_said = True
+            log.warning(
+                "the other nodes took this node for lost (no heartbeat from it for the "
+                "dead-node delay: its agent stalled?) and went on without its group rank "
+                "%d: its workers stop, and it joins again",
+                rank,
+            )
+        return dropped
 
     def vacancies(self) -> dict[int, int]:
         """The round's vacancies (one cheap read); says when a node took a lost one's

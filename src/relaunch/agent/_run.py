@@ -212,11 +212,11 @@ class AgentRun:
             return self._job_closed()
 
     def _observe(self, *, ask_rendezvous: bool = True) -> Observation:
-        """Poll the processes (and the rendezvous for waiting nodes while they all run)."""
+        """Poll the processes, and the rendezvous (:meth:`Membership.observe`)."""
         codes = self._workers.poll()
         slots = self._workers.slots
         running = all(code is None or slots[lr].lost for lr, code in codes.items())
-        ask = ask_rendezvous and running and self._stop.signum is None
+        ask = ask_rendezvous and self._stop.signum is None
         hang_timeout = self._policy.hang_timeout
         obs = observe(
             slots,
@@ -226,7 +226,7 @@ class AgentRun:
             pids=self._workers.pids() if hang_timeout else None,
             stalled_after=hang_timeout,
         )
-        return self._membership.observe(obs, self._info if ask else None)
+        return self._membership.observe(obs, self._info if ask else None, running=running)
 
     def _failures(
         self, local_ranks: tuple[int, ...], obs: Observation

@@ -62,18 +62,24 @@ FILL_BACK = 16
 class StateBackend:
     """Reads and writes the shared state of one run in ``store``.
 
-    ``clock`` returns wall-clock seconds (the time written into the state).
+    ``clock`` returns wall-clock seconds (the time written into the state); ``ticks``,
+    seconds that never step (how long a heartbeat stood unchanged; None: ``clock``).
     """
 
     def __init__(
-        self, store: Store, settings: RendezvousSettings, *, clock: Callable[[], float]
+        self,
+        store: Store,
+        settings: RendezvousSettings,
+        *,
+        clock: Callable[[], float],
+        ticks: Callable[[], float] | None = None,
     ) -> None:
         self.store = store
         self.settings = settings
         self.clock = clock
         self.prefix = key_prefix(settings.run_id)
         self.state_key = self.prefix + "state"
-        self.liveness = Liveness(store, self.prefix, settings, clock)
+        self.liveness = Liveness(store, self.prefix, settings, clock, ticks)
         self._epochs_filled = 0
         """The epoch up to which :meth:`fill_epochs` found every ``epoch/<n>`` key."""
 

@@ -65,12 +65,22 @@ class Liveness:
     """The heartbeat and steward keys of one run in ``store`` (``prefix``: its keys')."""
 
     def __init__(
-        self, store: Store, prefix: str, settings: RendezvousSettings, clock: Callable[[], float]
+        self,
+        store: Store,
+        prefix: str,
+        settings: RendezvousSettings,
+        clock: Callable[[], float],
+        ticks: Callable[[], float] | None = None,
     ) -> None:
         self.store = store
         self._prefix = prefix
         self._settings = settings
         self._clock = clock
+        """Wall-clock seconds: the times written into the keys."""
+        self._ticks = ticks or clock
+        """Seconds that never step (monotonic; None: ``clock``, a test's): how long a
+        key stood unchanged, so that a step of this host's wall clock (a correction by
+        an hour) neither kills every node nor keeps a lost one alive for the hour."""
         self._steward_raw: bytes | None = None
         """The steward key as this node last wrote it (it holds the role while it is so)."""
         self._reporting: str | None = None
@@ -80,15 +90,16 @@ class Liveness:
         self._beaten = -math.inf
         """When this node last wrote its heartbeat."""
         self._said: tuple[float, str | None] = (-math.inf, None)
-        """When this node, as the steward, last wrote its key, and the report in it."""
+        """When this node, as the steward, last wrote its key (its ticks), and the report
+        in it."""
         self._quiet_until = -math.inf
         """Before then another node's steward key cannot be overdue (stores with leases:
         this node does not read it until then)."""
         self._seen: dict[str, tuple[bytes, float, float]] = {}
         """Each node's heartbeat as this node last read it, since when it has been so,
-        and when this node read it (this node's clock)."""
+        and when this node read it (this node's ticks)."""
         self._steward_seen: tuple[bytes | None, float] = (None, -math.inf)
-        """The steward key as this node last read it, and since when (its clock)."""
+        """The steward key as this node last read it, and since when (its ticks)."""
 
     def hb_key(self, node: str) -> str:
         return f"{self._prefix}hb/{node}"
@@ -129,11 +140,11 @@ class Liveness:
     def beat(self, node: str) -> None:
         """Write ``node``'s heartbeat (one small write; on a store with leases only
         once per :attr:`beat_every`)."""
-        now = self._clock()
-        if has_leases(self.store) and now - self._beaten < self.beat_every:
+        tick = self._ticks()
+        if has_leases(self.store) and tick - self._beaten < self.beat_every:
             return
-        self.store.set(self.hb_key(node), _millis(now))
-        self._beaten = now
+        self.store.set(self.hb_key(node), _millis(self._clock()))
+        self._beaten = tick
 
     def leaving(self, node: str, until: float) -> None:
         """``node`` stopped beating to leave by ``until`` (its leave's deadline): its
@@ -155,18 +166,23 @@ class Liveness:
             return set(self.everyone_alive() & set(nodes))
         return self.beating(nodes, self._settings.dead_after)
 
-    def beating(self, nodes: Iterable[str], within: float) -> set[str]:
+    def beating(
+        self, nodes: Iterable[str], within: float, *, credit: float | None = None
+    ) -> set[str]:
         """Those of ``nodes`` whose heartbeat is there and changed within ``within``
         seconds, by this node's clock (one read of the keys). A new value counts as
         changed when the time in it says, by this node's clock, but not later than now,
         nor earlier than this node's last read of the key (it changed since), nor than
-        ``within`` less two of the node's beats (a live node, whatever its clock, beats
-        again before it would be dead); a leaving node's counts as changed its span
-        less ``within`` from now (it is alive for that span)."""
+        ``credit`` ago (default: ``within`` less two of the node's beats, so that a live
+        node, whatever its clock, beats again before it would be dead); a leaving node's
+        counts as changed its span less ``within`` from now (it is alive for that span,
+        a close timeout at most)."""
         wanted = list(nodes)
         raws = get_many(self.store, [self.hb_key(n) for n in wanted])
-        now = self._clock()
-        credit = max(0.0, within - 2 * self.beat_every)
+        now, tick = self._clock(), self._ticks()
+        if credit is None:
+            credit = max(0.0, within - 2 * self.beat_every)
+        longest = self._settings.close_timeout + within  # (a leave's, at most)
         found = set()
         for node, raw in zip(wanted, raws, strict=True):
             beat = None if raw is None else _parse_beat(raw)
@@ -178,15 +194,18 @@ class Liveness:
                 since = seen[1]
             else:
                 written, span = beat
-                age = min(max(now - written, 0.0), credit) if span is None else within - span
+                if span is None:
+                    age = min(max(now - written, 0.0), credit)
+                else:
+                    age = within - min(span, longest)
                 if seen is not None and span is None:
-                    age = min(age, max(now - seen[2], 0.0))
-                since = now - age
-            self._seen[node] = raw, since, now
-            if now - since <= within:
+                    age = min(age, max(tick - seen[2], 0.0))
+                since = tick - age
+            self._seen[node] = raw, since, tick
+            if tick - since <= within:
                 found.add(node)
         if len(self._seen) > 2 * len(wanted) + 1024:  # nodes long gone (never read again)
-            self._seen = {n: s for n, s in self._seen.items() if now - s[2] <= 10 * within}
+            self._seen = {n: s for n, s in self._seen.items() if tick - s[2] <= 10 * within}
         return found
 
     def everyone_alive(self) -> frozenset[str]:
@@ -206,7 +225,7 @@ class Liveness:
         steward key that says the state is corrupt (or valid again) is told to
         ``watch``."""
         key = f"{self._prefix}steward"
-        now = self._clock()
+        now = self._ticks()
         said_at, said = self._said
         said_lately = said == self._reporting and now - said_at < self._settings.dead_after / 2
         if has_leases(self.store) and self._steward_raw is not None:
@@ -222,7 +241,7 @@ class Liveness:
             raw = peek(self.store, key)
             held = None if raw is None else _parse(raw)
             mine = raw is not None and raw == self._steward_raw
-            now = self._clock()
+            now = self._ticks()
             if raw != self._steward_seen[0]:
                 self._steward_seen = raw, now
             since = self._steward_seen[1]
@@ -235,7 +254,8 @@ class Liveness:
                 return False
             if mine and said_lately:
                 return True  # said recently, and the same: no write
-        doc = {"v": 1, "node": node, "ms": round(now * 1000), "corrupt": self._reporting}
+        ms = round(self._clock() * 1000)
+        doc = {"v": 1, "node": node, "ms": ms, "corrupt": self._reporting}
         data = json.dumps(doc).encode()
         current, written = self.store.compare_set(key, raw, data)
         written = written or current == data  # a resent write's own bytes (commit's note)

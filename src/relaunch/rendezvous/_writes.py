@@ -232,6 +232,8 @@ def _await_last_calls(
     end = time.monotonic() + seconds
     stale = max(settings.dead_after, rdzv.liveness.beat_every)
     while nodes and time.monotonic() < end:
-        nodes = rdzv.liveness.beating(nodes, stale)
+        # (credited in full: a node long dead is stale at the first read, and one whose
+        # clock is behind is, at worst, not waited for)
+        nodes = rdzv.liveness.beating(nodes, stale, credit=stale)
         if nodes:  # (a look reads every heartbeat still there: longer gaps for more)
             time.sleep(_LAST_CALL_POLL + len(nodes) * 1e-5)

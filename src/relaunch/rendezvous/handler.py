@@ -60,7 +60,9 @@ class DynamicRendezvousHandler:
     after every other node left or died, so no node restarting is stranded. The
     stores are closed there too unless ``owns_store`` is False (a shared store), and
     ``embedded``, the etcd cluster the agents run. ``lifeline_host``: where this node's
-    lifeline listens (None: its loss is seen by heartbeats only). ``clock``: wall time.
+    lifeline listens (None: its loss is seen by heartbeats only). ``clock``: wall time;
+    ``ticks``: time that never steps (default: the monotonic clock with the real
+    ``clock``, else ``clock``).
     """
 
     def __init__(
@@ -76,6 +78,7 @@ class DynamicRendezvousHandler:
         embedded: EmbeddedStore | None = None,
         lifeline_host: str | None = None,
         clock: Callable[[], float] = time.time,
+        ticks: Callable[[], float] | None = None,
     ) -> None:
         self._backend_name = backend
         self._settings = settings
@@ -87,8 +90,10 @@ class DynamicRendezvousHandler:
         self._owns_store = owns_store
         self._clock = clock
         self._node = new_node_id(local_addr)
-        self._rdzv = StateBackend(store, settings, clock=clock)
-        self._ka_rdzv = StateBackend(keep_alive_store or store, settings, clock=clock)
+        ticks = ticks or (time.monotonic if clock is time.time else clock)
+        self._rdzv = StateBackend(store, settings, clock=clock, ticks=ticks)
+        ka_store = keep_alive_store or store
+        self._ka_rdzv = StateBackend(ka_store, settings, clock=clock, ticks=ticks)
         self._round: int | None = None
         self._interrupted = threading.Event()
         self._shut = False
