@@ -65,6 +65,18 @@ def in_loopback_netns() -> None:
     raise SystemExit(proc.wait())
 
 
+STORE_SERVER = """
+import sys
+from relaunch.store.tcp import TCPStoreServer
+server = TCPStoreServer(host="127.0.0.1", port=0).start()
+print(server.port, flush=True)
+sys.stdin.read()
+server.close()
+"""
+"""``python -c`` it: relaunch's TCP store server on 127.0.0.1, in a process of its own; it
+prints its port and serves until its stdin closes."""
+
+
 def median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 

@@ -23,29 +23,17 @@ import heapq
 import itertools
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import in_loopback_netns, median
+from _common import STORE_SERVER, in_loopback_netns, median
+
+from relaunch.procs import raise_open_files_limit
 
 INTERVAL = 0.25  # monitor_process_interval's default
 HERE = os.path.abspath(__file__)
-STORE = """
-import sys
-from relaunch.store.tcp import TCPStoreServer
-server = TCPStoreServer(host="127.0.0.1", port=0).start()
-print(server.port, flush=True)
-sys.stdin.read()
-server.close()
-"""
-
-
-def _more_files() -> None:
-    _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
 def _watch(rank: int, world: int, way: str) -> list[int]:
@@ -103,7 +91,10 @@ def _cpu_seconds(pid: int) -> float:
 
 def run(world: int, way: str, seconds: float, clients: int) -> dict[str, float]:
     store = subprocess.Popen(
-        [sys.executable, "-c", STORE], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", STORE_SERVER],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
     )
     procs: list[subprocess.Popen[str]] = []
     try:
@@ -153,7 +144,7 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=4)
     args = parser.parse_args()
     in_loopback_netns()
-    _more_files()
+    raise_open_files_limit()  # (a connection per monitor process played)
     print(f"{'ranks':>6} {'way':>8} {'reads/check':>11} {'checks/s':>9} {'target':>7} "
           f"{'store CPU':>9} {'p50':>9} {'p99':>9}")  # fmt: skip
     for world in (int(w) for w in args.ranks.split(",")):

@@ -56,7 +56,7 @@ from datetime import timedelta
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import calls_line, etcd_calls, free_port
+from _common import STORE_SERVER, calls_line, etcd_calls, free_port
 
 from relaunch.rendezvous._embedded_setup import member_cpus
 from relaunch.rendezvous._settings import RendezvousSettings
@@ -514,16 +514,6 @@ def start_etcd(
     return procs, [c for c, _ in ports]
 
 
-SERVER = """
-import sys
-from relaunch.store.tcp import TCPStoreServer
-server = TCPStoreServer(host="127.0.0.1", port=0).start()
-print(server.port, flush=True)
-sys.stdin.read()
-server.close()
-"""
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("sizes", nargs="*", type=int, default=[8, 64, 256, 1024])
@@ -596,7 +586,7 @@ def main() -> None:
         args.no_torch = True
     else:
         proc = subprocess.Popen(
-            [sys.executable, "-c", SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+            [sys.executable, "-c", STORE_SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE
         )
         assert proc.stdout is not None
         port, server_pids = int(proc.stdout.readline()), [proc.pid]

@@ -80,6 +80,16 @@ def replaced_by_a_spare(tmp_path: Path, **rdzv: str) -> None:
     assert started[0]["forked"] == [0, 1], started  # type: ignore[index]
 
 
+def stall(j: TieredJob, name: str, *, until: tuple[str, str]) -> None:
+    """Agent ``name`` stopped (SIGSTOP) until agent ``until[0]`` logged event ``until[1]``."""
+    pid = j.agents[name].pid
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        j.wait_event(*until, timeout=60)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
 def test_a_node_taken_for_lost_while_its_agent_stalled_takes_its_place_back(
     tmp_path: Path,
 ) -> None:
@@ -93,12 +103,7 @@ def test_a_node_taken_for_lost_while_its_agent_stalled_takes_its_place_back(
         name = victim(j)
         survivor = "b" if name == "a" else "a"
         pids = {n: j.pid_of(n) for n in RANKS}
-        agent = j.agents[name]
-        os.kill(agent.pid, signal.SIGSTOP)
-        try:
-            j.wait_event(survivor, "node_lost", timeout=60)
-        finally:
-            os.kill(agent.pid, signal.SIGCONT)
+        stall(j, name, until=(survivor, "node_lost"))
         fault = j.newest_step()  # (its workers stepped on till the others went on)
         j.finish((survivor, name), after=fault)
     lost = {n: p for n, p in pids.items() if n.startswith("1_")}
@@ -122,12 +127,7 @@ def test_a_node_taken_for_lost_while_its_agent_stalled_finds_a_spare_in_its_plac
         name = victim(j)
         survivor = "b" if name == "a" else "a"
         pids = {n: j.pid_of(n) for n in RANKS}
-        agent = j.agents[name]
-        os.kill(agent.pid, signal.SIGSTOP)
-        try:
-            j.wait_event("spare", "rendezvous_complete", timeout=60)
-        finally:
-            os.kill(agent.pid, signal.SIGCONT)
+        stall(j, name, until=("spare", "rendezvous_complete"))
         fault = j.newest_step()  # (its workers stepped on till the others went on)
         j.finish((survivor, "spare"), after=fault)
     lost = {n: p for n, p in pids.items() if n.startswith("1_")}

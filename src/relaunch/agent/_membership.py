@@ -90,8 +90,9 @@ class Membership:
         obs = dataclasses.replace(obs, declared=self.declared, marked_inprocess=self.marked)
         if info is None:
             return obs
-        vacancies = self.vacancies()
-        dropped = self._dropped(vacancies)
+        replaced = self._replaced()
+        vacancies = self._vacancies(replaced)
+        dropped = self._dropped(vacancies, replaced)
         if not running:
             return dataclasses.replace(obs, dropped=dropped)
         waiting = self._handler.num_nodes_waiting()
@@ -107,13 +108,13 @@ class Membership:
             dropped=dropped,
         )
 
-    def _dropped(self, vacancies: Mapping[int, int]) -> bool:
+    def _dropped(self, vacancies: Mapping[int, int], replaced: Mapping[int, int]) -> bool:
         """Whether the others took this node for lost (its agent stalled past the
         dead-node delay, say): its group rank is vacant, or another node holds it."""
         rank = self._rank
         if rank is None:
             return False
-        holder = self._replaced().get(rank, self._incarnation)
+        holder = replaced.get(rank, self._incarnation)
         dropped = rank in vacancies or holder != self._incarnation
         if dropped and not self._dropped_said:
             self._dropped_said = True
@@ -125,10 +126,11 @@ class Membership:
             )
         return dropped
 
-    def vacancies(self) -> dict[int, int]:
+    def _vacancies(self, replaced: Mapping[int, int]) -> dict[int, int]:
         """The round's vacancies (one cheap read); says when a node took a lost one's
-        place, whether or not this node saw the vacancy first."""
-        for seat in self._replaced().items():
+        place (``replaced``: the seats taken over), whether or not this node saw the
+        vacancy first."""
+        for seat in replaced.items():
             if seat not in self._told:
                 self._told.add(seat)
                 group_rank, incarnation = seat
