@@ -20,7 +20,13 @@ import pytest
 
 from multinode_support.etcd import Gateway, Member, etcd_binary
 from multinode_support.etcd import start_cluster as _start_cluster
-from relaunch.errors import ConfigError, RendezvousStateError, StoreError, StoreTimeoutError
+from relaunch.errors import (
+    ConfigError,
+    RendezvousStateError,
+    StoreError,
+    StoreLostError,
+    StoreTimeoutError,
+)
 from relaunch.rendezvous.api import RendezvousParameters
 from relaunch.rendezvous.handler import DynamicRendezvousHandler
 from relaunch.rendezvous.registry import create_handler
@@ -431,6 +437,25 @@ def test_a_leaving_node_does_not_wait_the_timeout_for_a_store_that_is_gone(
             store.get("k")
     finally:
         store.close()
+
+
+def test_a_store_given_up_fails_every_call_at_once_and_ends_its_waits(etcd: Member) -> None:
+    store = EtcdStore([("127.0.0.1", etcd.client_port)], timeout=600.0)
+    try:
+        store.set_ephemeral("alive", b"1", 30.0)  # a lease, refreshed by its thread
+        with ThreadPoolExecutor(1, thread_name_prefix="test-etcd") as pool:
+            waiter = pool.submit(store.wait, ["never"], 600.0)
+            time.sleep(0.5)  # in its watch now
+            store.give_up("the quorum is gone")
+            with pytest.raises(StoreLostError, match="the quorum is gone"):
+                waiter.result(timeout=10)  # woken: not after the 600 s
+        assert store.lost == "the quorum is gone"
+        for call in (lambda: store.get("k"), lambda: store.set("k", b"v"),
+                     lambda: store.watch("k", 600.0)):  # fmt: skip
+            with pytest.raises(StoreLostError, match="the quorum is gone"):
+                call()
+    finally:
+        store.close()  # the lease's refresh thread ends; its revoke is not tried
 
 
 def test_peek_asks_one_member_and_the_signed_view_checks_it(cluster: list[Member]) -> None:

@@ -7,7 +7,14 @@ import logging
 
 import pytest
 
-from relaunch.rendezvous._seats import JoinSteps, Member, join_steps, parse_members, plan
+from relaunch.rendezvous._seats import (
+    JoinSteps,
+    Member,
+    join_steps,
+    parse_members,
+    plan,
+    quorum_gone,
+)
 
 
 def _m(name: str, *, learner: bool = False, started: bool = True) -> Member:
@@ -179,3 +186,50 @@ def test_a_client_moves_to_the_member_it_prefers_and_keeps_a_failover() -> None:
         assert calls.current()[1] == "a:1"
     finally:
         calls.close()
+
+
+# -- the quorum lost for good ------------------------------------------------------------
+
+
+def _gone(members: list[Member], seen: dict[Member, str], leaderless_for: float) -> bool:
+    return quorum_gone(members, {m.id: h for m, h in seen.items()}, leaderless_for,
+                       refused_after=1.0, silent_after=10.0)  # fmt: skip
+
+
+def test_the_quorum_is_gone_a_second_after_a_majority_s_ports_refuse() -> None:
+    seen = {A: "refused", B: "refused", C: "unhealthy"}
+    assert not _gone([A, B, C], seen, 0.5)  # one look: a second one confirms
+    assert _gone([A, B, C], seen, 1.0)
+
+
+def test_an_election_after_one_member_s_loss_is_no_lost_quorum() -> None:
+    # one of three refuses, the two left elect a leader: neither healthy meanwhile
+    seen = {A: "refused", B: "unhealthy", C: "unhealthy"}
+    assert not _gone([A, B, C], seen, 5.0)
+    assert _gone([A, B, C], seen, 10.0)  # no leader for that long: two that cannot meet
+
+
+def test_silent_members_are_taken_for_lost_only_after_the_longer_delay() -> None:
+    seen = {A: "unhealthy", B: "unhealthy", C: "unhealthy"}  # a cable pulled: no refusal
+    assert not _gone([A, B, C], seen, 9.9)
+    assert _gone([A, B, C], seen, 10.0)
+
+
+def test_one_healthy_member_means_the_quorum_holds() -> None:
+    seen = {A: "refused", B: "refused", C: "healthy"}  # (C's view may be stale: it holds)
+    assert not _gone([A, B, C], seen, 60.0)
+
+
+def test_learners_have_no_vote_in_the_count() -> None:
+    d, e = _m("d", learner=True), _m("e", learner=True)
+    seen = {A: "refused", B: "unhealthy", C: "unhealthy", d: "refused", e: "refused"}
+    assert not _gone([A, B, C, d, e], seen, 5.0)  # one voter of three refuses
+    assert not _gone([d, e], {d: "refused", e: "refused"}, 60.0)  # no voter: nothing to judge
+
+
+def test_five_voters_keep_their_quorum_with_two_lost() -> None:
+    D, E = _m("d"), _m("e")
+    two = {A: "refused", B: "refused", C: "unhealthy", D: "unhealthy", E: "unhealthy"}
+    assert not _gone([A, B, C, D, E], two, 5.0)
+    three = {**two, C: "refused"}
+    assert _gone([A, B, C, D, E], three, 1.0)

@@ -28,6 +28,7 @@ ERRORS = {
     "StatusError",
     "StoreClosedError",
     "StoreConnectionError",
+    "StoreLostError",
     "StoreError",
     "StoreTimeoutError",
     "TimerError",

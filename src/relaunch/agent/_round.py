@@ -28,6 +28,7 @@ from relaunch.errors import (
     RendezvousStateError,
     StoreConnectionError,
     StoreError,
+    StoreLostError,
     StoreTimeoutError,
 )
 from relaunch.events import Emit, ExitBarrierTimeout
@@ -125,6 +126,8 @@ def publish_failures(info: RendezvousInfo, failures: dict[int, ProcessFailure]) 
             f"{_FAILURES_KEY}{info.rank}",
             json.dumps({"version": 1, "failures": record}).encode(),
         )
+    except StoreLostError:
+        pass  # (the job ends with the line that says why)
     except StoreError as exc:
         log.warning("could not publish failures: %s", exc)
 

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from relaunch._contract import read_marker
 from relaunch.agent._attempt import Slot
 from relaunch.agent._spec import SnapshotFacts, SnapshotSource, WorkerGroup, WorkerState
-from relaunch.errors import RendezvousError, StoreError
+from relaunch.errors import RendezvousError, StoreError, StoreLostError
 from relaunch.events import Event
 from relaunch.rendezvous import RendezvousHandler, SharedBoard
 from relaunch.status import NodeReport, StatusBoard, WorkerRow, encode_report
@@ -101,9 +101,10 @@ class NodeStatus:
         try:
             self._shared.publish_status(raw)
         except (StoreError, RendezvousError) as exc:
-            log.warning(
-                "cannot publish this node's status (next try in %g s): %s", RETRY_AFTER, exc
-            )
+            if not isinstance(exc, StoreLostError):  # (the job's end says why)
+                log.warning(
+                    "cannot publish this node's status (next try in %g s): %s", RETRY_AFTER, exc
+                )
             self._paused_until = now + RETRY_AFTER
             return
         self._sent = raw

@@ -8,6 +8,7 @@ Every error relaunch raises on purpose derives from :class:`RelaunchError`::
     │   ├── StoreTimeoutError       a wait or get did not finish in time (also TimeoutError)
     │   ├── StoreClosedError        we closed the store; using it afterwards is a bug
     │   └── StoreConnectionError    the server or peer broke the connection, or cannot be reached
+    │       └── StoreLostError      the store is gone for good (its quorum lost): nothing is tried
     ├── RendezvousError             the rendezvous could not be completed
     │   ├── RendezvousClosedError   the rendezvous was closed (the job is over)
     │   ├── RendezvousTimeoutError  a rendezvous deadline expired (also TimeoutError)
@@ -54,6 +55,11 @@ class StoreClosedError(StoreError):
 
 class StoreConnectionError(StoreError):
     """The store server or peer cannot be reached or broke the connection."""
+
+
+class StoreLostError(StoreConnectionError):
+    """The store is gone for good (the embedded store lost its quorum): no call to it
+    can succeed again, so none is tried; the message says why."""
 
 
 class RendezvousError(RelaunchError):

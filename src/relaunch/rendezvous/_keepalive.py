@@ -17,7 +17,7 @@ import math
 import threading
 from collections.abc import Callable
 
-from relaunch.errors import RelaunchError, RendezvousStateError
+from relaunch.errors import RelaunchError, RendezvousStateError, StoreLostError
 from relaunch.rendezvous._backend import StateBackend
 from relaunch.rendezvous._corrupt import CorruptWatch
 from relaunch.rendezvous._lifeline import Lifeline, Target, decode_address, encode_address
@@ -170,6 +170,8 @@ class KeepAlive:
                 self.beat()
             except RendezvousStateError as exc:
                 self._corrupt.seen(exc)  # logged once per content, not once per beat
+            except StoreLostError:
+                return  # no beat can land again; the agent's next call says why
             except RelaunchError as exc:
                 logger.warning("rendezvous keep-alive of %s failed: %s", self._node, exc)
 

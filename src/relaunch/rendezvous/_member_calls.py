@@ -15,9 +15,11 @@ from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from relaunch._endpoint import quiet_port
 from relaunch.errors import StoreConnectionError, StoreError
-from relaunch.rendezvous._seats import Member, parse_members
-from relaunch.store._etcd_member import any_healthy, endpoint_of, hand_over
+from relaunch.rendezvous._member_specs import EmbeddedSettings, joining_member
+from relaunch.rendezvous._seats import Member, join_steps, parse_members
+from relaunch.store._etcd_member import MemberSpec, any_healthy, bracket, endpoint_of, hand_over
 from relaunch.store.etcd import EtcdStore
 
 __all__ = [
@@ -26,6 +28,7 @@ __all__ = [
     "answers",
     "await_others",
     "client_endpoints",
+    "join_cluster",
     "leave_cluster",
     "leave_in_turn",
     "list_members",
@@ -33,7 +36,6 @@ __all__ = [
     "members_lock",
     "promote_once",
     "promote_when_in_sync",
-    "quorum_lost_line",
     "reach",
     "remove_member",
 ]
@@ -299,12 +301,42 @@ def answers(urls: tuple[str, ...]) -> bool:
     return any_healthy(urls, timeout=2.0) or any_healthy(urls, timeout=2.0)
 
 
-def quorum_lost_line(members: list[Member], exc: BaseException) -> str:
-    """The line that ends the job when the store cannot be reached (each of
-    ``members``, as last listed, checked now)."""
-    up = [m.name for m in members if m.started and any_healthy(m.client_urls)]
-    down = [m.name or "(never started)" for m in members if m.name not in up]
-    return (
-        f"the embedded rendezvous store lost its quorum: members {', '.join(down) or '?'} "
-        f"unreachable, {len(up)} of {len(members)} left ({exc})"
-    )
+def join_cluster(
+    store: EtcdStore,
+    cfg: EmbeddedSettings,
+    name: str,
+    *,
+    launch: Callable[[MemberSpec], None],
+    leaving: Callable[[], bool],
+) -> None:
+    """Add this node (``name``) as a member and start it (``launch``: returns once it
+    answers healthy), the members' lock held; one line, and the seat left to another
+    node, when the member cannot start. Nothing once the node is ``leaving``."""
+    added: str | None = None
+    try:
+        members = list_members(store)
+        steps = join_steps(members, cfg.target)
+        if steps is None or leaving():
+            return
+        learner = next((m for m in members if m.id == steps.promote_first), None)
+        if learner is not None and not promote_when_in_sync(store, learner, 5.0):
+            # no vote lost: the next look finds its seat free (this node a learner)
+            remove_member(store, learner.id, learner.name)
+            log.warning("embedded store: learner %s does not answer: removed", learner.name)
+            return
+        peer = quiet_port(cfg.address)
+        peer_url = f"http://{bracket(cfg.address)}:{peer}"
+        # the first of a pair a learner: it has no vote until promoted, so a member
+        # that never starts cannot cost the quorum; the second a voting member at
+        # once (the running ones hold the quorum while it starts)
+        reply = add_member(store, peer_url, learner=not steps.voting)
+        added = str(int(reply["member"]["ID"]))
+        launch(joining_member(cfg, name, peer, added, parse_members(reply)))
+        added = None  # a member now (voting, or a learner waiting for a pair): it stays
+    except (StoreError, OSError, KeyError, TypeError, ValueError) as exc:
+        log.log(logging.INFO if leaving() else logging.WARNING,  # (leaving: cut short)
+                "embedded store: this node could not become a member (%s); another "
+                "node may take the seat", exc)  # fmt: skip
+    finally:
+        if added is not None:
+            remove_member(store, added, name)

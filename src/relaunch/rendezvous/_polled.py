@@ -6,7 +6,12 @@ from __future__ import annotations
 import logging
 import threading
 
-from relaunch.errors import RendezvousClosedError, RendezvousStateError, StoreConnectionError
+from relaunch.errors import (
+    RendezvousClosedError,
+    RendezvousStateError,
+    StoreConnectionError,
+    StoreLostError,
+)
 from relaunch.rendezvous._backend import StateBackend
 from relaunch.rendezvous._corrupt import CorruptWatch
 from relaunch.rendezvous._epochs import EpochWatch
@@ -53,6 +58,8 @@ class PolledState:
         try:
             try:
                 state = self._read()
+            except StoreLostError:
+                raise  # (gone for good: nothing to retry)
             except StoreConnectionError as exc:
                 logger.warning("rendezvous store read failed (%s); retrying", exc)
                 state = self._read()

@@ -23,8 +23,10 @@ state lives in etcd, not in a TCP store on one node:
   once when its port refuses: its process is gone), and a node that is not a member,
   woken by the seats key the steward sets, takes the seat: the next loss is
   survived too.
-- Quorum lost (a majority gone at once): the store's calls fail, and the agent ends
-  the job with one line naming the members and their health.
+- Quorum lost (a majority gone at once): once it is certain (:mod:`._quorum`: their
+  ports refuse for a second, or they are silent for 10 s, and none answers a patient
+  check), the client is given up, every call fails at once, and the agent ends the
+  job with one line naming the members unreachable.
 - A member that leaves with its node removes the members down now, then itself, so
   the nodes still running keep their quorum (etcd's own reconfiguration check is off:
   it refuses any removal in a cluster younger than 5 s). The members leave one at a
@@ -45,19 +47,17 @@ import os
 import threading
 import time
 
-from relaunch._endpoint import port_free, quiet_port
+from relaunch._endpoint import port_free
 from relaunch.errors import StoreConnectionError, StoreError
 from relaunch.rendezvous._member_calls import (
     Leave,
-    add_member,
     await_others,
     client_endpoints,
+    join_cluster,
     leave_in_turn,
     list_members,
     members_lock,
     promote_once,
-    promote_when_in_sync,
-    quorum_lost_line,
     reach,
     remove_member,
 )
@@ -65,15 +65,10 @@ from relaunch.rendezvous._member_specs import (
     EmbeddedSettings,
     bind_address,
     first_member,
-    joining_member,
 )
-from relaunch.rendezvous._seats import Member, join_steps, parse_members, plan, seated
-from relaunch.store._etcd_member import (
-    EtcdMember,
-    MemberSpec,
-    bracket,
-    member_health,
-)
+from relaunch.rendezvous._quorum import QuorumWatch, health_now, quorum_lost_line
+from relaunch.rendezvous._seats import Member, plan, seated
+from relaunch.store._etcd_member import EtcdMember, Health, MemberSpec, member_health
 from relaunch.store.etcd import EtcdStore
 
 __all__ = ["EmbeddedSettings", "EmbeddedStore"]
@@ -82,6 +77,7 @@ log = logging.getLogger(__name__)
 
 _JOIN_TIMEOUT = 30.0  # seconds a new member may take to become healthy
 _LOCK_WAIT = _JOIN_TIMEOUT + 15.0  # a leaver's wait for the members' lock (a joiner's hold)
+_SILENT_AFTER = 10.0  # seconds a majority of members may be silent before the store is lost
 
 
 class EmbeddedStore:
@@ -99,6 +95,9 @@ class EmbeddedStore:
         self._member: EtcdMember | None = None
         self._members: list[Member] = []
         self._down: dict[str, float] = {}
+        self._seen: dict[str, Health] = {}
+        """Each member's health at this node's last look (a member's look only)."""
+        self._quorum = QuorumWatch(silent_after=max(settings.grace, _SILENT_AFTER))
         self._listed_at = -math.inf  # when the member list was last read (monotonic)
         self._preferred: tuple[str, int] | None = None  # where the client was last moved
         self._up_since: dict[str, float] = {}
@@ -164,7 +163,8 @@ class EmbeddedStore:
         self._wake.set()
 
     def _run(self) -> None:
-        while self._sleep():
+        # judged first: a look at a store without a quorum may wait a call's timeout
+        while self._sleep() and not self._judge():
             try:
                 self._refresh()
                 self._tend()
@@ -172,6 +172,26 @@ class EmbeddedStore:
                 log.debug("embedded store: members not tended this time: %s", exc)
             except Exception:
                 log.exception("embedded store: tending the members failed")
+
+    def _judge(self) -> bool:
+        """Give the client up once the quorum is lost for good (:mod:`._quorum`): a
+        member judges by its last look; another node looks only while its calls fail.
+        Whether the store is lost (the thread ends: nothing is left to tend)."""
+        store = self._store
+        if store is None or store.lost is not None:
+            return True
+        if self._leaving:  # (a job's end: the members leave one by one)
+            return False
+        with self._view_lock:
+            members = list(self._members)
+        if self._member is None and not store.troubled:
+            self._quorum.clear()
+            return False
+        seen = self._seen if self._member is not None else health_now(members)
+        line = self._quorum.look(members, seen)
+        if line is not None:
+            store.give_up(line)
+        return line is not None
 
     def _sleep(self) -> bool:
         """Wait for the next look (:meth:`_pace`); False once stopping. A node that may
@@ -192,12 +212,13 @@ class EmbeddedStore:
     def _pace(self) -> float:
         """Seconds to the next look: 0.5 while seats are free or a member is down (the
         store grows a member at a time, and a job whose store host is lost before a
-        majority of members run is lost); then the members watch each other every
+        majority of members run is lost), or while calls fail (the quorum may be lost);
+        then the members watch each other every
         interval, and the others only look for a free seat and the members' addresses,
         less often (idle CPU of etcd)."""
         with self._view_lock:
             growing = seated(self._members, self._down) < self._cfg.target
-        if growing:
+        if growing or (self._store is not None and self._store.troubled):  # (or lost?)
             return min(0.5, self._cfg.interval)
         return self._cfg.interval if self._member is not None else 3 * self._cfg.interval
 
@@ -208,9 +229,11 @@ class EmbeddedStore:
         now = time.monotonic()
         members = self._listed(now)
         refused = set()
+        self._seen = {}
         for m in members:
             # members check each other; the others leave that to them (no traffic)
             seen = "healthy" if self._member is None else member_health(m.client_urls, local=True)
+            self._seen[m.id] = seen
             if m.started and seen == "healthy":
                 self._down.pop(m.id, None)
             else:
@@ -284,42 +307,10 @@ class EmbeddedStore:
         store = self._store
         with members_lock(store, self._lock_key, self._name, ttl=self._cfg.lease_ttl) as held:
             if held:
-                self._add_member(store)
+                join_cluster(store, self._cfg, self._name, launch=self._launch,
+                             leaving=lambda: self._stop.is_set() or self._leaving)  # fmt: skip
         if self._member is not None:  # the client knows its own member now: it may stay last
             self._refresh()
-
-    def _add_member(self, store: EtcdStore) -> None:
-        """Add this node as a member and start it; one line and the seat left to another
-        node when the member cannot start."""
-        added: str | None = None
-        try:
-            members = list_members(store)
-            steps = join_steps(members, self._cfg.target)
-            if steps is None or self._stop.is_set() or self._leaving:  # (the node leaves)
-                return
-            learner = next((m for m in members if m.id == steps.promote_first), None)
-            if learner is not None and not promote_when_in_sync(store, learner, 5.0):
-                # no vote lost: the next look finds its seat free (this node a learner)
-                remove_member(store, learner.id, learner.name)
-                log.warning("embedded store: learner %s does not answer: removed", learner.name)
-                return
-            peer = quiet_port(self._cfg.address)
-            peer_url = f"http://{bracket(self._cfg.address)}:{peer}"
-            # the first of a pair a learner: it has no vote until promoted, so a member
-            # that never starts cannot cost the quorum; the second a voting member at
-            # once (the running ones hold the quorum while it starts)
-            reply = add_member(store, peer_url, learner=not steps.voting)
-            added = str(int(reply["member"]["ID"]))
-            spec = joining_member(self._cfg, self._name, peer, added, parse_members(reply))
-            self._launch(spec)
-            added = None  # a member now (voting, or a learner waiting for a pair): it stays
-        except (StoreError, OSError, KeyError, TypeError, ValueError) as exc:
-            log.log(logging.INFO if self._leaving else logging.WARNING,  # (leaving: cut short)
-                    "embedded store: this node could not become a member (%s); another "
-                    "node may take the seat", exc)  # fmt: skip
-        finally:
-            if added is not None:
-                remove_member(store, added, self._name)
 
     # -- what the others read --------------------------------------------------------------
 
@@ -329,11 +320,13 @@ class EmbeddedStore:
             return client_endpoints(self._members)
 
     def lost_reason(self, exc: BaseException) -> str:
-        """The line that ends the job when the store cannot be reached (each member's
-        health checked now)."""
+        """The line that ends the job when the store cannot be reached: the verdict's
+        (:meth:`_judge`), else one of each member's health checked now."""
+        if self._store is not None and (line := self._store.lost) is not None:
+            return line
         with self._view_lock:
-            seen = list(self._members)
-        return quorum_lost_line(seen, exc)
+            members = list(self._members)
+        return quorum_lost_line(members, health_now(members), str(exc))
 
     # -- stopping ----------------------------------------------------------------------
 
@@ -354,6 +347,8 @@ class EmbeddedStore:
         store, member = self._store, self._member
         if member is None or not member.running() or store is None or self._left.out:
             return True  # (a member whose process ended was removed, or is removed)
+        if store.lost is not None:
+            return True  # no cluster is left to leave
         settled = time.monotonic() - 3 * self._cfg.interval - 1.0
         with self._view_lock:
             since = dict(self._up_since)
@@ -380,10 +375,11 @@ class EmbeddedStore:
         if thread is not None:
             thread.join(timeout=self._cfg.read_timeout + 15)
         store = self._store
+        lost = store is not None and store.lost is not None  # (nothing to leave, or wait for)
         try:
-            if store is not None and not self._staying:
+            if store is not None and not lost and not self._staying:
                 self.leave()  # (where the node's shutdown did not get to it)
-            if store is not None and self._staying and not self._left.out:
+            if store is not None and not lost and self._staying and not self._left.out:
                 await_others(store, self._clients, self._name, self._cfg.lease_ttl + 1.0)
                 self._left = leave_in_turn(store, self._keys, self._name,
                                            ttl=self._cfg.lease_ttl, wait=_LOCK_WAIT)  # fmt: skip
@@ -395,4 +391,4 @@ class EmbeddedStore:
                     store.close()
             finally:
                 if member is not None:
-                    member.stop(at_once=self._left.gone)
+                    member.stop(at_once=self._left.gone or lost)

@@ -11,7 +11,16 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["JoinSteps", "Member", "Plan", "join_steps", "parse_members", "plan", "seated"]
+__all__ = [
+    "JoinSteps",
+    "Member",
+    "Plan",
+    "join_steps",
+    "parse_members",
+    "plan",
+    "quorum_gone",
+    "seated",
+]
 
 log = logging.getLogger(__name__)
 
@@ -159,3 +168,28 @@ def join_steps(members: Sequence[Member], target: int) -> JoinSteps | None:
 def seated(members: Sequence[Member], down: Collection[str] = ()) -> int:
     """How many of ``members`` vote and run, those seen ``down`` left out."""
     return sum(1 for m in members if m.started and not m.learner and m.id not in down)
+
+
+def quorum_gone(
+    members: Sequence[Member],
+    seen: Mapping[str, str],
+    leaderless_for: float,
+    *,
+    refused_after: float,
+    silent_after: float,
+) -> bool:
+    """Whether the store lost its quorum for good, from one look at each member's health
+    (``seen``: member id -> ``healthy``, ``refused`` or ``unhealthy``) and how long no
+    member has been healthy. The voting members (learners have no vote; an added voter
+    that has not started counts) that still run cannot form a majority: for
+    ``refused_after`` seconds when the others' ports refuse (their processes are gone,
+    and a member never comes back under its id), for ``silent_after`` when they are only
+    silent (a machine gone without a word, or a network cut that may heal)."""
+    voters = [m for m in members if not m.learner]
+    if not voters or "healthy" in seen.values():
+        return False
+    majority = len(voters) // 2 + 1
+    refused = sum(1 for m in voters if seen.get(m.id) == "refused")
+    if refused > len(voters) - majority:
+        return leaderless_for >= refused_after
+    return leaderless_for >= silent_after

@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
-from relaunch.errors import RelaunchError, RendezvousClosedError
+from relaunch.errors import RelaunchError, RendezvousClosedError, StoreLostError
 from relaunch.rendezvous._admission import JobAddresses
 from relaunch.rendezvous._backend import StateBackend
 from relaunch.rendezvous._corrupt import CorruptWatch
@@ -339,6 +339,8 @@ class DynamicRendezvousHandler:
                 leave(self._queue, self._node, self._settings, self._clock, self._keep_alive.stop)
             if (embedded is None or not embedded.leave()) and serving:
                 wait_for_others(self._rdzv, self._node, self._settings, self._clock, known)
+        except StoreLostError:  # (the job's end says why, in one line)
+            ok = False
         except RelaunchError as exc:
             logger.warning("node %s could not leave the rendezvous cleanly: %s", self._node, exc)
             ok = False

@@ -13,7 +13,13 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from relaunch._json import loads as json_loads
-from relaunch.errors import ConfigError, StoreClosedError, StoreConnectionError, StoreError
+from relaunch.errors import (
+    ConfigError,
+    StoreClosedError,
+    StoreConnectionError,
+    StoreError,
+    StoreLostError,
+)
 
 __all__ = ["EtcdEndpoints", "first_kv", "kv_value"]
 
@@ -74,6 +80,10 @@ class EtcdEndpoints:
         self._retired: list[Any] = []
         self._answered = True
         self._hurried = False
+        self.lost: str | None = None
+        """Why the store is gone for good (:meth:`give_up`); None while it may answer."""
+        self.troubled = False
+        """Whether the last sweep of the endpoints found none that could serve a call."""
         self._set(endpoints)
 
     def _set(self, endpoints: Sequence[tuple[str, int]]) -> None:
@@ -120,6 +130,11 @@ class EtcdEndpoints:
         """Every call from now on waits at most ``_AFTER_LOSS`` for an endpoint."""
         self._hurried = True
 
+    def give_up(self, reason: str) -> None:
+        """The store is gone for good: every call from now on raises StoreLostError
+        with ``reason`` at once (a call in flight ends within its own timeout)."""
+        self.lost = reason
+
     def current(self) -> tuple[Any, str, Callable[[], None]]:
         """The client in use, its name, and a call that moves on to the next one."""
         clients, names = self._view
@@ -165,7 +180,9 @@ class EtcdEndpoints:
             failed += len(errors)
             if result is not None:
                 self._answered = True
+                self.troubled = False
                 return result, failed > 0
+            self.troubled = True
             if time.monotonic() + delay > deadline:
                 self._answered = False
                 raise StoreConnectionError("no etcd endpoint answered: " + "; ".join(errors))
@@ -177,6 +194,8 @@ class EtcdEndpoints:
     ) -> tuple[dict[str, Any] | None, list[str]]:
         if self.closed:
             raise StoreClosedError("the etcd store is closed")
+        if self.lost is not None:
+            raise StoreLostError(self.lost)
         errors = []
         clients, names = self._view  # use() may swap it
         start = self._current % len(clients)
@@ -206,6 +225,7 @@ class EtcdEndpoints:
                 errors.append(f"{names[index]}: {resp.text.strip()}")
                 continue
             if resp.status_code != 200:
+                self.troubled = resp.status_code >= 500  # (etcd's own deadline passed)
                 raise StoreError(f"etcd {path} failed ({resp.status_code}): {resp.text.strip()}")
             if index != self._current and self._settle(clients, index):
                 logger.info("etcd store: failed over to %s", names[index])

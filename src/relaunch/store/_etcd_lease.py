@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from relaunch.errors import StoreClosedError, StoreError
+from relaunch.errors import StoreClosedError, StoreError, StoreLostError
 from relaunch.store._etcd_http import first_kv
 
 __all__ = ["OwnLease"]
@@ -159,6 +159,8 @@ class OwnLease:
                 continue
             try:
                 reply = self._post("/lease/keepalive", {"ID": str(lease)})
+            except StoreLostError:
+                return  # (said once, by whoever ends the job)
             except StoreError as exc:
                 logger.warning("etcd lease %x not refreshed: %s", lease, exc)
                 continue
@@ -178,5 +180,7 @@ class OwnLease:
         if lease is not None:
             try:
                 self._post("/kv/lease/revoke", {"ID": str(lease)})
+            except StoreLostError:
+                pass  # (no member can revoke it, nor keep it: it ends with the store)
             except StoreError as exc:
                 logger.warning("etcd lease %x not revoked (it expires on its own): %s", lease, exc)

@@ -23,6 +23,7 @@ from relaunch.errors import (
     StoreClosedError,
     StoreConnectionError,
     StoreError,
+    StoreLostError,
     StoreTimeoutError,
 )
 from relaunch.store import _etcd_tickets as tickets
@@ -109,6 +110,24 @@ class EtcdStore:
         endpoint: this node is leaving, and a store that stopped answering (its
         members' nodes gone first) must not hold it up call after call."""
         self._http.hurry()
+
+    def give_up(self, reason: str) -> None:
+        """The store is gone for good (the embedded store's quorum is lost): every call
+        from now on raises StoreLostError with ``reason`` at once, and the watches in
+        flight end now."""
+        self._http.give_up(reason)
+        self.end_watches()
+
+    @property
+    def lost(self) -> str | None:
+        """Why the store was given up (:meth:`give_up`); None while it may answer."""
+        return self._http.lost
+
+    @property
+    def troubled(self) -> bool:
+        """Whether the last sweep of the endpoints (of any call) found none that could
+        serve a call; False again once one does."""
+        return self._http.troubled
 
     def request(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         """One call of etcd's JSON API (``/cluster/member/list``...), failed over as every
@@ -298,6 +317,9 @@ class EtcdStore:
             if self._closing:
                 resp.close()
                 raise StoreClosedError("the etcd store was closed during a wait")
+            if self._http.lost is not None:  # (given up as this watch began)
+                resp.close()
+                raise StoreLostError(self._http.lost)
             if cancel is not None and cancel.is_set():
                 resp.close()
                 return False
