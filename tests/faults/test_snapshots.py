@@ -464,9 +464,10 @@ def test_a_replicated_state_reaches_a_node_that_joins(job: Job, tmp_path: Path) 
     """A node that joins a running job (``--nnodes 1:2``) holds no snapshot: its rank
     receives the newest step from a rank that holds it, and both go on from there."""
     args = ("--sleep", "0.2", "--replicated")
-    job.start("a", *args, nnodes="1:2", nproc=1)
+    alone = ("--rdzv-conf", "last_call_timeout=1")  # (else a waits 30 s for a second node)
+    job.start("a", *args, nnodes="1:2", nproc=1, flags=alone)
     wait_for(lambda: len(_world_rows(job, 1)) >= 10, 120, what="10 steps", detail=job.output)
-    job.start("b", *args, nnodes="1:2", nproc=1)
+    job.start("b", *args, nnodes="1:2", nproc=1, flags=alone)
     assert job.wait() == {"a": 0, "b": 0}, job.output()
     made = max(r["step"] for r in _world_rows(job, 1))
     resumed = {r["resumed_from"] for r in _world_rows(job, 2)}

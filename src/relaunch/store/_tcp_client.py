@@ -48,6 +48,9 @@ _CONNECT_BACKOFF_MAX = 0.5
 # torch's libuv server (it then answers nothing for seconds, so concurrent
 # waits time out with their keys set), and torch's own client never churns.
 _MAX_IDLE_WAIT_CONNECTIONS = 64
+
+_AFTER_LOSS = 1.0
+"""Seconds a connection is tried once one failed for the whole connect timeout."""
 # A longer wait (inf included) waits this long: a socket takes no infinite timeout here.
 _LONGEST_WAIT = 1e7
 
@@ -110,6 +113,8 @@ class TCPStoreClient:
         self._idle_waits: list[SharedConnection] = []
         self._busy_waits: set[SharedConnection] = set()
         self._closed = False
+        self._lost = False
+        """A connection failed for the whole connect timeout, and none succeeded since."""
         self._connect_timeout = self._timeout
         self._main = SharedConnection(self._connect(), self._connect, self._broken, self._timeout)
         self._connect_timeout = float(reconnect_timeout or timeout)
@@ -364,22 +369,31 @@ class TCPStoreClient:
         pooled.close()
 
     def _connect(self) -> Connection:
-        """Connect and validate, retrying for the connect timeout; StoreConnectionError after."""
-        deadline = time.monotonic() + self._connect_timeout
+        """Connect and validate, retrying for the connect timeout; StoreConnectionError after.
+        Once a connection failed for that long, the server is taken for lost until a
+        connection succeeds: each connection after it is tried for ``_AFTER_LOSS`` only
+        (an agent saying why it stops, and leaving, waits a moment per call, not the
+        whole timeout again)."""
+        patience = min(self._connect_timeout, _AFTER_LOSS) if self._lost else self._connect_timeout
+        deadline = time.monotonic() + patience
         delay = _CONNECT_BACKOFF_START
         attempt = 0
         while True:
             attempt += 1
             remaining = deadline - time.monotonic()
             try:
-                return open_connection(self._family, self._addr, self._port, max(remaining, 0.05))
+                conn = open_connection(self._family, self._addr, self._port, max(remaining, 0.05))
             except OSError as exc:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or self._closed:
+                    self._lost = True
                     raise StoreConnectionError(
                         f"cannot connect to the TCP store at {self._host}:{self._port} "
-                        f"after {attempt} attempts in {self._connect_timeout}s: {exc}"
+                        f"after {attempt} attempts in {patience:g}s: {exc}"
                     ) from exc
                 log.debug("TCP store %s:%s not reachable yet: %s", self._host, self._port, exc)
                 time.sleep(min(delay, remaining))
                 delay = min(delay * 2, _CONNECT_BACKOFF_MAX)
+            else:
+                self._lost = False
+                return conn
