@@ -4,6 +4,7 @@ embedded store against torchrun's c10d, side by side in the same run.
     python bench/store_host_lost.py [--runs 2] [--nodes 4] [--idle 10] [--load 2] [--kinds host]
     python bench/store_host_lost.py --sequence 6 [--gap 1:5] [--load 2]
     python bench/store_host_lost.py --floor [--idle 20] [--nodes 8]
+    python bench/store_host_lost.py --quorum [--runs 3] [--nodes 4] [--load 2]
 
 ``--nodes`` agents on this machine (loopback, in a network namespace of their own)
 x 1 worker of a tiny DDP job on gloo (a step: an all-reduce and 50 ms of sleep),
@@ -16,7 +17,10 @@ gone); measured: the time until every surviving node trained a step at the small
 size. Also the embedded store's CPU at idle (its etcd and keeper processes, per node,
 over ``--idle`` seconds of training) and the calls its members handled a second then,
 by etcd's method (their /metrics); with ``--floor``, only that, then again with every
-agent stopped (etcd with no client). Run by hand, not in CI.
+agent stopped (etcd with no client); with ``--quorum``, two of the three members
+SIGKILLed at once (with torchrun: the store's host and another node), and the time
+until every surviving agent exited, and how (the line it ended with). Run by hand,
+not in CI.
 """
 
 from __future__ import annotations
@@ -313,6 +317,43 @@ def sequence(args: argparse.Namespace) -> None:
             shutil.rmtree(out, ignore_errors=True)
 
 
+def quorum(args: argparse.Namespace) -> None:
+    """``--quorum``: a majority of the store lost at once; seconds from the SIGKILLs until
+    each survivor's agent exited, by kind (a member left, a node that is no member)."""
+    print(f"{args.nodes} nodes x 1 worker, load {args.load}; two of three members SIGKILLed "
+          f"at once (torchrun: the store's host and another node); seconds until each "
+          f"surviving agent exited")  # fmt: skip
+    for launcher in ("relaunch", "torchrun"):
+        if args.only not in (None, launcher):
+            continue
+        for run in range(args.runs):
+            with _training(launcher, args.nodes) as job:
+                members = sorted(job.members()) if launcher == "relaunch" else [0, 1]
+                lost = members[:2]
+                t0 = time.monotonic()
+                for node in lost:
+                    job.kill(node)
+                left = [n for n in range(args.nodes) if n not in lost]
+                took = {n: f"not in {args.limit:.0f} s" for n in left}
+                running = set(left)
+                while running and time.monotonic() - t0 < args.limit:
+                    for n in [n for n in running if job.procs[n].poll() is not None]:
+                        took[n] = f"{time.monotonic() - t0:.2f} s"
+                        running.discard(n)
+                    time.sleep(0.02)
+                said = [_last_error(job, n) for n in left]
+                kinds = ["member" if n in members else "other" for n in left]
+                print(f"{launcher} run {run + 1}: " + "; ".join(
+                    f"node {n} ({k}) {took[n]}" for n, k in zip(left, kinds, strict=True)))  # fmt: skip
+                print("    " + "\n    ".join(sorted(set(said))))
+
+
+def _last_error(job: Job, node: int) -> str:
+    lines = (job.out / f"agent_{node}.out").read_text(errors="replace").splitlines()
+    errors = [x for x in lines if x.startswith(("relaunch: error:", "torch.distributed"))]
+    return (errors[-1] if errors else (lines[-1] if lines else "(nothing)"))[:160]
+
+
 def _healthy_members(job: Job, live: list[int]) -> int:
     """How many of the ``live`` nodes run an etcd member that answers healthy (a lost
     node's member may outlive it a moment: its keeper stops it when it sees the agent
@@ -395,6 +436,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--floor", action="store_true",
                         help="relaunch only: the store's CPU at idle, then with no client")  # fmt: skip
+    parser.add_argument("--quorum", action="store_true",
+                        help="two of three members lost at once: how each survivor ends")  # fmt: skip
     args = parser.parse_args()
     unknown = set(args.kinds.split(",")) - {"host", "member", "other"}
     if unknown:
@@ -407,6 +450,8 @@ def main() -> None:
     try:
         if args.floor:
             floor(args)
+        elif args.quorum:
+            quorum(args)
         elif args.sequence:
             sequence(args)
         else:

@@ -193,7 +193,7 @@ def test_a_client_moves_to_the_member_it_prefers_and_keeps_a_failover() -> None:
 
 def _gone(members: list[Member], seen: dict[Member, str], leaderless_for: float) -> bool:
     return quorum_gone(members, {m.id: h for m, h in seen.items()}, leaderless_for,
-                       refused_after=1.0, silent_after=10.0)  # fmt: skip
+                       refused_after=1.0, silent_after=10.0, starting_after=30.0)  # fmt: skip
 
 
 def test_the_quorum_is_gone_a_second_after_a_majority_s_ports_refuse() -> None:
@@ -233,3 +233,13 @@ def test_five_voters_keep_their_quorum_with_two_lost() -> None:
     assert not _gone([A, B, C, D, E], two, 5.0)
     three = {**two, C: "refused"}
     assert _gone([A, B, C, D, E], three, 1.0)
+
+
+def test_a_voting_member_that_starts_may_bring_the_quorum_back() -> None:
+    # two running, the third added and starting (a voter at once): one of the two lost
+    starting = _m("d", started=False)
+    seen = {A: "refused", B: "unhealthy", starting: "unhealthy"}
+    assert not _gone([A, B, starting], seen, 29.0)  # it may run in time
+    assert _gone([A, B, starting], seen, 30.0)
+    # both running ones gone: the third alone is no majority, whenever it runs
+    assert _gone([A, B, starting], {**seen, B: "refused"}, 1.0)

@@ -10,7 +10,8 @@ fault. With one, the client is given up (:meth:`~relaunch.store.etcd.EtcdStore.g
 once the loss is certain, and every call after it fails at once.
 
 The members look at each other's health at each of their keeper thread's looks; a node
-that is not a member looks only once its own calls fail (no traffic at idle).
+that is not a member looks only once its own calls have failed for 2 s (no traffic at
+idle, none from a thousand nodes while the members elect a leader).
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ from relaunch.store._etcd_member import Health, is_etcd, member_health
 
 __all__ = ["QuorumWatch", "health_now", "quorum_lost_line"]
 
-REFUSED_AFTER = 1.0
-"""Seconds a majority of the voting members' ports must refuse (two looks or more)."""
+REFUSED_AFTER = 0.5
+"""Seconds a majority of the voting members' ports must refuse (two looks or more: a
+member looks every 0.5 s while one is down)."""
 
 
 class QuorumWatch:
@@ -35,10 +37,12 @@ class QuorumWatch:
         self,
         *,
         silent_after: float,
+        starting_after: float,
         refused_after: float = REFUSED_AFTER,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._silent_after = silent_after
+        self._starting_after = starting_after
         self._refused_after = refused_after
         self._clock = clock
         self._since: float | None = None
@@ -59,8 +63,8 @@ class QuorumWatch:
             return None
         if self._since is None:
             self._since = now
-        gone = quorum_gone(members, seen, now - self._since,
-                           refused_after=self._refused_after, silent_after=self._silent_after)  # fmt: skip
+        gone = quorum_gone(members, seen, now - self._since, refused_after=self._refused_after,
+                           silent_after=self._silent_after, starting_after=self._starting_after)  # fmt: skip
         if not gone:
             return None
         if any(answers(m.client_urls) for m in members if m.started):

@@ -24,8 +24,8 @@ state lives in etcd, not in a TCP store on one node:
   woken by the seats key the steward sets, takes the seat: the next loss is
   survived too.
 - Quorum lost (a majority gone at once): once it is certain (:mod:`._quorum`: their
-  ports refuse for a second, or they are silent for 10 s, and none answers a patient
-  check), the client is given up, every call fails at once, and the agent ends the
+  ports refuse at two looks, or they are silent for 10 s, 30 s while a voting member
+  added starts, and none answers a patient check), the client is given up, every call fails at once, and the agent ends the
   job with one line naming the members unreachable.
 - A member that leaves with its node removes the members down now, then itself, so
   the nodes still running keep their quorum (etcd's own reconfiguration check is off:
@@ -61,11 +61,7 @@ from relaunch.rendezvous._member_calls import (
     reach,
     remove_member,
 )
-from relaunch.rendezvous._member_specs import (
-    EmbeddedSettings,
-    bind_address,
-    first_member,
-)
+from relaunch.rendezvous._member_specs import EmbeddedSettings, bind_address, first_member
 from relaunch.rendezvous._quorum import QuorumWatch, health_now, quorum_lost_line
 from relaunch.rendezvous._seats import Member, plan, seated
 from relaunch.store._etcd_member import EtcdMember, Health, MemberSpec, member_health
@@ -78,6 +74,7 @@ log = logging.getLogger(__name__)
 _JOIN_TIMEOUT = 30.0  # seconds a new member may take to become healthy
 _LOCK_WAIT = _JOIN_TIMEOUT + 15.0  # a leaver's wait for the members' lock (a joiner's hold)
 _SILENT_AFTER = 10.0  # seconds a majority of members may be silent before the store is lost
+_TROUBLED_AFTER = 2.0  # seconds of failing calls before a node that is no member looks
 
 
 class EmbeddedStore:
@@ -97,7 +94,9 @@ class EmbeddedStore:
         self._down: dict[str, float] = {}
         self._seen: dict[str, Health] = {}
         """Each member's health at this node's last look (a member's look only)."""
-        self._quorum = QuorumWatch(silent_after=max(settings.grace, _SILENT_AFTER))
+        self._quorum = QuorumWatch(
+            silent_after=max(settings.grace, _SILENT_AFTER), starting_after=_JOIN_TIMEOUT
+        )
         self._listed_at = -math.inf  # when the member list was last read (monotonic)
         self._preferred: tuple[str, int] | None = None  # where the client was last moved
         self._up_since: dict[str, float] = {}
@@ -129,6 +128,7 @@ class EmbeddedStore:
             # as patient as a member's start: while a voting member added to a pair
             # starts, the loss of one of the pair leaves no quorum until it runs
             store = EtcdStore([(host, port)], timeout=_JOIN_TIMEOUT)
+            store.on_trouble(self._wake.set)  # (a look now: the quorum may be lost)
             self._store = store
             reach(store, self._cfg.endpoint, self._cfg.read_timeout)
             self._refresh()
@@ -163,8 +163,11 @@ class EmbeddedStore:
         self._wake.set()
 
     def _run(self) -> None:
-        # judged first: a look at a store without a quorum may wait a call's timeout
+        # judged first: a look at a store without a quorum may wait out a call's timeout
         while self._sleep() and not self._judge():
+            store = self._store
+            if self._member is None and store is not None and store.troubled_for() > 0:
+                continue
             try:
                 self._refresh()
                 self._tend()
@@ -184,12 +187,13 @@ class EmbeddedStore:
             return False
         with self._view_lock:
             members = list(self._members)
-        if self._member is None and not store.troubled:
+        if self._member is None and store.troubled_for() < _TROUBLED_AFTER:
             self._quorum.clear()
             return False
         seen = self._seen if self._member is not None else health_now(members)
         line = self._quorum.look(members, seen)
         if line is not None:
+            log.info("embedded store: given up: %s", line)
             store.give_up(line)
         return line is not None
 
@@ -218,7 +222,7 @@ class EmbeddedStore:
         less often (idle CPU of etcd)."""
         with self._view_lock:
             growing = seated(self._members, self._down) < self._cfg.target
-        if growing or (self._store is not None and self._store.troubled):  # (or lost?)
+        if growing or (self._store is not None and self._store.troubled_for() > 0):
             return min(0.5, self._cfg.interval)
         return self._cfg.interval if self._member is not None else 3 * self._cfg.interval
 

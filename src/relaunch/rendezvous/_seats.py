@@ -177,6 +177,7 @@ def quorum_gone(
     *,
     refused_after: float,
     silent_after: float,
+    starting_after: float,
 ) -> bool:
     """Whether the store lost its quorum for good, from one look at each member's health
     (``seen``: member id -> ``healthy``, ``refused`` or ``unhealthy``) and how long no
@@ -184,7 +185,8 @@ def quorum_gone(
     that has not started counts) that still run cannot form a majority: for
     ``refused_after`` seconds when the others' ports refuse (their processes are gone,
     and a member never comes back under its id), for ``silent_after`` when they are only
-    silent (a machine gone without a word, or a network cut that may heal)."""
+    silent (a machine gone without a word, or a network cut that may heal), and for
+    ``starting_after`` while a voter added has not started (it may be the one missing)."""
     voters = [m for m in members if not m.learner]
     if not voters or "healthy" in seen.values():
         return False
@@ -192,4 +194,6 @@ def quorum_gone(
     refused = sum(1 for m in voters if seen.get(m.id) == "refused")
     if refused > len(voters) - majority:
         return leaderless_for >= refused_after
+    if any(not m.started for m in voters):
+        return leaderless_for >= max(silent_after, starting_after)
     return leaderless_for >= silent_after

@@ -82,8 +82,12 @@ class EtcdEndpoints:
         self._hurried = False
         self.lost: str | None = None
         """Why the store is gone for good (:meth:`give_up`); None while it may answer."""
-        self.troubled = False
-        """Whether the last sweep of the endpoints found none that could serve a call."""
+        self.on_trouble: Callable[[], None] | None = None
+        """Called (in the calling thread) when a sweep first finds no endpoint that can
+        serve a call."""
+        self.troubled_since: float | None = None
+        """Since when (monotonic) the sweeps of the endpoints found none that could serve
+        a call, with no call served through the leader since; None while they are."""
         self._set(endpoints)
 
     def _set(self, endpoints: Sequence[tuple[str, int]]) -> None:
@@ -180,9 +184,13 @@ class EtcdEndpoints:
             failed += len(errors)
             if result is not None:
                 self._answered = True
-                self.troubled = False
+                if _through_leader(path, body):  # (a member without a leader serves the rest)
+                    self.troubled_since = None
                 return result, failed > 0
-            self.troubled = True
+            if self.troubled_since is None:
+                self.troubled_since = time.monotonic()
+                if self.on_trouble is not None:
+                    self.on_trouble()
             if time.monotonic() + delay > deadline:
                 self._answered = False
                 raise StoreConnectionError("no etcd endpoint answered: " + "; ".join(errors))
@@ -225,7 +233,8 @@ class EtcdEndpoints:
                 errors.append(f"{names[index]}: {resp.text.strip()}")
                 continue
             if resp.status_code != 200:
-                self.troubled = resp.status_code >= 500  # (etcd's own deadline passed)
+                if resp.status_code >= 500 and self.troubled_since is None:  # (etcd's own
+                    self.troubled_since = time.monotonic()  # deadline passed: no leader?)
                 raise StoreError(f"etcd {path} failed ({resp.status_code}): {resp.text.strip()}")
             if index != self._current and self._settle(clients, index):
                 logger.info("etcd store: failed over to %s", names[index])
@@ -260,6 +269,13 @@ moves on to the next endpoint."""
 _AFTER_LOSS = 2.0
 """Seconds a call may take while the store is taken for lost (the call before it
 found no endpoint that answered within the whole timeout)."""
+
+
+def _through_leader(path: str, body: dict[str, Any]) -> bool:
+    """Whether a call is served only through the cluster's leader (a write, a read that
+    is not ``serializable``, a lease's keep-alive): its answer proves a quorum. A
+    member list or a serializable read is answered by a member alone."""
+    return not (body.get("serializable") or path.startswith(("/cluster/", "/maintenance/")))
 
 
 def _unavailable(status: int, text: str) -> bool:

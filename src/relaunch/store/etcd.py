@@ -15,7 +15,7 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from relaunch._json import loads as json_loads
@@ -123,11 +123,17 @@ class EtcdStore:
         """Why the store was given up (:meth:`give_up`); None while it may answer."""
         return self._http.lost
 
-    @property
-    def troubled(self) -> bool:
-        """Whether the last sweep of the endpoints (of any call) found none that could
-        serve a call; False again once one does."""
-        return self._http.troubled
+    def on_trouble(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` (at once, in the calling thread: it must not block) each
+        time a call's sweep of the endpoints first finds none that can serve it."""
+        self._http.on_trouble = callback
+
+    def troubled_for(self) -> float:
+        """Seconds since the sweeps of the endpoints (of any call) found none that could
+        serve a call, with no call served through the leader since (a write, a read that
+        is not serializable: proof of a quorum); 0.0 while they are."""
+        since = self._http.troubled_since
+        return 0.0 if since is None else time.monotonic() - since
 
     def request(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         """One call of etcd's JSON API (``/cluster/member/list``...), failed over as every
