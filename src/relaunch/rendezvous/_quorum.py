@@ -91,8 +91,10 @@ def quorum_lost_line(
     ]  # fmt: skip
     down = [m.name or "(never started)" for m in voters if m not in running]
     because = f" ({cause})" if cause else ""
+    # none answers: this node's own link may be what is gone (a cable pulled here)
+    alone = "" if running else ", or this node can reach none of its members"
     return (
-        f"the embedded rendezvous store lost its quorum: members {', '.join(down) or '?'} "
-        f"unreachable; {len(running)} of {len(voters)} voting members run, a quorum needs "
-        f"{len(voters) // 2 + 1}{because}"
+        f"the embedded rendezvous store lost its quorum{alone}: members "
+        f"{', '.join(down) or '?'} unreachable; {len(running)} of {len(voters)} voting "
+        f"members run, a quorum needs {len(voters) // 2 + 1}{because}"
     )
