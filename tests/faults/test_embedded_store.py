@@ -193,6 +193,7 @@ def test_a_member_cut_off_is_dropped_and_the_rest_train_on(nets: Net, tmp_path: 
         go.touch()
         assert cluster.wait_exit("0") == 0, cluster.outputs()
         assert cluster.wait_exit("1") == 0, cluster.outputs()
+        cluster.kill("2")  # a machine gone: its etcd member goes too (its keeper sees to it)
     finally:
         _nothing_left(cluster)
 
