@@ -10,35 +10,25 @@ is created. Errors of ``requests``/``etcd3gw`` are translated at this boundary.
 from __future__ import annotations
 
 import base64
-import contextlib
 import logging
-import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from relaunch._json import loads as json_loads
 from relaunch.errors import (
-    StoreClosedError,
-    StoreConnectionError,
     StoreError,
-    StoreLostError,
     StoreTimeoutError,
 )
 from relaunch.store import _etcd_tickets as tickets
 from relaunch.store._etcd_history import applied_earlier
 from relaunch.store._etcd_http import EtcdEndpoints, first_kv, kv_value
 from relaunch.store._etcd_lease import OwnLease
+from relaunch.store._etcd_watch import WatchStreams
 
 __all__ = ["EtcdStore"]
 
 logger = logging.getLogger(__name__)
-
-_CONNECT = 3.0
-"""Seconds a watch may take to connect (a member on a lost host never answers; the
-caller's next read fails over)."""
-
 
 _TXN_OPS = 64
 """Operations in one transaction of :meth:`EtcdStore.multi_get` and ``multi_set``
@@ -93,9 +83,8 @@ class EtcdStore:
         self._prefix = prefix
         self._lock = threading.Lock()
         self._lease = OwnLease(self._http.post, self._timeout, self._http.post_sent)
-        self._streams: set[Any] = set()
-        """The watch streams in flight: :meth:`close` ends them (their threads wake)."""
-        self._closing = False
+        self._watches = WatchStreams(self._http)
+        self._closed = False
         self._absent: tuple[str, int, float] | None = None
         """The key a wait found absent as it timed out, at which revision, and when."""
 
@@ -304,62 +293,7 @@ class EtcdStore:
     ) -> bool:
         """Return at the first event on ``key`` from ``start_revision`` (True), or at
         ``timeout``, on a failure, or once ``cancel`` is set (False)."""
-        client, name, skip = self._http.current()
-        body = {"create_request": {"key": self._key(key), "start_revision": str(start_revision)}}
-        try:
-            resp = client.session.post(
-                client.get_url("/watch"),
-                json=body,
-                stream=True,
-                timeout=(min(self._timeout, _CONNECT), max(timeout, 0.01)),
-                verify=self._http.verify,
-            )
-        except self._requests.RequestException as exc:
-            # Move on to the next endpoint; the caller's next read fails over or fails.
-            logger.info("etcd watch on %s failed: %s", name, exc)
-            skip()
-            return False
-        with self._lock:
-            if self._closing:
-                resp.close()
-                raise StoreClosedError("the etcd store was closed during a wait")
-            if self._http.lost is not None:  # (given up as this watch began)
-                resp.close()
-                raise StoreLostError(self._http.lost)
-            if cancel is not None and cancel.is_set():
-                resp.close()
-                return False
-            self._streams.add(resp)
-        deadline = time.monotonic() + timeout
-        try:
-            # each read waits at most ``timeout``; a stream that keeps sending lines
-            # without our event (a member without a leader) ends at the deadline too
-            for line in resp.iter_lines():
-                if time.monotonic() >= deadline:
-                    return False
-                if not line:
-                    continue
-                try:
-                    result = json_loads(line)["result"]
-                    if result.get("events"):
-                        return True
-                    if result.get("canceled"):
-                        return False  # no event comes on this stream (the caller re-reads)
-                except (ValueError, KeyError, TypeError, AttributeError):
-                    logger.info("etcd watch on %s: a line that is not a watch reply: %.200r",
-                                name, line)  # fmt: skip
-                    return False  # the caller re-reads the key
-        except self._requests.exceptions.ConnectionError as exc:
-            if "timed out" in str(exc).lower() or "timeout" in type(exc.__context__).__name__:
-                return False  # the caller re-reads and decides whether time is up
-            raise StoreConnectionError(f"etcd watch on {key!r} broke: {exc}") from exc
-        except self._requests.RequestException:
-            return False
-        finally:
-            with self._lock:
-                self._streams.discard(resp)
-            resp.close()
-        return False
+        return self._watches.follow(key, self._key(key), start_revision, timeout, cancel)
 
     # -- liveness: one lease per store (per node) -------------------------------------
 
@@ -404,20 +338,14 @@ class EtcdStore:
     def close(self) -> None:
         """Stop refreshing and revoke the lease (its keys vanish), then close. Idempotent."""
         with self._lock:
-            if self._http.closed:
+            if self._http.closed or self._closed:
                 return
-            self._closing = True  # no watch starts from now on
-        self.end_watches()
+            self._closed = True
+        self._watches.stop()  # no watch starts from now on
         self._lease.close(self._timeout + 1)
         self._http.close()
 
     def end_watches(self) -> None:
         """Wake every thread in a watch now (its wait raises StoreConnectionError): a
         socket shut down wakes a blocked read, where closing it would not."""
-        with self._lock:
-            streams = list(self._streams)
-        for resp in streams:
-            sock = getattr(getattr(resp.raw, "connection", None), "sock", None)
-            if isinstance(sock, socket.socket):
-                with contextlib.suppress(OSError):
-                    sock.shutdown(socket.SHUT_RDWR)
+        self._watches.end()
