@@ -179,7 +179,7 @@ def test_client_threads_share_one_client(server: TCPStoreServer) -> None:
 
 
 def test_client_waits_for_a_late_server(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.DEBUG, logger="relaunch.store._tcp_client")
+    caplog.set_level(logging.DEBUG, logger="relaunch.store")
     port = _free_port()
     result: list[object] = []
 

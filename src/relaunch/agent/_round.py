@@ -283,9 +283,10 @@ def store_lost_reason(handler: RendezvousHandler, exc: BaseException) -> str:
             return said
     if handler.get_backend() == "c10d":
         return (
-            f"the node hosting the c10d rendezvous store was lost ({exc}); the job cannot "
-            "go on without it (a job of three nodes or more runs it as an etcd cluster on "
-            "three of them, which survives it; or use --rdzv-backend etcd)"
+            f"the node hosting the c10d rendezvous store was lost, or this node's link to "
+            f"it ({exc}); the job cannot go on without it (a job of three nodes or more "
+            "runs it as an etcd cluster on three of them, which survives it; or use "
+            "--rdzv-backend etcd)"
         )
     return f"the rendezvous store cannot be reached ({exc})"
 

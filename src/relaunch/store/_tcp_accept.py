@@ -20,12 +20,18 @@ import selectors
 import socket
 import time
 
-__all__ = ["PAUSE", "Acceptor"]
+from relaunch.store._tcp_conn import bound_silence
+
+__all__ = ["CLIENT_SILENT_AFTER", "PAUSE", "Acceptor"]
 
 log = logging.getLogger(__name__)
 
 PAUSE = 0.25
 """Seconds the acceptor waits, short of descriptors, before it tries again."""
+
+CLIENT_SILENT_AFTER = 30.0
+"""Seconds a client's machine may stay silent before its connection is dropped (its
+link down: no close ever arrives), its waits cancelled and its descriptor freed."""
 
 _PER_TURN = 512  # connections taken per turn at most: the others' requests go on too
 _SHORT_OF_FILES = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
@@ -72,6 +78,7 @@ class Acceptor:
             sock.setblocking(False)
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                bound_silence(sock, CLIENT_SILENT_AFTER)
             taken.append((sock, f"{peer[0]}:{peer[1]}"))
         return taken
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import math
 import threading
-import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import TypeVar
@@ -26,12 +25,11 @@ from relaunch.errors import (
 from relaunch.store import _tcp_wire as wire
 from relaunch.store._tcp_conn import (
     Connection,
+    Dialer,
     ProtocolError,
     keys_request,
     next_nonce,
     one_key,
-    open_connection,
-    resolve_host,
 )
 from relaunch.store._tcp_shared import SharedConnection
 
@@ -41,16 +39,12 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-_CONNECT_BACKOFF_START = 0.01
-_CONNECT_BACKOFF_MAX = 0.5
 # Idle wait connections kept for reuse. Generous on purpose: closing a wait
 # connection and opening another while other requests are in flight stalls
 # torch's libuv server (it then answers nothing for seconds, so concurrent
 # waits time out with their keys set), and torch's own client never churns.
 _MAX_IDLE_WAIT_CONNECTIONS = 64
 
-_AFTER_LOSS = 1.0
-"""Seconds a connection is tried once one failed for the whole connect timeout."""
 # A longer wait (inf included) waits this long: a socket takes no infinite timeout here.
 _LONGEST_WAIT = 1e7
 
@@ -62,7 +56,9 @@ class TCPStoreClient:
     server may start a moment later). ``timeout`` also bounds every reply. A later
     reconnection (after the server broke a connection) retries for
     ``reconnect_timeout`` seconds (default: ``timeout``): a client that must notice a
-    lost server soon sets it short.
+    lost server soon sets it short. A connection also breaks once the server's machine
+    acknowledges nothing for ``reconnect_timeout`` seconds (its link down: no close
+    ever arrives), while a reply from a live server may take up to ``timeout``.
     One connection serves every call and one wait at a time: a call made while a wait
     is in flight cuts in (the wait is cancelled and sent again), so a long wait never
     blocks the other calls of other threads; a second wait made meanwhile takes a
@@ -86,38 +82,23 @@ class TCPStoreClient:
             raise ConfigError(f"host: expected a non-empty address string, got {host!r}")
         if isinstance(port, bool) or not isinstance(port, int) or not 0 < port <= 65535:
             raise ConfigError(f"port: expected an integer in [1, 65535], got {port!r}")
-        if (
-            isinstance(timeout, bool)
-            or not isinstance(timeout, int | float)
-            or not math.isfinite(timeout)
-            or timeout <= 0
-        ):
-            raise ConfigError(f"timeout: expected a positive number of seconds, got {timeout!r}")
         if not isinstance(prefix, str):
             raise ConfigError(f"prefix: expected a string, got {prefix!r}")
-        if reconnect_timeout is not None and (
-            isinstance(reconnect_timeout, bool)
-            or not isinstance(reconnect_timeout, int | float)
-            or not math.isfinite(reconnect_timeout)
-            or reconnect_timeout <= 0
-        ):
-            raise ConfigError(
-                f"reconnect_timeout: expected a positive number of seconds, got {reconnect_timeout!r}"
-            )
+        self._timeout = _seconds("timeout", timeout)
+        later = self._timeout  # the reconnections' patience, and a silent machine's
+        if reconnect_timeout is not None:
+            later = _seconds("reconnect_timeout", reconnect_timeout)
         self._host = host
         self._port = port
-        self._timeout = float(timeout)
         self._prefix = "/" + prefix + "/" if prefix else "/"
-        self._family, self._addr = resolve_host(host, port)
+        self._dialer = Dialer(host, port, patience=self._timeout, silent_after=later)
         self._pool_lock = threading.Lock()
         self._idle_waits: list[SharedConnection] = []
         self._busy_waits: set[SharedConnection] = set()
         self._closed = False
-        self._lost = False
-        """A connection failed for the whole connect timeout, and none succeeded since."""
-        self._connect_timeout = self._timeout
-        self._main = SharedConnection(self._connect(), self._connect, self._broken, self._timeout)
-        self._connect_timeout = float(reconnect_timeout or timeout)
+        connect = self._dialer.connect
+        self._main = SharedConnection(connect(), connect, self._broken, self._timeout)
+        self._dialer.patience = later
 
     # ------------------------------------------------------------------ public
 
@@ -296,7 +277,7 @@ class TCPStoreClient:
         with self._pool_lock:
             if self._closed:
                 return
-            self._closed = True
+            self._closed = self._dialer.stopped = True
             conns = [*self._idle_waits, *self._busy_waits]
             self._idle_waits.clear()
         for conn in conns:
@@ -320,7 +301,9 @@ class TCPStoreClient:
     def _broken(self, exc: BaseException) -> StoreError:
         if self._closed:
             return StoreClosedError("the TCP store client was closed")
-        return StoreConnectionError(f"TCP store {self._host}:{self._port}: {exc}")
+        return StoreConnectionError(
+            f"TCP store {self._host}:{self._port}: {self._dialer.broke(exc)}"
+        )
 
     def _call(self, request: bytes, parse: Callable[[Connection], T]) -> T:
         return self._main.call(request, parse)
@@ -343,7 +326,8 @@ class TCPStoreClient:
                 raise StoreClosedError("the TCP store client was closed")
             pooled = self._idle_waits.pop() if self._idle_waits else None
         if pooled is None:
-            pooled = SharedConnection(self._connect(), self._connect, self._broken, self._timeout)
+            connect = self._dialer.connect
+            pooled = SharedConnection(connect(), connect, self._broken, self._timeout)
         with self._pool_lock:
             if self._closed:
                 pooled.close()
@@ -368,32 +352,13 @@ class TCPStoreClient:
             self._busy_waits.discard(pooled)
         pooled.close()
 
-    def _connect(self) -> Connection:
-        """Connect and validate, retrying for the connect timeout; StoreConnectionError after.
-        Once a connection failed for that long, the server is taken for lost until a
-        connection succeeds: each connection after it is tried for ``_AFTER_LOSS`` only
-        (an agent saying why it stops, and leaving, waits a moment per call, not the
-        whole timeout again)."""
-        patience = min(self._connect_timeout, _AFTER_LOSS) if self._lost else self._connect_timeout
-        deadline = time.monotonic() + patience
-        delay = _CONNECT_BACKOFF_START
-        attempt = 0
-        while True:
-            attempt += 1
-            remaining = deadline - time.monotonic()
-            try:
-                conn = open_connection(self._family, self._addr, self._port, max(remaining, 0.05))
-            except OSError as exc:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0 or self._closed:
-                    self._lost = True
-                    raise StoreConnectionError(
-                        f"cannot connect to the TCP store at {self._host}:{self._port} "
-                        f"after {attempt} attempts in {patience:g}s: {exc}"
-                    ) from exc
-                log.debug("TCP store %s:%s not reachable yet: %s", self._host, self._port, exc)
-                time.sleep(min(delay, remaining))
-                delay = min(delay * 2, _CONNECT_BACKOFF_MAX)
-            else:
-                self._lost = False
-                return conn
+
+def _seconds(name: str, value: object) -> float:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise ConfigError(f"{name}: expected a positive number of seconds, got {value!r}")
+    return float(value)

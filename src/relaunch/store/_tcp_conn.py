@@ -4,23 +4,37 @@ what it resolves) and the client side of one connection (blocking socket + buffe
 from __future__ import annotations
 
 import contextlib
+import errno
 import ipaddress
 import itertools
+import logging
 import os
 import socket
+import time
 
 from relaunch.errors import StoreConnectionError
 from relaunch.store import _tcp_wire as wire
 
 __all__ = [
+    "AFTER_LOSS",
     "Connection",
+    "Dialer",
     "ProtocolError",
+    "bound_silence",
     "keys_request",
     "next_nonce",
     "one_key",
     "open_connection",
     "resolve_host",
 ]
+
+log = logging.getLogger(__name__)
+
+AFTER_LOSS = 1.0
+"""Seconds a connection is tried once the server was taken for lost."""
+
+_BACKOFF_START = 0.01
+_BACKOFF_MAX = 0.5
 
 _nonces = itertools.count(os.getpid() & 0xFFFF)
 
@@ -91,6 +105,61 @@ class Connection:
         self.sock.close()
 
 
+class Dialer:
+    """Opens a client's connections to its server, each tried for ``patience`` seconds.
+
+    The server is taken for lost once a connection failed for that long, or once a
+    connection's peer stayed silent for ``silent_after`` seconds (:func:`bound_silence`),
+    until a connection succeeds: each connection meanwhile is tried for
+    :data:`AFTER_LOSS` only (an agent saying why it stops, and leaving, waits a moment
+    per call, not the whole timeout again)."""
+
+    def __init__(self, host: str, port: int, *, patience: float, silent_after: float) -> None:
+        self.host, self.port = host, port
+        self._family, self._addr = resolve_host(host, port)
+        self.patience = patience
+        self.silent_after = silent_after
+        self.lost = False
+        self.stopped = False
+        """The client closed: a connection failing now is not tried again."""
+
+    def connect(self) -> Connection:
+        """Connect and validate, retrying; StoreConnectionError once the patience ran out."""
+        patience = min(self.patience, AFTER_LOSS) if self.lost else self.patience
+        deadline = time.monotonic() + patience
+        delay = _BACKOFF_START
+        attempt = 0
+        while True:
+            attempt += 1
+            remaining = deadline - time.monotonic()
+            try:
+                conn = open_connection(
+                    self._family, self._addr, self.port, max(remaining, 0.05), self.silent_after
+                )
+            except OSError as exc:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or self.stopped:
+                    self.lost = True
+                    raise StoreConnectionError(
+                        f"cannot connect to the TCP store at {self.host}:{self.port} "
+                        f"after {attempt} attempts in {patience:g}s: {exc}"
+                    ) from exc
+                log.debug("TCP store %s:%s not reachable yet: %s", self.host, self.port, exc)
+                time.sleep(min(delay, remaining))
+                delay = min(delay * 2, _BACKOFF_MAX)
+            else:
+                self.lost = False
+                return conn
+
+    def broke(self, exc: BaseException) -> str:
+        """Why a connection broke, in words. A peer silent for ``silent_after`` is as good
+        as a connection that failed for the whole patience: the server is taken for lost."""
+        if isinstance(exc, OSError) and exc.errno == errno.ETIMEDOUT:
+            self.lost = True
+            return f"its machine answered nothing for {self.silent_after:g}s ({exc})"
+        return str(exc)
+
+
 def keys_request(query: wire.Query, keys: list[bytes]) -> bytes:
     return b"".join([bytes([query]), wire.pack_u64(len(keys)), *(wire.pack_bytes(k) for k in keys)])
 
@@ -100,13 +169,16 @@ def one_key(query: wire.Query, key: bytes) -> bytes:
 
 
 def open_connection(
-    family: socket.AddressFamily, addr: str, port: int, timeout: float
+    family: socket.AddressFamily, addr: str, port: int, timeout: float, silent_after: float
 ) -> Connection:
-    """Connect, validate and ping once; raise ``OSError`` on any failure."""
+    """Connect, validate and ping once; raise ``OSError`` on any failure. The
+    connection breaks once the server's machine stays silent for ``silent_after``
+    seconds (:func:`bound_silence`)."""
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
         sock.settimeout(timeout)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        bound_silence(sock, silent_after)
         sock.connect((addr, port))
         conn = Connection(sock)
         nonce = next_nonce()
@@ -122,6 +194,24 @@ def open_connection(
         sock.close()
         raise
     return conn
+
+
+def bound_silence(sock: socket.socket, seconds: float) -> None:
+    """Break ``sock`` (its calls raise ``OSError``) once the peer's machine has
+    acknowledged nothing for about ``seconds``: data sent and not acknowledged
+    (TCP_USER_TIMEOUT), or, while a reply is awaited, keep-alive probes unanswered.
+
+    This tells a machine gone silent (its link down, a cable pulled: no close ever
+    arrives) from a server slow to answer, whose kernel still acknowledges: only the
+    first breaks the connection, so a reply timeout can stay long. Where the options
+    do not exist (not Linux), a silent machine is noticed at the reply timeout."""
+    if not hasattr(socket, "TCP_USER_TIMEOUT"):
+        return
+    idle = max(1, int(seconds / 2))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, idle)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, max(1, idle // 2))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, max(1, int(seconds * 1000)))
 
 
 def resolve_host(host: str, port: int) -> tuple[socket.AddressFamily, str]:

@@ -210,7 +210,9 @@ class SharedConnection:
             timed_out = False
             try:
                 reply = conn.u8(max(deadline - time.monotonic(), 1e-3))
-            except TimeoutError:
+            except TimeoutError as exc:
+                if exc.errno is not None:  # ETIMEDOUT: the server's machine fell silent
+                    raise
                 timed_out = True
                 with self._gate:
                     self._cancel_parked()
