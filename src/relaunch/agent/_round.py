@@ -356,9 +356,10 @@ def _start_worker_store(
     return TCPStoreServer(host=bind, port=port, allowed=peers).start()
 
 
-def leave_rendezvous(handler: RendezvousHandler) -> None:
-    """Shut the rendezvous handler down (its heartbeats, its store), whatever happened."""
+def leave_rendezvous(handler: RendezvousHandler, *, store_lost: bool = False) -> None:
+    """Shut the rendezvous handler down (its heartbeats, its store), whatever happened;
+    once its store is known lost, without a call to it."""
     try:
-        handler.shutdown()
+        handler.shutdown(leave=not store_lost)
     except (RendezvousError, StoreError) as exc:
         log.warning("rendezvous shutdown failed: %s", exc)

@@ -181,8 +181,7 @@ class AgentRun:
             return self._store_lost(exc)
 
     def _store_lost(self, exc: StoreError | RendezvousStateError) -> RunResult:
-        """The rendezvous store is unreachable (or its state stayed corrupt): the job
-        cannot go on; say why, and stop."""
+        """The rendezvous store is unreachable (or its state stayed corrupt): say why, stop."""
         failures: dict[int, ProcessFailure] = {}
         if self._workers.running:
             obs = self._observe(ask_rendezvous=False)
@@ -192,6 +191,8 @@ class AgentRun:
         self._stop_workers(signal.SIGTERM)
         reason = store_lost_reason(self._handler, exc)
         self._emit(events.StoreLost(reason=reason))
+        if isinstance(exc, StoreError):  # nothing more is asked of a store known lost
+            leave_rendezvous(self._handler, store_lost=True)
         return RunResult(state=WorkerState.FAILED, failures=failures, reason=reason)
 
     def _loop_once_started(self) -> RunResult:
@@ -228,11 +229,9 @@ class AgentRun:
         )
         return self._membership.observe(obs, self._info if ask else None, running=running)
 
-    def _failures(
-        self, local_ranks: tuple[int, ...], obs: Observation
-    ) -> dict[int, ProcessFailure]:
+    def _failures(self, ranks: tuple[int, ...], obs: Observation) -> dict[int, ProcessFailure]:
         workers = self._workers
-        return failures(local_ranks, obs, self._group.workers, workers.slots, workers.pids())
+        return failures(ranks, obs, self._group.workers, workers.slots, workers.pids())
 
     def _slots(self) -> dict[int, Slot]:
         return self._workers.slots

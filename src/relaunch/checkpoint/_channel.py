@@ -90,6 +90,14 @@ class Channel(_Closing):
             raise
         self._used = time.monotonic()
 
+    def interrupt(self) -> None:
+        """End the request in flight, if any (from another thread: its read returns at
+        once and it raises OSError or WireError)."""
+        sock = self._sock
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
     def close(self) -> None:
         """Close the connection (the next request opens another)."""
         sock, self._sock = self._sock, None

@@ -170,6 +170,8 @@ class PeerCopies:
         # puller long-polls its predecessor, and at a job's end every node closes at
         # once: with the servers closed last, each waited out a whole poll (1 s)
         self._server.close()
+        if self._source is not None:  # a predecessor gone silent never ends the poll
+            self._source.interrupt()
         if self._puller is not None:
             self._puller.join(60.0)
             if self._puller.is_alive():

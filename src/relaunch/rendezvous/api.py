@@ -149,8 +149,10 @@ class RendezvousHandler(Protocol):
         """
         ...
 
-    def shutdown(self) -> bool:
-        """Leave the rendezvous and release resources (threads, connections). Idempotent."""
+    def shutdown(self, *, leave: bool = True) -> bool:
+        """Leave the rendezvous and release resources (threads, connections). Idempotent.
+        ``leave=False``: the store is known lost (the job ends saying so): nothing is
+        asked of it, what the handler holds is released."""
         ...
 
 

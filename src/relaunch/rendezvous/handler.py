@@ -318,27 +318,21 @@ class DynamicRendezvousHandler:
 
     # -- leaving ----------------------------------------------------------------------
 
-    def shutdown(self) -> bool:
+    def shutdown(self, *, leave: bool = True) -> bool:
         """Leave the rendezvous for good, without closing it; release threads and connections.
 
         The store's host (the TCP server's; the embedded member the others reach last)
         waits up to ``close_timeout`` until every other node left or died. False when
-        leaving failed (the heartbeat then expires on its own). Idempotent."""
+        leaving failed, or was not tried (``leave=False``: the store is known lost); the
+        heartbeat then expires on its own. Idempotent."""
         if self._shut:
             return True
         self._shut = True
         self._keep_alive.follow(None)  # a leaving successor is not a lost one
-        ok = True
+        ok = leave
         try:
-            embedded = self._embedded
-            serving = self._hosts_store or (embedded is not None and embedded.is_member)
-            known = self._rdzv.load()[0].known() | self._polled.seen if serving else ()
-            if embedded is not None:  # no seat taken from now on
-                embedded.leaving()
-            if self._joined:  # (alive until the leave's deadline, without beats)
-                leave(self._queue, self._node, self._settings, self._clock, self._keep_alive.stop)
-            if (embedded is None or not embedded.leave()) and serving:
-                wait_for_others(self._rdzv, self._node, self._settings, self._clock, known)
+            if leave:
+                self._leave()
         except StoreLostError:  # (the job's end says why, in one line)
             ok = False
         except RelaunchError as exc:
@@ -356,3 +350,14 @@ class DynamicRendezvousHandler:
                         logger.warning("closing %r failed: %s", closeable, exc)
             self._polled.close()  # its watch ended with the store's close
         return ok
+
+    def _leave(self) -> None:
+        embedded = self._embedded
+        serving = self._hosts_store or (embedded is not None and embedded.is_member)
+        known = self._rdzv.load()[0].known() | self._polled.seen if serving else ()
+        if embedded is not None:  # no seat taken from now on
+            embedded.leaving()
+        if self._joined:  # (alive until the leave's deadline, without beats)
+            leave(self._queue, self._node, self._settings, self._clock, self._keep_alive.stop)
+        if (embedded is None or not embedded.leave()) and serving:
+            wait_for_others(self._rdzv, self._node, self._settings, self._clock, known)

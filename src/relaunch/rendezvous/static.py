@@ -111,7 +111,7 @@ class StandaloneRendezvousHandler:
     def get_run_id(self) -> str:
         return self._run_id
 
-    def shutdown(self) -> bool:
+    def shutdown(self, *, leave: bool = True) -> bool:
         self._store.close()
         return True
 
@@ -268,10 +268,21 @@ class StaticRendezvousHandler:
     def get_run_id(self) -> str:
         return self._run_id
 
-    def shutdown(self) -> bool:
+    def shutdown(self, *, leave: bool = True) -> bool:
         if self._shut:
             return True
         self._shut = True
+        if leave:
+            self._say_left()
+        self._client.close()
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        return True
+
+    def _say_left(self) -> None:
+        """Count this node out; the store's host waits (``LEAVE_TIMEOUT`` at most) until
+        every node did, so that none finds the store gone before its own leave."""
         try:  # a counter (add, never signed)
             left = self._client.add(_LEFT_KEY, 1) if self._joined else self._size
             deadline = time.monotonic() + LEAVE_TIMEOUT
@@ -289,11 +300,6 @@ class StaticRendezvousHandler:
                 left = self._client.add(_LEFT_KEY, 0)
         except StoreError as exc:
             log.warning("static rendezvous: could not say this node left: %s", exc)
-        self._client.close()
-        if self._server is not None:
-            self._server.close()
-            self._server = None
-        return True
 
 
 def create_static_handler(params: RendezvousParameters) -> RendezvousHandler:

@@ -33,6 +33,11 @@ log = logging.getLogger(__name__)
 AFTER_LOSS = 1.0
 """Seconds a connection is tried once the server was taken for lost."""
 
+_SILENT = frozenset({errno.ETIMEDOUT, errno.EHOSTUNREACH, errno.ENETUNREACH})
+"""How a connection breaks once its peer stayed silent for the bound: the kernel reports
+the last soft error it saw (no route, once the peer's address stopped resolving on the
+link) in place of ETIMEDOUT."""
+
 _BACKOFF_START = 0.01
 _BACKOFF_MAX = 0.5
 
@@ -154,7 +159,7 @@ class Dialer:
     def broke(self, exc: BaseException) -> str:
         """Why a connection broke, in words. A peer silent for ``silent_after`` is as good
         as a connection that failed for the whole patience: the server is taken for lost."""
-        if isinstance(exc, OSError) and exc.errno == errno.ETIMEDOUT:
+        if isinstance(exc, OSError) and exc.errno in _SILENT:
             self.lost = True
             return f"its machine answered nothing for {self.silent_after:g}s ({exc})"
         return str(exc)

@@ -211,7 +211,7 @@ class SharedConnection:
             try:
                 reply = conn.u8(max(deadline - time.monotonic(), 1e-3))
             except TimeoutError as exc:
-                if exc.errno is not None:  # ETIMEDOUT: the server's machine fell silent
+                if exc.errno is not None:  # (ETIMEDOUT: the server's machine fell silent)
                     raise
                 timed_out = True
                 with self._gate:
