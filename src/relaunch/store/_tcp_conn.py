@@ -38,6 +38,7 @@ _SILENT = frozenset({errno.ETIMEDOUT, errno.EHOSTUNREACH, errno.ENETUNREACH})
 the last soft error it saw (no route, once the peer's address stopped resolving on the
 link) in place of ETIMEDOUT."""
 
+_SILENCE_FLOOR = 1.0
 _BACKOFF_START = 0.01
 _BACKOFF_MAX = 0.5
 
@@ -161,7 +162,8 @@ class Dialer:
         as a connection that failed for the whole patience: the server is taken for lost."""
         if isinstance(exc, OSError) and exc.errno in _SILENT:
             self.lost = True
-            return f"its machine answered nothing for {self.silent_after:g}s ({exc})"
+            silent = max(self.silent_after, _SILENCE_FLOOR)
+            return f"its machine answered nothing for {silent:g}s ({exc})"
         return str(exc)
 
 
@@ -209,9 +211,12 @@ def bound_silence(sock: socket.socket, seconds: float) -> None:
     This tells a machine gone silent (its link down, a cable pulled: no close ever
     arrives) from a server slow to answer, whose kernel still acknowledges: only the
     first breaks the connection, so a reply timeout can stay long. Where the options
-    do not exist (not Linux), a silent machine is noticed at the reply timeout."""
+    do not exist (not Linux), a silent machine is noticed at the reply timeout. A bound
+    under :data:`_SILENCE_FLOOR` counts as that: a lost packet's first retransmissions
+    (200 ms apart and more) must fit in it."""
     if not hasattr(socket, "TCP_USER_TIMEOUT"):
         return
+    seconds = max(seconds, _SILENCE_FLOOR)
     idle = max(1, int(seconds / 2))
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, idle)
