@@ -6,6 +6,34 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# The status page is checked in a real headless browser (Chromium), and `srun relaunch
+# ...` on a real Slurm (controller, node daemons, munge, run by the tests in network
+# namespaces; nothing is started here): both from Debian's packages (one index update),
+# installed in the background while pip installs the Python side (a few minutes each
+# on a fresh machine, and independent).
+apt_install() {  # $1: what the packages are for; the rest: the packages
+  local what="$1"
+  shift
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" >/dev/null 2>&1 \
+    || echo "note: cannot install $*; the $what tests are skipped" >&2
+}
+debian_packages() {
+  apt-get update -qq >/dev/null 2>&1 || echo "note: apt-get update failed" >&2
+  command -v chromium >/dev/null || apt_install "status page's browser" chromium
+  command -v slurmctld >/dev/null || apt_install Slurm slurmctld slurmd munge slurm-client
+}
+apt_job=""
+if ! command -v chromium >/dev/null || ! command -v slurmctld >/dev/null; then
+  if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+    debian_packages &
+    apt_job=$!
+    # a failure below must not leave apt half done behind us: wait for it first
+    trap 'wait "$apt_job" 2>/dev/null || true' EXIT
+  else
+    echo "note: no apt-get as root to install Chromium or Slurm; their tests are skipped" >&2
+  fi
+fi
+
 # pip compiles every module it installs to bytecode (about a minute of the run for
 # torch, transformers and lightning). Not skipped (--no-compile): where
 # PYTHONDONTWRITEBYTECODE is set, as on these machines, no process would ever write the
@@ -18,28 +46,13 @@ pip_install=(python -m pip install --quiet --disable-pip-version-check)
 # server and worker the tests start would compile relaunch again (0.45 s each here).
 python -m compileall -q src
 
-# The status page is checked in a real headless browser (Chromium), and `srun relaunch
-# ...` on a real Slurm (controller, node daemons, munge, run by the tests in network
-# namespaces; nothing is started here): both from Debian's packages (one index update).
-apt_install() {  # $1: what the packages are for; the rest: the packages
-  local what="$1"
-  shift
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" >/dev/null 2>&1 \
-    || echo "note: cannot install $*; the $what tests are skipped" >&2
-}
-if ! command -v chromium >/dev/null || ! command -v slurmctld >/dev/null; then
-  if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
-    apt-get update -qq >/dev/null 2>&1 || echo "note: apt-get update failed" >&2
-    command -v chromium >/dev/null || apt_install "status page's browser" chromium
-    command -v slurmctld >/dev/null || apt_install Slurm slurmctld slurmd munge slurm-client
-  else
-    echo "note: no apt-get as root to install Chromium or Slurm; their tests are skipped" >&2
-  fi
-fi
-
 python -m ruff check src tests bench examples
 python -m ruff format --check src tests bench examples
 python -m mypy src
+if [ -n "$apt_job" ]; then
+  wait "$apt_job"
+  trap - EXIT
+fi
 
 # torch's TCPStore does a reverse DNS lookup per connection, which can stall for
 # seconds: run the tests in a loopback-only network namespace where permitted.

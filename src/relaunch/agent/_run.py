@@ -66,6 +66,7 @@ from relaunch.errors import (
     RendezvousError,
     RendezvousGracefulExitError,
     RendezvousStateError,
+    StoreConnectionError,
     StoreError,
 )
 from relaunch.events import Detail, Event, EventSink
@@ -191,7 +192,7 @@ class AgentRun:
         self._stop_workers(signal.SIGTERM)
         reason = store_lost_reason(self._handler, exc)
         self._emit(events.StoreLost(reason=reason))
-        if isinstance(exc, StoreError):  # nothing more is asked of a store known lost
+        if isinstance(exc, StoreConnectionError):  # nothing more asked of a store known lost
             leave_rendezvous(self._handler, store_lost=True)
         return RunResult(state=WorkerState.FAILED, failures=failures, reason=reason)
 

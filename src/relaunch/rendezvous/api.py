@@ -151,8 +151,10 @@ class RendezvousHandler(Protocol):
 
     def shutdown(self, *, leave: bool = True) -> bool:
         """Leave the rendezvous and release resources (threads, connections). Idempotent.
-        ``leave=False``: the store is known lost (the job ends saying so): nothing is
-        asked of it, what the handler holds is released."""
+        ``leave=False``: the store is known lost (the job ends saying so): the
+        rendezvous is not left (no leave request, no wait for the others), what the
+        handler holds is released (an embedded member still leaves its cluster, when
+        its store was not given up)."""
         ...
 
 

@@ -190,6 +190,8 @@ def _create_c10d(params: RendezvousParameters) -> DynamicRendezvousHandler:
             port,
             timeout=read_timeout,
             reconnect_timeout=min(read_timeout, settings.heartbeat_timeout),
+            # silent longer than the others keep this node (16 s at 16,384 nodes) too
+            silent_timeout=min(read_timeout, max(settings.heartbeat_timeout, settings.dead_after)),
         )
     except StoreConnectionError as exc:
         if server is not None:

@@ -53,6 +53,9 @@ LEAVE_TIMEOUT = 10.0
 """Seconds node 0 waits at its end for the nodes still using its store to leave."""
 STATIC_CONF_KEYS = ("join_timeout", "secret_file")
 """The ``--rdzv-conf`` keys the static backend reads (any other is refused)."""
+SILENT_TIMEOUT = 30.0
+"""Once joined, node 0's machine silent this long (its link down: no close arrives) is
+gone; a shorter drop is ridden out, as the workers' collectives ride it out."""
 RECONNECT_TIMEOUT = 5.0
 """Once joined, node 0's store that broke a connection and cannot be reached again
 for this long is gone (node 0 is): a call fails then, whichever thread (the agent's
@@ -152,6 +155,7 @@ class StaticRendezvousHandler:
             port,
             timeout=timeout,
             reconnect_timeout=RECONNECT_TIMEOUT,
+            silent_timeout=SILENT_TIMEOUT,
             prefix=f"static/{run_id}",
         )
         if secret is not None:

@@ -57,8 +57,9 @@ class TCPStoreClient:
     reconnection (after the server broke a connection) retries for
     ``reconnect_timeout`` seconds (default: ``timeout``): a client that must notice a
     lost server soon sets it short. A connection also breaks once the server's machine
-    acknowledges nothing for ``reconnect_timeout`` seconds (its link down: no close
-    ever arrives), while a reply from a live server may take up to ``timeout``.
+    acknowledges nothing for ``silent_timeout`` seconds (default: the reconnections'
+    patience; its link down: no close ever arrives), while a reply from a live server
+    may take up to ``timeout``.
     One connection serves every call and one wait at a time: a call made while a wait
     is in flight cuts in (the wait is cancelled and sent again), so a long wait never
     blocks the other calls of other threads; a second wait made meanwhile takes a
@@ -77,6 +78,7 @@ class TCPStoreClient:
         timeout: float = 30.0,
         prefix: str = "",
         reconnect_timeout: float | None = None,
+        silent_timeout: float | None = None,
     ) -> None:
         if not isinstance(host, str) or not host:
             raise ConfigError(f"host: expected a non-empty address string, got {host!r}")
@@ -85,13 +87,14 @@ class TCPStoreClient:
         if not isinstance(prefix, str):
             raise ConfigError(f"prefix: expected a string, got {prefix!r}")
         self._timeout = _seconds("timeout", timeout)
-        later = self._timeout  # the reconnections' patience, and a silent machine's
+        later = self._timeout  # the reconnections' patience
         if reconnect_timeout is not None:
             later = _seconds("reconnect_timeout", reconnect_timeout)
+        silent = later if silent_timeout is None else _seconds("silent_timeout", silent_timeout)
         self._host = host
         self._port = port
         self._prefix = "/" + prefix + "/" if prefix else "/"
-        self._dialer = Dialer(host, port, patience=self._timeout, silent_after=later)
+        self._dialer = Dialer(host, port, patience=self._timeout, silent_after=silent)
         self._pool_lock = threading.Lock()
         self._idle_waits: list[SharedConnection] = []
         self._busy_waits: set[SharedConnection] = set()

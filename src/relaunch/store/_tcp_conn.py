@@ -39,6 +39,7 @@ the last soft error it saw (no route, once the peer's address stopped resolving 
 link) in place of ETIMEDOUT."""
 
 _SILENCE_FLOOR = 1.0
+_SILENCE_CEILING = 32767.0  # (TCP_KEEPIDLE's largest)
 _BACKOFF_START = 0.01
 _BACKOFF_MAX = 0.5
 
@@ -162,7 +163,7 @@ class Dialer:
         as a connection that failed for the whole patience: the server is taken for lost."""
         if isinstance(exc, OSError) and exc.errno in _SILENT:
             self.lost = True
-            silent = max(self.silent_after, _SILENCE_FLOOR)
+            silent = min(max(self.silent_after, _SILENCE_FLOOR), _SILENCE_CEILING)
             return f"its machine answered nothing for {silent:g}s ({exc})"
         return str(exc)
 
@@ -206,17 +207,19 @@ def open_connection(
 def bound_silence(sock: socket.socket, seconds: float) -> None:
     """Break ``sock`` (its calls raise ``OSError``) once the peer's machine has
     acknowledged nothing for about ``seconds``: data sent and not acknowledged
-    (TCP_USER_TIMEOUT), or, while a reply is awaited, keep-alive probes unanswered.
+    (TCP_USER_TIMEOUT), or, while nothing is in flight, keep-alive probes unanswered.
 
     This tells a machine gone silent (its link down, a cable pulled: no close ever
     arrives) from a server slow to answer, whose kernel still acknowledges: only the
-    first breaks the connection, so a reply timeout can stay long. Where the options
-    do not exist (not Linux), a silent machine is noticed at the reply timeout. A bound
-    under :data:`_SILENCE_FLOOR` counts as that: a lost packet's first retransmissions
-    (200 ms apart and more) must fit in it."""
+    first breaks the connection, so a reply timeout can stay long. One exception: from
+    Linux 5.11, data held back that long by a peer that reads nothing (a zero window)
+    breaks it too, so the bound must be longer than the peer's loop may stall. Where
+    the options do not exist (not Linux), a silent machine is noticed at the reply
+    timeout. The bound is kept within :data:`_SILENCE_FLOOR` (a lost packet's first
+    retransmissions, 200 ms apart and more, must fit in it) and what the options take."""
     if not hasattr(socket, "TCP_USER_TIMEOUT"):
         return
-    seconds = max(seconds, _SILENCE_FLOOR)
+    seconds = min(max(seconds, _SILENCE_FLOOR), _SILENCE_CEILING)
     idle = max(1, int(seconds / 2))
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, idle)
