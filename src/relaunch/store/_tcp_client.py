@@ -91,16 +91,13 @@ class TCPStoreClient:
         if reconnect_timeout is not None:
             later = _seconds("reconnect_timeout", reconnect_timeout)
         silent = later if silent_timeout is None else _seconds("silent_timeout", silent_timeout)
-        self._host = host
-        self._port = port
         self._prefix = "/" + prefix + "/" if prefix else "/"
         self._dialer = Dialer(host, port, patience=self._timeout, silent_after=silent)
         self._pool_lock = threading.Lock()
         self._idle_waits: list[SharedConnection] = []
         self._busy_waits: set[SharedConnection] = set()
         self._closed = False
-        connect = self._dialer.connect
-        self._main = SharedConnection(connect(), connect, self._broken, self._timeout)
+        self._main = self._open_shared()
         self._dialer.patience = later
 
     # ------------------------------------------------------------------ public
@@ -108,12 +105,12 @@ class TCPStoreClient:
     @property
     def host(self) -> str:
         """The server's host as given."""
-        return self._host
+        return self._dialer.host
 
     @property
     def port(self) -> int:
         """The server's port."""
-        return self._port
+        return self._dialer.port
 
     @property
     def prefix(self) -> str:
@@ -294,7 +291,7 @@ class TCPStoreClient:
         self.close()
 
     def __repr__(self) -> str:
-        return f"TCPStoreClient({self._host}:{self._port}, prefix={self.prefix!r})"
+        return f"TCPStoreClient({self._dialer.host}:{self._dialer.port}, prefix={self.prefix!r})"
 
     # --------------------------------------------------------------- internals
 
@@ -305,8 +302,13 @@ class TCPStoreClient:
         if self._closed:
             return StoreClosedError("the TCP store client was closed")
         return StoreConnectionError(
-            f"TCP store {self._host}:{self._port}: {self._dialer.broke(exc)}"
+            f"TCP store {self._dialer.host}:{self._dialer.port}: {self._dialer.broke(exc)}"
         )
+
+    def _open_shared(self) -> SharedConnection:
+        """A connection opened now, opened again by itself after a break."""
+        connect = self._dialer.connect
+        return SharedConnection(connect(), connect, self._broken, self._timeout)
 
     def _call(self, request: bytes, parse: Callable[[Connection], T]) -> T:
         return self._main.call(request, parse)
@@ -320,7 +322,8 @@ class TCPStoreClient:
         if reply != nonce:
             self._main.drop()
             raise StoreConnectionError(
-                f"TCP store {self._host}:{self._port}: ping returned {reply}, expected {nonce}"
+                f"TCP store {self._dialer.host}:{self._dialer.port}: "
+                f"ping returned {reply}, expected {nonce}"
             )
 
     def _take_wait_connection(self) -> SharedConnection:
@@ -329,8 +332,7 @@ class TCPStoreClient:
                 raise StoreClosedError("the TCP store client was closed")
             pooled = self._idle_waits.pop() if self._idle_waits else None
         if pooled is None:
-            connect = self._dialer.connect
-            pooled = SharedConnection(connect(), connect, self._broken, self._timeout)
+            pooled = self._open_shared()
         with self._pool_lock:
             if self._closed:
                 pooled.close()
