@@ -124,15 +124,22 @@ def _installed_roots() -> tuple[str, ...]:
     return tuple(os.path.join(os.path.realpath(r), "") for r in roots)
 
 
-def _imported_modules() -> list[str]:
-    """Modules imported so far that come from the standard library or installed packages."""
+def _imported_modules(known: dict[str, bool] | None = None) -> list[str]:
+    """Modules imported so far that come from the standard library or installed packages.
+
+    ``known``: each module's answer from an earlier call, kept there (a worker that
+    imports torch holds about a thousand modules, each a ``realpath`` of its file: a
+    tenth of a second of CPU a pass, taken from the imports it runs beside)."""
     roots = _installed_roots()
+    seen = {} if known is None else known
     names = []
     for name, module in list(sys.modules.items()):
-        path = getattr(module, "__file__", None)
-        if name in ("__main__", "__mp_main__") or not isinstance(path, str):
-            continue
-        if os.path.realpath(path).startswith(roots):
+        installed = seen.get(name)
+        if installed is None:
+            path = getattr(module, "__file__", None)
+            installed = isinstance(path, str) and os.path.realpath(path).startswith(roots)
+            seen[name] = installed
+        if installed and name not in ("__main__", "__mp_main__"):
             names.append(name)
     return names
 
@@ -143,6 +150,7 @@ def _report_modules(path: str, period: float = 1.0, duration: float = 120.0) -> 
     def run() -> None:
         end = time.monotonic() + duration
         written = -1
+        known: dict[str, bool] = {}
         while time.monotonic() < end:
             time.sleep(period)
             count = len(sys.modules)
@@ -150,7 +158,7 @@ def _report_modules(path: str, period: float = 1.0, duration: float = 120.0) -> 
                 continue
             written = count
             with contextlib.suppress(OSError):
-                _write_atomic(path, "\n".join(_imported_modules()) + "\n")
+                _write_atomic(path, "\n".join(_imported_modules(known)) + "\n")
 
     threading.Thread(target=run, name="relaunch-report-modules", daemon=True).start()
 

@@ -62,6 +62,24 @@ class WatchStreams:
             logger.info("etcd watch on %s failed: %s", name, exc)
             skip()
             return False
+        if not self._register(resp, cancel):
+            return False
+        try:
+            return _first_event(resp, name, time.monotonic() + timeout)
+        except self._requests.exceptions.ConnectionError as exc:
+            if "timed out" in str(exc).lower() or "timeout" in type(exc.__context__).__name__:
+                return False  # the caller re-reads and decides whether time is up
+            raise StoreConnectionError(f"etcd watch on {key!r} broke: {exc}") from exc
+        except self._requests.RequestException:
+            return False
+        finally:
+            with self._lock:
+                self._streams.discard(resp)
+            resp.close()
+
+    def _register(self, resp: Any, cancel: threading.Event | None) -> bool:
+        """Keep ``resp`` among the streams that :meth:`stop` ends (True), or close it:
+        False if ``cancel`` is set; raises once the store is closed or given up."""
         with self._lock:
             if self._closing:
                 resp.close()
@@ -73,36 +91,7 @@ class WatchStreams:
                 resp.close()
                 return False
             self._streams.add(resp)
-        deadline = time.monotonic() + timeout
-        try:
-            # each read waits at most ``timeout``; a stream that keeps sending lines
-            # without our event (a member without a leader) ends at the deadline too
-            for line in resp.iter_lines():
-                if time.monotonic() >= deadline:
-                    return False
-                if not line:
-                    continue
-                try:
-                    result = json_loads(line)["result"]
-                    if result.get("events"):
-                        return True
-                    if result.get("canceled"):
-                        return False  # no event comes on this stream (the caller re-reads)
-                except (ValueError, KeyError, TypeError, AttributeError):
-                    logger.info("etcd watch on %s: a line that is not a watch reply: %.200r",
-                                name, line)  # fmt: skip
-                    return False  # the caller re-reads the key
-        except self._requests.exceptions.ConnectionError as exc:
-            if "timed out" in str(exc).lower() or "timeout" in type(exc.__context__).__name__:
-                return False  # the caller re-reads and decides whether time is up
-            raise StoreConnectionError(f"etcd watch on {key!r} broke: {exc}") from exc
-        except self._requests.RequestException:
-            return False
-        finally:
-            with self._lock:
-                self._streams.discard(resp)
-            resp.close()
-        return False
+            return True
 
     def stop(self) -> None:
         """No watch starts from now on (it raises StoreClosedError); those in flight end."""
@@ -120,3 +109,25 @@ class WatchStreams:
             if isinstance(sock, socket.socket):
                 with contextlib.suppress(OSError):
                     sock.shutdown(socket.SHUT_RDWR)
+
+
+def _first_event(resp: Any, name: str, deadline: float) -> bool:
+    """True at the first event on the watch stream ``resp``; False at ``deadline``, when
+    the watch is canceled, or at a line that is not a watch reply (the caller re-reads).
+    Each read waits at most the request's timeout; a stream that keeps sending lines
+    without our event (a member without a leader) ends at the deadline too."""
+    for line in resp.iter_lines():
+        if time.monotonic() >= deadline:
+            return False
+        if not line:
+            continue
+        try:
+            result = json_loads(line)["result"]
+            if result.get("events"):
+                return True
+            if result.get("canceled"):
+                return False  # no event comes on this stream
+        except (ValueError, KeyError, TypeError, AttributeError):
+            logger.info("etcd watch on %s: a line that is not a watch reply: %.200r", name, line)
+            return False
+    return False
