@@ -54,7 +54,8 @@ python -m ruff format --check src tests bench examples
 mypy_log="$(mktemp "${TMPDIR:-/tmp}/relaunch-mypy.XXXXXX")"
 python -m mypy src >"$mypy_log" 2>&1 &
 mypy_job=$!
-trap 'kill "$mypy_job" 2>/dev/null; rm -f "$mypy_log"; [ -z "$apt_job" ] || wait "$apt_job" 2>/dev/null || true' EXIT
+# (a trap's failing command would be the script's exit status under set -e: none fails)
+trap 'kill "$mypy_job" 2>/dev/null || true; rm -f "$mypy_log"; wait 2>/dev/null || true' EXIT
 if [ -n "$apt_job" ]; then
   wait "$apt_job"
 fi
