@@ -200,10 +200,6 @@ def test_forked_workers_die_with_the_server(tmp_path: Path) -> None:
         server.close()
 
 
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(pytest.main([__file__]))
-
-
 SLEEPS = """
 import time
 time.sleep(60)
@@ -241,3 +237,52 @@ def test_a_refusal_leaves_the_workers_already_forked_running(tmp_path: Path) -> 
         node.workers_stopped()
     assert not server.alive()
     node.close()
+
+
+RUNS = """
+import os, sys
+rank = os.environ["LOCAL_RANK"]
+with open(os.environ["OUT"] + "/runs_" + rank, "a") as f:
+    f.write(f"{os.getpid()}\\n")
+print("preloaded" if "slowmod" in sys.modules else "cold")
+sys.exit(int(rank) * 3)
+"""
+
+
+def test_a_fork_not_answered_in_time_starts_fresh_and_never_runs_twice(tmp_path: Path) -> None:
+    """The server answers between imports only: a fork asked during a slow one (a cold
+    file system) waits the answer timeout, then the workers start fresh and the request
+    is withdrawn. The server, reading it after the import, never forks a second worker
+    of the rank (it used to: two workers of one rank until the attempt ended), and it
+    forks the next workers as usual (it is not given up for good)."""
+    (tmp_path / "slowmod.py").write_text("import time\ntime.sleep(3)\n")
+    preload = tmp_path / "modules.txt"
+    preload.write_text("slowmod\njson\n")  # (nothing is answered before slowmod is in)
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    log_file = tmp_path / "fs.log"
+    server = ForkServer(
+        env=env, preload_file=str(preload), log_file=str(log_file), answer_timeout=0.5
+    )
+    try:
+        entry, specs = job(tmp_path, RUNS)
+        procs = WorkerProcesses(entry, specs, fork_server=server)
+        procs.start()
+        assert procs.forked == [] and procs.fork_refused is None
+        wait_for(lambda: all(c is not None for c in procs.poll().values()))
+        assert procs.close() == {0: 0, 1: 3}
+        assert (tmp_path / "out_0.log").read_text().strip() == "cold"
+        wait_for(lambda: (server.pump(0.05), server.ready)[1])  # the requests were read
+        assert "forked" not in log_file.read_text()
+        again = WorkerProcesses(entry, specs, fork_server=server)
+        again.start()
+        assert again.forked == [0, 1]
+        wait_for(lambda: all(c is not None for c in again.poll().values()))
+        assert again.close() == {0: 0, 1: 3}
+        for i in (0, 1):  # one fresh run and one forked run of each rank, no third
+            assert len((tmp_path / f"runs_{i}").read_text().split()) == 2
+    finally:
+        server.close()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(pytest.main([__file__]))

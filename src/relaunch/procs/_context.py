@@ -206,11 +206,13 @@ class WorkerProcesses:
         replies = server.fork({s.local_rank: self._request(s) for s in specs})
         out: dict[int, _Process] = {}
         for rank, reply in replies.items():
-            if isinstance(reply, str):
-                self.fork_refused = reply
-            else:
+            if isinstance(reply, ForkedProcess):
                 out[rank] = reply
                 self.forked.append(rank)
+            elif reply.lasting:
+                self.fork_refused = reply.reason
+            else:
+                log.warning("local rank %s starts fresh: %s", rank, reply.reason)
         return out
 
     def _start_one(self, spec: ProcessSpec) -> _Process:

@@ -12,18 +12,33 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from relaunch._json import loads as json_loads
 from relaunch.procs._sys import child_preexec
 
-__all__ = ["ForkServer", "ForkedProcess"]
+__all__ = ["ForkServer", "ForkedProcess", "NotForked"]
 
 log = logging.getLogger(__name__)
 
 _ZYGOTE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_zygote.py")
 _VERSION = 1
+FORK_TIMEOUT = 15.0
+"""How long a fork waits for the server's answer. It answers between imports only (a
+new module list, a cold file system): a worker not answered for by then starts fresh,
+which an import that slow would cost anyway, and the agent looks at its workers again."""
+
+
+@dataclass(frozen=True)
+class NotForked:
+    """Why the server did not fork a worker (which then starts fresh)."""
+
+    reason: str
+    lasting: bool
+    """The server will refuse every fork (it is not fork-safe, or it is gone); else
+    it was busy importing and did not answer in time (its next fork may succeed)."""
 
 
 class ForkedProcess:
@@ -67,13 +82,25 @@ class ForkServer:
     the workers it forks write to the agent's stdout/stderr unless redirected.
     """
 
-    def __init__(self, *, env: Mapping[str, str], preload_file: str, log_file: str) -> None:
+    def __init__(
+        self,
+        *,
+        env: Mapping[str, str],
+        preload_file: str,
+        log_file: str,
+        answer_timeout: float = FORK_TIMEOUT,
+    ) -> None:
+        if not answer_timeout > 0:
+            raise ValueError(f"answer_timeout must be a positive number, got {answer_timeout!r}")
+        self._answer_timeout = answer_timeout
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock = ours
         self._buffer = b""
         self._exits: dict[int, int] = {}
         self._replies: dict[int, dict[str, Any]] = {}
         self._next_id = 0
+        self._withdrawn: set[int] = set()
+        """Requests given up on (unanswered in time): a late fork is killed at once."""
         self._dead = False
         self.ready = False
         self._log_file = log_file
@@ -142,9 +169,37 @@ class ForkServer:
                 code = message.get("exitcode")
                 self._exits[message["pid"]] = code if isinstance(code, int) else 1
             elif event in ("forked", "refused") and isinstance(message.get("id"), int):
-                self._replies[message["id"]] = message
+                if message["id"] in self._withdrawn:
+                    self._late(message)
+                else:
+                    self._replies[message["id"]] = message
             elif event == "ready":
                 self.ready = True
+
+    def _late(self, reply: dict[str, Any]) -> None:
+        """A reply to a withdrawn request: its worker started fresh meanwhile, so a
+        process forked for it would be a second worker of that rank. Killed (with
+        anything it started: it leads a session of its own once it runs)."""
+        self._withdrawn.discard(reply["id"])
+        pid = reply.get("pid")
+        if reply.get("event") != "forked" or not isinstance(pid, int) or pid <= 0:
+            return
+        log.warning("fork server: worker %s was forked after the agent gave up; killed", pid)
+        for kill in (os.killpg, os.kill):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                kill(pid, signal.SIGKILL)
+
+    def _withdraw(self, ids: Iterable[int]) -> None:
+        """Give up on these requests: the server skips those it has not read yet, and
+        :meth:`pump` kills what it forked for the others."""
+        late = [i for i in ids if i not in self._replies]
+        self._withdrawn.update(late)
+        payload = b"".join(
+            json.dumps({"version": _VERSION, "op": "withdraw", "id": i}).encode() + b"\n"
+            for i in late
+        )
+        with contextlib.suppress(OSError):
+            self._sock.sendall(payload)
 
     def _on_death(self) -> None:
         """The server died: its children got SIGKILL and were reparented to us (subreaper)."""
@@ -171,10 +226,13 @@ class ForkServer:
         return self._exits[pid]
 
     # -- forking ------------------------------------------------------------------
-    def fork(
-        self, requests: Mapping[int, dict[str, Any]], timeout: float = 60.0
-    ) -> dict[int, ForkedProcess | str]:
-        """Fork one worker per request (by local rank): a process, or why it was refused."""
+    def fork(self, requests: Mapping[int, dict[str, Any]]) -> dict[int, ForkedProcess | NotForked]:
+        """Fork one worker per request (by local rank): a process, or why it was not.
+
+        A request unanswered within the answer timeout (or when this call is
+        interrupted) is withdrawn: the server never runs it as a second worker of its rank.
+        """
+        timeout = self._answer_timeout
         ids: dict[int, int] = {}
         payload = b""
         for rank, request in requests.items():
@@ -185,22 +243,27 @@ class ForkServer:
         try:
             self._sock.sendall(payload)
         except OSError as exc:
-            return {rank: f"fork server unreachable: {exc}" for rank in requests}
+            return {rank: NotForked(f"fork server unreachable: {exc}", True) for rank in requests}
         deadline = time.monotonic() + timeout
-        while not self._dead and not all(i in self._replies for i in ids.values()):
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
-            self.pump(min(left, 0.5))
-        out: dict[int, ForkedProcess | str] = {}
+        try:
+            while not self._dead and not all(i in self._replies for i in ids.values()):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self.pump(min(left, 0.5))
+        finally:
+            self._withdraw(ids.values())
+        out: dict[int, ForkedProcess | NotForked] = {}
         for rank, i in ids.items():
             reply = self._replies.pop(i, None)
-            if reply is None:
-                out[rank] = "no answer from the fork server"
+            if reply is None and self._dead:
+                out[rank] = NotForked("the fork server exited", True)
+            elif reply is None:
+                out[rank] = NotForked(f"no answer from the fork server in {timeout:g} s", False)
             elif reply.get("event") == "forked" and isinstance(reply.get("pid"), int):
                 out[rank] = ForkedProcess(self, reply["pid"])
             else:
-                out[rank] = str(reply.get("reason", "refused"))
+                out[rank] = NotForked(str(reply.get("reason", "refused")), True)
         return out
 
     def log_tail(self, limit: int = 2000) -> str:

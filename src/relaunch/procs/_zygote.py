@@ -8,7 +8,9 @@ same runner as every other Python worker (``_warm.py``).
 Protocol on CTRL_FD (a Unix stream socket to the agent), one JSON object per line,
 ``"version": 1`` in each:
 
-- agent -> server: ``{"op": "fork", "id": N, "request": {...runner request...}}``
+- agent -> server: ``{"op": "fork", "id": N, "request": {...runner request...}}``,
+  ``{"op": "withdraw", "id": N}`` (the agent gave up waiting and started that worker
+  fresh: a fork request not read yet is dropped; one already forked, the agent kills)
 - server -> agent: ``{"event": "forked", "id": N, "pid": P}``,
   ``{"event": "refused", "id": N, "reason": "..."}`` (not fork-safe: the agent starts
   a fresh interpreter), ``{"event": "exited", "pid": P, "exitcode": C}`` (negative:
@@ -74,6 +76,8 @@ class Server:
         signal.set_wakeup_fd(self.wake_w)
         signal.signal(signal.SIGCHLD, lambda *_: None)
         self.children: set[int] = set()
+        self.withdrawn: set[object] = set()
+        """Requests the agent gave up on before they were read: never forked."""
         self.pid = os.getpid()
 
     # -- messages -------------------------------------------------------------------
@@ -178,8 +182,12 @@ class Server:
         requests = self.requests(timeout)
         if requests is None:
             return False
+        self.withdrawn.update(m.get("id") for m in requests if m.get("op") == "withdraw")
         for message in requests:
             if message.get("op") != "fork" or not isinstance(message.get("request"), dict):
+                continue
+            if message.get("id") in self.withdrawn:  # its worker started fresh meanwhile
+                self.withdrawn.discard(message.get("id"))
                 continue
             reason = self.fork_safety()
             if reason is not None:
