@@ -270,7 +270,10 @@ def test_a_snapshot_of_another_layout_is_refused_with_one_line(tmp_path: Path) -
     assert one.wait() == {"a": 0}, one.output()
     assert {r["resumed_from"] for r in one.rows() if "resumed_from" in r} == {0}
     said = one.output()
-    assert said.count("snapshot refused") == 2 and "world_size 2" in said, said
+    # one line for the rank's snapshots (the older one named in it), one for the start
+    assert said.count("snapshot refused") == 1 and "world_size 2" in said, said
+    assert "also refused: the older steps" in said, said
+    assert said.count("a world of 2 ranks, not this one of 1") == 1, said
 
 
 def test_a_save_over_the_node_limit_is_refused_clearly(job: Job, tmp_path: Path) -> None:

@@ -14,10 +14,11 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from relaunch.checkpoint import _layout as layout
 from relaunch.checkpoint._layout import CorruptSnapshot
 from relaunch.errors import SnapshotError
 
-__all__ = ["gather", "newest_common"]
+__all__ = ["gather", "newest_common", "other_world"]
 
 log = logging.getLogger("relaunch.checkpoint")
 
@@ -50,7 +51,36 @@ def newest_common(
             return found, newest
     if newest is not None and saver.where.rank == 0:
         log.warning("checkpoint.load(): a fresh start: %s", _why_none(offers, newest))
+    elif newest is None:  # (every rank sees it: their offers were gathered)
+        other = [s for s in gather(saver, other_world(saver.where, roots)) if s is not None]
+        if other and saver.where.rank == 0:
+            step, world = max(other)
+            log.warning(
+                "checkpoint.load(): a fresh start: the snapshots held (newest step %s) "
+                "were saved by a world of %s ranks, not this one of %s; each rank "
+                "restores its own rank's state of the same world size, and a state that "
+                "is the same on every rank (plain data parallel training) restores "
+                "across sizes with checkpoint.load(replicated=True)",
+                step, world, saver.where.world_size,
+            )  # fmt: skip
     return None, newest
+
+
+def other_world(where: layout.Where, roots: list[str | None]) -> tuple[int, int] | None:
+    """``(step, world size)`` of the newest snapshot of this job under ``roots`` (None:
+    node memory) that a world of another size saved, or None: what a rank with nothing
+    of its own to restore tells, so that a change of size is not a silent fresh start."""
+    newest: tuple[int, int] | None = None
+    for root in roots:
+        base = root or where.root
+        for rank, steps in layout.held_ranks(base).items():
+            try:
+                m = layout.read_manifest(layout.step_dir(layout.rank_dir(base, rank), steps[0]))
+            except CorruptSnapshot:
+                continue
+            if m.job == where.job and m.world_size != where.world_size:
+                newest = max(newest or (m.step, m.world_size), (m.step, m.world_size))
+    return newest
 
 
 def _why_none(offers: list[list[int]], newest: int) -> str:

@@ -43,19 +43,22 @@ def offered_steps(
     where: layout.Where, root: str | None = None, *, quiet: bool = False
 ) -> list[int]:
     """The rank's snapshots under ``root`` (None: node memory) that can be offered (a
-    manifest of this job, rank and world size), newest first; a mismatched one is
+    manifest of this job, rank and world size), newest first; those mismatched are
     refused with one warning (none when ``quiet``)."""
     base = layout.rank_dir(root or where.root, where.rank)
-    found = []
+    found, refused = [], []
     for step in layout.complete_steps(base):
         folder = layout.step_dir(base, step)
         try:
             check(where, layout.read_manifest(folder), folder, step)
         except layout.CorruptSnapshot as exc:
-            if not quiet:
-                log.warning("snapshot refused: %s", exc)
+            refused.append((step, exc))
             continue
         found.append(step)
+    if refused and not quiet:  # the newest one's reason; the others' steps
+        (_, why), older = refused[0], [step for step, _ in refused[1:]]
+        also = f" (also refused: the older steps {older})" if older else ""
+        log.warning("snapshot refused: %s%s", why, also)
     return found
 
 
