@@ -24,6 +24,7 @@ from importlib.machinery import PathFinder
 from typing import TypeVar
 
 from relaunch import _parse
+from relaunch._cli_notes import say_conf_ignored, say_new_job
 from relaunch._cli_options import OPTS
 from relaunch._cli_slurm import SlurmDefaults, slurm_defaults
 from relaunch._cli_values import Values, build_parser
@@ -293,7 +294,9 @@ def parse_args(argv: Sequence[str] | None = None) -> LaunchConfig:
         redirects=_std(values, "redirects", nproc), tee=_std(values, "tee", nproc),
     )  # fmt: skip
     if config.alone and values.given("rdzv_conf"):
-        _say_conf_ignored(config, values)
+        say_conf_ignored(config, values)
+    if config.checkpoint_dir and run_id != values.parsed("rdzv_id", _parse.check_run_id):
+        say_new_job(config, values.switch("standalone"))
     return config
 
 
@@ -312,15 +315,6 @@ def _command_line(argv: Sequence[str] | None) -> tuple[argparse.Namespace, Value
         if opt.refuse and (values.switch(dest) if opt.switch else values.text(dest) != opt.default):
             values.fail(dest, opt.refuse, "set" if opt.switch else None)
     return ns, values, slurm
-
-
-def _say_conf_ignored(config: LaunchConfig, values: Values) -> None:
-    logger.warning(
-        "%s=%s ignored: a single-node job (%s) has no rendezvous to configure",
-        values.label("rdzv_conf"),
-        values.text("rdzv_conf"),
-        "--standalone" if config.standalone else "--nnodes 1 without a rendezvous endpoint",
-    )
 
 
 def _check_dir(values: Values, dest: str) -> str | None:

@@ -149,6 +149,23 @@ def test_standalone_overrides_rendezvous_flags(
     assert parse_args(["--standalone", script]).rdzv_id != config.rdzv_id
 
 
+def test_a_durable_dir_under_a_run_id_drawn_at_random_is_said_to_restore_nothing_later(
+    script: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    durable = ["--checkpoint-dir", str(tmp_path)]
+    parse_args(["--standalone", "--rdzv-id", "x", *durable, script])
+    said = [r.getMessage() for r in caplog.records if "--checkpoint-dir" in r.getMessage()]
+    assert len(said) == 1 and "--standalone draws a new one" in said[0], said
+    assert "the same --rdzv-id each time instead of --standalone" in said[0]
+    caplog.clear()
+    parse_args(["--nproc-per-node", "2", *durable, script])  # torchrun's single-node default
+    assert "none was given (--rdzv-id)" in caplog.text
+    caplog.clear()
+    for argv in (["--rdzv-id", "x", *durable], ["--standalone"], ["--nnodes", "2", *durable]):
+        parse_args([*argv, script])  # a run id kept from launch to launch, or no copies
+    assert "--checkpoint-dir" not in caplog.text
+
+
 def test_env_defaults_and_precedence(script: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PET_NPROC_PER_NODE", "4")
     monkeypatch.setenv("PET_MAX_RESTARTS", "2")
