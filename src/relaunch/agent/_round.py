@@ -284,8 +284,9 @@ def store_lost_reason(handler: RendezvousHandler, exc: BaseException) -> str:
     if handler.get_backend() == "c10d":
         return (
             f"the node hosting the c10d rendezvous store was lost, or this node's link to "
-            f"it ({exc}); the job cannot go on without it (a job of three nodes or more "
-            "runs it as an etcd cluster on three of them, which survives it; or use "
+            f"it ({exc}); the job cannot go on without it (a job of --nnodes 3 or more "
+            "runs it as an etcd cluster on three of its nodes, which survives it, and so "
+            "does a smaller one with a spare under --rdzv-conf store_members=3; or use "
             "--rdzv-backend etcd)"
         )
     return f"the rendezvous store cannot be reached ({exc})"
