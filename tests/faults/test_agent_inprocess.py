@@ -40,6 +40,9 @@ def test_inprocess_job_survives_exception_hang_and_sigkill_under_relaunch(tmp_pa
     assert [(x["local_rank"], x["exitcode"]) for x in lost] == [(1, -9)]
     assert "workers_succeeded" in names
     assert r.stderr.count("finished: loss") == 2
+    # the exception, the hang and the death were each recovered in place (the
+    # survivors' wrapper restarted: iterations 1, 2 and 3), which the summary says
+    assert "faults: 1 lost; recoveries: none; in-process restarts: 3;" in r.stderr, r.stderr
 
 
 @pytest.mark.timeout(240)

@@ -82,6 +82,8 @@ def test_the_board_says_the_failure_the_restart_and_counts_the_recovery() -> Non
     assert report.last_failure is not None and report.last_failure.rank == 1
     assert report.restarts == 1 and report.round == 1 and report.state == "running"
     assert board.summary().startswith("summary: the run ended (running); restarts used 1 of 3")
+    assert "in-process" not in board.summary()  # (no in-process restart: not a word of it)
+    assert "recoveries: 1 group; in-process restarts: 2; 1.2 s" in board.summary(2)
 
 
 def test_a_hang_is_counted_once_and_a_lost_process_is_the_process_tier() -> None:

@@ -147,7 +147,7 @@ class AgentRun:
         self._group.state = WorkerState.STOPPED
         self._publish_status(force=True)
         if self._attempt >= 0:
-            self._status.board.say_summary()
+            self._status.say_summary()
         self._worker_store.close()
         leave_rendezvous(self._handler)
         kept = self.logdir.close(keep=keep_logs)

@@ -69,9 +69,15 @@ class NodeStatus:
         self._paused_until = 0.0
         self.report: NodeReport = self.board.report()
         """The last report built (read by the status page's thread: an immutable snapshot)."""
+        self._iterations: dict[int, int] = {}
+        """The highest in-process iteration the workers reported, by attempt."""
 
     def observe(self, event: Event) -> None:
         self.board.observe(event)
+
+    def say_summary(self) -> None:
+        """The run's last line, with the in-process restarts of its attempts."""
+        self.board.say_summary(in_process=sum(self._iterations.values()))
 
     def stop_publishing(self) -> None:
         """The store is gone: writing to it would only wait for timeouts."""
@@ -87,17 +93,21 @@ class NodeStatus:
     ) -> None:
         """Build the report; write it if it changed and the last write is old enough."""
         now = time.monotonic()
-        if now < self._paused_until or (not force and now - self._sent_at < PUBLISH_INTERVAL):
+        if not force and now - self._sent_at < PUBLISH_INTERVAL:
             return
         self._sent_at = now
         facts = self._snapshots.snapshot_facts() if self._snapshots else SnapshotFacts()
         report = self.board.report(_rows(group, slots, pids, facts.newest))
+        seen = [w.iteration for w in report.workers if w.iteration is not None]
+        if seen:
+            at = self._iterations.get(report.attempt, 0)
+            self._iterations[report.attempt] = max(at, *seen)
         self.report = dataclasses.replace(
             report, restores=facts.restores, steps_redone=facts.steps_redone
         )
         raw = encode_report(self.report)
-        if raw == self._sent or self._shared is None:
-            return
+        if now < self._paused_until or raw == self._sent or self._shared is None:
+            return  # (built all the same: the status page and the summary read it)
         try:
             self._shared.publish_status(raw)
         except (StoreError, RendezvousError) as exc:

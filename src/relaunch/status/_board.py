@@ -117,21 +117,25 @@ class StatusBoard:
             return dataclasses.replace(self._report, timeline=timeline)
         return dataclasses.replace(self._report, timeline=timeline, workers=tuple(workers))
 
-    def say_summary(self) -> None:
+    def say_summary(self, in_process: int = 0) -> None:
         """Say the last line of a run: outcome, restarts, faults, time lost to recovery."""
-        self._say(self.summary())
+        self._say(self.summary(in_process))
 
-    def summary(self) -> str:
-        """The last line of a run: outcome, restarts, faults, time lost to recovery."""
+    def summary(self, in_process: int = 0) -> str:
+        """The last line of a run: outcome, restarts, faults, time lost to recovery
+        (``in_process``: the restarts of the workers' in-process wrapper, which the
+        agent sees only in their iteration: the faults they recovered from in place,
+        whose processes the agent never saw fail)."""
         r = self._report
         outcome = {"succeeded": "the workers succeeded", "failed": "the job failed"}.get(
             r.state, f"the run ended ({r.state})"
         )
         faults = ", ".join(f"{n} {k}" for k, n in sorted(r.faults.items()) if n) or "none"
         tiers = ", ".join(f"{n} {k}" for k, n in sorted(r.tiers.items()) if n) or "none"
+        wrapper = f"in-process restarts: {in_process}; " if in_process > 0 else ""
         return (
             f"summary: {outcome}; restarts used {r.restarts} of {r.max_restarts}; "
-            f"faults: {faults}; recoveries: {tiers}; "
+            f"faults: {faults}; recoveries: {tiers}; {wrapper}"
             f"{r.recovery.total:.1f} s spent recovering"
         )
 
