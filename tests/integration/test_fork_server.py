@@ -286,3 +286,52 @@ def test_a_fork_not_answered_in_time_starts_fresh_and_never_runs_twice(tmp_path:
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(pytest.main([__file__]))
+
+
+LATE_RUNS = """
+import os, time
+time.sleep(1)  # (a fork killed as late is killed before it could write)
+with open(os.environ["OUT"] + "/runs_" + os.environ["LOCAL_RANK"], "a") as f:
+    f.write(f"{os.getpid()}\\n")
+"""
+
+
+def test_a_fork_answered_after_the_agent_gave_up_is_killed_and_the_server_skipped_meanwhile(
+    tmp_path: Path,
+) -> None:
+    """The server read the request in time but its fork took longer than the answer
+    timeout (here an at-fork hook that sleeps): the workers started fresh, and the
+    process forked late is killed as soon as its answer is read. Until the server has
+    answered for every request given up on, it is busy: the next workers start fresh at
+    once instead of waiting for it again."""
+    (tmp_path / "slowfork.py").write_text(
+        "import os, time\nos.register_at_fork(before=lambda: time.sleep(2))\n"
+    )
+    preload = tmp_path / "modules.txt"
+    preload.write_text("slowfork\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    log_file = tmp_path / "fs.log"
+    server = ForkServer(
+        env=env, preload_file=str(preload), log_file=str(log_file), answer_timeout=0.5
+    )
+    try:
+        wait_for(lambda: (server.pump(0.05), server.ready)[1])
+        entry, specs = job(tmp_path, LATE_RUNS, n=1)
+        procs = WorkerProcesses(entry, specs, fork_server=server)
+        procs.start()  # (one request, read at once, answered 2 s later)
+        assert procs.forked == [] and procs.fork_refused is None
+        assert server.busy
+        again = WorkerProcesses(entry, specs, fork_server=server)
+        again.start()  # busy: fresh at once, nothing sent to the server
+        assert again.forked == []
+        wait_for(lambda: (server.pump(0.05), not server.busy)[1])
+        late = [int(line.split()[1]) for line in log_file.read_text().splitlines()
+                if line.startswith("forked ")]  # fmt: skip
+        assert len(late) == 1, log_file.read_text()
+        wait_for(lambda: process_state(late[0]) in (None, "Z", "X"))
+        for p in (procs, again):
+            wait_for(lambda p=p: all(c is not None for c in p.poll().values()))
+            assert p.close() == {0: 0}
+        assert len((tmp_path / "runs_0").read_text().split()) == 2  # the two fresh ones
+    finally:
+        server.close()

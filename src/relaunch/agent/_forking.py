@@ -51,11 +51,11 @@ class NodeForkServer:
         """Called while the workers run: start the server when due; say when it is ready."""
         server = self._server
         if server is not None:
-            if not self._ready:
+            if not self._ready or server.busy:  # (busy: a late fork is killed at once)
                 server.pump(0.0)
-                if server.ready:
-                    self._ready = True
-                    self._emit(ForkServerReady(pid=server.pid))
+            if not self._ready and server.ready:
+                self._ready = True
+                self._emit(ForkServerReady(pid=server.pid))
             return
         if not wanted or self._refused is not None or running_for < self._delay:
             return

@@ -19,7 +19,7 @@ from relaunch._contract import read_marker
 from relaunch.agent._attempt import Slot
 from relaunch.agent._spec import SnapshotFacts, SnapshotSource, WorkerGroup, WorkerState
 from relaunch.errors import RendezvousError, StoreError, StoreLostError
-from relaunch.events import Event
+from relaunch.events import Event, RendezvousComplete
 from relaunch.rendezvous import RendezvousHandler, SharedBoard
 from relaunch.status import NodeReport, StatusBoard, WorkerRow, encode_report
 
@@ -69,15 +69,21 @@ class NodeStatus:
         self._paused_until = 0.0
         self.report: NodeReport = self.board.report()
         """The last report built (read by the status page's thread: an immutable snapshot)."""
-        self._iterations: dict[int, int] = {}
-        """The highest in-process iteration the workers reported, by attempt."""
+        self._iterations: dict[int, tuple[int, int]] = {}
+        """By attempt: the in-process iteration its workers joined at (0, or the running
+        job's for a node that took a lost one's place) and the highest they reported."""
+        self._joining = False
+        """The next attempt's workers join a running job (their first iteration is the
+        job's: the restarts before it are not this node's)."""
 
     def observe(self, event: Event) -> None:
         self.board.observe(event)
+        if isinstance(event.detail, RendezvousComplete):
+            self._joining = event.detail.incarnation is not None
 
     def say_summary(self) -> None:
         """The run's last line, with the in-process restarts of its attempts."""
-        self.board.say_summary(in_process=sum(self._iterations.values()))
+        self.board.say_summary(in_process=sum(hi - lo for lo, hi in self._iterations.values()))
 
     def stop_publishing(self) -> None:
         """The store is gone: writing to it would only wait for timeouts."""
@@ -100,8 +106,8 @@ class NodeStatus:
         report = self.board.report(_rows(group, slots, pids, facts.newest))
         seen = [w.iteration for w in report.workers if w.iteration is not None]
         if seen:
-            at = self._iterations.get(report.attempt, 0)
-            self._iterations[report.attempt] = max(at, *seen)
+            lo, hi = self._iterations.get(report.attempt, (min(seen) if self._joining else 0, 0))
+            self._iterations[report.attempt] = (lo, max(hi, *seen))
         self.report = dataclasses.replace(
             report, restores=facts.restores, steps_redone=facts.steps_redone
         )

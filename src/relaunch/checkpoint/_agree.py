@@ -52,7 +52,9 @@ def newest_common(
     if newest is not None and saver.where.rank == 0:
         log.warning("checkpoint.load(): a fresh start: %s", _why_none(offers, newest))
     elif newest is None:  # (every rank sees it: their offers were gathered)
-        other = [s for s in gather(saver, other_world(saver.where, roots)) if s is not None]
+        # (the durable copies, on shared storage, looked at by rank 0 alone)
+        mine = other_world(saver.where, roots if saver.where.rank == 0 else [None])
+        other = [s for s in gather(saver, mine) if s is not None]
         if other and saver.where.rank == 0:
             step, world = max(other)
             log.warning(

@@ -31,6 +31,19 @@ new module list, a cold file system): a worker not answered for by then starts f
 which an import that slow would cost anyway, and the agent looks at its workers again."""
 
 
+def _message(line: bytes) -> dict[str, Any] | None:
+    """One line the server wrote, or None (said once) when it is not one of its messages."""
+    try:
+        message = json_loads(line)
+    except ValueError:
+        log.warning("fork server: unreadable message %r", line[:200])
+        return None
+    if not isinstance(message, dict) or message.get("version") != _VERSION:
+        log.warning("fork server: unexpected message %r", line[:200])
+        return None
+    return message
+
+
 @dataclass(frozen=True)
 class NotForked:
     """Why the server did not fork a worker (which then starts fresh)."""
@@ -94,6 +107,7 @@ class ForkServer:
             raise ValueError(f"answer_timeout must be a positive number, got {answer_timeout!r}")
         self._answer_timeout = answer_timeout
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        ours.settimeout(5.0)  # a send to a server that reads nothing (hung) fails, never hangs
         self._sock = ours
         self._buffer = b""
         self._exits: dict[int, int] = {}
@@ -155,42 +169,48 @@ class ForkServer:
             return
         self._buffer += chunk
         *lines, self._buffer = self._buffer.split(b"\n")
-        for line in lines:
-            try:
-                message = json_loads(line)
-            except ValueError:
-                log.warning("fork server: unreadable message %r", line[:200])
-                continue
-            if not isinstance(message, dict) or message.get("version") != _VERSION:
-                log.warning("fork server: unexpected message %r", line[:200])
-                continue
-            event = message.get("event")
-            if event == "exited" and isinstance(message.get("pid"), int):
+        messages = [m for m in map(_message, lines) if m is not None]
+        for message in messages:  # the exits first: a late fork that exited is not killed
+            if message.get("event") == "exited" and isinstance(message.get("pid"), int):
                 code = message.get("exitcode")
                 self._exits[message["pid"]] = code if isinstance(code, int) else 1
-            elif event in ("forked", "refused") and isinstance(message.get("id"), int):
+        for message in messages:
+            event = message.get("event")
+            if event in ("forked", "refused", "dropped") and isinstance(message.get("id"), int):
                 if message["id"] in self._withdrawn:
                     self._late(message)
-                else:
+                elif event != "dropped":
                     self._replies[message["id"]] = message
             elif event == "ready":
                 self.ready = True
 
+    @property
+    def busy(self) -> bool:
+        """Whether requests given up on are still unread by the server (it is importing,
+        or hung in an import): a fork now would wait in vain, and fill its socket."""
+        return bool(self._withdrawn)
+
     def _late(self, reply: dict[str, Any]) -> None:
-        """A reply to a withdrawn request: its worker started fresh meanwhile, so a
-        process forked for it would be a second worker of that rank. Killed (with
-        anything it started: it leads a session of its own once it runs)."""
+        """The server's answer to a withdrawn request: its worker started fresh
+        meanwhile, so a process forked for it would be a second worker of that rank.
+        Killed, with anything it started (it leads a session of its own once it runs)."""
         self._withdrawn.discard(reply["id"])
         pid = reply.get("pid")
         if reply.get("event") != "forked" or not isinstance(pid, int) or pid <= 0:
             return
+        if pid in self._exits:  # gone already (and reaped: the pid may be another's now)
+            return
         log.warning("fork server: worker %s was forked after the agent gave up; killed", pid)
-        for kill in (os.killpg, os.kill):
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:  # not yet the leader of its session: itself
             with contextlib.suppress(ProcessLookupError, PermissionError):
-                kill(pid, signal.SIGKILL)
+                os.kill(pid, signal.SIGKILL)
+        except PermissionError:
+            pass
 
     def _withdraw(self, ids: Iterable[int]) -> None:
-        """Give up on these requests: the server skips those it has not read yet, and
+        """Give up on these requests: the server drops those it has not read yet, and
         :meth:`pump` kills what it forked for the others."""
         late = [i for i in ids if i not in self._replies]
         self._withdrawn.update(late)
@@ -198,7 +218,7 @@ class ForkServer:
             json.dumps({"version": _VERSION, "op": "withdraw", "id": i}).encode() + b"\n"
             for i in late
         )
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(OSError):  # (a full socket: the send times out)
             self._sock.sendall(payload)
 
     def _on_death(self) -> None:
@@ -233,6 +253,10 @@ class ForkServer:
         interrupted) is withdrawn: the server never runs it as a second worker of its rank.
         """
         timeout = self._answer_timeout
+        self.pump(0.0)
+        if self.busy:
+            why = "the fork server is still busy with requests given up on (an import)"
+            return {rank: NotForked(why, False) for rank in requests}
         ids: dict[int, int] = {}
         payload = b""
         for rank, request in requests.items():
@@ -251,6 +275,13 @@ class ForkServer:
                 if left <= 0:
                     break
                 self.pump(min(left, 0.5))
+        except BaseException:  # interrupted: no caller takes the workers forked so far
+            for i in ids.values():
+                reply = self._replies.pop(i, None)
+                if reply is not None:
+                    self._withdrawn.add(i)
+                    self._late(reply)
+            raise
         finally:
             self._withdraw(ids.values())
         out: dict[int, ForkedProcess | NotForked] = {}
@@ -261,6 +292,7 @@ class ForkServer:
             elif reply is None:
                 out[rank] = NotForked(f"no answer from the fork server in {timeout:g} s", False)
             elif reply.get("event") == "forked" and isinstance(reply.get("pid"), int):
+                self._exits.pop(reply["pid"], None)  # (an earlier worker's, of a pid reused)
                 out[rank] = ForkedProcess(self, reply["pid"])
             else:
                 out[rank] = NotForked(str(reply.get("reason", "refused")), True)

@@ -14,7 +14,8 @@ Protocol on CTRL_FD (a Unix stream socket to the agent), one JSON object per lin
 - server -> agent: ``{"event": "forked", "id": N, "pid": P}``,
   ``{"event": "refused", "id": N, "reason": "..."}`` (not fork-safe: the agent starts
   a fresh interpreter), ``{"event": "exited", "pid": P, "exitcode": C}`` (negative:
-  killed by that signal, like ``Popen.returncode``), ``{"event": "ready", "modules": M}``.
+  killed by that signal, like ``Popen.returncode``), ``{"event": "ready", "modules": M}``,
+  ``{"event": "dropped", "id": N}`` (a withdrawn request, not forked).
 
 Fork safety is checked before every fork: no Python thread but the main one, no
 native thread except thread pools that stop themselves on fork (OpenBLAS, started
@@ -188,6 +189,7 @@ class Server:
                 continue
             if message.get("id") in self.withdrawn:  # its worker started fresh meanwhile
                 self.withdrawn.discard(message.get("id"))
+                self.send(event="dropped", id=message.get("id"))
                 continue
             reason = self.fork_safety()
             if reason is not None:
