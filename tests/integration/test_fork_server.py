@@ -325,9 +325,13 @@ def test_a_fork_answered_after_the_agent_gave_up_is_killed_and_the_server_skippe
         again.start()  # busy: fresh at once, nothing sent to the server
         assert again.forked == []
         wait_for(lambda: (server.pump(0.05), not server.busy)[1])
-        late = [int(line.split()[1]) for line in log_file.read_text().splitlines()
-                if line.startswith("forked ")]  # fmt: skip
-        assert len(late) == 1, log_file.read_text()
+
+        def forked() -> list[int]:  # (the server says it in its log after its answer)
+            lines = log_file.read_text().splitlines()
+            return [int(line.split()[1]) for line in lines if line.startswith("forked ")]
+
+        wait_for(lambda: len(forked()) == 1)
+        late = forked()
         wait_for(lambda: process_state(late[0]) in (None, "Z", "X"))
         for p in (procs, again):
             wait_for(lambda p=p: all(c is not None for c in p.poll().values()))

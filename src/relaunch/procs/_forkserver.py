@@ -169,20 +169,23 @@ class ForkServer:
             return
         self._buffer += chunk
         *lines, self._buffer = self._buffer.split(b"\n")
-        messages = [m for m in map(_message, lines) if m is not None]
-        for message in messages:  # the exits first: a late fork that exited is not killed
-            if message.get("event") == "exited" and isinstance(message.get("pid"), int):
+        late = []
+        for message in filter(None, map(_message, lines)):  # in the order they were said
+            event, pid = message.get("event"), message.get("pid")
+            if event == "exited" and isinstance(pid, int):
                 code = message.get("exitcode")
-                self._exits[message["pid"]] = code if isinstance(code, int) else 1
-        for message in messages:
-            event = message.get("event")
-            if event in ("forked", "refused", "dropped") and isinstance(message.get("id"), int):
+                self._exits[pid] = code if isinstance(code, int) else 1
+            elif event in ("forked", "refused", "dropped") and isinstance(message.get("id"), int):
+                if event == "forked" and isinstance(pid, int):
+                    self._exits.pop(pid, None)  # an earlier process's, of a pid used again
                 if message["id"] in self._withdrawn:
-                    self._late(message)
+                    late.append(message)
                 elif event != "dropped":
                     self._replies[message["id"]] = message
             elif event == "ready":
                 self.ready = True
+        for message in late:  # after the batch's exits: one that exited is not killed
+            self._late(message)
 
     @property
     def busy(self) -> bool:
@@ -198,7 +201,7 @@ class ForkServer:
         pid = reply.get("pid")
         if reply.get("event") != "forked" or not isinstance(pid, int) or pid <= 0:
             return
-        if pid in self._exits:  # gone already (and reaped: the pid may be another's now)
+        if pid in self._exits:  # gone already, reaped: the pid may be another's by now
             return
         log.warning("fork server: worker %s was forked after the agent gave up; killed", pid)
         try:
@@ -292,7 +295,6 @@ class ForkServer:
             elif reply is None:
                 out[rank] = NotForked(f"no answer from the fork server in {timeout:g} s", False)
             elif reply.get("event") == "forked" and isinstance(reply.get("pid"), int):
-                self._exits.pop(reply["pid"], None)  # (an earlier worker's, of a pid reused)
                 out[rank] = ForkedProcess(self, reply["pid"])
             else:
                 out[rank] = NotForked(str(reply.get("reason", "refused")), True)
