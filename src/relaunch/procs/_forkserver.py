@@ -12,11 +12,12 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from relaunch._json import loads as json_loads
+from relaunch.procs._lines import LineSender
 from relaunch.procs._sys import child_preexec
 
 __all__ = ["ForkServer", "ForkedProcess", "NotForked"]
@@ -107,8 +108,9 @@ class ForkServer:
             raise ValueError(f"answer_timeout must be a positive number, got {answer_timeout!r}")
         self._answer_timeout = answer_timeout
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        ours.settimeout(5.0)  # a send to a server that reads nothing (hung) fails, never hangs
         self._sock = ours
+        self._lines = LineSender(ours)
+        """Sends with a deadline: a server that reads nothing (hung) never blocks us."""
         self._buffer = b""
         self._exits: dict[int, int] = {}
         self._replies: dict[int, dict[str, Any]] = {}
@@ -194,10 +196,15 @@ class ForkServer:
         return bool(self._withdrawn)
 
     def _late(self, reply: dict[str, Any]) -> None:
-        """The server's answer to a withdrawn request: its worker started fresh
-        meanwhile, so a process forked for it would be a second worker of that rank.
-        Killed, with anything it started (it leads a session of its own once it runs)."""
+        """The server's answer to a withdrawn request (it is not busy with it any more)."""
         self._withdrawn.discard(reply["id"])
+        self._kill_late(reply)
+
+    def _kill_late(self, reply: dict[str, Any]) -> None:
+        """A fork no caller took (given up on, or the wait interrupted): its worker
+        started fresh, or will not start, so this process would be a second worker of
+        its rank. Killed, with anything it started (it leads a session of its own once
+        it runs)."""
         pid = reply.get("pid")
         if reply.get("event") != "forked" or not isinstance(pid, int) or pid <= 0:
             return
@@ -212,17 +219,21 @@ class ForkServer:
         except PermissionError:
             pass
 
-    def _withdraw(self, ids: Iterable[int]) -> None:
-        """Give up on these requests: the server drops those it has not read yet, and
-        :meth:`pump` kills what it forked for the others."""
-        late = [i for i in ids if i not in self._replies]
-        self._withdrawn.update(late)
-        payload = b"".join(
-            json.dumps({"version": _VERSION, "op": "withdraw", "id": i}).encode() + b"\n"
-            for i in late
-        )
-        with contextlib.suppress(OSError):  # (a full socket: the send times out)
-            self._sock.sendall(payload)
+    def _send(self, messages: list[dict[str, Any]], deadline: float) -> list[bool]:
+        """Send ``messages``; for each, whether the server reads it whole (none when it
+        is gone)."""
+        lines = [json.dumps({"version": _VERSION, **m}).encode() + b"\n" for m in messages]
+        try:
+            return self._lines.send(lines, deadline)
+        except OSError:
+            return [False] * len(lines)
+
+    def _withdraw(self, ids: list[int]) -> None:
+        """Give up on these requests, which the server has whole and has not answered:
+        it drops those it has not read yet (and says so), and :meth:`pump` kills what it
+        forked for the others. Busy until it answered for each."""
+        self._withdrawn.update(ids)
+        self._send([{"op": "withdraw", "id": i} for i in ids], time.monotonic() + 1.0)
 
     def _on_death(self) -> None:
         """The server died: its children got SIGKILL and were reparented to us (subreaper)."""
@@ -261,37 +272,34 @@ class ForkServer:
             why = "the fork server is still busy with requests given up on (an import)"
             return {rank: NotForked(why, False) for rank in requests}
         ids: dict[int, int] = {}
-        payload = b""
-        for rank, request in requests.items():
+        for rank in requests:
             self._next_id += 1
             ids[rank] = self._next_id
-            message = {"version": _VERSION, "op": "fork", "id": self._next_id, "request": request}
-            payload += json.dumps(message).encode() + b"\n"
-        try:
-            self._sock.sendall(payload)
-        except OSError as exc:
-            return {rank: NotForked(f"fork server unreachable: {exc}", True) for rank in requests}
         deadline = time.monotonic() + timeout
+        messages = [{"op": "fork", "id": ids[r], "request": q} for r, q in requests.items()]
+        whole = self._send(messages, deadline)
+        asked = [i for i, sent in zip(ids.values(), whole, strict=True) if sent]
         try:
-            while not self._dead and not all(i in self._replies for i in ids.values()):
+            while not self._dead and not all(i in self._replies for i in asked):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
                 self.pump(min(left, 0.5))
         except BaseException:  # interrupted: no caller takes the workers forked so far
-            for i in ids.values():
+            self._withdraw([i for i in asked if i not in self._replies])
+            for i in asked:
                 reply = self._replies.pop(i, None)
                 if reply is not None:
-                    self._withdrawn.add(i)
-                    self._late(reply)
+                    self._kill_late(reply)
             raise
-        finally:
-            self._withdraw(ids.values())
+        self._withdraw([i for i in asked if i not in self._replies])
         out: dict[int, ForkedProcess | NotForked] = {}
         for rank, i in ids.items():
             reply = self._replies.pop(i, None)
             if reply is None and self._dead:
                 out[rank] = NotForked("the fork server exited", True)
+            elif reply is None and i not in asked:
+                out[rank] = NotForked(f"the fork server read nothing in {timeout:g} s", False)
             elif reply is None:
                 out[rank] = NotForked(f"no answer from the fork server in {timeout:g} s", False)
             elif reply.get("event") == "forked" and isinstance(reply.get("pid"), int):
