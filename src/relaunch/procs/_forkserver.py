@@ -225,7 +225,9 @@ class ForkServer:
         lines = [json.dumps({"version": _VERSION, **m}).encode() + b"\n" for m in messages]
         try:
             return self._lines.send(lines, deadline)
-        except OSError:
+        except OSError:  # (its end of the socket closed: it died)
+            if not self._dead:
+                self._on_death()
             return [False] * len(lines)
 
     def _withdraw(self, ids: list[int]) -> None:
@@ -277,15 +279,18 @@ class ForkServer:
             ids[rank] = self._next_id
         deadline = time.monotonic() + timeout
         messages = [{"op": "fork", "id": ids[r], "request": q} for r, q in requests.items()]
-        whole = self._send(messages, deadline)
-        asked = [i for i, sent in zip(ids.values(), whole, strict=True) if sent]
+        asked: list[int] = []
         try:
+            whole = self._send(messages, deadline)
+            asked = [i for i, sent in zip(ids.values(), whole, strict=True) if sent]
             while not self._dead and not all(i in self._replies for i in asked):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
                 self.pump(min(left, 0.5))
         except BaseException:  # interrupted: no caller takes the workers forked so far
+            whole = self._lines.last_whole  # (the send's, when it was interrupted)
+            asked = asked or [i for i, sent in zip(ids.values(), whole, strict=False) if sent]
             self._withdraw([i for i in asked if i not in self._replies])
             for i in asked:
                 reply = self._replies.pop(i, None)

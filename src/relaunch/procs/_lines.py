@@ -1,10 +1,11 @@
 """Lines of JSON onto a stream socket with a deadline, never a torn line read as whole.
 
 A send to a peer that reads nothing (the fork server in a slow import) stops at the
-deadline, perhaps inside a line. That line must never reach the peer as another one
-glued to the next send: the next send starts with a newline, which ends the torn line
-(the peer drops it: not JSON) or, when only its newline was missing, completes it.
-:meth:`LineSender.send` says which lines the peer has (or will have) whole.
+deadline, perhaps inside a line, or just before its newline. Such a line must never
+reach the peer as a request: the next send starts with ``!`` and a newline, which end
+it as a line that is not JSON (the peer drops it; a prefix of a JSON object followed by
+``!`` is never JSON). A line counts as sent once its newline is: :meth:`LineSender.send`
+says which lines the peer will read whole, also when it is interrupted (``last_whole``).
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ import select
 import socket
 import time
 
-__all__ = ["LineSender"]
+__all__ = ["LineSender", "account"]
+
+_END_TORN = b"!\n"
 
 
 class LineSender:
@@ -23,37 +26,44 @@ class LineSender:
     def __init__(self, sock: socket.socket) -> None:
         self._sock = sock
         self._torn = False
-        """The last send stopped inside a line: the next one starts with a newline."""
+        """The last send stopped inside a line: the next one first ends it."""
+        self.last_whole: list[bool] = []
+        """For each line of the last send, whether the peer reads it whole (kept when
+        the send was interrupted)."""
 
     def send(self, lines: list[bytes], deadline: float) -> list[bool]:
         """Send ``lines`` (each ending in a newline) until ``deadline``; for each, whether
         the peer reads it whole. OSError when the peer is gone."""
-        prefix = b"\n" if self._torn else b""
+        prefix = _END_TORN if self._torn else b""
         payload = memoryview(prefix + b"".join(lines))
+        self.last_whole = [False] * len(lines)
         sent = 0
-        while sent < len(payload):
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([], [self._sock], [], left)[1]:
-                break
-            try:  # (a blocking send of more than there is room for waits for it all)
-                sent += self._sock.send(payload[sent:], socket.MSG_DONTWAIT)
-            except (BlockingIOError, InterruptedError):
-                continue
-        if sent < len(prefix):
-            return [False] * len(lines)  # (still torn: the newline goes first next time)
-        sent -= len(prefix)
-        whole, end = [], 0
-        for line in lines:
-            end += len(line)
-            whole.append(sent >= end - 1)  # (its newline alone missing: the next send's)
-        self._torn = sent not in _ends(lines)
-        return whole
+        try:
+            while sent < len(payload):
+                left = deadline - time.monotonic()
+                if left <= 0 or not select.select([], [self._sock], [], left)[1]:
+                    break
+                try:  # (a blocking send of more than there is room for waits for it all)
+                    sent += self._sock.send(payload[sent:], socket.MSG_DONTWAIT)
+                except (BlockingIOError, InterruptedError):
+                    continue
+        finally:
+            self.last_whole, torn = account(lines, len(prefix), sent)
+            self._torn = self._torn if sent < len(prefix) else torn
+        return self.last_whole
 
 
-def _ends(lines: list[bytes]) -> list[int]:
-    """Where each line ends in their concatenation (0 for the start)."""
-    ends, end = [0], 0
+def account(lines: list[bytes], prefix: int, sent: int) -> tuple[list[bool], bool]:
+    """Of ``lines`` sent after ``prefix`` bytes, ``sent`` bytes in all: whether each is
+    whole (its newline sent), and whether the send stopped inside one (torn)."""
+    body = max(sent - prefix, 0)
+    whole, end = [], 0
     for line in lines:
         end += len(line)
-        ends.append(end)
-    return ends
+        whole.append(body >= end)
+    starts = {0}
+    start = 0
+    for line in lines:
+        start += len(line)
+        starts.add(start)
+    return whole, sent > prefix and body not in starts
