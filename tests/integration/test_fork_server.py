@@ -260,9 +260,8 @@ def test_a_fork_not_answered_in_time_starts_fresh_and_never_runs_twice(tmp_path:
     preload.write_text("slowmod\njson\n")  # (nothing is answered before slowmod is in)
     env = {**os.environ, "PYTHONPATH": str(tmp_path)}
     log_file = tmp_path / "fs.log"
-    server = ForkServer(
-        env=env, preload_file=str(preload), log_file=str(log_file), answer_timeout=0.5
-    )
+    server = ForkServer(env=env, preload_file=str(preload), log_file=str(log_file))
+    server.answer_timeout = 0.5
     try:
         entry, specs = job(tmp_path, RUNS)
         procs = WorkerProcesses(entry, specs, fork_server=server)
@@ -311,9 +310,8 @@ def test_a_fork_answered_after_the_agent_gave_up_is_killed_and_the_server_skippe
     preload.write_text("slowfork\n")
     env = {**os.environ, "PYTHONPATH": str(tmp_path)}
     log_file = tmp_path / "fs.log"
-    server = ForkServer(
-        env=env, preload_file=str(preload), log_file=str(log_file), answer_timeout=0.5
-    )
+    server = ForkServer(env=env, preload_file=str(preload), log_file=str(log_file))
+    server.answer_timeout = 0.5
     try:
         wait_for(lambda: (server.pump(0.05), server.ready)[1])
         entry, specs = job(tmp_path, LATE_RUNS, n=1)

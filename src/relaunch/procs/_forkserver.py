@@ -96,17 +96,10 @@ class ForkServer:
     the workers it forks write to the agent's stdout/stderr unless redirected.
     """
 
-    def __init__(
-        self,
-        *,
-        env: Mapping[str, str],
-        preload_file: str,
-        log_file: str,
-        answer_timeout: float = FORK_TIMEOUT,
-    ) -> None:
-        if not answer_timeout > 0:
-            raise ValueError(f"answer_timeout must be a positive number, got {answer_timeout!r}")
-        self._answer_timeout = answer_timeout
+    answer_timeout: float = FORK_TIMEOUT
+    """Seconds a fork waits for the server's answer (a test may shorten it)."""
+
+    def __init__(self, *, env: Mapping[str, str], preload_file: str, log_file: str) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock = ours
         self._lines = LineSender(ours)
@@ -268,7 +261,7 @@ class ForkServer:
         A request unanswered within the answer timeout (or when this call is
         interrupted) is withdrawn: the server never runs it as a second worker of its rank.
         """
-        timeout = self._answer_timeout
+        timeout = self.answer_timeout
         self.pump(0.0)
         if self.busy:
             why = "the fork server is still busy with requests given up on (an import)"
