@@ -57,13 +57,9 @@ def account(lines: list[bytes], prefix: int, sent: int) -> tuple[list[bool], boo
     """Of ``lines`` sent after ``prefix`` bytes, ``sent`` bytes in all: whether each is
     whole (its newline sent), and whether the send stopped inside one (torn)."""
     body = max(sent - prefix, 0)
-    whole, end = [], 0
+    whole, ends, end = [], {0}, 0
     for line in lines:
         end += len(line)
         whole.append(body >= end)
-    starts = {0}
-    start = 0
-    for line in lines:
-        start += len(line)
-        starts.add(start)
-    return whole, sent > prefix and body not in starts
+        ends.add(end)
+    return whole, sent > prefix and body not in ends
