@@ -7,7 +7,8 @@ overlaps the next step). A writer thread takes the data file (the retiring snaps
 its pages reused, or a new one; ``save`` takes it for CUDA copies), copies the CPU
 tensors into its mapping (on /dev/shm the one copy into node memory), checksums each
 chunk once its CUDA bytes have landed, writes the manifest and renames the folder,
-which makes the snapshot complete (copies and CRC on a few threads: ``_fill``).
+which makes the snapshot complete (copies and CRC on a few threads: ``_fill``; where the
+files go, which one is reused and which steps are dropped: ``_rank_files``).
 
 The copy is finished before any ``torch.optim`` optimizer steps again (a global
 pre-step hook waits for the CPU tensors' copy, and makes the current CUDA stream wait
@@ -26,10 +27,9 @@ import functools
 import logging
 import mmap
 import os
-import shutil
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
@@ -41,9 +41,9 @@ from relaunch.checkpoint._fill import Filler, Part, Run, runs_of
 from relaunch.checkpoint._layout import Where
 from relaunch.checkpoint._limit import check_limit
 from relaunch.checkpoint._mapped import MappedFiles
+from relaunch.checkpoint._rank_files import RankFiles
 from relaunch.checkpoint._readback import Prefetch, offered_steps, read_step
 from relaunch.checkpoint._staging import CudaStager, Staged, page_lockable
-from relaunch.checkpoint._timeline import drop_later, drop_left, newest_step
 from relaunch.checkpoint._tree import Leaf, encode, flat_bytes
 from relaunch.checkpoint._writer import Writer
 from relaunch.errors import SnapshotError
@@ -56,7 +56,6 @@ log = logging.getLogger("relaunch.checkpoint")
 @dataclass
 class _Pending:
     folder: str
-    final: str
     step: int
     manifest_tree: Any
     nbytes: int
@@ -67,7 +66,7 @@ class _Pending:
     """The other values the writer copies (CPU tensors, bytes), a run of neighbours at
     a time."""
     staged: Staged | None = None
-    file: Any = None
+    file: BinaryIO | None = None
     """The data file, when ``save`` took it."""
     lockable: bool = False
     """Whether the snapshot files can be page-locked (the writer then locks the next
@@ -79,7 +78,6 @@ class Saver:
 
     def __init__(self, where: Where) -> None:
         self.where = where
-        self.rank_root = layout.rank_dir(where.root, where.rank)
         self._writer = Writer()
         self._error: BaseException | None = None
         self._filler = Filler(where.threads)
@@ -97,8 +95,7 @@ class Saver:
         """A read of the newest snapshot started before the script ran (``prefetch``)."""
         self.read_ahead = False
         """Whether the last ``read`` took the read started by ``prefetch``."""
-        self._newest: int | None = None
-        """The newest step this rank holds, as last known (None: listed at the next save)."""
+        self._files = RankFiles(where, self._maps, lambda: self.window)
         atexit.register(self._at_exit)
         # a fence: no optimizer changes the tensors of a save still being copied
         self._hook = register_optimizer_step_pre_hook(self._before_optimizer_step)
@@ -156,14 +153,8 @@ class Saver:
         # what stays while this one is written: the other ranks' and our newest window-1
         w = self.where
         check_limit(w.root, w.rank, step, nbytes, max(self.window - 1, 1), w.limit)
-        self._go_back_to(step)
-        os.makedirs(self.rank_root, exist_ok=True)
-        folder = layout.partial_dir(self.rank_root, step)
-        shutil.rmtree(folder, ignore_errors=True)
-        os.makedirs(folder)
         pending = _Pending(
-            folder=folder,
-            final=layout.step_dir(self.rank_root, step),
+            folder=self._files.begin(step),
             step=step,
             manifest_tree=tree,
             nbytes=nbytes,
@@ -183,12 +174,12 @@ class Saver:
         if not leaves:
             return
         if self._lockable is None:
-            self._lockable = page_lockable(self.rank_root)
+            self._lockable = page_lockable(self._files.root)
         p.lockable = self._lockable and not self._stager.refused
         try:
             mapping = None
             if p.lockable:
-                p.file, fresh = self._data_file(p)
+                p.file, fresh = self._files.data_file(p.folder, p.step, p.nbytes)
                 if not fresh:  # a new file's pages would be faulted in here, then locked
                     mapping = self._maps.map(p.file, p.nbytes)
             p.staged = self._stager.stage(leaves, mapping)
@@ -196,8 +187,7 @@ class Saver:
             self._stager.settle()  # nothing lands in the file once it is gone
             if p.file is not None:
                 p.file.close()
-            shutil.rmtree(p.folder, ignore_errors=True)
-            self._keep_live_maps()
+            self._files.drop(p.folder)
             raise
 
     def wait_copied(self) -> None:
@@ -239,37 +229,13 @@ class Saver:
             p.host, p.runs = [], []  # the caller's tensors are no longer needed
             p.staged = None
 
-    def _data_file(self, p: _Pending) -> tuple[Any, bool]:
-        """The partial snapshot's data file, and whether it is new: the oldest
-        snapshot's beyond the newest keep-1 (at least one) when there is one to retire,
-        its pages reused (a new file costs zeroed pages, freeing one costs as much), else
-        a new file. A data file that an agent is copying (pinned: linked twice) is never
-        reused."""
-        path = os.path.join(p.folder, layout.DATA)
-        for step in self._retiring(p.step):
-            old = layout.step_dir(self.rank_root, step)
-            if not os.path.exists(path):
-                layout.take_data(old, path)
-            shutil.rmtree(old, ignore_errors=True)
-        fresh = not os.path.exists(path)
-        f = open(path, "w+b" if fresh else "r+b")  # noqa: SIM115
-        f.truncate(p.nbytes)
-        return f, fresh
-
-    def _retiring(self, step: int | None, steps: list[int] | None = None) -> list[int]:
-        """The complete snapshots (``steps``, when just listed) a save of ``step``
-        retires: beyond the newest keep-1."""
-        listed = layout.complete_steps(self.rank_root) if steps is None else steps
-        return [s for s in listed if s != step][max(self.window - 1, 1) :]
-
     def _lock_next(self, steps: list[int]) -> None:
         """Page-lock the data file the next save will reuse, here in the writer, not in
         the next ``save`` (a file written through the pinned buffer, a restarted
         worker's second file). Only a speed-up: a failure is left to that save."""
-        retire = self._retiring(None, steps)
-        if not retire:
+        path = self._files.next_data(steps)
+        if path is None:
             return
-        path = os.path.join(layout.step_dir(self.rank_root, retire[0]), layout.DATA)
         try:
             with open(path, "r+b") as f:
                 size = os.fstat(f.fileno()).st_size
@@ -283,7 +249,11 @@ class Saver:
         f = None
         try:
             try:
-                f = p.file if p.file is not None else self._data_file(p)[0]
+                f = (
+                    p.file
+                    if p.file is not None
+                    else self._files.data_file(p.folder, p.step, p.nbytes)[0]
+                )
                 crc = 0
                 if p.nbytes:
                     mapping = self._maps.map(f, p.nbytes)
@@ -303,12 +273,7 @@ class Saver:
                 crc32=crc,
                 tree=p.manifest_tree,
             )
-            layout.write_manifest(p.folder, manifest)
-            if os.path.exists(p.final):  # the same step again (after a restart)
-                shutil.rmtree(p.final, ignore_errors=True)
-            os.rename(p.folder, p.final)
-            kept = layout.prune(self.rank_root, self.window)
-            self._keep_live_maps(kept)
+            kept = self._files.complete(p.folder, p.step, manifest)
             self._ack.after_save(p.step, crc)
             if p.lockable:
                 self._lock_next(kept)
@@ -320,16 +285,8 @@ class Saver:
             if f is not None:
                 with contextlib.suppress(Exception):
                     f.close()
-            shutil.rmtree(p.folder, ignore_errors=True)
             with contextlib.suppress(Exception):
-                self._keep_live_maps()  # the partial file's mapping goes with it
-
-    def _keep_live_maps(self, steps: list[int] | None = None) -> None:
-        """Unmap the data files that are gone (a mapping would keep their memory);
-        ``steps``: the complete ones, when just listed."""
-        root = self.rank_root
-        steps = layout.complete_steps(root) if steps is None else steps
-        self._maps.keep_only(os.path.join(layout.step_dir(root, s), layout.DATA) for s in steps)
+                self._files.drop(p.folder)  # the partial file's mapping goes with it
 
     def wait(self, timeout: float | None = None) -> None:
         """Wait until the save in flight is complete; raise what it failed with."""
@@ -340,30 +297,10 @@ class Saver:
         if error is not None:
             raise SnapshotError(f"the last snapshot could not be written: {error!r}") from error
 
-    def _go_back_to(self, step: int) -> None:
-        """Before a save of ``step``: drop this rank's snapshots of later steps, which
-        would outrank it at the next restore (a script whose step count went back, or
-        that did not ``load`` its past life's): the newest save is the rank's state."""
-        if self._newest is None:
-            self._newest = newest_step(self.where)
-        newest = self._newest
-        if step < newest:
-            gone = drop_later(self.where, step)
-            self._keep_live_maps()
-            if gone:
-                log.warning(
-                    "rank %s: saving step %s after step %s: dropped the snapshots of steps %s",
-                    self.where.rank, step, newest, gone,
-                )  # fmt: skip
-        self._newest = step
-
     def discard_newer(self, step: int | None) -> list[int]:
         """Forget this rank's snapshots of the steps a restore of ``step`` left
         (``_timeline.drop_left``). Returns the steps dropped from node memory."""
-        gone = drop_left(self.where, step)
-        self._newest = None
-        self._keep_live_maps()
-        return gone
+        return self._files.discard_newer(step)
 
     # -- reading -------------------------------------------------------------------------
     @property
