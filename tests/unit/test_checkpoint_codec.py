@@ -366,7 +366,7 @@ def test_a_manifest_is_checked_field_by_field(tmp_path: Path) -> None:
     assert layout.read_manifest(str(tmp_path)) == good
     doc = json.loads((tmp_path / layout.MANIFEST).read_text())
     for key, value, message in [
-        ("version", 2, "version: expected 1"),
+        ("version", 3, r"version: expected one of \(1, 2\)"),
         ("step", -1, "step: expected a non-negative int"),
         ("rank", True, "rank: expected int"),
         ("format", "x", "format: expected"),

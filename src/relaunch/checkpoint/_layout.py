@@ -79,7 +79,10 @@ complete once the agent's ring successor holds a copy (multi-node jobs only)."""
 """Shared storage that receives durable copies (``<dir>/<job>/rank-N/step-N``)."""
 
 FORMAT = "relaunch.snapshot"
-VERSION = 1
+VERSION = 2
+"""2: a tree may hold ``odict`` nodes (:mod:`~relaunch.checkpoint._tree`); a manifest
+of version 1 (none) is read as well."""
+READABLE = (1, 2)
 MANIFEST = "manifest.json"
 DATA = "data"
 RESTORES = "restores.jsonl"
@@ -301,8 +304,10 @@ def parse_manifest(raw: bytes, path: str) -> Manifest:
         raise CorruptSnapshot(f"{path}: expected a JSON object, got {type(doc).__name__}")
     if doc.get("format") != FORMAT:
         raise CorruptSnapshot(f"{path}: format: expected {FORMAT!r}, got {doc.get('format')!r}")
-    if doc.get("version") != VERSION:
-        raise CorruptSnapshot(f"{path}: version: expected {VERSION}, got {doc.get('version')!r}")
+    if doc.get("version") not in READABLE:
+        raise CorruptSnapshot(
+            f"{path}: version: expected one of {READABLE}, got {doc.get('version')!r}"
+        )
 
     def field(key: str, kind: type) -> Any:
         value = doc.get(key)

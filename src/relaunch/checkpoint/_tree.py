@@ -4,9 +4,14 @@ A state is what ``state_dict()`` returns: dicts (keys: str, int, float, bool, No
 lists and tuples of tensors and plain values (int, float, str, bool, None, bytes),
 plus ``torch.dtype``, ``torch.device`` and ``torch.Size``, and NumPy arrays and scalars
 of bool and numeric dtypes (:mod:`relaunch.checkpoint._numpy`). Anything else is
-refused with its key path and type. Each node is a one-key JSON object::
+refused with its key path and type. An ``OrderedDict`` comes back as one, with its
+``_metadata`` (what ``state_dict()`` records of each module's version, which a module's
+``_load_from_state_dict`` reads: a module that upgrades an older format, as torch's
+observers, took a state without it for the oldest one). Each node is a one-key JSON object::
 
     {"dict": [[key, value], ...]}  {"list": [...]}  {"tuple": [...]}
+    {"odict": [[[key, value], ...], metadata]}  (metadata: null, or the ``_metadata``
+    as JSON: {prefix: {name: int, float, str, bool or null}})
     {"tensor": [dtype, shape, offset, nbytes, device]}  {"bytes": [offset, nbytes]}
     {"int": "12"}  {"float": "0x1.8p+1"}  {"str": "x"}  {"bool": true}  {"none": null}
     {"dtype": "float32"}  {"device": "cuda:0"}  {"size": [2, 3]}
@@ -20,6 +25,8 @@ from __future__ import annotations
 
 import gc
 import itertools
+import math
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, TypeGuard
@@ -117,12 +124,13 @@ def _walk(obj: object, at: At, data: _Data) -> Any:
     if isinstance(obj, torch.Tensor):
         return _tensor(obj, at, data)
     if isinstance(obj, dict):
-        return {
-            "dict": [
-                [{"str": key} if type(key) is str else _key(key, at), _walk(value, (at, key), data)]
-                for key, value in obj.items()
-            ]
-        }
+        pairs = [
+            [{"str": key} if type(key) is str else _key(key, at), _walk(value, (at, key), data)]
+            for key, value in obj.items()
+        ]
+        if isinstance(obj, OrderedDict):
+            return {"odict": [pairs, _metadata(getattr(obj, "_metadata", None))]}
+        return {"dict": pairs}
     if isinstance(obj, torch.Size):
         return {"size": list(obj)}
     if isinstance(obj, (list, tuple)):
@@ -143,6 +151,26 @@ def _walk(obj: object, at: At, data: _Data) -> Any:
             data.leaves.append(Leaf(node["ndarray"][2], array.numel(), tensor=array))
         return node
     return _plain(obj, at)
+
+
+_METADATA_VALUES = (int, float, str, bool, type(None))
+
+
+def _metadata(meta: object) -> dict[str, dict[str, object]] | None:
+    """An OrderedDict's ``_metadata`` as JSON (``state_dict()``'s: each module's prefix
+    and what it recorded, its version); None when it has none, or one of another shape
+    (it is dropped: ``load_state_dict`` does without, as for a state of plain dicts)."""
+    if not isinstance(meta, dict):
+        return None
+    for prefix, entry in meta.items():
+        if type(prefix) is not str or not isinstance(entry, dict):
+            return None
+        for name, value in entry.items():
+            if type(name) is not str or not isinstance(value, _METADATA_VALUES):
+                return None
+            if isinstance(value, float) and not math.isfinite(value):
+                return None  # (not JSON)
+    return {prefix: dict(entry) for prefix, entry in meta.items()}
 
 
 def _tensor(obj: torch.Tensor, at: At, data: _Data) -> Any:
@@ -284,6 +312,8 @@ class _Decoder:
             return self.tensor(value, path)
         if kind == "dict":
             return self.mapping(value, path)
+        if kind == "odict":
+            return self.ordered(value, path)
         if kind in ("list", "tuple"):
             if not isinstance(value, list):
                 raise self.bad(path, f"expected a list, got {value!r:.80}")
@@ -325,11 +355,28 @@ class _Decoder:
             self.regions.append((offset, nbytes, tensor.reshape(-1).view(torch.uint8)))
         return tensor
 
-    def mapping(self, value: object, path: str) -> dict[object, object]:
-        """A dict from its ``[key, value]`` pairs (keys are nodes too)."""
+    def ordered(self, value: object, path: str) -> OrderedDict[object, object]:
+        """An OrderedDict from ``[pairs, metadata]`` (:func:`_metadata`)."""
+        if not isinstance(value, list) or len(value) != 2:
+            raise self.bad(path, f"expected [pairs, metadata], got {value!r:.80}")
+        out: OrderedDict[object, object] = OrderedDict()
+        self.mapping(value[0], path, out)
+        meta = value[1]
+        if meta is not None:
+            if _metadata(meta) is None:
+                raise self.bad(path, f"expected a state_dict's _metadata, got {meta!r:.80}")
+            assert isinstance(meta, dict)
+            out._metadata = OrderedDict(meta)  # type: ignore[attr-defined]
+        return out
+
+    def mapping(
+        self, value: object, path: str, out: dict[object, object] | None = None
+    ) -> dict[object, object]:
+        """A dict (``out``, else a new one) from its ``[key, value]`` pairs (keys are
+        nodes too)."""
         if not isinstance(value, list):
             raise self.bad(path, "expected a list of [key, value] pairs")
-        out: dict[object, object] = {}
+        out = {} if out is None else out
         for pair in value:
             if not isinstance(pair, list) or len(pair) != 2:
                 raise self.bad(path, f"expected a [key, value] pair, got {pair!r:.80}")
@@ -355,10 +402,13 @@ def finish(state: Any) -> Any:
     ``bytes``."""
     if isinstance(state, _Bytes):
         return bytes(state)
-    if isinstance(state, dict):
-        return {k: finish(v) for k, v in state.items()}
+    if isinstance(state, dict):  # in place: an OrderedDict stays one, with its _metadata
+        for k, v in state.items():
+            state[k] = finish(v)
+        return state
     if isinstance(state, list):
-        return [finish(v) for v in state]
+        state[:] = [finish(v) for v in state]
+        return state
     if type(state) is tuple:  # not a torch.Size (a tuple of ints: nothing to finish)
         return tuple(finish(v) for v in state)
     return state
