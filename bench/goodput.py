@@ -30,7 +30,7 @@ it, each change starts relaunch's job afresh; torchrun's script restores rank 0'
 checkpoint in any world). ``--params M``: a model of about M million parameters (Adam: its state is 3x that)
 instead of the example's tiny one. ``--device cuda --backend nccl --nproc 1``: on a GPU
 (snapshots through pinned memory, beside the next step). ``--launchers relaunch``: one
-launcher only.
+launcher only. ``--load N``: N busy processes beside every run (the clean ones too).
 """
 
 from __future__ import annotations
@@ -287,15 +287,31 @@ def main() -> None:
     parser.add_argument("--backend", default="gloo", help="the process group's backend")
     parser.add_argument("--launchers", default="relaunch,torchrun",
                         help="which launchers run, comma-separated")  # fmt: skip
+    parser.add_argument("--load", type=int, default=0,
+                        help="busy processes beside every run (a node's other work)")  # fmt: skip
     args = parser.parse_args()
     if args.node_kill_every and args.nodes < 2:
         parser.error("--node-kill-every needs --nodes 2 or more (the first node hosts the store)")
     in_loopback_netns()
+    load = [
+        subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
+        for _ in range(args.load)
+    ]
+    try:
+        compare(args)
+    finally:
+        for proc in load:
+            proc.kill()
+            proc.wait()
+
+
+def compare(args: argparse.Namespace) -> None:
+    """Each launcher's three runs, and the table."""
     size = f"{args.params:g}M parameters" if args.params else "a tiny model"
     kinds = f", every {args.node_kill_every}th a node" if args.node_kill_every else ""
     print(f"{args.steps} steps of {args.step_time} s, {size}, {args.nodes} node(s) x "
           f"{args.nproc} worker(s), a SIGKILL every {args.fault_every} s{kinds}; "
-          f"torchrun's script saves every {args.every} steps")  # fmt: skip
+          f"torchrun's script saves every {args.every} steps; load {args.load}")  # fmt: skip
     print(f"{'launcher':<10} {'clean s':>8} {'faulted s':>10} {'faults':>7} {'nodes':>6} "
           f"{'goodput':>8} {'redone/fault':>13} {'save ms/step':>13} {'lost s/fault':>13} "
           f"{'@1/min':>7}")  # fmt: skip
