@@ -4,6 +4,7 @@ interpreters, and nothing left behind when it (or its agent) goes away."""
 from __future__ import annotations
 
 import os
+import resource
 import signal
 import sys
 import textwrap
@@ -64,6 +65,36 @@ def test_forked_workers_run_with_the_preloaded_modules_and_report_exit_codes(
             assert (tmp_path / f"out_{i}.log").read_text().strip() == "preloaded"
     finally:
         server.close()
+
+
+def test_a_server_whose_socket_is_past_descriptor_1023_forks(tmp_path: Path) -> None:
+    """An agent that hosts a big job's store holds thousands of descriptors; the fork
+    server, started late in a run, gets one past 1,023, which select() refused (the
+    agent's first look at the server raised, and the agent ended)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip(f"the hard limit of open files is {hard}")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
+    held: list[int] = []
+    try:
+        while not held or held[-1] < 1030:
+            held.append(os.open(os.devnull, os.O_RDONLY))
+        server = server_for(tmp_path, ["json", "email.mime.text"])
+        try:
+            fd = server.fileno()
+            assert fd is not None and fd > 1023
+            entry, specs = job(tmp_path, SCRIPT)
+            procs = WorkerProcesses(entry, specs, fork_server=server)
+            procs.start()
+            assert procs.forked == [0, 1]
+            wait_for(lambda: all(c is not None for c in procs.poll().values()))
+            assert procs.close() == {0: 0, 1: 3}
+        finally:
+            server.close()
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
 @pytest.mark.parametrize(

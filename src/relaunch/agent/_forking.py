@@ -63,7 +63,13 @@ class NodeForkServer:
         # server preloads exactly that, and does not compete with the workers' own start.
         if not os.path.exists(self.modules_file) and running_for < 30.0:
             return
-        self._server = ForkServer(env=env, preload_file=self.modules_file, log_file=self._log_file)
+        try:
+            self._server = ForkServer(
+                env=env, preload_file=self.modules_file, log_file=self._log_file
+            )
+        except OSError as exc:  # (no descriptor left, say): the workers start fresh
+            self.refused(f"it could not be started: {exc}")
+            return
         self._emit(ForkServerStarted(pid=self._server.pid))
 
     @property

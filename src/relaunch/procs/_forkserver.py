@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from relaunch._json import loads as json_loads
-from relaunch.procs._lines import LineSender
+from relaunch.procs._lines import LineSender, ready
 from relaunch.procs._sys import child_preexec
 
 __all__ = ["ForkServer", "ForkedProcess", "NotForked"]
@@ -113,10 +113,12 @@ class ForkServer:
         self._dead = False
         self.ready = False
         self._log_file = log_file
-        out = os.dup(1)
-        err = os.dup(2)
-        log_fd = os.open(log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        opened: list[int] = []  # (each closed here once the server has its own)
         try:
+            opened.append(os.dup(1))
+            opened.append(os.dup(2))
+            opened.append(os.open(log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644))
+            out, err, log_fd = opened
             fds = (theirs.fileno(), out, err)
             self._proc: subprocess.Popen[bytes] | None = subprocess.Popen(
                 [sys.executable, "-u", _ZYGOTE, *(str(fd) for fd in fds), preload_file],
@@ -132,7 +134,7 @@ class ForkServer:
             raise
         finally:
             theirs.close()
-            for fd in (out, err, log_fd):
+            for fd in opened:
                 os.close(fd)
 
     @property
@@ -152,8 +154,7 @@ class ForkServer:
         """Read what the server said within ``timeout`` seconds (exit codes, replies)."""
         if self._dead:
             return
-        ready, _, _ = select.select([self._sock], [], [], timeout)
-        if not ready:
+        if not ready(self._sock, select.POLLIN, timeout):
             return
         try:
             chunk = self._sock.recv(1 << 16)

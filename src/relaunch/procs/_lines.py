@@ -10,18 +10,19 @@ says which lines the peer will read whole, also when it is interrupted (``last_w
 
 from __future__ import annotations
 
+import math
 import select
 import socket
 import time
 
-__all__ = ["LineSender", "account"]
+__all__ = ["LineSender", "account", "ready"]
 
 _END_TORN = b"!\n"
 
 
 class LineSender:
     """Sends lines on ``sock``, never waiting past a deadline (each ``send`` takes what
-    there is room for, after a ``select`` that says there is some)."""
+    there is room for, after a poll that says there is some)."""
 
     def __init__(self, sock: socket.socket) -> None:
         self._sock = sock
@@ -41,7 +42,7 @@ class LineSender:
         try:
             while sent < len(payload):
                 left = deadline - time.monotonic()
-                if left <= 0 or not select.select([], [self._sock], [], left)[1]:
+                if left <= 0 or not ready(self._sock, select.POLLOUT, left):
                     break
                 try:  # (a blocking send of more than there is room for waits for it all)
                     sent += self._sock.send(payload[sent:], socket.MSG_DONTWAIT)
@@ -63,3 +64,13 @@ def account(lines: list[bytes], prefix: int, sent: int) -> tuple[list[bool], boo
         whole.append(body >= end)
         ends.add(end)
     return whole, sent > prefix and body not in ends
+
+
+def ready(sock: socket.socket, event: int, timeout: float) -> bool:
+    """Whether ``sock`` is ready for ``event`` (``select.POLLIN`` or ``POLLOUT``), or
+    hung up, within ``timeout`` seconds. ``poll``, not ``select``: an agent that hosts a
+    big job's store holds thousands of descriptors, and ``select`` refuses one past
+    1,023 (the fork server's socket is made late in a run)."""
+    poller = select.poll()
+    poller.register(sock, event)
+    return bool(poller.poll(math.ceil(max(timeout, 0.0) * 1000)))

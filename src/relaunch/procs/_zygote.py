@@ -32,6 +32,7 @@ import contextlib
 import gc
 import importlib
 import json
+import math
 import os
 import select
 import signal
@@ -74,6 +75,9 @@ class Server:
         self.wake_r, self.wake_w = os.pipe()
         os.set_blocking(self.wake_w, False)
         os.set_blocking(self.wake_r, False)
+        self.poller = select.poll()
+        self.poller.register(self.ctrl.fileno(), select.POLLIN)
+        self.poller.register(self.wake_r, select.POLLIN)
         signal.set_wakeup_fd(self.wake_w)
         signal.signal(signal.SIGCHLD, lambda *_: None)
         self.children: set[int] = set()
@@ -89,7 +93,8 @@ class Server:
 
     def requests(self, timeout: float) -> list[dict[str, Any]] | None:
         """Requests received within ``timeout`` (children reaped meanwhile); None at EOF."""
-        ready: list[Any] = select.select([self.ctrl.fileno(), self.wake_r], [], [], timeout)[0]
+        # poll, not select: the agent's descriptors (and so this one) may be past 1,023
+        ready = [fd for fd, _ in self.poller.poll(math.ceil(max(timeout, 0.0) * 1000))]
         if self.wake_r in ready:
             with contextlib.suppress(OSError):
                 os.read(self.wake_r, 4096)
@@ -183,6 +188,8 @@ class Server:
         requests = self.requests(timeout)
         if requests is None:
             return False
+        # (an id that is not an int cannot be the agent's: such a message is dropped)
+        requests = [m for m in requests if isinstance(m.get("id"), int)]
         self.withdrawn.update(m.get("id") for m in requests if m.get("op") == "withdraw")
         for message in requests:
             if message.get("op") != "fork" or not isinstance(message.get("request"), dict):
