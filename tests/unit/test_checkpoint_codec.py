@@ -367,6 +367,7 @@ def test_a_manifest_is_checked_field_by_field(tmp_path: Path) -> None:
     doc = json.loads((tmp_path / layout.MANIFEST).read_text())
     for key, value, message in [
         ("version", 3, r"version: expected one of \(1, 2\)"),
+        ("version", True, r"version: expected one of \(1, 2\), got True"),
         ("step", -1, "step: expected a non-negative int"),
         ("rank", True, "rank: expected int"),
         ("format", "x", "format: expected"),

@@ -54,12 +54,20 @@ def test_a_state_dict_comes_back_ordered_with_each_module_s_version(tmp_path: Pa
         assert torch.equal(a, b)
 
 
-def test_metadata_of_another_shape_is_dropped_and_the_dict_kept(tmp_path: Path) -> None:
+def test_metadata_that_is_not_plain_json_is_left_out_name_by_name(tmp_path: Path) -> None:
     odd: collections.OrderedDict[str, object] = collections.OrderedDict(a=1)
     odd._metadata = {"": object()}  # type: ignore[attr-defined]
-    back = _saved_and_read(tmp_path, {"odd": odd, "plain": collections.OrderedDict(b=2)})
+    mixed: collections.OrderedDict[str, object] = collections.OrderedDict(b=2)
+    mixed._metadata = {  # type: ignore[attr-defined]
+        "": {"version": 1, "hook": (1, 2), "big": 10**30, "nan": float("nan")},
+        "junk": "x",
+        "m": {"version": 2, "note": "kept"},
+    }
+    plain = collections.OrderedDict(c=3)
+    back = _saved_and_read(tmp_path, {"odd": odd, "mixed": mixed, "plain": plain})
     assert back["odd"] == {"a": 1} and type(back["odd"]) is collections.OrderedDict
     assert not hasattr(back["odd"], "_metadata")
+    assert back["mixed"]._metadata == {"": {"version": 1}, "m": {"version": 2, "note": "kept"}}
     assert not hasattr(back["plain"], "_metadata")
 
 
@@ -85,6 +93,7 @@ def test_a_snapshot_of_the_first_format_is_still_read(tmp_path: Path) -> None:
         ({"odict": [[]]}, r"expected \[pairs, metadata\]"),
         ({"odict": [[], {"": 3}]}, "expected a state_dict's _metadata"),
         ({"odict": [[], {"": {"version": [1]}}]}, "expected a state_dict's _metadata"),
+        ({"odict": [[], {"": {"version": 10**30}}]}, "expected a state_dict's _metadata"),
         ({"odict": [[[{"str": "a"}]], None]}, r"expected a \[key, value\] pair"),
     ],
 )

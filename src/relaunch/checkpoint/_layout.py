@@ -304,7 +304,7 @@ def parse_manifest(raw: bytes, path: str) -> Manifest:
         raise CorruptSnapshot(f"{path}: expected a JSON object, got {type(doc).__name__}")
     if doc.get("format") != FORMAT:
         raise CorruptSnapshot(f"{path}: format: expected {FORMAT!r}, got {doc.get('format')!r}")
-    if doc.get("version") not in READABLE:
+    if type(doc.get("version")) is not int or doc.get("version") not in READABLE:
         raise CorruptSnapshot(
             f"{path}: version: expected one of {READABLE}, got {doc.get('version')!r}"
         )

@@ -153,24 +153,30 @@ def _walk(obj: object, at: At, data: _Data) -> Any:
     return _plain(obj, at)
 
 
-_METADATA_VALUES = (int, float, str, bool, type(None))
-
-
 def _metadata(meta: object) -> dict[str, dict[str, object]] | None:
     """An OrderedDict's ``_metadata`` as JSON (``state_dict()``'s: each module's prefix
-    and what it recorded, its version); None when it has none, or one of another shape
-    (it is dropped: ``load_state_dict`` does without, as for a state of plain dicts)."""
+    and what it recorded, its version); None when it has none. What is not plain JSON
+    (a hook's tuple or tensor, an int past 64 bits, NaN) is left out, name by name: the
+    versions beside it are kept (``load_state_dict`` does without the rest)."""
     if not isinstance(meta, dict):
         return None
-    for prefix, entry in meta.items():
-        if type(prefix) is not str or not isinstance(entry, dict):
-            return None
-        for name, value in entry.items():
-            if type(name) is not str or not isinstance(value, _METADATA_VALUES):
-                return None
-            if isinstance(value, float) and not math.isfinite(value):
-                return None  # (not JSON)
-    return {prefix: dict(entry) for prefix, entry in meta.items()}
+    out = {
+        prefix: {
+            name: value for name, value in entry.items() if type(name) is str and _json_plain(value)
+        }
+        for prefix, entry in meta.items()
+        if type(prefix) is str and isinstance(entry, dict)
+    }
+    return out or None
+
+
+def _json_plain(value: object) -> bool:
+    """Whether a metadata value goes into the manifest as it is."""
+    if value is None or isinstance(value, (bool, str)):
+        return True
+    if isinstance(value, int):
+        return -(2**63) <= value < 2**63
+    return isinstance(value, float) and math.isfinite(value)
 
 
 def _tensor(obj: torch.Tensor, at: At, data: _Data) -> Any:
@@ -363,10 +369,10 @@ class _Decoder:
         self.mapping(value[0], path, out)
         meta = value[1]
         if meta is not None:
-            if _metadata(meta) is None:
+            kept = _metadata(meta)
+            if kept is None or kept != meta:
                 raise self.bad(path, f"expected a state_dict's _metadata, got {meta!r:.80}")
-            assert isinstance(meta, dict)
-            out._metadata = OrderedDict(meta)  # type: ignore[attr-defined]
+            out._metadata = OrderedDict(kept)  # type: ignore[attr-defined]
         return out
 
     def mapping(
