@@ -314,6 +314,27 @@ def test_a_fork_not_answered_in_time_starts_fresh_and_never_runs_twice(tmp_path:
         server.close()
 
 
+def test_a_fork_read_past_its_time_is_dropped_and_answered_so(tmp_path: Path) -> None:
+    """The server forks no request it reads past the time the agent gives (the agent
+    still waits then, and takes the answer): a late read never runs as a second worker
+    of its rank, and the server is not left busy."""
+    server = server_for(tmp_path, ["json"])
+    server.answer_margin = 2.0  # every request's time is past when it is read
+    try:
+        entry, specs = job(tmp_path, RUNS)
+        procs = WorkerProcesses(entry, specs, fork_server=server)
+        procs.start()
+        assert procs.forked == [] and procs.fork_refused is None
+        assert not server.busy
+        wait_for(lambda: all(c is not None for c in procs.poll().values()))
+        assert procs.close() == {0: 0, 1: 3}
+        assert "forked" not in (tmp_path / "fs.log").read_text()
+        for i in (0, 1):
+            assert len((tmp_path / f"runs_{i}").read_text().split()) == 1
+    finally:
+        server.close()
+
+
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(pytest.main([__file__]))
 

@@ -98,6 +98,9 @@ class ForkServer:
 
     answer_timeout: float = FORK_TIMEOUT
     """Seconds a fork waits for the server's answer (a test may shorten it)."""
+    answer_margin: float = 0.1
+    """The share of ``answer_timeout`` before its end past which the server forks
+    nothing: what it forks, it answers while the fork still waits."""
 
     def __init__(self, *, env: Mapping[str, str], preload_file: str, log_file: str) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -176,7 +179,7 @@ class ForkServer:
                     self._exits.pop(pid, None)  # an earlier process's, of a pid used again
                 if message["id"] in self._withdrawn:
                     late.append(message)
-                elif event != "dropped":
+                else:
                     self._replies[message["id"]] = message
             elif event == "ready":
                 self.ready = True
@@ -272,7 +275,13 @@ class ForkServer:
             self._next_id += 1
             ids[rank] = self._next_id
         deadline = time.monotonic() + timeout
-        messages = [{"op": "fork", "id": ids[r], "request": q} for r, q in requests.items()]
+        # the server forks none past ``until`` (the same monotonic clock, this machine's):
+        # what it forks, it answers while we still wait, so a request it reads late never
+        # runs as a second worker of its rank before the kill of a late answer reaches it
+        until = deadline - self.answer_margin * timeout
+        messages = [
+            {"op": "fork", "id": ids[r], "until": until, "request": q} for r, q in requests.items()
+        ]
         asked: list[int] = []
         try:
             whole = self._send(messages, deadline)
@@ -303,6 +312,8 @@ class ForkServer:
                 out[rank] = NotForked(f"no answer from the fork server in {timeout:g} s", False)
             elif reply.get("event") == "forked" and isinstance(reply.get("pid"), int):
                 out[rank] = ForkedProcess(self, reply["pid"])
+            elif reply.get("event") == "dropped":
+                out[rank] = NotForked("the fork server read it too late (an import)", False)
             else:
                 out[rank] = NotForked(str(reply.get("reason", "refused")), True)
         return out

@@ -8,14 +8,17 @@ same runner as every other Python worker (``_warm.py``).
 Protocol on CTRL_FD (a Unix stream socket to the agent), one JSON object per line,
 ``"version": 1`` in each:
 
-- agent -> server: ``{"op": "fork", "id": N, "request": {...runner request...}}``,
+- agent -> server: ``{"op": "fork", "id": N, "until": T, "request": {...runner
+  request...}}`` (``T``: ``time.monotonic()`` past which the request is not forked:
+  the agent's wait for the answer ends soon after),
   ``{"op": "withdraw", "id": N}`` (the agent gave up waiting and started that worker
   fresh: a fork request not read yet is dropped; one already forked, the agent kills)
 - server -> agent: ``{"event": "forked", "id": N, "pid": P}``,
   ``{"event": "refused", "id": N, "reason": "..."}`` (not fork-safe: the agent starts
   a fresh interpreter), ``{"event": "exited", "pid": P, "exitcode": C}`` (negative:
   killed by that signal, like ``Popen.returncode``), ``{"event": "ready", "modules": M}``,
-  ``{"event": "dropped", "id": N}`` (a withdrawn request, not forked).
+  ``{"event": "dropped", "id": N}`` (a withdrawn request, or one read past its
+  ``until``, not forked).
 
 Fork safety is checked before every fork: no Python thread but the main one, no
 native thread except thread pools that stop themselves on fork (OpenBLAS, started
@@ -194,7 +197,9 @@ class Server:
         for message in requests:
             if message.get("op") != "fork" or not isinstance(message.get("request"), dict):
                 continue
-            if message.get("id") in self.withdrawn:  # its worker started fresh meanwhile
+            until = message.get("until")
+            late = isinstance(until, (int, float)) and time.monotonic() > until
+            if message.get("id") in self.withdrawn or late:  # its worker starts fresh
                 self.withdrawn.discard(message.get("id"))
                 self.send(event="dropped", id=message.get("id"))
                 continue
