@@ -20,7 +20,8 @@ from relaunch.checkpoint import _layout as layout
 from relaunch.checkpoint._agree import _why_none
 from relaunch.checkpoint._replica import _chosen
 from relaunch.checkpoint._saver import Saver, Where
-from relaunch.checkpoint._tree import decode, encode, finish
+from relaunch.checkpoint._tree import encode
+from relaunch.checkpoint._tree_read import decode, finish
 from relaunch.cli import parse_args
 from relaunch.errors import ConfigError, SnapshotError
 

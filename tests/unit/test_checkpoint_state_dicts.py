@@ -14,7 +14,7 @@ from torch.ao.quantization.observer import MinMaxObserver
 
 from relaunch.checkpoint import _layout as layout
 from relaunch.checkpoint._saver import Saver, Where
-from relaunch.checkpoint._tree import decode
+from relaunch.checkpoint._tree_read import decode
 
 
 def _saver(root: Path) -> Saver:

@@ -24,7 +24,7 @@ import torch
 
 from relaunch.checkpoint import _layout as layout
 from relaunch.checkpoint._fill import Filler, Part
-from relaunch.checkpoint._tree import Region, decode, finish
+from relaunch.checkpoint._tree_read import Region, decode, finish
 
 __all__ = [
     "Prefetch",
