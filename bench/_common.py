@@ -13,7 +13,7 @@ import statistics
 import subprocess
 import sys
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -139,3 +139,19 @@ def calls_line(calls: collections.Counter[str], seconds: float) -> str:
     """``calls`` (of :func:`etcd_calls`) a second: the total, then by method."""
     rates = ", ".join(f"{name} {n / seconds:.1f}" for name, n in calls.most_common())
     return f"{calls.total() / seconds:.1f} ({rates})"
+
+
+@contextlib.contextmanager
+def busy_loops(count: int) -> Iterator[None]:
+    """``count`` busy processes (a node's other work: a data loader's workers, other
+    jobs) while the block runs; killed and reaped after it."""
+    procs = [
+        subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
+        for _ in range(count)
+    ]
+    try:
+        yield
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()

@@ -53,7 +53,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import free_port, in_loopback_netns
+from _common import busy_loops, free_port, in_loopback_netns
 
 from relaunch.procs._sys import descendants
 
@@ -293,16 +293,8 @@ def main() -> None:
     if args.node_kill_every and args.nodes < 2:
         parser.error("--node-kill-every needs --nodes 2 or more (the first node hosts the store)")
     in_loopback_netns()
-    load = [
-        subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
-        for _ in range(args.load)
-    ]
-    try:
+    with busy_loops(args.load):
         compare(args)
-    finally:
-        for proc in load:
-            proc.kill()
-            proc.wait()
 
 
 def compare(args: argparse.Namespace) -> None:

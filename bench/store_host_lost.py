@@ -42,7 +42,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import calls_line, etcd_calls, free_port, in_loopback_netns, median
+from _common import busy_loops, calls_line, etcd_calls, free_port, in_loopback_netns, median
 
 from relaunch.procs._sys import descendants
 from relaunch.store._etcd_member import healthy
@@ -443,11 +443,7 @@ def main() -> None:
     if unknown:
         parser.error(f"--kinds: expected host, member or other, got {sorted(unknown)}")
     in_loopback_netns()
-    load = [
-        subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
-        for _ in range(args.load)
-    ]
-    try:
+    with busy_loops(args.load):
         if args.floor:
             floor(args)
         elif args.quorum:
@@ -456,10 +452,6 @@ def main() -> None:
             sequence(args)
         else:
             _table(args)
-    finally:
-        for proc in load:
-            proc.kill()
-            proc.wait()
 
 
 def _table(args: argparse.Namespace) -> None:
