@@ -11,6 +11,8 @@ import socket
 import subprocess
 import sys
 import threading
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -25,6 +27,7 @@ from relaunch.errors import (
 )
 from relaunch.store import MemoryStore, PrefixStore, Store, has_turns, together
 from relaunch.store import _tcp_wire as wire
+from relaunch.store._etcd_member import is_etcd
 from relaunch.store.signed import SignedStore
 from relaunch.store.tcp import TCPStoreClient, TCPStoreServer
 
@@ -292,7 +295,7 @@ def test_garbage_drops_only_that_connection(
     with TCPStoreClient("127.0.0.1", server.port, timeout=10) as good:
         good.set("k", b"v")
         no_validate = _raw(server.port, validate=False)
-        no_validate.sendall(b"GET / HTTP/1.1\r\n\r\n")
+        no_validate.sendall(b"\x63 / HTTP/1.1\r\n\r\n")
         _assert_dropped(no_validate)
         unknown = _raw(server.port)
         unknown.sendall(bytes([200, 1, 2, 3]))
@@ -310,6 +313,44 @@ def test_garbage_drops_only_that_connection(
         good.set("k2", b"v2")
         assert good.get("k2") == b"v2"
     assert "drops client" in caplog.text
+
+
+def test_an_http_request_is_answered_400_and_dropped_without_a_warning(
+    server: TCPStoreServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``relaunch status`` asks a c10d endpoint for etcd's ``/version`` (is it an
+    embedded store's member?): a TCP store's host logged a warning for each, and one
+    per redraw of ``relaunch status --watch``. A browser or curl pointed at the port
+    learns what listens there."""
+    caplog.set_level(logging.DEBUG, logger="relaunch.store")
+    url = f"http://127.0.0.1:{server.port}/version"
+    assert not is_etcd(f"http://127.0.0.1:{server.port}", timeout=10)
+    with pytest.raises(urllib.error.HTTPError) as caught:
+        urllib.request.urlopen(url, timeout=10)
+    assert caught.value.code == 400
+    assert b"TCP store" in caught.value.read()
+    for first, rest in (
+        (b"G", b"ET /x HTTP/1.0\r\n\r\n"),
+        (b"PO", b"ST /v3/kv/range HTTP/1.1\r\n"),
+    ):
+        sock = _raw(server.port, validate=False)
+        sock.sendall(first)  # too short to tell: the server waits for more
+        sock.settimeout(0.2)
+        with pytest.raises(TimeoutError):
+            sock.recv(100)
+        sock.settimeout(10)
+        sock.sendall(rest)
+        reply = b""
+        while chunk := sock.recv(4096):
+            reply += chunk
+        sock.close()
+        assert reply.startswith(b"HTTP/1.1 400 Bad Request\r\n"), reply
+    with TCPStoreClient("127.0.0.1", server.port, timeout=10) as store:
+        store.set("k", b"v")
+        assert store.get("k") == b"v"
+    warned = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert not warned, [r.getMessage() for r in warned]
+    assert "sent an HTTP request" in caplog.text
 
 
 def test_a_thousand_clients_wait_on_one_key(server: TCPStoreServer) -> None:

@@ -309,6 +309,7 @@ class TCPStoreServer:
     def _process(self, conn: Peer) -> None:
         consumed = 0
         reason: str | None = None
+        http = False
         with memoryview(conn.rbuf) as view:
             reader = wire.Reader(view, max_value=self._max_value)
             while consumed < len(view) and conn.pending < _HIGH_WATER:
@@ -317,10 +318,19 @@ class TCPStoreServer:
                     self._handle_one(conn, reader)
                 except wire.Incomplete:
                     break
+                except wire.HttpRequest:
+                    http = True
+                    break
                 except (wire.MalformedRequest, ValueError) as exc:
                     reason = str(exc)
                     break
                 consumed = reader.pos
+        if http:  # not this protocol at all: said so, and no warning
+            with contextlib.suppress(OSError):
+                conn.sock.send(wire.HTTP_REPLY)
+            log.debug("TCP store server: client %s sent an HTTP request; answered 400", conn.addr)
+            self._drop(conn, None)
+            return
         if reason is not None:
             self._drop(conn, reason)
             return
@@ -332,9 +342,13 @@ class TCPStoreServer:
             self._update_interest(conn)
 
     def _handle_one(self, conn: Peer, reader: wire.Reader) -> None:
+        start = reader.pos
         query = reader.u8()
         if not conn.validated:
             if query != wire.Query.VALIDATE:
+                reader.pos = start
+                if wire.is_http(reader.head(8)):
+                    raise wire.HttpRequest("an HTTP request")
                 raise wire.MalformedRequest(f"first request is {query}, expected VALIDATE")
             magic = reader.u32()
             if magic != wire.VALIDATION_MAGIC:

@@ -33,16 +33,19 @@ import enum
 import struct
 
 __all__ = [
+    "HTTP_REPLY",
     "MAX_KEY_COUNT",
     "MAX_KEY_LEN",
     "MAX_VALUE_LEN",
     "VALIDATION_MAGIC",
     "CheckResponse",
+    "HttpRequest",
     "Incomplete",
     "MalformedRequest",
     "Query",
     "Reader",
     "WaitResponse",
+    "is_http",
     "pack_bytes",
     "pack_i64",
     "pack_len",
@@ -140,6 +143,34 @@ class MalformedRequest(Exception):
     """The bytes cannot be a valid request; the connection must be dropped."""
 
 
+class HttpRequest(MalformedRequest):
+    """The connection began as an HTTP request, not this protocol: a browser or ``curl``
+    pointed at the store's port, or ``relaunch status`` asking whether an etcd member
+    listens there (its ``/version``). Answered with :data:`HTTP_REPLY`, then dropped."""
+
+
+_HTTP_METHODS = (b"GET ", b"HEAD ", b"POST ", b"PUT ", b"DELETE ", b"OPTIONS ", b"PATCH ")
+
+_HTTP_TEXT = b"This port serves a TCP store (torch's c10d store protocol), not HTTP.\n"
+
+HTTP_REPLY = (
+    b"HTTP/1.1 400 Bad Request\r\nContent-Type: text/plain\r\nConnection: close\r\n"
+    b"Content-Length: %d\r\n\r\n%s" % (len(_HTTP_TEXT), _HTTP_TEXT)
+)
+"""What a connection that began as an HTTP request is told before it is dropped."""
+
+
+def is_http(head: bytes) -> bool:
+    """Whether ``head``, a connection's first bytes, begins an HTTP request (a method
+    and a space); :class:`Incomplete` while it is too short to tell."""
+    for method in _HTTP_METHODS:
+        if head.startswith(method):
+            return True
+        if method.startswith(head):
+            raise Incomplete
+    return False
+
+
 class Reader:
     """Reads typed fields from a buffer, raising :class:`Incomplete` past its end."""
 
@@ -159,6 +190,10 @@ class Reader:
             raise Incomplete
         self.pos = start + size
         return start
+
+    def head(self, size: int) -> bytes:
+        """Up to ``size`` bytes from the current position, which does not move."""
+        return bytes(self._buf[self.pos : min(self.pos + size, self._end)])
 
     def u8(self) -> int:
         """Read one unsigned byte."""
