@@ -211,13 +211,13 @@ def run(launcher: str, args: argparse.Namespace, faults: bool, mode: str) -> dic
             "executed": executed, "finished": finished, "parts": parts}  # fmt: skip
 
 
-PARTS = ("exec", "imported", "group", "built", "loaded", "stepped")
+PARTS = ("exec", "imported", "group", "loaded", "built", "stepped")
 
 
 def _restart_parts(rows: list[dict[str, Any]], kills: list[float]) -> list[list[float]]:
     """Per restart of rank 0 (attempt > 0): the seconds from the fault before it to the
     new process, then between the example's phases (imported torch, process group up,
-    model and optimizer built, snapshot loaded) and to its first step's end."""
+    snapshot loaded, model and optimizer built from it) and to its first step's end."""
     found = []
     for row in rows:
         phases = row.get("phases")
@@ -329,7 +329,7 @@ def compare(args: argparse.Namespace) -> None:
               f"{hit['nodes']:6.0f} {clean['wall'] / hit['wall']:8.1%} {shown} "
               f"{save:13.1f} {cost}")  # fmt: skip
     # where a fault's seconds go: the medians over the faulted run's restarts of rank 0
-    names = ("fault->exec", "import", "group", "build", "load", "1st step")
+    names = ("fault->exec", "import", "group", "load", "build", "1st step")
     for launcher, found in parts.items():
         if found:
             medians = [statistics.median(col) for col in zip(*found, strict=True)]
