@@ -123,7 +123,7 @@ class JsonLines:
 def etcd_calls(ports: list[int]) -> collections.Counter[str]:
     """The calls the etcd members serving on 127.0.0.1 at ``ports`` handled so far, by
     etcd's gRPC method (their /metrics; a lease refresh or a watch through the JSON
-    gateway is one stream each)."""
+    gateway is one stream each), and their health checks as ``Health``."""
     calls: collections.Counter[str] = collections.Counter()
     for port in ports:
         with contextlib.suppress(OSError):
@@ -132,6 +132,10 @@ def etcd_calls(ports: list[int]) -> collections.Counter[str]:
             pattern = r'^grpc_server_started_total\{grpc_method="(\w+)".*\} (\S+)$'
             for m in re.finditer(pattern, text, re.MULTILINE):
                 calls[m.group(1)] += int(float(m.group(2)))
+            # the members' health checks (/health: not a gRPC call)
+            pattern = r"^etcd_server_health_(?:success|failures) (\S+)$"
+            for m in re.finditer(pattern, text, re.MULTILINE):
+                calls["Health"] += int(float(m.group(1)))
     return calls
 
 

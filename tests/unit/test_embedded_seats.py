@@ -10,6 +10,7 @@ import pytest
 from relaunch.rendezvous._seats import (
     JoinSteps,
     Member,
+    asked_health,
     join_steps,
     parse_members,
     plan,
@@ -243,3 +244,21 @@ def test_a_voting_member_that_starts_may_bring_the_quorum_back() -> None:
     assert _gone([A, B, starting], seen, 30.0)
     # both running ones gone: the third alone is no majority, whenever it runs
     assert _gone([A, B, starting], {**seen, B: "refused"}, 1.0)
+
+
+def test_at_idle_the_steward_checks_the_others_and_they_the_steward() -> None:
+    settled = [C, A, B]
+    assert asked_health(settled, "a", {}, 3, True) == {B.id, C.id}  # a: the steward
+    assert asked_health(settled, "b", {}, 3, True) == {A.id}
+    assert asked_health(settled, "c", {}, 3, True) == {A.id}
+    assert asked_health(settled, None, {}, 3, True) == set()  # no member: no checks
+    everyone = {A.id, B.id, C.id}
+    # something amiss: every member checks every member (the quorum's judgement, the
+    # steward's replacements, a new steward's first look)
+    assert asked_health(settled, "b", {}, 3, False) == everyone  # the calls fail
+    assert asked_health(settled, "b", {C.id: 0.0}, 3, True) == everyone  # one is down
+    assert asked_health([A, B], "b", {}, 3, True) == {A.id, B.id}  # a seat is free
+    learner = _m("d", learner=True)
+    assert asked_health([A, B, C, learner], "c", {}, 3, True) == {A.id}
+    assert asked_health([A, B, C, learner], "a", {}, 3, True) == {B.id, C.id, learner.id}
+    assert asked_health([_m("x", started=False)], "b", {}, 1, True) == {_m("x", started=False).id}

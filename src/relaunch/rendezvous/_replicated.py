@@ -18,11 +18,11 @@ state lives in etcd, not in a TCP store on one node:
   learner and joins as a voting member at once; two voting members would survive
   the loss of neither. etcd's own consensus keeps the state while a
   majority lives.
-- Each member checks every member's health every 2 s. The steward (the healthy
-  member with the smallest name) removes a member down for ``grace`` seconds (at
-  once when its port refuses: its process is gone), and a node that is not a member,
-  woken by the seats key the steward sets, takes the seat: the next loss is
-  survived too.
+- Every 2 s the steward (the healthy member with the smallest name) checks the other
+  members' health, the others its own (all, while one is down or calls fail). It
+  removes a member down for ``grace`` seconds (at once when its port refuses: its
+  process is gone), and a node that is not a member, woken by the seats key the
+  steward sets, takes the seat: the next loss is survived too.
 - Quorum lost (a majority gone at once): once it is certain (:mod:`._quorum`: their
   ports refuse at two looks, or they are silent for 10 s, 30 s while a voting member
   added starts, and none answers a patient check), the client is given up, every call fails at once, and the agent ends the
@@ -63,7 +63,7 @@ from relaunch.rendezvous._member_calls import (
 )
 from relaunch.rendezvous._member_specs import EmbeddedSettings, bind_address, first_member
 from relaunch.rendezvous._quorum import QuorumWatch, health_now, quorum_lost_line
-from relaunch.rendezvous._seats import Member, plan, seated
+from relaunch.rendezvous._seats import Member, asked_health, plan, seated
 from relaunch.store._etcd_member import EtcdMember, Health, MemberSpec, member_health
 from relaunch.store.etcd import EtcdStore
 
@@ -227,16 +227,17 @@ class EmbeddedStore:
         return self._cfg.interval if self._member is not None else 3 * self._cfg.interval
 
     def _refresh(self) -> None:
-        """Read the member list (:meth:`_listed`), check each member's health, point the
-        client at the started members."""
+        """Read the member list (:meth:`_listed`), check the health of the members
+        :func:`asked_health` names, point the client at the started members."""
         assert self._store is not None
         now = time.monotonic()
         members = self._listed(now)
         refused = set()
         self._seen = {}
+        served = self._store.troubled_for() == 0
+        asked = asked_health(members, self._me(), self._down, self._cfg.target, served)
         for m in members:
-            # members check each other; the others leave that to them (no traffic)
-            seen = "healthy" if self._member is None else member_health(m.client_urls, local=True)
+            seen = member_health(m.client_urls, local=True) if m.id in asked else "healthy"
             self._seen[m.id] = seen
             if m.started and seen == "healthy":
                 self._down.pop(m.id, None)
