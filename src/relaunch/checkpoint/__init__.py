@@ -63,12 +63,15 @@ def save(step: int, state: object, *, blocking: bool = False) -> None:
 
     Returns at once: a writer thread copies the tensors into node memory (the copies of
     CUDA ones to the host are queued on a copy stream before this returns). The copy
-    is done before any ``torch.optim`` optimizer steps again, before the next ``save``
-    or ``load``, and before this returns with ``blocking=True``. The tensors that no
+    is done before any ``torch.optim`` optimizer steps again, and before the next
+    ``save`` or ``load``. With ``blocking=True`` this returns once the snapshot is
+    complete in node memory (a death right after it loses nothing; what the writer
+    failed with is raised here): before a risky step, or as the last act of a process
+    that was told to stop. The tensors that no
     optimizer which has stepped holds (a module's buffers, such as BatchNorm's running
     statistics, which the next forward updates in place; an average of the weights) are
     cloned before this returns, on CUDA on the current stream; where they are more than
-    an eighth of the state's bytes, the save blocks instead (as ``blocking=True``). A
+    an eighth of the state's bytes, this waits for their copy instead. A
     tensor an optimizer holds that you change outside its ``step`` (in place, by hand)
     must wait for :func:`wait_copied` first.
     SnapshotError for a value of an unsupported type (naming its key path), a save over

@@ -13,8 +13,8 @@ files go, which one is reused and which steps are dropped: ``_rank_files``).
 The copy is finished before any ``torch.optim`` optimizer steps again (a global
 pre-step hook waits for the CPU tensors' copy, and makes the current CUDA stream wait
 for the copy stream: the GPU orders the optimizer's writes after the copy, the
-training thread does not wait), before the next ``save`` or ``load``, and, with
-``blocking=True``, before ``save`` returns. The tensors of the state that no optimizer
+training thread does not wait), and before the next ``save`` or ``load``; with
+``blocking=True`` the snapshot is complete before ``save`` returns. The tensors of the state that no optimizer
 steps (a module's buffers, which its forward updates in place) are cloned in ``save``,
 or the save blocks (``_fence``). One save is in flight at a time.
 """
@@ -147,8 +147,9 @@ class Saver:
         self.wait()
         self.drop_prefetch()
         tree, leaves, nbytes = encode(state)
-        # the tensors no optimizer's hook protects are cloned, or the save blocks
-        blocking = blocking or self._fence.secure(leaves, nbytes)
+        # the tensors no optimizer's hook protects are cloned, or the save waits for
+        # its copy
+        copy_first = self._fence.secure(leaves, nbytes)
         runs, host = runs_of([leaf for leaf in leaves if leaf.nbytes and leaf.device != "cuda"])
         # what stays while this one is written: the other ranks' and our newest window-1
         w = self.where
@@ -166,6 +167,8 @@ class Saver:
         self._copied = threading.Event()
         self._writer.submit(functools.partial(self._finish, pending))
         if blocking:
+            self.wait()
+        elif copy_first:
             self.wait_copied()
 
     def _stage(self, leaves: list[Leaf], p: _Pending) -> None:

@@ -1,0 +1,52 @@
+"""``save(step, state, blocking=True)`` returns once the snapshot is complete in node
+memory: a worker SIGKILLed the moment it returns resumes at that step, on every rank.
+(It used to wait for the tensors' copy only; the checksum, the manifest and the
+folder's rename then died with the worker, and the restart began afresh.)"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.timeout(180)
+
+SCRIPT = textwrap.dedent(
+    """
+    import os, signal
+    import torch, torch.distributed as dist
+    from relaunch import checkpoint
+
+    dist.init_process_group("gloo")
+    got = checkpoint.load()
+    if got is None:
+        state = {"w": torch.full((1 << 20,), 7.0), "step": 4}
+        checkpoint.save(4, state, blocking=True)
+        os.kill(os.getpid(), signal.SIGKILL)  # the moment the save returned
+    step, state = got
+    assert step == 4 and state["step"] == 4 and bool((state["w"] == 7.0).all()), got
+    print(f"rank {dist.get_rank()} resumed at step {step}", flush=True)
+    dist.destroy_process_group()
+    """
+)
+
+
+def test_a_worker_killed_as_its_blocking_save_returns_resumes_at_that_step(
+    tmp_path: Path,
+) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    cmd = [
+        sys.executable, "-m", "relaunch", "--standalone", "--nproc-per-node=2",
+        "--max-restarts=1", "--monitor-interval=0.1", str(script),
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=150)
+    said = proc.stdout + proc.stderr
+    assert proc.returncode == 0, said
+    for rank in (0, 1):
+        assert f"rank {rank} resumed at step 4" in said, said
