@@ -7,6 +7,7 @@ import json
 import os
 import re
 import shutil
+import sys
 import threading
 import warnings
 from pathlib import Path
@@ -313,6 +314,22 @@ def test_an_unsupported_value_names_its_key_path_and_type() -> None:
     with pytest.raises(SnapshotError, match=r"state\['w'\]: a tensor subclass .*_Wrapped"):
         encode({"w": _Wrapped(torch.zeros(2))})
     encode({"p": torch.nn.Parameter(torch.zeros(2))})  # a subclass of torch's own dispatch
+
+
+def test_a_state_that_holds_itself_or_nests_too_deep_is_a_clear_error() -> None:
+    looped: dict[str, object] = {"w": torch.zeros(1)}
+    looped["opt"] = {"param_groups": [{"params": [0]}, looped]}
+    with pytest.raises(
+        SnapshotError, match=r"state\['opt'\]\['param_groups'\]\[1\]: a container that holds itself"
+    ):
+        encode(looped)
+    deep: list[object] = []
+    for _ in range(sys.getrecursionlimit() + 10):
+        deep = [deep]
+    with pytest.raises(SnapshotError, match="nests deeper than Python's recursion limit"):
+        encode(deep)
+    shared = [torch.zeros(1)]
+    encode({"a": shared, "b": shared})  # the same list twice is no cycle
 
 
 class _Wrapped(torch.Tensor):

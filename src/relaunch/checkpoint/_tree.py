@@ -90,10 +90,34 @@ def encode(state: object) -> tuple[Any, list[Leaf], int]:
     gc.disable()
     try:
         tree = _walk(state, None, data)
+    except RecursionError:
+        raise SnapshotError(_too_deep(state)) from None
     finally:
         if collecting:
             gc.enable()
     return tree, data.leaves, data.end
+
+
+def _too_deep(state: object) -> str:
+    """Why the walk of ``state`` ran out of stack: a container that holds itself (its
+    key path), or nesting deeper than Python's recursion limit. Looked for only then:
+    the walk itself keeps no set of the containers it is in."""
+    inside: set[int] = set()
+    stack: list[tuple[object, At, bool]] = [(state, None, False)]
+    while stack:
+        obj, at, leaving = stack.pop()
+        if leaving:
+            inside.discard(id(obj))
+            continue
+        if not isinstance(obj, (dict, list, tuple)):
+            continue
+        if id(obj) in inside:
+            return f"state{_path(at)}: a container that holds itself; expected a tree"
+        inside.add(id(obj))
+        stack.append((obj, at, True))
+        items = obj.items() if isinstance(obj, dict) else enumerate(obj)
+        stack.extend((value, (at, key), False) for key, value in items)
+    return "the state nests deeper than Python's recursion limit; expected a shallower tree"
 
 
 class _Data:
