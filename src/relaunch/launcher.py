@@ -29,9 +29,9 @@ from relaunch.agent import (
     WorkerSpec,
     WorkerState,
 )
-from relaunch.checkpoint import _layout as layout
 from relaunch.checkpoint._area import SnapshotArea
 from relaunch.checkpoint._peers import PeerRound
+from relaunch.checkpoint._restores import Restore
 from relaunch.config import LaunchConfig
 from relaunch.errors import ChildFailedError, ConfigError, RelaunchError, StoreError
 from relaunch.procs import Entrypoint, raise_open_files_limit
@@ -133,8 +133,7 @@ class _Snapshots:
                 newest=self._area.newest_steps(),
                 restores=len(restores),
                 steps_redone=sum(
-                    layout.Restore(0, step, newest, source).redone
-                    for step, newest, source in restores
+                    Restore(0, step, newest, source).redone for step, newest, source in restores
                 ),
             )
         except OSError as exc:

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from relaunch.checkpoint import _layout as layout
+from relaunch.checkpoint import _restores as restores
 from relaunch.checkpoint._agree import _why_none
 from relaunch.checkpoint._replica import _chosen
 from relaunch.checkpoint._saver import Saver, Where
@@ -467,13 +468,13 @@ def test_a_bad_snapshot_limit_is_one_clear_error(text: str, tmp_path: Path) -> N
 
 
 def test_restore_records_are_read_strictly(tmp_path: Path) -> None:
-    layout.append_restore(str(tmp_path), layout.Restore(1, 29, 30, "memory"))
-    with open(tmp_path / layout.RESTORES, "a") as f:
+    restores.append_restore(str(tmp_path), restores.Restore(1, 29, 30, "memory"))
+    with open(tmp_path / restores.RESTORES, "a") as f:
         f.write('{"v":1,"rank":-1,"step":3,"newest":4,"source":"memory"}\n{not json\n')
-    layout.append_restore(str(tmp_path), layout.Restore(0, None, 7, None))
-    found, bad = layout.read_restores(str(tmp_path))
+    restores.append_restore(str(tmp_path), restores.Restore(0, None, 7, None))
+    found, bad = restores.read_restores(str(tmp_path))
     assert bad == 2
-    assert found == [layout.Restore(1, 29, 30, "memory"), layout.Restore(0, None, 7, None)]
+    assert found == [restores.Restore(1, 29, 30, "memory"), restores.Restore(0, None, 7, None)]
     assert [r.redone for r in found] == [1, 8]
 
 

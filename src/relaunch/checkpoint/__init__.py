@@ -46,6 +46,7 @@ import threading
 from typing import Any
 
 from relaunch.checkpoint import _layout as layout
+from relaunch.checkpoint import _restores
 from relaunch.errors import SnapshotError
 
 __all__ = ["SnapshotError", "load", "save", "wait", "wait_copied"]
@@ -116,7 +117,7 @@ def load(*, replicated: bool = False) -> tuple[int, Any] | None:
     found, newest = (newest_replica if replicated else newest_common)(saver, roots)
     step = None if found is None else found[0]
     source = None if found is None else found[2]
-    _note_restore(saver.where, layout.Restore(saver.where.rank, step, newest, source))
+    _note_restore(saver.where, _restores.Restore(saver.where.rank, step, newest, source))
     gone = saver.discard_newer(step)
     if gone:
         log.info("rank %s: dropped snapshots of steps %s (newer than the restored one)",
@@ -128,11 +129,11 @@ def load(*, replicated: bool = False) -> tuple[int, Any] | None:
     return found[0], found[1]
 
 
-def _note_restore(where: layout.Where, restore: layout.Restore) -> None:
+def _note_restore(where: layout.Where, restore: _restores.Restore) -> None:
     """Record this rank's restore for the agent's summary (never fails the load)."""
     try:
         os.makedirs(where.root, exist_ok=True)
-        layout.append_restore(where.root, restore)
+        _restores.append_restore(where.root, restore)
     except OSError as exc:
         log.warning("cannot record the restore in %s: %s", where.root, exc)
 

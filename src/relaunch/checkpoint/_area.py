@@ -27,6 +27,7 @@ import tempfile
 from relaunch.checkpoint import _layout as layout
 from relaunch.checkpoint._durable import DurableCopier
 from relaunch.checkpoint._peers import PeerCopies, PeerRound
+from relaunch.checkpoint._restores import Restore, read_restores
 
 __all__ = ["SnapshotArea"]
 
@@ -130,7 +131,7 @@ class SnapshotArea:
     def restores(self) -> dict[tuple[int | None, int | None, str | None], list[int]]:
         """This node's ranks' restores, ``(step, newest, source)`` -> ranks (the job's
         first start, with nothing to restore, is none)."""
-        records, bad = layout.read_restores(self.root)
+        records, bad = read_restores(self.root)
         if bad and bad != self._bad_restores:
             log.warning("%s: %s lines that are not restore records; skipped", self.root, bad)
         self._bad_restores = bad
@@ -156,7 +157,7 @@ class SnapshotArea:
                 + ", ".join(f"step {s} (ranks {_ranks(r)})" for s, r in sorted(by_step.items()))
             )
         for (restored, top, source), ranks in done.items():
-            redone = layout.Restore(0, restored, top, source).redone
+            redone = Restore(0, restored, top, source).redone
             what = "a fresh start" if restored is None else f"step {restored} from {source}"
             unit = "step" if redone == 1 else "steps"
             parts.append(f"restored {what}, {redone} {unit} redone (ranks {_ranks(ranks)})")
