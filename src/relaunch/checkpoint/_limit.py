@@ -25,10 +25,19 @@ def check_limit(root: str, rank: int, step: int, nbytes: int, keep: int, limit: 
     others = usage(root) - usage(ours)
     if others + mine_after + nbytes > limit:
         raise SnapshotError(
-            f"snapshot of step {step} refused: its {nbytes} bytes would bring the node's snapshot "
-            f"directory {root} to {others + mine_after + nbytes} bytes, over its "
-            f"limit of {limit} (--snapshot-limit; {ENV_LIMIT})"
+            f"snapshot of step {step} refused: its {_size(nbytes)} would bring the node's "
+            f"snapshot directory {root} to {_size(others + mine_after + nbytes)}, over its "
+            f"limit of {_size(limit)} (--snapshot-limit or {ENV_LIMIT}; by default half "
+            "the size of the file system that holds the directory)"
         )
+
+
+def _size(nbytes: int) -> str:
+    """``nbytes`` as a reader takes it in: ``4194304 bytes (4.0 MiB)``."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= scale:
+            return f"{nbytes} bytes ({nbytes / scale:.1f} {unit})"
+    return f"{nbytes} bytes"
 
 
 def _fits_whole(root: str, nbytes: int, limit: int) -> bool:
