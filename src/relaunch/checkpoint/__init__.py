@@ -66,9 +66,10 @@ def save(step: int, state: object, *, blocking: bool = False) -> None:
     CUDA ones to the host are queued on a copy stream before this returns). The copy
     is done before any ``torch.optim`` optimizer steps again, and before the next
     ``save`` or ``load``. With ``blocking=True`` this returns once the snapshot is
-    complete in node memory, and held by the peer node too where the job has one (a
-    death right after it loses nothing; what the writer failed with is raised here):
-    before a risky step, or as the last act of a process that was told to stop. The tensors that no
+    complete in node memory (a death right after it loses nothing; what the writer
+    failed with is raised here; the copy on the peer node, which the agents make, is
+    not waited for): before a risky step, or as the last act of a process that was
+    told to stop. The tensors that no
     optimizer which has stepped holds (a module's buffers, such as BatchNorm's running
     statistics, which the next forward updates in place; an average of the weights) are
     cloned before this returns, on CUDA on the current stream; where they are more than
@@ -89,10 +90,10 @@ def wait_copied() -> None:
 
 
 def wait() -> None:
-    """Wait until the last ``save`` is complete on the node (and held by the peer
-    node, where the job has one)."""
+    """Wait until the last ``save`` is complete in node memory (as ``blocking=True``);
+    raise what it failed with."""
     if _current is not None:
-        _current.wait()
+        _current.wait_whole()
 
 
 def load(*, replicated: bool = False) -> tuple[int, Any] | None:

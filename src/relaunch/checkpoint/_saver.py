@@ -88,6 +88,9 @@ class Saver:
         self._staged: Staged | None = None
         """The CUDA copies of the save in flight (the optimizer's stream waits for them)."""
         self._copied = threading.Event()
+        self._whole = threading.Event()
+        """Set once the save in flight is complete in node memory, or failed."""
+        self._whole.set()
         self._ack = PeerAck(where)
         self._fence = Fence()
         """The optimizers that stepped: their tensors' copies may run beside the next step."""
@@ -165,9 +168,10 @@ class Saver:
         self._stage([leaf for leaf in leaves if leaf.nbytes and leaf.device == "cuda"], pending)
         self._staged = pending.staged
         self._copied = threading.Event()
+        self._whole = threading.Event()
         self._writer.submit(functools.partial(self._finish, pending))
         if blocking:
-            self.wait()
+            self.wait_whole()
         elif copy_first:
             self.wait_copied()
 
@@ -277,6 +281,7 @@ class Saver:
                 tree=p.manifest_tree,
             )
             kept = self._files.complete(p.folder, p.step, manifest)
+            self._whole.set()
             self._ack.after_save(p.step, crc)
             if p.lockable:
                 self._lock_next(kept)
@@ -290,6 +295,16 @@ class Saver:
                     f.close()
             with contextlib.suppress(Exception):
                 self._files.drop(p.folder)  # the partial file's mapping goes with it
+        finally:
+            self._whole.set()
+
+    def wait_whole(self) -> None:
+        """Wait until the save in flight is complete in node memory (not for its peer
+        copy: the agents make that, and a worker that dies meanwhile loses nothing);
+        raise what it failed with."""
+        self._whole.wait()
+        if self._error is not None:
+            self.wait()
 
     def wait(self, timeout: float | None = None) -> None:
         """Wait until the save in flight is complete; raise what it failed with."""

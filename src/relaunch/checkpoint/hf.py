@@ -90,7 +90,7 @@ class SnapshotCallback(TrainerCallback):
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._forget_resume_folder()
-        checkpoint.wait()  # the last snapshot complete (and copied) before the end
+        checkpoint.wait()  # the last snapshot complete in node memory before the end
 
     def _forget_resume_folder(self) -> None:
         folder, self.resumed_from = self.resumed_from, None

@@ -74,4 +74,4 @@ class SnapshotCallback(Callback):
         self._saved = step
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-        checkpoint.wait()  # the last snapshot complete (and copied) before the end
+        checkpoint.wait()  # the last snapshot complete in node memory before the end
