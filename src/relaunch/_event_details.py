@@ -26,6 +26,7 @@ __all__ = [
     "RendezvousComplete",
     "Restart",
     "RoundReopened",
+    "RoundWentOn",
     "RunFailed",
     "Stopped",
     "StoreLost",
@@ -87,6 +88,18 @@ class MembershipChanged(_Detail):
     """A new round is starting (a node joined, left, or restarts): restart the workers."""
 
     name: ClassVar[str] = "membership_changed"
+
+
+@dataclass(frozen=True, kw_only=True)
+class RoundWentOn(_Detail):
+    """This node's workers failed after the job had gone on from their round: another
+    node began the next one (a node joined, left or was lost, their peers stopped for
+    it), or the job dropped this node (silent past the dead-node delay: a stalled
+    machine, its workers' peers gone when it came back). Their failure follows from
+    that: no restart is counted, and the node joins the next round."""
+
+    name: ClassVar[str] = "round_went_on"
+    round: int
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -312,8 +325,8 @@ class ForkServerRefused(_Detail):
 
 
 Detail = (
-    RendezvousComplete | MembershipChanged | RoundReopened | RendezvousClosed | NotNeeded
-    | FinishedWithout | StoreLost
+    RendezvousComplete | MembershipChanged | RoundReopened | RoundWentOn | RendezvousClosed
+    | NotNeeded | FinishedWithout | StoreLost
     | ExitBarrierTimeout | NodeLost | NodeReplaced | WorkersStarted | WorkersStopped
     | WorkersSucceeded | WorkersFailed | WorkerHung | WorkerLost | WorkerRespawned
     | WatchdogExpired | Restart | RunFailed | Stopped | ForkServerStarted | ForkServerReady

@@ -7,6 +7,8 @@ one line per step (see ``tests/multinode_support``).
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -256,3 +258,36 @@ def test_a_node_joining_as_the_job_ends_restarts_nobody(c10d: Cluster, tmp_path:
         assert "membership_changed" not in names and "round_reopened" not in names, names
     assert {r.restart for r in c10d.steps()} == {0} and {r.world for r in c10d.steps()} == {4}
     assert "not needed" in c10d.output("c"), c10d.output("c")
+
+
+def test_a_node_silent_past_the_dead_node_delay_rejoins_without_spending_a_restart(
+    c10d: Cluster, tmp_path: Path
+) -> None:
+    # c stalls (SIGSTOP: a machine that stops answering, its connections left open)
+    # longer than the dead-node delay: a and b go on without it. Once it runs again,
+    # its workers' failure (their peers gone) is not the job's: with --max-restarts 0
+    # the job must not end for it, and c trains with the others again.
+    go = tmp_path / "go"
+    for node, host in (("a", 1), ("b", 0), ("c", 0)):
+        c10d.start(node, f"go={go}", "steps=3", nnodes="2:3", nproc=1,
+                   conf=f"is_host={host},{HEARTBEAT}")  # fmt: skip
+    c10d.wait_for("three nodes training", lambda: any(r.world == 3 for r in c10d.steps("c")))
+    os.killpg(c10d.procs["c"].pid, signal.SIGSTOP)
+    try:
+        stopped_at = len(c10d.steps())
+        c10d.wait_for(
+            "a and b training without c",
+            lambda: any(r.world == 2 for r in c10d.steps()[stopped_at:]),
+        )
+    finally:
+        os.killpg(c10d.procs["c"].pid, signal.SIGCONT)
+    back_at = len(c10d.steps("c"))
+    c10d.wait_for(
+        "c training with the others again",
+        lambda: any(r.world == 3 for r in c10d.steps("c")[back_at:]),
+    )
+    go.touch()
+    assert [c10d.wait_exit(n) for n in ("a", "b", "c")] == [0, 0, 0], c10d.outputs()
+    for node in ("a", "b", "c"):
+        names = [e.get("name") for e in c10d.events(node)]
+        assert "run_failed" not in names and "restart" not in names, (node, names)

@@ -20,6 +20,7 @@ from relaunch.rendezvous._ops import (
     place,
     record_failure,
     remove_dead,
+    went_on,
 )
 from relaunch.rendezvous._settings import (
     BEATS_PER_SECOND,
@@ -416,6 +417,26 @@ def test_a_lost_node_reopens_the_round_unless_every_node_restarts_in_process() -
         state = _beat(state, node, T0 + 2.5)
     reopened, _ = remove_dead(state, T0 + 2.6, s)
     assert reopened.round == 1 and not reopened.vacancies
+
+
+def test_a_failure_reported_after_the_job_went_on_from_its_round_is_not_counted() -> None:
+    s = settings(2, 3, keep_alive_interval=1.0, keep_alive_max_attempt=2)
+    state = joined(["a_1_0", "b_1_0", "c_1_0"], s)
+    assert not went_on(state, 0, "b_1_0")  # its own round, still running: counted
+    for node in ("a_1_0", "b_1_0"):
+        state = _beat(state, node, T0 + 2.5)
+    later, dead = remove_dead(state, T0 + 2.6, s)  # c was silent: a new round without it
+    assert dead == ["c_1_0"] and later.round == 1
+    assert went_on(later, 0, "b_1_0")  # b's workers failed as the round ended
+    assert went_on(later, 0, "c_1_0")  # c's, once it ran again, their peers gone
+    assert not went_on(later, 1, "b_1_0")  # a failure in the new round is counted
+    # in-process nodes: c's rank is left vacant in the same round; c is dropped
+    state = _inprocess(joined(["a_1_0", "b_1_0", "c_1_0"], s), s, T0)
+    for node in ("a_1_0", "b_1_0"):
+        state = _beat(state, node, T0 + 2.5)
+    later, _ = remove_dead(state, T0 + 2.6, s)
+    assert later.round == 0 and later.vacancies
+    assert went_on(later, 0, "c_1_0") and not went_on(later, 0, "b_1_0")
 
 
 def test_vacancy_fields_are_checked_for_sense() -> None:

@@ -47,6 +47,7 @@ __all__ = [
     "BarrierEnd",
     "WorkerStore",
     "barrier_note",
+    "close_rendezvous",
     "exit_barrier",
     "finish_round",
     "gather_failures",
@@ -364,3 +365,12 @@ def leave_rendezvous(handler: RendezvousHandler, *, store_lost: bool = False) ->
         handler.shutdown(leave=not store_lost)
     except (RendezvousError, StoreError) as exc:
         log.warning("rendezvous shutdown failed: %s", exc)
+
+
+def close_rendezvous(handler: RendezvousHandler) -> None:
+    """Close the rendezvous after the job's last failure: the other nodes stop too (a
+    store that does not answer is said, not raised: this node ends either way)."""
+    try:
+        handler.set_closed()
+    except (RendezvousError, StoreError) as exc:
+        log.warning("could not close the rendezvous: %s", exc)

@@ -15,7 +15,7 @@ import time
 
 from relaunch import events
 from relaunch._never import assert_never
-from relaunch.agent._attempt import Slot, return_values
+from relaunch.agent._attempt import return_values
 from relaunch.agent._core import (
     STOP_GRACE,
     Action,
@@ -39,6 +39,7 @@ from relaunch.agent._round import (
     BarrierEnd,
     WorkerStore,
     barrier_note,
+    close_rendezvous,
     finish_round,
     gather_failures,
     leave_rendezvous,
@@ -63,7 +64,6 @@ from relaunch.agent._workers import NodeWorkers
 from relaunch.errors import (
     ProcessFailure,
     RendezvousClosedError,
-    RendezvousError,
     RendezvousGracefulExitError,
     RendezvousStateError,
     StoreConnectionError,
@@ -170,7 +170,7 @@ class AgentRun:
     def _publish_status(self, *, force: bool = False) -> None:
         ws = self._workers
         pids = ws.pids() if ws.running else {}
-        self._status.publish(self._group, self._slots(), pids, force=force)
+        self._status.publish(self._group, self._workers.slots, pids, force=force)
 
     # -- the loop -----------------------------------------------------------------
     def _loop(self) -> RunResult:
@@ -234,9 +234,6 @@ class AgentRun:
         workers = self._workers
         return failures(ranks, obs, self._group.workers, workers.slots, workers.pids())
 
-    def _slots(self) -> dict[int, Slot]:
-        return self._workers.slots
-
     def _act(self, action: Action, obs: Observation) -> RunResult | None:
         """Carry out the core's decision; a RunResult ends the run."""
         match action:
@@ -282,13 +279,15 @@ class AgentRun:
         if end in (BarrierEnd.CLOSED, BarrierEnd.STOPPED):  # (STOPPED: a signal to the agent)
             return self._job_closed() if end is BarrierEnd.CLOSED else self._stopped()
         note = barrier_note(self._info, timeout) if end is BarrierEnd.TIMED_OUT else None
-        values = return_values(self._spec, self._group.workers, self._slots())
+        values = return_values(self._spec, self._group.workers, self._workers.slots)
         return RunResult(state=WorkerState.SUCCEEDED, return_values=values, reason=note)
 
     def _report_hang(self, hang: Hang) -> events.WorkerHung:
         assert self._policy.hang_timeout is not None
         pid = self._workers.pids()[hang.local_rank]
-        return report_hang(hang, self._slots()[hang.local_rank], pid, self._policy.hang_timeout)
+        return report_hang(
+            hang, self._workers.slots[hang.local_rank], pid, self._policy.hang_timeout
+        )
 
     def _on_failure(self, failures: dict[int, ProcessFailure]) -> RunResult | None:
         """Restart after a worker failure, or end the run when the job's budget is spent."""
@@ -302,14 +301,15 @@ class AgentRun:
         )
         publish_failures(self._info, failures)
         total = self._handler.record_failure(self._info.round)
+        if total is None:  # the job went on from this round first: the next one
+            self._emit(events.RoundWentOn(round=self._info.round))
+            self._restart()
+            return None
         verdict = after_failure(total, self._policy.max_restarts)
         if isinstance(verdict, GiveUp):
             self._stop_workers(signal.SIGTERM)
             self._emit(events.RunFailed(attempt=self._attempt, restarts=verdict.restarts))
-            try:
-                self._handler.set_closed()  # the other nodes stop too
-            except (RendezvousError, StoreError) as exc:
-                log.warning("could not close the rendezvous: %s", exc)
+            close_rendezvous(self._handler)  # the other nodes stop too
             return RunResult(state=WorkerState.FAILED, failures=self._job_failures(failures))
         self._emit(events.Restart(restarts=total, max_restarts=self._spec.max_restarts))
         self._restart()

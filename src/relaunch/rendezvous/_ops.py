@@ -45,6 +45,7 @@ __all__ = [
     "record_failure",
     "remove_dead",
     "remove_lost",
+    "went_on",
 ]
 
 ROLLBACK_WINDOW = 5.0
@@ -333,6 +334,18 @@ def perform_requests(
             if action not in JOIN_REQUEST_ACTIONS:
                 break
             _perform(action, state, node, now, settings)
+
+
+def went_on(state: RendezvousState, failed_round: int, node: str) -> bool:
+    """Whether the job went on from ``failed_round`` before ``node`` reported its
+    workers' failure there: another node began the next round (a node joined, left or
+    was lost, and the round's workers were stopped for it: a worker of ``node`` then
+    fails on its peers' closed connections), or the job dropped ``node`` (the state no
+    longer knows it: silent past the dead-node delay, a stalled machine). Such a failure
+    follows from the change and is not counted (a failure counted for the round by
+    another node is this one too: :func:`record_failure`); the workers restart in the
+    next round anyway, and a rank that fails again there is counted then."""
+    return failed_round < state.round or not (state.knows(node) or node in state.expected)
 
 
 def record_failure(state: RendezvousState, failed_round: int) -> RendezvousState:

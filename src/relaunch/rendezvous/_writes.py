@@ -22,6 +22,7 @@ from relaunch.rendezvous._ops import (
     decide_exit,
     decide_leave,
     record_failure,
+    went_on,
 )
 from relaunch.rendezvous._queue import RequestQueue
 from relaunch.rendezvous._settings import RendezvousSettings
@@ -99,11 +100,15 @@ def _drive(
         state, raw, _ = rdzv.commit(state, raw, new)
 
 
-def count_failure(rdzv: StateBackend, failed_round: int) -> int:
+def count_failure(rdzv: StateBackend, failed_round: int, node: str) -> int | None:
     """Count a failure restart of the job for ``failed_round`` (once however many nodes
-    report it); return the job's total."""
+    report it); return the job's total, or None when the job had gone on from that
+    round before ``node`` reported it (:func:`~relaunch.rendezvous._ops.went_on`:
+    nothing is counted)."""
     state, raw = rdzv.load()
     while True:
+        if failed_round > state.failed_round and went_on(state, failed_round, node):
+            return None
         new = record_failure(state, failed_round)
         if new is state:
             return state.restarts

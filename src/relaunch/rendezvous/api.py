@@ -125,12 +125,15 @@ class RendezvousHandler(Protocol):
         the others: it runs them again in the next round. One cheap read."""
         ...
 
-    def record_failure(self, failed_round: int) -> int:
+    def record_failure(self, failed_round: int) -> int | None:
         """Count one failure restart of the job for ``failed_round``; return the job's total.
 
         Every agent whose workers failed in that round calls it; the restart is
         counted once per round however many nodes report it, so the restart
-        budget is the job's, not each node's.
+        budget is the job's, not each node's. None when the job had gone on from that
+        round first (another node began the next one: a node joined, left or was lost;
+        or the job dropped this node while it was silent): the failure follows from
+        that, nothing is counted, and the node joins the next round.
         """
         ...
 

@@ -292,13 +292,16 @@ class DynamicRendezvousHandler:
 
     # -- job-level restart accounting ----------------------------------------------
 
-    def record_failure(self, failed_round: int) -> int:
+    def record_failure(self, failed_round: int) -> int | None:
         """Count a failure restart of the job for ``failed_round``; return the job's total.
 
         Every agent that sees a worker failure in round ``r`` calls this with ``r``;
-        the restart is counted once per round, however many nodes report it.
+        the restart is counted once per round, however many nodes report it. None, and
+        nothing counted, when the job had gone on from that round first (another node
+        began the next one, or the job dropped this node while it was silent): the
+        failure follows from that.
         """
-        return count_failure(self._rdzv, failed_round)
+        return count_failure(self._rdzv, failed_round, self._node)
 
     def publish_worker_modules(self, modules: bytes) -> None:
         """Say what this node's workers import (a spare's fork server preloads it)."""

@@ -167,6 +167,14 @@ class StatusBoard:
             case events.MembershipChanged() | events.RoundReopened():
                 self._fault(ev.timestamp, "membership")
                 return f"{_AGAIN[detail.name]} (tier: membership restart)"
+            case events.RoundWentOn():
+                self._fault(ev.timestamp, "membership")
+                return (
+                    f"this node's workers failed after the job had gone on from round "
+                    f"{detail.round} (a node joined, left or was lost: this one, if it was "
+                    "silent past the dead-node delay); no restart counted, restarting them "
+                    "in the next round (tier: membership restart)"
+                )
             case events.WorkerHung():
                 return self._worker_hung(detail)
             case events.WorkerLost():
