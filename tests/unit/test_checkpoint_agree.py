@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from relaunch.checkpoint._agree import newest_common, other_world
+from relaunch.checkpoint._agree import decode_record, encode_record, newest_common, other_world
 from relaunch.checkpoint._saver import Saver, Where
+from relaunch.errors import SnapshotError
 
 
 def _where(root: Path, rank: int, world: int, job: str = "j") -> Where:
@@ -65,3 +66,15 @@ def test_the_durable_copies_count_too_and_the_newest_is_named(tmp_path: Path) ->
     where = _where(tmp_path / "mem", 0, 1)
     assert other_world(where, [None, str(tmp_path / "durable")]) == (6, 2)
     assert other_world(where, [None]) == (2, 4)
+
+
+def test_the_ranks_offers_cross_as_versioned_json_and_a_bad_one_names_its_rank() -> None:
+    for value in ([3, 7, 12], True, None, 4_294_967_295, [12, 4]):
+        assert decode_record(2, encode_record(value)) == value
+    assert decode_record(0, encode_record((12, 4))) == [12, 4]  # a tuple arrives a list
+    with pytest.raises(SnapshotError, match=r"rank 3's snapshot offer is not JSON"):
+        decode_record(3, b"\x80\x04\x95")  # a pickle, say
+    with pytest.raises(SnapshotError, match=r"rank 1's snapshot offer .* v=1 .* same relaunch"):
+        decode_record(1, b'{"v": 2, "value": [1]}')
+    with pytest.raises(SnapshotError, match=r"rank 1's snapshot offer"):
+        decode_record(1, b"[1, 2]")

@@ -6,21 +6,33 @@ memory when it is there, else from the durable copy (data length and CRC-32 chec
 when any rank has no whole copy of it, every rank drops that step and tries the next
 one. A replacement for a lost node, with no snapshot in its memory, restores the
 survivors' step from the durable copies when the copier got there. Small all-gathers
-over the default process group.
+over the default process group, of versioned JSON records (no pickle).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any
 
+from relaunch._json import loads as json_loads
 from relaunch.checkpoint import _layout as layout
 from relaunch.checkpoint._layout import CorruptSnapshot
 from relaunch.errors import SnapshotError
 
-__all__ = ["gather", "newest_common", "other_world"]
+__all__ = [
+    "decode_record",
+    "encode_record",
+    "gather",
+    "group_device",
+    "newest_common",
+    "other_world",
+]
 
 log = logging.getLogger("relaunch.checkpoint")
+
+_RECORD_VERSION = 1
+"""Of each rank's record in :func:`gather`."""
 
 
 def newest_common(
@@ -115,10 +127,12 @@ def _span(ranks: list[int]) -> str:
 
 
 def gather(saver: Any, mine: Any) -> list[Any]:
-    """Every rank's ``mine``, in rank order (an all-gather over the default group)."""
+    """Every rank's ``mine`` (JSON data), in rank order: an all-gather over the default
+    group of each rank's versioned JSON record (no pickle), padded to the longest."""
     world = saver.where.world_size
     if world == 1:
         return [mine]
+    import torch
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
@@ -130,6 +144,47 @@ def gather(saver: Any, mine: Any) -> list[Any]:
         raise SnapshotError(
             f"the default process group has {dist.get_world_size()} ranks, WORLD_SIZE is {world}"
         )
-    out: list[Any] = [None] * world
-    dist.all_gather_object(out, mine)
-    return out
+    device = group_device()
+    record = encode_record(mine)
+    length = torch.tensor([len(record)], dtype=torch.int64, device=device)
+    lengths = [torch.zeros_like(length) for _ in range(world)]
+    dist.all_gather(lengths, length)
+    sizes = [int(n.item()) for n in lengths]
+    mine_padded = torch.zeros(max(sizes), dtype=torch.uint8, device=device)
+    mine_padded[: len(record)] = torch.frombuffer(bytearray(record), dtype=torch.uint8)
+    records = [torch.empty_like(mine_padded) for _ in range(world)]
+    dist.all_gather(records, mine_padded)
+    return [
+        decode_record(rank, records[rank][:size].cpu().numpy().tobytes())
+        for rank, size in enumerate(sizes)
+    ]
+
+
+def group_device() -> Any:
+    """Where the default group's tensors must be (NCCL: this process's GPU)."""
+    import torch
+    import torch.distributed as dist
+
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def encode_record(value: Any) -> bytes:
+    """One rank's part of a :func:`gather`: ``{"v": 1, "value": ...}`` as JSON."""
+    return json.dumps({"v": _RECORD_VERSION, "value": value}, separators=(",", ":")).encode()
+
+
+def decode_record(rank: int, raw: bytes) -> Any:
+    """The value of rank ``rank``'s record; SnapshotError naming the rank and the fault."""
+    try:
+        doc = json_loads(raw)
+    except json.JSONDecodeError as exc:
+        raise SnapshotError(f"rank {rank}'s snapshot offer is not JSON: {exc}") from None
+    if not isinstance(doc, dict) or doc.get("v") != _RECORD_VERSION or "value" not in doc:
+        raise SnapshotError(
+            f"rank {rank}'s snapshot offer is not one this version reads (expected an "
+            f"object with v={_RECORD_VERSION} and a value, got {raw[:80]!r}): every rank "
+            "must run the same relaunch"
+        )
+    return doc["value"]

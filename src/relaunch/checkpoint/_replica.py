@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from relaunch.checkpoint import _layout as layout
-from relaunch.checkpoint._agree import gather
+from relaunch.checkpoint._agree import gather, group_device
 from relaunch.checkpoint._readback import check, read_folder, read_sent
 
 __all__ = ["newest_replica"]
@@ -150,7 +150,7 @@ def _share(
     holders = [rank for rank, ok in enumerate(read) if ok]
     lacking = [rank for rank, ok in enumerate(read) if not ok]
     giver = {rank: holders[i % len(holders)] for i, rank in enumerate(lacking)}
-    device = _device()
+    device = group_device()
     if where.rank in giver:
         got = _receive(saver, step, giver[where.rank], device)
         return got, (None if got is None else "another rank")
@@ -160,15 +160,6 @@ def _share(
         if giver[rank] == where.rank:
             _send(folder, rank, device)
     return state, "memory" if source[0] is None else "durable"
-
-
-def _device() -> torch.device:
-    """Where the default group's point-to-point tensors must be (NCCL: this GPU)."""
-    import torch.distributed as dist
-
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def _send(folder: str, to: int, device: torch.device) -> None:
