@@ -4,13 +4,12 @@ in its log line), and the state is the one saved."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+
+from multinode_support.examples import run_script
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -38,16 +37,8 @@ SCRIPT = textwrap.dedent(
 
 
 def test_a_restarted_worker_takes_the_snapshot_read_while_it_started(tmp_path: Path) -> None:
-    script = tmp_path / "train.py"
-    script.write_text(SCRIPT)
-    cmd = [
-        sys.executable, "-m", "relaunch", "--standalone", "--nproc-per-node=2",
-        "--max-restarts=1", "--monitor-interval=0.1", str(script),
-    ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=150)
-    said = proc.stdout + proc.stderr
-    assert proc.returncode == 0, said
+    code, said = run_script(tmp_path, SCRIPT)
+    assert code == 0, said
     for rank in (0, 1):
         assert f"rank {rank}: restored step 2 from memory (read ahead" in said, said
         assert f"rank {rank} resumed with x=2.0" in said, said

@@ -1,4 +1,4 @@
-"""Running one of examples/ under relaunch on this node, for the framework tests."""
+"""Running one of examples/, or a test's own script, under relaunch on this node."""
 
 from __future__ import annotations
 
@@ -28,6 +28,20 @@ def run_example(
         json.loads(line) for p in out.glob("rank*.jsonl") for line in p.read_text().splitlines()
     ]
     return proc.returncode, proc.stdout + proc.stderr, rows
+
+
+def run_script(tmp: Path, text: str, *, nproc: int = 2) -> tuple[int, str]:
+    """Run ``text`` (a training script, written under ``tmp``) standalone with ``nproc``
+    workers and one restart; return (exit code, what relaunch and the workers said)."""
+    script = tmp / "train.py"
+    script.write_text(text)
+    cmd = [
+        sys.executable, "-m", "relaunch", "--standalone", f"--nproc-per-node={nproc}",
+        "--max-restarts=1", "--monitor-interval=0.1", str(script),
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=150)
+    return proc.returncode, proc.stdout + proc.stderr
 
 
 def resumed(rows: list[dict[str, object]], attempt: int = 1) -> set[object]:

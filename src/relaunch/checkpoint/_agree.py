@@ -161,13 +161,16 @@ def gather(saver: Any, mine: Any) -> list[Any]:
 
 
 def group_device() -> Any:
-    """Where the default group's tensors must be (NCCL: this process's GPU)."""
+    """Where the default group's tensors must be: the CPU, or with NCCL alone this
+    process's GPU (the one ``init_process_group(device_id=...)`` bound, else the current
+    device)."""
     import torch
     import torch.distributed as dist
 
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    if dist.get_backend() != "nccl":
+        return torch.device("cpu")
+    bound = getattr(dist.group.WORLD, "bound_device_id", None)
+    return bound if bound is not None else torch.device("cuda", torch.cuda.current_device())
 
 
 def encode_record(value: Any) -> bytes:
