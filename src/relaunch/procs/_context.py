@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
+from relaunch._children import track
 from relaunch.errors import ConfigError, WorkerError
 from relaunch.procs._forkserver import ForkedProcess, ForkServer
 from relaunch.procs._logs import TeeTailer, TeeTarget
@@ -222,7 +223,7 @@ class WorkerProcesses:
                 return proc
         out, err = _open_out(spec.stdout), _open_out(spec.stderr)
         try:
-            return subprocess.Popen(
+            proc = subprocess.Popen(
                 self._entry.argv(spec.args),
                 env=dict(spec.env),
                 stdout=out,
@@ -230,6 +231,7 @@ class WorkerProcesses:
                 start_new_session=True,
                 preexec_fn=child_preexec(),
             )
+            return track(proc)
         except OSError as exc:
             raise WorkerError(
                 f"cannot start local rank {spec.local_rank}: {self._entry.target!r}: {exc}"
@@ -343,6 +345,6 @@ class WorkerProcesses:
                 self._exitcodes[rank] = proc.wait(timeout=10.0)
             except subprocess.TimeoutExpired:  # pragma: no cover - unkillable (D state)
                 log.error("worker %s survived SIGKILL", proc.pid)
-        reap_orphans(owned=set())
+        reap_orphans()
         self._tailer.close()
         return dict(self._exitcodes)

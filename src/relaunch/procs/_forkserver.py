@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from relaunch._children import track
 from relaunch._json import loads as json_loads
 from relaunch.procs._lines import LineSender, ready
 from relaunch.procs._sys import child_preexec
@@ -132,6 +133,7 @@ class ForkServer:
                 start_new_session=True,
                 preexec_fn=child_preexec(),
             )
+            track(self._proc)
         except BaseException:
             ours.close()
             raise

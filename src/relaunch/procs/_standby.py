@@ -11,6 +11,7 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
+from relaunch._children import track
 from relaunch.errors import WorkerError
 from relaunch.procs._sys import child_preexec
 
@@ -40,6 +41,7 @@ class Standby:
                 start_new_session=True,
                 preexec_fn=child_preexec(),
             )
+            track(self._proc)
         except BaseException:
             os.close(self._write_fd)
             raise

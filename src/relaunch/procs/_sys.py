@@ -12,7 +12,9 @@ import os
 import resource
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
+
+from relaunch._children import unreaped
 
 __all__ = [
     "child_preexec",
@@ -207,14 +209,16 @@ def members(sessions: set[int]) -> list[int]:
     ]
 
 
-def reap_orphans(owned: set[int]) -> None:
+def reap_orphans(owned: Collection[int] = ()) -> None:
     """Reap exited direct children that no Popen owns (grandchildren reparented to us).
 
-    Never waits on ``owned`` pids: their Popen must see their real exit status.
+    Never waits on ``owned`` pids, nor on a child a tracked Popen started
+    (:mod:`relaunch._children`): their owners must see their real exit status.
     """
     me = os.getpid()
+    keep = set(owned) | unreaped()
     for pid in _children_map(zombies=True).get(me, []):
-        if pid in owned:
+        if pid in keep:
             continue
         with contextlib.suppress(ChildProcessError, OSError):
             os.waitpid(pid, os.WNOHANG)

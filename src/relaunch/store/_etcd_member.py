@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import BinaryIO, Literal
 from urllib.parse import urlsplit
 
+from relaunch._children import track
 from relaunch._json import loads as json_loads
 from relaunch.errors import ConfigError, StoreConnectionError
 
@@ -260,6 +261,7 @@ class EtcdMember:
                 env=_member_env(spec.cpus),
                 start_new_session=True,  # a kill of the agent's group leaves it to clean up
             )
+            track(self._proc)
         except OSError:
             shutil.rmtree(self._data, ignore_errors=True)
             raise
