@@ -366,6 +366,19 @@ def test_a_fork_server_is_wanted_for_python_workers_with_restarts_left() -> None
     assert not wants_fork_server(off, is_python=True, restart_count=0)
 
 
+def test_a_fork_server_is_wanted_where_the_membership_can_change_with_no_restart_left() -> None:
+    # torchrun's default --max-restarts 0 on a dynamic rendezvous of more than one node:
+    # a node that joins, leaves or is lost restarts the workers without spending one
+    elastic = Policy(max_restarts=0, membership_restarts=True)
+    assert wants_fork_server(elastic, is_python=True, restart_count=0)
+    spent = Policy(max_restarts=2, membership_restarts=True)
+    assert wants_fork_server(spent, is_python=True, restart_count=2)
+    assert not wants_fork_server(Policy(max_restarts=0), is_python=True, restart_count=0)
+    assert not wants_fork_server(elastic, is_python=False, restart_count=0)
+    off = Policy(max_restarts=0, membership_restarts=True, fork_server=False)
+    assert not wants_fork_server(off, is_python=True, restart_count=0)
+
+
 # -- the loop's bookkeeping of lost workers ------------------------------------------------
 def test_a_lost_worker_on_a_node_of_group_rank_1_is_lost_once(tmp_path: Path) -> None:
     """The reviewer's ``_lost`` bug: lost workers were recorded by global rank and

@@ -121,6 +121,10 @@ class Policy:
     max_restarts: int = 0
     fork_server: bool = True
     """The user wants replacement workers forked (``--no-warm-standby`` turns it off)."""
+    membership_restarts: bool = False
+    """The workers may restart without a failure: the job's membership can change (a
+    dynamic rendezvous of more than one node: a node joins, leaves or is lost), and
+    such a restart spends none of ``max_restarts``."""
     max_respawns: int = 0
     """Replacement processes allowed per local rank and attempt for in-process workers
     (the agent uses ``max_restarts``); 0: the group goes on without a dead rank."""
@@ -353,9 +357,9 @@ def remaining_restarts(restart_count: int, max_restarts: int) -> int:
 
 
 def wants_fork_server(policy: Policy, *, is_python: bool, restart_count: int) -> bool:
-    """Whether a fork server is worth keeping: Python workers that may still restart."""
-    return (
-        policy.fork_server
-        and is_python
-        and remaining_restarts(restart_count, policy.max_restarts) > 0
+    """Whether a fork server is worth keeping: Python workers that may still restart,
+    after a failure (restarts left) or when the job's membership changes."""
+    may_restart = (
+        policy.membership_restarts or remaining_restarts(restart_count, policy.max_restarts) > 0
     )
+    return policy.fork_server and is_python and may_restart

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Protocol
 from relaunch.agent._core import Policy
 from relaunch.errors import ConfigError
 from relaunch.procs import Entrypoint, Std
-from relaunch.rendezvous import RendezvousHandler, RendezvousInfo
+from relaunch.rendezvous import RendezvousHandler, RendezvousInfo, TieredMembership
 from relaunch.store import Store
 
 if TYPE_CHECKING:
@@ -218,10 +218,12 @@ class Worker:
 def policy_of(spec: WorkerSpec) -> Policy:
     """The parts of ``spec`` that the agent's decisions depend on."""
     python = spec.entrypoint.is_python
+    tiers = spec.rdzv_handler if isinstance(spec.rdzv_handler, TieredMembership) else None
     return Policy(
         hang_timeout=spec.hang_timeout if python else None,
         max_restarts=spec.max_restarts,
         fork_server=spec.warm_standby,
+        membership_restarts=tiers is not None and tiers.max_nodes > 1,
         max_respawns=spec.max_restarts if python else 0,
         teardown_grace=spec.stop_grace,
     )

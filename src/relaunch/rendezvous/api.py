@@ -166,6 +166,12 @@ class TieredMembership(Protocol):
     """A backend whose running round outlives a lost node (tiered recovery): the dynamic
     backends (c10d, etcd). Without it a lost node restarts the round."""
 
+    @property
+    def max_nodes(self) -> int:
+        """The most nodes a round takes (``--nnodes``'s upper bound): with more than one,
+        the round's membership can change (a node joins, leaves or is lost)."""
+        ...
+
     def vacancies(self) -> dict[int, int]:
         """Group ranks of this node's round that lost nodes left (tiered recovery: the
         round goes on), each with the incarnation its replacement starts at. Empty for

@@ -137,6 +137,10 @@ class DynamicRendezvousHandler:
     def settings(self) -> RendezvousSettings:
         return self._settings
 
+    @property
+    def max_nodes(self) -> int:
+        return self._settings.max_nodes
+
     def get_backend(self) -> str:
         return self._backend_name
 
