@@ -291,3 +291,29 @@ def test_a_node_silent_past_the_dead_node_delay_rejoins_without_spending_a_resta
     for node in ("a", "b", "c"):
         names = [e.get("name") for e in c10d.events(node)]
         assert "run_failed" not in names and "restart" not in names, (node, names)
+
+
+def test_with_no_restarts_a_node_that_joins_finds_the_others_workers_forked(
+    c10d: Cluster, tmp_path: Path
+) -> None:
+    # torchrun's default --max-restarts 0: the membership restart that admits b spends
+    # no restart, and a's workers come from its fork server, not fresh interpreters
+    go = tmp_path / "go"
+    c10d.start("a", f"go={go}", "steps=3", nnodes="1:2", nproc=1, warm=True,
+               conf=f"is_host=1,{HEARTBEAT}")  # fmt: skip
+    c10d.wait_for("a training alone", lambda: any(r.world == 1 for r in c10d.steps("a")))
+    c10d.wait_for(
+        "a's fork server",
+        lambda: any(e.get("name") == "fork_server_started" for e in c10d.events("a")),
+        timeout=90,
+    )
+    c10d.start("b", f"go={go}", "steps=3", nnodes="1:2", nproc=1, warm=True,
+               conf=f"is_host=0,{HEARTBEAT}")  # fmt: skip
+    c10d.wait_for(
+        "a and b training together",
+        lambda: {r.node for r in c10d.steps() if r.world == 2} == {"a", "b"},
+    )
+    go.touch()
+    assert [c10d.wait_exit(n) for n in ("a", "b")] == [0, 0], c10d.outputs()
+    started = [e for e in c10d.events("a") if e.get("name") == "workers_started"]
+    assert [e["metadata"]["forked"] for e in started] == [[], [0]], started  # type: ignore[index]
