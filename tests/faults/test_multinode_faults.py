@@ -317,3 +317,31 @@ def test_with_no_restarts_a_node_that_joins_finds_the_others_workers_forked(
     assert [c10d.wait_exit(n) for n in ("a", "b")] == [0, 0], c10d.outputs()
     started = [e for e in c10d.events("a") if e.get("name") == "workers_started"]
     assert [e["metadata"]["forked"] for e in started] == [[], [0]], started  # type: ignore[index]
+
+
+def test_a_node_told_to_stop_leaves_and_the_others_go_on_without_spending_a_restart(
+    c10d: Cluster, tmp_path: Path
+) -> None:
+    # a scale-down: c's agent alone gets SIGTERM (a drained machine, a pod scaled
+    # away). It leaves its round before its workers stop, so the others' workers'
+    # failure on its closed connections is not the job's: with --max-restarts 0 the
+    # job goes on at two nodes (it used to fail: "no restarts left"). The store is a's
+    # TCP store (an etcd member that leaves within 7 s of the cluster's start stays
+    # until the others leave: README, "A limit of this rule")
+    go = tmp_path / "go"
+    for node, host in (("a", 1), ("b", 0), ("c", 0)):
+        c10d.start(node, f"go={go}", "steps=3", nnodes="2:3", nproc=1,
+                   conf=f"is_host={host},store_members=0,{HEARTBEAT}")  # fmt: skip
+    c10d.wait_for("three nodes training", lambda: any(r.world == 3 for r in c10d.steps("c")))
+    stopped_at = len(c10d.steps())
+    os.kill(c10d.procs["c"].pid, signal.SIGTERM)  # the agent, not its workers
+    assert c10d.wait_exit("c") != 0, c10d.outputs()
+    c10d.wait_for(
+        "a and b training without c",
+        lambda: {r.node for r in c10d.steps()[stopped_at:] if r.world == 2} == {"a", "b"},
+    )
+    go.touch()
+    assert [c10d.wait_exit(n) for n in ("a", "b")] == [0, 0], c10d.outputs()
+    for node in ("a", "b"):
+        names = [e.get("name") for e in c10d.events(node)]
+        assert "run_failed" not in names and "restart" not in names, (node, names)

@@ -11,6 +11,7 @@ from relaunch.rendezvous._ops import (
     Action,
     apply,
     decide_close,
+    decide_depart,
     decide_exit,
     decide_join,
     decide_leave,
@@ -243,15 +244,27 @@ def test_a_batch_of_requests_is_performed_in_ticket_order() -> None:
     s = settings(1, 3)
     state = joined(["a_1_0", "b_1_0", "c_1_0"], s)
     new = state.copy()
-    batch = [("a_1_0", True), ("d_1_0", False), ("d_1_0", True), ("b_1_0", True)]
+    batch = [
+        ("a_1_0", True, False),
+        ("d_1_0", False, False),
+        ("d_1_0", True, False),
+        ("b_1_0", True, False),
+    ]
     perform_requests(new, batch, T0, s)
     assert new.complete and new.participants == {"c_1_0": 2}
     assert not new.knows("a_1_0") and not new.knows("b_1_0") and not new.knows("d_1_0")
     assert state.participants == {"a_1_0": 0, "b_1_0": 1, "c_1_0": 2}  # the copy only
-    perform_requests(new, [("e_1_0", False), ("e_1_0", True), ("e_1_0", False)], T0, s)
+    perform_requests(
+        new, [("e_1_0", False, False), ("e_1_0", True, False), ("e_1_0", False, False)], T0, s
+    )
     assert new.wait_list == {"e_1_0"} and nodes_waiting(new, my_round=0) == 1
-    perform_requests(new, [("c_1_0", True), ("f_1_0", True)], T0, s)  # f: never there
+    perform_requests(new, [("c_1_0", True, False), ("f_1_0", True, False)], T0, s)  # f: never there
     assert not new.knows("c_1_0") and not new.complete and new.round == 1
+    # departures (nodes told to stop while their workers run) reopen the round once
+    new = state.copy()
+    perform_requests(new, [("a_1_0", True, True), ("b_1_0", True, True)], T0, s)
+    assert new.round == 1 and new.participants == {} and new.expected == {"c_1_0"}
+    assert not new.knows("a_1_0") and not new.knows("b_1_0")
 
 
 def test_failure_restarts_are_counted_once_per_round() -> None:
@@ -437,6 +450,26 @@ def test_a_failure_reported_after_the_job_went_on_from_its_round_is_not_counted(
     later, _ = remove_dead(state, T0 + 2.6, s)
     assert later.round == 0 and later.vacancies
     assert went_on(later, 0, "c_1_0") and not went_on(later, 0, "b_1_0")
+
+
+def test_a_node_that_departs_its_running_round_is_gone_as_a_lost_one() -> None:
+    # the agent got a signal while its workers ran (a scale-down): it leaves before its
+    # workers stop, so the others' failures on its closed connections are not counted
+    s = settings(2, 3, keep_alive_interval=1.0, keep_alive_max_attempt=2)
+    state = joined(["a_1_0", "b_1_0", "c_1_0"], s)
+    assert decide_depart(state, "c_1_0", T0, T0 + 5) is Action.DEPART
+    assert decide_depart(state, "c_1_0", T0 + 6, T0 + 5) is Action.ERROR_TIMEOUT
+    later = apply(Action.DEPART, state, "c_1_0", T0, s)
+    assert later.round == 1 and not later.knows("c_1_0")  # reopened for a and b
+    assert went_on(later, 0, "a_1_0") and not went_on(later, 1, "a_1_0")
+    assert decide_depart(later, "c_1_0", T0, T0 + 5) is Action.FINISH
+    # in-process nodes keep their round: c's rank is left vacant for a spare
+    state = _inprocess(joined(["a_1_0", "b_1_0", "c_1_0"], s), s, T0)
+    kept = apply(Action.DEPART, state, "c_1_0", T0, s)
+    assert kept.round == 0 and kept.vacancies and not kept.knows("c_1_0")
+    # a leave after the workers ended (the job's end) keeps the round for the others
+    ended = apply(Action.LEAVE, joined(["a_1_0", "b_1_0", "c_1_0"], s), "c_1_0", T0, s)
+    assert ended.round == 0 and ended.complete
 
 
 def test_vacancy_fields_are_checked_for_sense() -> None:

@@ -48,6 +48,7 @@ __all__ = [
     "WorkerStore",
     "barrier_note",
     "close_rendezvous",
+    "depart_round",
     "exit_barrier",
     "finish_round",
     "gather_failures",
@@ -365,6 +366,17 @@ def leave_rendezvous(handler: RendezvousHandler, *, store_lost: bool = False) ->
         handler.shutdown(leave=not store_lost)
     except (RendezvousError, StoreError) as exc:
         log.warning("rendezvous shutdown failed: %s", exc)
+
+
+def depart_round(handler: RendezvousHandler) -> None:
+    """Before the workers stop for a signal: take this node out of its running round
+    (``TieredMembership.depart``), so that the other nodes go on from it without
+    spending a restart; a store that does not answer is said, and the workers stop."""
+    if isinstance(handler, TieredMembership):
+        try:
+            handler.depart()
+        except (RendezvousError, StoreError) as exc:
+            log.warning("could not leave the running round before stopping: %s", exc)
 
 
 def close_rendezvous(handler: RendezvousHandler) -> None:

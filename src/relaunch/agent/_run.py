@@ -8,7 +8,6 @@ them all before it returns.
 
 from __future__ import annotations
 
-import logging
 import os
 import signal
 import time
@@ -40,6 +39,7 @@ from relaunch.agent._round import (
     WorkerStore,
     barrier_note,
     close_rendezvous,
+    depart_round,
     finish_round,
     gather_failures,
     leave_rendezvous,
@@ -74,8 +74,6 @@ from relaunch.procs import RunLogDir, set_child_subreaper
 from relaunch.rendezvous import RendezvousInfo
 
 __all__ = ["AgentRun"]
-
-log = logging.getLogger(__name__)
 
 
 class AgentRun:
@@ -318,6 +316,8 @@ class AgentRun:
     def _stopped(self) -> RunResult:
         sig = self._stop.signum or signal.SIGTERM
         self._emit(events.Stopped(signal=sig))
+        if self._workers.running and self._info is not None:
+            depart_round(self._handler)  # the others go on without spending a restart
         self._stop_workers(sig)
         return RunResult(state=WorkerState.STOPPED)
 

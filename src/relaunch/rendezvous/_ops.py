@@ -34,6 +34,7 @@ __all__ = [
     "apply",
     "can_complete",
     "decide_close",
+    "decide_depart",
     "decide_exit",
     "decide_join",
     "decide_leave",
@@ -65,6 +66,7 @@ class Action(enum.Enum):
     MARK_INPROCESS = "mark_inprocess"
     CLAIM_STORE_HOST = "claim_store_host"
     LEAVE = "leave"
+    DEPART = "depart"
     MARK_COMPLETE = "mark_complete"
     MARK_CLOSED = "mark_closed"
     SYNC = "sync"
@@ -149,6 +151,15 @@ def decide_leave(state: RendezvousState, node: str, now: float, deadline: float)
     return Action.FINISH
 
 
+def decide_depart(state: RendezvousState, node: str, now: float, deadline: float) -> Action:
+    """Stop for good while this node's round runs (a signal: a scale-down, a drained
+    machine): leave the round as a lost node does, before its workers stop; a round
+    not complete (one that another departure reopened) is left as a leave does."""
+    if state.complete and node in state.participants:
+        return Action.ERROR_TIMEOUT if now > deadline else Action.DEPART
+    return decide_leave(state, node, now, deadline)
+
+
 def decide_close(state: RendezvousState, now: float, deadline: float) -> Action:
     """Close the rendezvous for good."""
     if state.closed:
@@ -205,6 +216,8 @@ def _perform(
             new.inprocess.add(node)
     elif action is Action.LEAVE:
         _forget(new, [node], settings, dead=False, now=now)
+    elif action is Action.DEPART:  # as if lost: its workers stop next
+        _forget(new, [node], settings, dead=True, now=now)
     elif action is Action.MARK_COMPLETE:
         if not new.complete and new.participants:
             complete(new)
@@ -314,20 +327,23 @@ def place(
 ) -> RendezvousState:
     """Perform the join request of ``node``: its placement actions, without a deadline."""
     new = state.copy()
-    perform_requests(new, [(node, False)], now, settings)
+    perform_requests(new, [(node, False, False)], now, settings)
     return new
 
 
 def perform_requests(
-    state: RendezvousState, requests: Iterable[tuple[str, bool]], now: float,
+    state: RendezvousState, requests: Iterable[tuple[str, bool, bool]], now: float,
     settings: RendezvousSettings,
 ) -> None:  # fmt: skip
-    """Perform join ``(node, False)`` and leave ``(node, True)`` requests in order on
-    ``state`` itself (one copy for a batch, not one per request: a batch of N is O(N))."""
-    for node, leaving in requests:
+    """Perform join ``(node, False, False)``, leave ``(node, True, False)`` and departure
+    ``(node, True, True)`` requests in order on ``state`` itself (one copy for a batch,
+    not one per request: a batch of N is O(N))."""
+    for node, leaving, departing in requests:
         if leaving:
-            if decide_leave(state, node, now, math.inf) is Action.LEAVE:
-                _perform(Action.LEAVE, state, node, now, settings)
+            decide = decide_depart if departing else decide_leave
+            action = decide(state, node, now, math.inf)
+            if action in (Action.DEPART, Action.LEAVE):
+                _perform(action, state, node, now, settings)
             continue
         for _ in range(3):
             action = decide_join(state, node, now, settings, math.inf)

@@ -42,9 +42,10 @@ __all__ = ["REQUEST_VERSION", "Request", "RequestQueue"]
 
 logger = logging.getLogger(__name__)
 
-REQUEST_VERSION = 2
-"""Version of a leave request's JSON (2 added ``leave``); a join is still written as
-version 1, which appliers of every version read."""
+REQUEST_VERSION = 3
+"""Version of a departure's JSON (2 added ``leave``, 3 ``depart``); a join is still
+written as version 1 and a leave as version 2, which older appliers read."""
+_LEAVE_VERSION = 2
 
 _HINT_DIGITS = 20  # an ``applied`` hint longer than this is not a ticket number
 _FARTHEST_LOOK = 4
@@ -53,10 +54,12 @@ the ``applied`` hint once every this many periods, not every period."""
 
 
 class Request(NamedTuple):
-    """A request read from the queue: ``node`` joins, or with ``leave`` leaves."""
+    """A request read from the queue: ``node`` joins, or with ``leave`` leaves (with
+    ``depart`` too: its running round, as a lost node, before its workers stop)."""
 
     node: str
     leave: bool
+    depart: bool = False
 
 
 class RequestQueue:
@@ -73,10 +76,15 @@ class RequestQueue:
         self._hint_key = backend.prefix + "applied"
 
     def request(
-        self, node: str, interrupted: Callable[[], bool] = lambda: False, *, leave: bool = False
+        self,
+        node: str,
+        interrupted: Callable[[], bool] = lambda: False,
+        *,
+        leave: bool = False,
+        depart: bool = False,
     ) -> JoinAck | None:
-        """Queue the join request of ``node`` (with ``leave``: its leave request); return
-        once a state includes it.
+        """Queue the join request of ``node`` (with ``leave``: its leave request; with
+        ``depart``: its departure from its running round); return once a state includes it.
 
         Returns what the applier reported (no state read), or None when the caller
         must read the state to learn more (or ``interrupted`` said so). A node waiting
@@ -85,7 +93,7 @@ class RequestQueue:
         ``applied`` hint when its wait times out, and only once every few timeouts while
         it is too far from the head to take over sooner (a slow round of thousands).
         """
-        ticket = self._enqueue(node, leave)
+        ticket = self._enqueue(node, leave, depart)
         request_key, ack_key = f"{self.prefix}req/{ticket}", f"{self.prefix}ack/{ticket}"
 
         def in_the_state() -> None:  # the request is in the state: its keys are spent
@@ -130,12 +138,14 @@ class RequestQueue:
             except RendezvousStateError:
                 return None  # corrupt: the caller's patient read says it once and decides
 
-    def _enqueue(self, node: str, leave: bool) -> int:
+    def _enqueue(self, node: str, leave: bool, depart: bool) -> int:
         """Take a ticket and write the request of ``node`` under it; return the ticket."""
         ticket = take_ticket(self.store, self.prefix + "req")
         request: dict[str, object] = {"version": 1, "run_id": self.settings.run_id, "node": node}
-        if leave:
-            request.update(version=REQUEST_VERSION, leave=True)
+        if depart:
+            request.update(version=REQUEST_VERSION, leave=True, depart=True)
+        elif leave:
+            request.update(version=_LEAVE_VERSION, leave=True)
         self.store.set(f"{self.prefix}req/{ticket}", json.dumps(request).encode())
         return ticket
 
@@ -225,20 +235,24 @@ class RequestQueue:
         try:
             doc = json_loads(raw)
             version = doc.get("version") if isinstance(doc, dict) else None
-            if version not in (1, REQUEST_VERSION) or isinstance(version, bool):
-                raise ValueError(f"not a request of version 1 or {REQUEST_VERSION}")
+            if version not in (1, _LEAVE_VERSION, REQUEST_VERSION) or isinstance(version, bool):
+                raise ValueError(f"not a request of version 1 to {REQUEST_VERSION}")
             if doc.get("run_id") != self.settings.run_id:
                 raise ValueError(f"request of another run id {doc.get('run_id')!r}")
             node = doc.get("node")
             if not isinstance(node, str) or not node:
                 raise ValueError("no node id")
             leave = doc.get("leave", False) if version > 1 else False
-            if not isinstance(leave, bool):
-                raise ValueError(f"'leave' is {leave!r}, not true or false")
+            depart = doc.get("depart", False) if version > _LEAVE_VERSION else False
+            for name, flag in (("leave", leave), ("depart", depart)):
+                if not isinstance(flag, bool):
+                    raise ValueError(f"{name!r} is {flag!r}, not true or false")
+            if depart and not leave:
+                raise ValueError("a departure that does not leave")
         except ValueError as exc:
             logger.warning("rendezvous request %s refused: %s", key, exc)
             return None
-        return Request(node, leave)
+        return Request(node, leave, depart)
 
     def _apply_requests(
         self, state: RendezvousState, raw: bytes | None, skip_missing: bool,

@@ -19,6 +19,7 @@ from relaunch.rendezvous._ops import (
     Action,
     apply,
     decide_close,
+    decide_depart,
     decide_exit,
     decide_leave,
     record_failure,
@@ -32,6 +33,7 @@ __all__ = [
     "claim_store_host",
     "close",
     "count_failure",
+    "depart",
     "leave",
     "leave_round",
     "mark_inprocess",
@@ -76,6 +78,30 @@ def leave_round(
 
     late = f"node {node} could not leave its round"
     return _drive(rdzv, node, settings, clock, decide, deadline, late)
+
+
+def depart(
+    queue: RequestQueue,
+    node: str,
+    settings: RendezvousSettings,
+    clock: Callable[[], float],
+    deadline: float,
+) -> None:
+    """Take ``node`` out of its running round as a lost node is (the round reopens, or
+    keeps a vacancy for in-process workers), before it stops its workers: the others'
+    workers then fail on its closed connections after their job went on, which spends
+    no restart (:func:`~relaunch.rendezvous._ops.went_on`). A request in the queue, as
+    a leave is (a whole job told to stop departs in batches, one write each); the state
+    is read only where the queue said to."""
+
+    def decide(state: RendezvousState, now: float, until: float) -> Action:
+        return decide_depart(state, node, now, until)
+
+    late = f"node {node} could not leave its running round in time"
+    if queue.request(node, lambda: clock() > deadline, leave=True, depart=True) is None:
+        if clock() > deadline:
+            raise RendezvousTimeoutError(late)
+        _drive(queue.backend, node, settings, clock, decide, deadline, late)
 
 
 def _drive(

@@ -185,6 +185,14 @@ class TieredMembership(Protocol):
         still learns of the loss). Empty for backends without dynamic membership."""
         ...
 
+    def depart(self) -> None:
+        """This node stops while its workers run (the agent got a signal: a scale-down,
+        a drained machine): take it out of its round as a lost node is, before its
+        workers stop, so that the others go on (their workers' failures on its closed
+        connections then spend no restart). Bounded by a few seconds; raises
+        RendezvousError or StoreError."""
+        ...
+
     def mark_inprocess(self) -> None:
         """Say that this node's workers restart in-process, so that losing a node of
         the round leaves a vacancy instead of restarting every node (a no-op for

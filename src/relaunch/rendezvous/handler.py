@@ -26,6 +26,7 @@ from relaunch.rendezvous._writes import (
     claim_store_host,
     close,
     count_failure,
+    depart,
     leave,
     leave_round,
     mark_inprocess,
@@ -43,6 +44,9 @@ __all__ = ["DynamicRendezvousHandler"]
 
 logger = logging.getLogger(__name__)
 
+DEPART_TIMEOUT = 5.0
+"""Seconds a node told to stop may spend leaving its running round before it stops its
+workers (a store that does not answer: they stop then all the same)."""
 _REFUSED_EVERY = 5.0
 """Seconds between two looks for refused nodes (to log them), at least."""
 
@@ -266,6 +270,13 @@ class DynamicRendezvousHandler:
         """Whether this node's round is over without it (one small store read when
         unchanged)."""
         return round_ended(self._polled.get(), self._round)
+
+    def depart(self) -> None:
+        """Leave this node's running round as a lost node would, before its workers stop
+        (the agent was told to stop while they run); within ``DEPART_TIMEOUT``."""
+        if self._joined:
+            deadline = self._clock() + min(DEPART_TIMEOUT, self._settings.close_timeout)
+            depart(self._queue, self._node, self._settings, self._clock, deadline)
 
     def vacancies(self) -> dict[int, int]:
         """Group ranks of this node's round left by lost nodes (tiered recovery), each
