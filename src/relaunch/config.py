@@ -128,8 +128,9 @@ class LaunchConfig:
     """Seconds between two checks of the workers, > 0."""
     start_method: str
     """How workers start: ``"forkserver"`` or ``"fork"``, forked from a fork server that has
-    imported what the workers import (fast restarts; started only while restarts remain,
-    and not for ``no_python`` entrypoints); ``"spawn"``, a fresh interpreter each."""
+    imported what the workers import (fast restarts; started while restarts remain or
+    the job's membership can change, and not for ``no_python`` entrypoints);
+    ``"spawn"``, a fresh interpreter each."""
     role: str
     """The workers' role (``ROLE_NAME``)."""
     entrypoint: str

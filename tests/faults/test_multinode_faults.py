@@ -345,3 +345,26 @@ def test_a_node_told_to_stop_leaves_and_the_others_go_on_without_spending_a_rest
     for node in ("a", "b"):
         names = [e.get("name") for e in c10d.events(node)]
         assert "run_failed" not in names and "restart" not in names, (node, names)
+
+
+def test_a_node_told_to_stop_once_its_workers_are_done_leaves_the_round_to_the_others(
+    c10d: Cluster, tmp_path: Path
+) -> None:
+    # a's workers finished; a waits at the exit barrier while b's still run. A SIGTERM
+    # to a must not reopen the round: b's workers end in it, not run again
+    go, linger = tmp_path / "go", tmp_path / "linger"
+    for node, host in (("a", 0), ("b", 1)):
+        c10d.start(node, f"go={go}", "steps=3", f"linger=b:{linger}", nnodes="1:2", nproc=1,
+                   conf=f"is_host={host},store_members=0,{HEARTBEAT}")  # fmt: skip
+    c10d.wait_for("both nodes training", lambda: any(r.world == 2 for r in c10d.steps("a")))
+    go.touch()
+    c10d.wait_for(
+        "a at its exit barrier",
+        lambda: any(e.get("name") == "workers_succeeded" for e in c10d.events("a")),
+    )
+    os.kill(c10d.procs["a"].pid, signal.SIGTERM)
+    c10d.wait_exit("a")
+    linger.touch()
+    assert c10d.wait_exit("b") == 0, c10d.outputs()
+    started = [e for e in c10d.events("b") if e.get("name") == "workers_started"]
+    assert len(started) == 1, c10d.outputs()

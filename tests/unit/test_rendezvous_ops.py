@@ -463,6 +463,8 @@ def test_a_node_that_departs_its_running_round_is_gone_as_a_lost_one() -> None:
     assert later.round == 1 and not later.knows("c_1_0")  # reopened for a and b
     assert went_on(later, 0, "a_1_0") and not went_on(later, 1, "a_1_0")
     assert decide_depart(later, "c_1_0", T0, T0 + 5) is Action.FINISH
+    closed = apply(Action.MARK_CLOSED, state, "a_1_0", T0, s)  # the job is over
+    assert decide_depart(closed, "c_1_0", T0, T0 + 5) is Action.FINISH
     # in-process nodes keep their round: c's rank is left vacant for a spare
     state = _inprocess(joined(["a_1_0", "b_1_0", "c_1_0"], s), s, T0)
     kept = apply(Action.DEPART, state, "c_1_0", T0, s)

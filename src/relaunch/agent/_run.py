@@ -236,6 +236,8 @@ class AgentRun:
         """Carry out the core's decision; a RunResult ends the run."""
         match action:
             case Stop():
+                if any(v.exitcode is None for v in obs.ranks):  # the others go on without it
+                    depart_round(self._handler)
                 return self._stopped()
             case Monitor():
                 self._workers.tick(wanted=self._wants_fork_server())
@@ -316,8 +318,6 @@ class AgentRun:
     def _stopped(self) -> RunResult:
         sig = self._stop.signum or signal.SIGTERM
         self._emit(events.Stopped(signal=sig))
-        if self._workers.running and self._info is not None:
-            depart_round(self._handler)  # the others go on without spending a restart
         self._stop_workers(sig)
         return RunResult(state=WorkerState.STOPPED)
 

@@ -149,15 +149,13 @@ def gather(saver: Any, mine: Any) -> list[Any]:
     length = torch.tensor([len(record)], dtype=torch.int64, device=device)
     lengths = [torch.zeros_like(length) for _ in range(world)]
     dist.all_gather(lengths, length)
-    sizes = [int(n.item()) for n in lengths]
+    sizes = [int(n) for n in torch.cat(lengths).tolist()]  # (one copy from a GPU)
     mine_padded = torch.zeros(max(sizes), dtype=torch.uint8, device=device)
     mine_padded[: len(record)] = torch.frombuffer(bytearray(record), dtype=torch.uint8)
     records = [torch.empty_like(mine_padded) for _ in range(world)]
     dist.all_gather(records, mine_padded)
-    return [
-        decode_record(rank, records[rank][:size].cpu().numpy().tobytes())
-        for rank, size in enumerate(sizes)
-    ]
+    rows = torch.stack(records).cpu().numpy()
+    return [decode_record(rank, rows[rank, :size].tobytes()) for rank, size in enumerate(sizes)]
 
 
 def group_device() -> Any:

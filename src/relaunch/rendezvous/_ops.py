@@ -155,6 +155,8 @@ def decide_depart(state: RendezvousState, node: str, now: float, deadline: float
     """Stop for good while this node's round runs (a signal: a scale-down, a drained
     machine): leave the round as a lost node does, before its workers stop; a round
     not complete (one that another departure reopened) is left as a leave does."""
+    if state.closed:
+        return Action.FINISH  # the job is over: nobody goes on from the round
     if state.complete and node in state.participants:
         return Action.ERROR_TIMEOUT if now > deadline else Action.DEPART
     return decide_leave(state, node, now, deadline)

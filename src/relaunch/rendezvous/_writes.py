@@ -98,9 +98,10 @@ def depart(
         return decide_depart(state, node, now, until)
 
     late = f"node {node} could not leave its running round in time"
-    if queue.request(node, lambda: clock() > deadline, leave=True, depart=True) is None:
-        if clock() > deadline:
-            raise RendezvousTimeoutError(late)
+    ack = queue.request(node, lambda: clock() > deadline, leave=True, depart=True)
+    if ack is None and clock() > deadline:
+        raise RendezvousTimeoutError(late)
+    if ack is None or not ack.left:  # (an applier of an older version refused it)
         _drive(queue.backend, node, settings, clock, decide, deadline, late)
 
 

@@ -273,8 +273,11 @@ class DynamicRendezvousHandler:
 
     def depart(self) -> None:
         """Leave this node's running round as a lost node would, before its workers stop
-        (the agent was told to stop while they run); within ``DEPART_TIMEOUT``."""
-        if self._joined:
+        (the agent was told to stop while they run); within ``DEPART_TIMEOUT``. Not for
+        a job of one node, nor for the node that hosts the only copy of the store (the
+        job goes with it: a round without it would only wait for its end)."""
+        only_store = self._hosts_store and self._embedded is None
+        if self._joined and self._settings.max_nodes > 1 and not only_store:
             deadline = self._clock() + min(DEPART_TIMEOUT, self._settings.close_timeout)
             depart(self._queue, self._node, self._settings, self._clock, deadline)
 
