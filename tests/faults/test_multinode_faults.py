@@ -260,6 +260,15 @@ def test_a_node_joining_as_the_job_ends_restarts_nobody(c10d: Cluster, tmp_path:
     assert "not needed" in c10d.output("c"), c10d.output("c")
 
 
+def _three_training(c10d: Cluster, go: Path, conf: str = "") -> None:
+    """Start a (the store's host), b and c (``--nnodes 2:3``, no restart) until all
+    three train; they train on until ``go`` exists."""
+    for node, host in (("a", 1), ("b", 0), ("c", 0)):
+        c10d.start(node, f"go={go}", "steps=3", nnodes="2:3", nproc=1,
+                   conf=f"is_host={host},{conf}{HEARTBEAT}")  # fmt: skip
+    c10d.wait_for("three nodes training", lambda: any(r.world == 3 for r in c10d.steps("c")))
+
+
 def test_a_node_silent_past_the_dead_node_delay_rejoins_without_spending_a_restart(
     c10d: Cluster, tmp_path: Path
 ) -> None:
@@ -268,10 +277,7 @@ def test_a_node_silent_past_the_dead_node_delay_rejoins_without_spending_a_resta
     # its workers' failure (their peers gone) is not the job's: with --max-restarts 0
     # the job must not end for it, and c trains with the others again.
     go = tmp_path / "go"
-    for node, host in (("a", 1), ("b", 0), ("c", 0)):
-        c10d.start(node, f"go={go}", "steps=3", nnodes="2:3", nproc=1,
-                   conf=f"is_host={host},{HEARTBEAT}")  # fmt: skip
-    c10d.wait_for("three nodes training", lambda: any(r.world == 3 for r in c10d.steps("c")))
+    _three_training(c10d, go)
     os.killpg(c10d.procs["c"].pid, signal.SIGSTOP)
     try:
         stopped_at = len(c10d.steps())
@@ -329,10 +335,7 @@ def test_a_node_told_to_stop_leaves_and_the_others_go_on_without_spending_a_rest
     # TCP store (an etcd member that leaves within 7 s of the cluster's start stays
     # until the others leave: README, "A limit of this rule")
     go = tmp_path / "go"
-    for node, host in (("a", 1), ("b", 0), ("c", 0)):
-        c10d.start(node, f"go={go}", "steps=3", nnodes="2:3", nproc=1,
-                   conf=f"is_host={host},store_members=0,{HEARTBEAT}")  # fmt: skip
-    c10d.wait_for("three nodes training", lambda: any(r.world == 3 for r in c10d.steps("c")))
+    _three_training(c10d, go, "store_members=0,")
     stopped_at = len(c10d.steps())
     os.kill(c10d.procs["c"].pid, signal.SIGTERM)  # the agent, not its workers
     assert c10d.wait_exit("c") != 0, c10d.outputs()
