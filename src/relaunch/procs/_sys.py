@@ -12,7 +12,7 @@ import os
 import resource
 import signal
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 
 from relaunch._children import unreaped
 
@@ -209,14 +209,14 @@ def members(sessions: set[int]) -> list[int]:
     ]
 
 
-def reap_orphans(owned: Collection[int] = ()) -> None:
+def reap_orphans() -> None:
     """Reap exited direct children that no Popen owns (grandchildren reparented to us).
 
-    Never waits on ``owned`` pids, nor on a child a tracked Popen started
-    (:mod:`relaunch._children`): their owners must see their real exit status.
+    Never waits on a child a tracked Popen started (:mod:`relaunch._children`): its
+    owner must see its real exit status.
     """
     me = os.getpid()
-    keep = set(owned) | unreaped()
+    keep = unreaped()
     for pid in _children_map(zombies=True).get(me, []):
         if pid in keep:
             continue
